@@ -1,0 +1,46 @@
+"""One exception tree for everything a user can get wrong or a rank can hit.
+
+Every message says what is wrong, where (file, tensor, rank or setting) and, where there is one,
+what to do about it. ``assert`` is kept for programmer invariants only.
+"""
+
+from __future__ import annotations
+
+
+class DistloadError(Exception):
+    """Base of every error distload raises on purpose."""
+
+
+class ConfigError(DistloadError):
+    """A load format, extra-config key or value, device or environment setting is invalid."""
+
+
+class CheckpointError(DistloadError):
+    """A checkpoint is missing, incomplete or not valid safetensors."""
+
+
+class ShardLayoutError(CheckpointError):
+    """A pre-sharded checkpoint does not match this job's ranks or pattern."""
+
+
+class BackendUnavailableError(DistloadError):
+    """A backend cannot run on this machine (missing package, no CUDA, ...)."""
+
+
+class GroupError(DistloadError):
+    """The ranks of a group disagree, or one of them failed."""
+
+
+class RankFailedError(GroupError):
+    """Raised on every rank when one or more ranks failed a step.
+
+    ``failures`` maps each failing rank to the message of its error, so a caller (or the report)
+    can show exactly which rank broke and why.
+    """
+
+    def __init__(self, step: str, failures: dict[int, str]):
+        self.step = step
+        self.failures = dict(sorted(failures.items()))
+        lines = [f"rank {rank}: {message}" for rank, message in self.failures.items()]
+        ranks = ", ".join(str(rank) for rank in self.failures)
+        super().__init__(f"{step} failed on rank(s) {ranks}:\n  " + "\n  ".join(lines))

@@ -1,0 +1,221 @@
+"""One load, end to end: plan on every rank, agree, read, check, report.
+
+Order of calls (every rank makes each of them; each ``agree``/``exchange`` is a collective on the
+group's gloo control group, with the group's timeout):
+
+1. ``agree("planning")``: list the source, read the headers, pick the reader. A fault on any
+   rank (missing file, bad header, wrong shard layout) stops every rank here, before any data.
+2. ``exchange(signature)``: every rank's reader choice and file list; ranks that will read
+   cooperatively must hold the identical list, or every rank stops naming the ranks that differ.
+   (Run:ai's distributed mode silently swaps data between ranks otherwise.)
+3. The backend streams ``(name, tensor)`` pairs onto the rank's device.
+4. ``check_all_ok("loading")``: each rank says whether its read completed (every tensor of its
+   index arrived); a failed rank is named on all of them.
+5. ``exchange(report)`` (``load_with_report`` only): rank reports gathered for the JSON report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from .backends import BACKENDS, ReadRequest
+from .backends.instanttensor import check_instanttensor_device
+from .checkpoint import CheckpointIndex, build_index
+from .config import LoadConfig, make_load_config
+from .errors import CheckpointError, DistloadError, GroupError
+from .group import WorkerGroup
+from .plan import (
+    ReadChoice,
+    choose_read,
+    find_shard_layout,
+    mismatched_ranks,
+    shard_files_for_rank,
+)
+from .report import LoadReport, Progress, RankReport, gib_per_s, state_digest
+from .sources import check_source, describe_names, list_names, list_whole_checkpoint, read_header
+
+log = logging.getLogger("distload")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What this rank will read and how."""
+
+    source: str
+    choice: ReadChoice
+    index: CheckpointIndex
+
+
+def plan_rank(source: str, config: LoadConfig, group: WorkerGroup) -> RankPlan:
+    """List the source and read its headers for this rank (local I/O only, no collective)."""
+    path = check_source(source)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    names = list_names(folder) if os.path.isdir(path) else []
+    layout = find_shard_layout(names, config.pattern)
+    if config.load_format == "instanttensor":
+        check_instanttensor_device(group.device)  # fail at once, before any listing cost
+    choice = choose_read(
+        config.load_format,
+        sharded_layout_found=bool(layout.parts_by_rank),
+        device_type=group.device.type,
+        world_size=group.world_size,
+        distributed=config.distributed,
+        instanttensor_installed=importlib.util.find_spec("instanttensor") is not None,
+    )
+    if choice.sharded:
+        if not os.path.isdir(path):
+            raise CheckpointError(
+                f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file"
+            )
+        files = shard_files_for_rank(layout, folder, group.rank, group.world_size, describe_names(names))
+        paths = [os.path.join(folder, name) for name in files]
+        hint = ""
+    else:
+        paths = list_whole_checkpoint(path)
+        hint = ""
+        if layout.parts_by_rank:
+            hint = (f"; {folder} looks like a pre-sharded checkpoint (files for ranks "
+                    f"{layout.ranks}): load it with --load-format sharded_state or "
+                    f"runai_streamer_sharded")
+    index = build_index((read_header(p) for p in paths), hint=hint)
+    return RankPlan(source, choice, index)
+
+
+def check_cooperative_lists(group: WorkerGroup, plan: RankPlan) -> None:
+    """Every rank must take the same read decision, and cooperative reads need identical lists."""
+    mine = (plan.choice, plan.index.signature())
+    everyone = group.exchange(mine)
+    choices = {rank: choice for rank, (choice, _) in enumerate(everyone)}
+    if len(set(choices.values())) > 1:
+        raise GroupError(
+            "ranks chose different readers for the same load: "
+            + "; ".join(f"rank {r}: {c}" for r, c in choices.items())
+            + ". Every rank must run the same command with the same extra config."
+        )
+    if not plan.choice.cooperative:
+        return
+    differing = mismatched_ranks([signature for _, signature in everyone])
+    if differing:
+        details = "; ".join(f"rank {r} {what}" for r, what in differing.items())
+        raise GroupError(
+            f"cooperative read refused: every rank must read the identical file list, but {details}. "
+            f"Make the checkpoint visible at the same path with the same files on every node, or "
+            f"read without cooperation (extra config distributed=false)."
+        )
+
+
+class Loader:
+    """Load one source onto this rank's device.
+
+    ``tensors()`` streams ``(name, tensor)`` pairs without holding them; ``load()`` returns a
+    dict. Both make the same collectives on every rank (see the module docstring), so every rank
+    of the group must call the same method with the same arguments.
+    """
+
+    def __init__(self, source: str, load_format: str = "auto",
+                 extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup,
+                 progress: bool = False):
+        self.config = make_load_config(load_format, extra_config)
+        self.source = source
+        self.group = group
+        self.progress = progress
+        self.rank_report: RankReport | None = None
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        group = self.group
+        start = time.perf_counter()
+        plan = group.agree("planning the load", lambda: plan_rank(self.source, self.config, group))
+        check_cooperative_lists(group, plan)
+        request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative)
+        expected = {t.name for t in plan.index.tensors}
+        received: set[str] = set()
+        nbytes = 0
+        progress = Progress(plan.index.nbytes, enabled=self.progress and group.rank == 0)
+        run = None
+        try:
+            run = BACKENDS[plan.choice.backend](request)
+            for name, tensor in run.tensors():
+                if name in received or name not in expected:
+                    raise CheckpointError(
+                        f"{plan.choice.backend} returned tensor {name!r} "
+                        f"{'twice' if name in received else 'that no header of this rank names'}"
+                    )
+                received.add(name)
+                nbytes += tensor.numel() * tensor.element_size()
+                progress.update(tensor.numel() * tensor.element_size())
+                yield name, tensor
+            if received != expected:
+                missing = sorted(expected - received)
+                raise CheckpointError(
+                    f"Missing keys ({', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}) "
+                    f"in loaded state! The {plan.choice.backend} reader delivered "
+                    f"{len(received)} of {len(expected)} tensors"
+                )
+            if group.device.type == "cuda":
+                torch.cuda.synchronize(group.device)
+        except GeneratorExit:
+            group.report_failure("loading", DistloadError(
+                f"rank {group.rank} stopped consuming tensors before the load finished"))
+            raise
+        except BaseException as exc:
+            group.report_failure("loading", exc)
+            raise
+        finally:
+            progress.close()
+        seconds = time.perf_counter() - start
+        group.check_all_ok("loading")
+        self.rank_report = RankReport(
+            rank=group.rank, local_rank=group.local_rank, device=str(group.device),
+            path=run.path, files=[f.path for f in plan.index.files], num_tensors=len(received),
+            nbytes=nbytes, seconds=round(seconds, 6), gib_per_s=gib_per_s(nbytes, seconds),
+            hostname=group.hostname,
+        )
+
+    def load(self) -> dict[str, torch.Tensor]:
+        return dict(self.tensors())
+
+    def load_with_report(self, digest: bool = True) -> tuple[dict[str, torch.Tensor], LoadReport]:
+        """Load, then gather every rank's report (a collective: every rank gets the full report)."""
+        state = self.load()
+        assert self.rank_report is not None
+        if digest:
+            self.rank_report.digest = state_digest(state)
+        reports = self.group.exchange(self.rank_report)
+        report = LoadReport(self.group.world_size, self.config.load_format, self.source, reports)
+        return state, report
+
+
+def _with_group(device: str, group: WorkerGroup | None, fn):
+    if group is not None:
+        return fn(group)
+    with WorkerGroup(device=device) as own:
+        return fn(own)
+
+
+def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None,
+         *, group: WorkerGroup | None = None, device: str = "auto",
+         progress: bool = False) -> dict[str, torch.Tensor]:
+    """Load ``source`` into a dict of tensors on this rank's device.
+
+    With ``group=None`` a group is made from the environment (torchrun, Slurm or one process)
+    and torn down afterwards; pass a :class:`WorkerGroup` to reuse one across loads.
+    """
+    return _with_group(device, group, lambda g: Loader(
+        source, load_format, extra_config, group=g, progress=progress).load())
+
+
+def iter_tensors(source: str, load_format: str = "auto",
+                 extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup,
+                 progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` on this rank's device without holding them all.
+
+    Needs an explicit group: a generator cannot own a process group's lifetime safely.
+    """
+    return Loader(source, load_format, extra_config, group=group, progress=progress).tensors()

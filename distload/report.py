@@ -1,0 +1,138 @@
+"""What a load reports: per-tensor digest, byte-counting progress, timing, and the JSON report.
+
+The digest lets anyone check a load against a plain safetensors read: SHA-256 over the rank's
+tensors sorted by name, feeding for each ``name|DTYPE|d0,d1,...|`` followed by its raw bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from .checkpoint import dtype_code
+
+GIB = 1024**3
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor (copied to host if it lives on a device)."""
+    flat = tensor.detach().reshape(-1).contiguous()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def update_digest(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
+    shape = ",".join(str(d) for d in tensor.shape)
+    hasher.update(f"{name}|{dtype_code(tensor.dtype)}|{shape}|".encode("utf-8"))
+    hasher.update(tensor_bytes(tensor))
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The report's digest of a name -> tensor mapping."""
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        update_digest(hasher, name, tensors[name])
+    return hasher.hexdigest()
+
+
+def gib_per_s(nbytes: int, seconds: float) -> float:
+    return round(nbytes / GIB / seconds, 4) if seconds > 0 else 0.0
+
+
+@dataclass
+class RankReport:
+    rank: int
+    local_rank: int
+    device: str
+    path: str
+    files: list[str]
+    num_tensors: int
+    nbytes: int
+    seconds: float
+    gib_per_s: float
+    digest: str | None = None
+    hostname: str = ""
+
+
+@dataclass
+class LoadReport:
+    world_size: int
+    load_format: str
+    source: str
+    ranks: list[RankReport] = field(default_factory=list)
+
+    @property
+    def total(self) -> dict[str, Any]:
+        nbytes = sum(r.nbytes for r in self.ranks)
+        seconds = max((r.seconds for r in self.ranks), default=0.0)
+        return {"nbytes": nbytes, "seconds": round(seconds, 6), "gib_per_s": gib_per_s(nbytes, seconds)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "load_format": self.load_format,
+            "source": self.source,
+            "ranks": [asdict(r) for r in self.ranks],
+            "total": self.total,
+        }
+
+    def write(self, path: str) -> None:
+        """Write atomically: a reader never sees half a report."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.to_json(), f, indent=2)
+                f.write("\n")
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def summary_lines(self) -> list[str]:
+        lines = [f"distload: {self.load_format} from {self.source} on {self.world_size} rank(s)"]
+        for r in self.ranks:
+            digest = r.digest[:16] if r.digest else "-"
+            lines.append(
+                f"  rank {r.rank} ({r.device}, {r.path}): {r.num_tensors} tensors, "
+                f"{r.nbytes / GIB:.3f} GiB in {r.seconds:.2f} s = {r.gib_per_s:.2f} GiB/s, "
+                f"digest {digest}"
+            )
+        total = self.total
+        lines.append(
+            f"  total: {total['nbytes'] / GIB:.3f} GiB, slowest rank {total['seconds']:.2f} s, "
+            f"{total['gib_per_s']:.2f} GiB/s"
+        )
+        return lines
+
+
+class Progress:
+    """A byte-counting bar (GB/s) on one rank; silent when off or stderr is not a terminal."""
+
+    def __init__(self, total: int, enabled: bool, description: str = "Loading weights"):
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+                             desc=description, file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
