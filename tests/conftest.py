@@ -1,0 +1,105 @@
+"""Shared test helpers: tiny checkpoints made in the test, and torchrun as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Mapping
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from distload.report import state_digest
+
+# Every dtype the core must round-trip bit for bit.
+ALL_DTYPES = [
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+]
+
+
+def every_dtype_state(seed: int = 0, prefix: str = "") -> dict[str, torch.Tensor]:
+    """One tensor per dtype plus a 0-d and an empty tensor, values from ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for i, dtype in enumerate(ALL_DTYPES):
+        values = torch.randn(3 + i, 5, generator=generator) * 20
+        if dtype == torch.bool:
+            tensor = values > 0
+        else:
+            tensor = values.to(dtype)
+        state[f"{prefix}t{i:02d}.{str(dtype).split('.')[-1]}"] = tensor
+    state[f"{prefix}scalar"] = torch.tensor(2.5 + seed, dtype=torch.float32)
+    state[f"{prefix}empty"] = torch.zeros(0, 7, dtype=torch.bfloat16)
+    return state
+
+
+def write_whole(folder: str, state: Mapping[str, torch.Tensor], num_files: int = 3) -> list[str]:
+    """Split ``state`` over ``num_files`` files named like a Hugging Face checkpoint."""
+    os.makedirs(folder, exist_ok=True)
+    names = sorted(state)
+    paths = []
+    for i in range(num_files):
+        chunk = {n: state[n].contiguous() for n in names[i::num_files]}
+        path = os.path.join(folder, f"model-{i + 1:05d}-of-{num_files:05d}.safetensors")
+        save_file(chunk, path)
+        paths.append(path)
+    return paths
+
+
+def write_sharded(folder: str, world_size: int, parts: int = 2,
+                  pattern: str = "model-rank-{rank}-part-{part}.safetensors") -> dict[int, dict[str, torch.Tensor]]:
+    """Per-rank shards with distinct values per rank; returns rank -> its state."""
+    os.makedirs(folder, exist_ok=True)
+    states = {}
+    for rank in range(world_size):
+        state = every_dtype_state(seed=100 + rank)
+        names = sorted(state)
+        for part in range(parts):
+            chunk = {n: state[n].contiguous() for n in names[part::parts]}
+            save_file(chunk, os.path.join(folder, pattern.format(rank=rank, part=part)))
+        states[rank] = state
+    return states
+
+
+def plain_read(paths: list[str]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in paths:
+        state.update(load_file(path))
+    return state
+
+
+def plain_digest(paths: list[str]) -> str:
+    return state_digest(plain_read(paths))
+
+
+def run_distload(args: list[str], nproc: int | None = None, timeout: float = 180,
+                 env: Mapping[str, str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m distload ARGS`` alone (nproc None) or under torchrun with ``nproc`` ranks."""
+    if nproc is None:
+        cmd = [sys.executable, "-m", "distload", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "distload", *args]
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+
+
+def read_report(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def whole_ckpt(tmp_path):
+    """A whole checkpoint of every dtype over 3 files: (folder, expected state)."""
+    state = every_dtype_state()
+    folder = str(tmp_path / "whole")
+    write_whole(folder, state)
+    return folder, state
