@@ -76,9 +76,10 @@ def run_load(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    rank = detect_launch().rank
-    _setup_logging(rank)
+    rank: int | str = "?"
     try:
+        rank = detect_launch().rank
+        _setup_logging(rank)
         if args.command == "load":
             return run_load(args)
         if args.command == "demo":

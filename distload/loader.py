@@ -39,7 +39,14 @@ from .plan import (
     shard_files_for_rank,
 )
 from .report import LoadReport, Progress, RankReport, gib_per_s, state_digest
-from .sources import check_source, describe_names, list_names, list_whole_checkpoint, read_header
+from .sources import (
+    check_source,
+    check_weight_map,
+    describe_names,
+    list_names,
+    read_header,
+    whole_checkpoint,
+)
 
 log = logging.getLogger("distload")
 
@@ -78,13 +85,15 @@ def plan_rank(source: str, config: LoadConfig, group: WorkerGroup) -> RankPlan:
         paths = [os.path.join(folder, name) for name in files]
         hint = ""
     else:
-        paths = list_whole_checkpoint(path)
+        paths, weight_map = whole_checkpoint(path)
         hint = ""
         if layout.parts_by_rank:
             hint = (f"; {folder} looks like a pre-sharded checkpoint (files for ranks "
                     f"{layout.ranks}): load it with --load-format sharded_state or "
                     f"runai_streamer_sharded")
     index = build_index((read_header(p) for p in paths), hint=hint)
+    if not choice.sharded and weight_map is not None:
+        check_weight_map(path, weight_map, index)
     return RankPlan(source, choice, index)
 
 
@@ -148,8 +157,9 @@ class Loader:
                         f"{'twice' if name in received else 'that no header of this rank names'}"
                     )
                 received.add(name)
-                nbytes += tensor.numel() * tensor.element_size()
-                progress.update(tensor.numel() * tensor.element_size())
+                size = tensor.numel() * tensor.element_size()
+                nbytes += size
+                progress.update(size)
                 yield name, tensor
             if received != expected:
                 missing = sorted(expected - received)

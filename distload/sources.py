@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from .checkpoint import FileInfo, read_local_header
+from .checkpoint import CheckpointIndex, FileInfo, read_local_header
 from .errors import CheckpointError, ConfigError
 
 OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
@@ -57,24 +57,44 @@ def describe_names(names: list[str], limit: int = 12) -> str:
 
 
 def list_whole_checkpoint(path: str) -> list[str]:
-    """The safetensors files of a whole (not per-rank) checkpoint, in a stable order.
+    """The safetensors files of a whole (not per-rank) checkpoint, in a stable order."""
+    return whole_checkpoint(path)[0]
+
+
+def whole_checkpoint(path: str) -> tuple[list[str], dict[str, str] | None]:
+    """The files of a whole checkpoint, and its index's weight map (None without an index).
 
     A file is itself; a folder with ``model.safetensors.index.json`` gives exactly the files its
     ``weight_map`` names; any other folder gives its ``*.safetensors`` (not recursive).
     """
     if os.path.isfile(path):
-        return [path]
+        return [path], None
     index_path = os.path.join(path, INDEX_FILE)
     if os.path.isfile(index_path):
-        return _files_from_index(path, index_path)
+        weight_map = _read_weight_map(index_path)
+        return _files_from_index(path, index_path, weight_map), weight_map
     names = list_names(path)
     files = [os.path.join(path, n) for n in names if n.endswith(".safetensors")]
     if not files:
         raise CheckpointError(f"{path}: no .safetensors files in this folder; {describe_names(names)}")
-    return files
+    return files, None
 
 
-def _files_from_index(folder: str, index_path: str) -> list[str]:
+def check_weight_map(folder: str, weight_map: dict[str, str], index: CheckpointIndex) -> None:
+    """Every tensor the index names must be in the file it names (else the index is stale)."""
+    where = {t.name: os.path.basename(t.file) for t in index.tensors}
+    wrong = [(name, file) for name, file in sorted(weight_map.items()) if where.get(name) != file]
+    if wrong:
+        shown = "; ".join(
+            f"{name!r} -> {file} but " + (f"it is in {where[name]}" if name in where else "no file has it")
+            for name, file in wrong[:5])
+        raise CheckpointError(
+            f"{os.path.join(folder, INDEX_FILE)} does not match the files' headers "
+            f"({len(wrong)} tensor(s)): {shown}; regenerate the index or remove it"
+        )
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)
@@ -86,6 +106,10 @@ def _files_from_index(folder: str, index_path: str) -> list[str]:
             f"{index_path}: not a valid safetensors index ({type(exc).__name__}: {exc}); it must be "
             f"a JSON object with a 'weight_map' of tensor name -> file name"
         ) from None
+    return weight_map
+
+
+def _files_from_index(folder: str, index_path: str, weight_map: dict[str, str]) -> list[str]:
     names = sorted(set(weight_map.values()))
     missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
     if missing:
