@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
@@ -47,19 +48,22 @@ def _check_memory_limit(key: str, value: Any) -> None:
         )
 
 
-def _check_pattern(key: str, value: Any) -> None:
-    if not isinstance(value, str) or "{rank}" not in value or "{part}" not in value:
-        raise ConfigError(
-            f"extra config '{key}' must be a string containing '{{rank}}' and '{{part}}', "
-            f"e.g. {DEFAULT_SHARD_PATTERN!r}; got {value!r}"
-        )
+def check_pattern(key: str, value: Any) -> None:
+    """A shard file-name pattern: plain ``{rank}`` and ``{part}`` fields, each at least once."""
+    example = f"e.g. {DEFAULT_SHARD_PATTERN!r}"
+    if not isinstance(value, str):
+        raise ConfigError(f"extra config '{key}' must be a string, {example}; got {value!r}")
     try:
-        value.format(rank=0, part=0)
-    except (KeyError, IndexError, ValueError) as exc:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(value)
+                  if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"extra config '{key}' {value!r} is not a valid pattern ({exc}); {example}") from None
+    names = {name for name, _, _ in fields}
+    if names != {"rank", "part"} or any(spec or conv for _, spec, conv in fields):
         raise ConfigError(
-            f"extra config '{key}' {value!r} is not a valid pattern: only the fields {{rank}} and "
-            f"{{part}} may appear ({exc})"
-        ) from None
+            f"extra config '{key}' must contain the fields {{rank}} and {{part}} and no other field, "
+            f"format spec or conversion (such as {{part:05d}}), {example}; got {value!r}"
+        )
     if "/" in value:
         raise ConfigError(f"extra config '{key}' {value!r} must be a file name, not a path")
 
@@ -86,11 +90,11 @@ _RUNAI_KEYS: dict[str, Callable[[str, Any], None]] = {
 # The whitelist per format. vLLM rejects concurrency/memory_limit for the sharded Run:ai format
 # although its docs promise them (vLLM issue 30100); distload accepts them.
 ALLOWED_KEYS: dict[str, dict[str, Callable[[str, Any], None]]] = {
-    "auto": {"pattern": _check_pattern},
+    "auto": {"pattern": check_pattern},
     "safetensors": {},
     "runai_streamer": {"distributed": _check_bool, **_RUNAI_KEYS},
-    "runai_streamer_sharded": {"pattern": _check_pattern, **_RUNAI_KEYS},
-    "sharded_state": {"pattern": _check_pattern},
+    "runai_streamer_sharded": {"pattern": check_pattern, **_RUNAI_KEYS},
+    "sharded_state": {"pattern": check_pattern},
     "instanttensor": {
         "buffer_size": _check_positive_int,
         "chunk_size": _check_positive_int,

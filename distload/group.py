@@ -90,7 +90,7 @@ def _slurm_master_port(environ: Mapping[str, str]) -> int:
         return _env_int(environ, "MASTER_PORT")
     # Every task of a job derives the same port from the job id, and concurrent jobs on one node
     # are unlikely to collide.
-    job_id = int(environ.get("SLURM_JOB_ID", "0") or 0)
+    job_id = _env_int(environ, "SLURM_JOB_ID") if environ.get("SLURM_JOB_ID") else 0
     return 20000 + job_id % 20000
 
 

@@ -101,6 +101,10 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
         weight_map = index["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
+        bad = [k for k, v in weight_map.items() if not isinstance(v, str) or not v]
+        if bad:
+            raise TypeError(f"weight_map values must be file names, but {bad[0]!r} maps to "
+                            f"{weight_map[bad[0]]!r}")
     except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CheckpointError(
             f"{index_path}: not a valid safetensors index ({type(exc).__name__}: {exc}); it must be "

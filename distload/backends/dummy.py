@@ -1,7 +1,8 @@
 """Dummy weights: every tensor's name, dtype and shape from the headers, values from a seed
 derived from the name, so every rank agrees without reading a byte of tensor data.
 
-Floats are uniform in [-1e-3, 1e-3] (as vLLM's dummy loader), integers small, bools random.
+Floats are drawn uniform in [-1e-3, 1e-3] (as vLLM's dummy loader) before rounding to the dtype
+(fp8 cannot hold values that small: its dummies are 0 or +-2^-9), integers small, bools random.
 Values are drawn by a generator on the rank's device: identical on every rank of the same
 device type; CPU and CUDA generators differ from each other.
 """

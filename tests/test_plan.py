@@ -1,0 +1,280 @@
+"""Unit tests for distload/plan.py (pure functions: no I/O, no torch.distributed)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS
+from distload.errors import CheckpointError, ShardLayoutError
+from distload.plan import (
+    AUTO_CPU_BACKEND,
+    ReadChoice,
+    choose_read,
+    find_shard_layout,
+    mismatched_ranks,
+    pattern_regex,
+    rank_glob,
+    shard_files_for_rank,
+)
+
+P = DEFAULT_SHARD_PATTERN
+
+
+def names(ranks, parts, pattern=P):
+    return [pattern.format(rank=r, part=p) for r in ranks for p in parts]
+
+
+# -- pattern_regex / rank_glob ------------------------------------------------------------------
+
+def test_pattern_regex_default():
+    regex = pattern_regex(P)
+    match = regex.match("model-rank-12-part-3.safetensors")
+    assert match and match["rank"] == "12" and match["part"] == "3"
+    for bad in ["model-rank-1-part-3.safetensors.tmp", "xmodel-rank-1-part-3.safetensors",
+                "model-rank-a-part-3.safetensors", "model-rank--part-3.safetensors",
+                "model-rank-1-part-3.safetensorsx", "model-rank-1-part-3Xsafetensors",
+                "model.safetensors"]:
+        assert regex.match(bad) is None, bad
+
+
+def test_pattern_regex_escapes_literals():
+    regex = pattern_regex("w.{rank}+{part}(x).bin")
+    assert regex.match("w.0+1(x).bin")
+    assert regex.match("wa0+1(x).bin") is None
+    assert regex.match("w.0++1(x).bin") is None
+
+
+def test_pattern_regex_fields_in_any_order_and_repeated():
+    regex = pattern_regex("part{part}_rank{rank}_r{rank}.st")
+    match = regex.match("part07_rank2_r2.st")
+    assert match["part"] == "07" and match["rank"] == "2"
+    assert isinstance(regex, re.Pattern)
+
+
+def test_rank_glob():
+    assert rank_glob(P, 3) == "model-rank-3-part-*.safetensors"
+    assert rank_glob("shard_{part}_of_{rank}.st", 0) == "shard_*_of_0.st"
+
+
+# -- find_shard_layout -----------------------------------------------------------------------
+
+def test_find_shard_layout_groups_by_rank_and_sorts_parts_numerically():
+    listing = ["config.json", "model.safetensors"] + names([1, 0], [10, 2, 1, 0])
+    layout = find_shard_layout(sorted(listing), P)
+    assert layout.ranks == [0, 1]
+    assert layout.saved_world_size == 2
+    assert [part for part, _ in layout.parts_by_rank[0]] == [0, 1, 2, 10]
+    assert [name for _, name in layout.parts_by_rank[1]] == [
+        "model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors",
+        "model-rank-1-part-2.safetensors", "model-rank-1-part-10.safetensors"]
+
+
+def test_find_shard_layout_custom_pattern():
+    pattern = "tp{rank}-shard{part}.safetensors"
+    listing = ["tp0-shard2.safetensors", "tp0-shard11.safetensors", "tp1-shard0.safetensors",
+               "model-rank-0-part-0.safetensors", "tp2-shardX.safetensors"]
+    layout = find_shard_layout(listing, pattern)
+    assert layout.pattern == pattern
+    assert layout.ranks == [0, 1]
+    assert layout.parts_by_rank[0] == [(2, "tp0-shard2.safetensors"), (11, "tp0-shard11.safetensors")]
+    assert layout.parts_by_rank[1] == [(0, "tp1-shard0.safetensors")]
+
+
+def test_find_shard_layout_nothing_matches():
+    layout = find_shard_layout(["model-00001-of-00002.safetensors", "config.json"], P)
+    assert layout.parts_by_rank == {}
+    assert layout.ranks == []
+    assert layout.saved_world_size == 0
+
+
+def test_saved_world_size_counts_gaps():
+    layout = find_shard_layout(names([0, 3], [0]), P)
+    assert layout.ranks == [0, 3]
+    assert layout.saved_world_size == 4
+
+
+# -- shard_files_for_rank --------------------------------------------------------------------
+
+def test_shard_files_for_rank_returns_this_ranks_files_in_part_order():
+    layout = find_shard_layout(sorted(names([0, 1, 2], [0, 1, 2, 10])), P)
+    assert shard_files_for_rank(layout, "/ckpt", 1, 3, "hint") == [
+        "model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors",
+        "model-rank-1-part-2.safetensors", "model-rank-1-part-10.safetensors"]
+    assert shard_files_for_rank(layout, "/ckpt", 2, 3, "hint") == names([2], [0, 1, 2, 10])
+
+
+def test_missing_rank_vllm_style_message():
+    layout = find_shard_layout(names([0, 1], [0, 1]), P)
+    with pytest.raises(ShardLayoutError) as info:
+        shard_files_for_rank(layout, "/ckpt", 3, 4, "it holds: ...")
+    message = str(info.value)
+    assert message.startswith(
+        "Could not find checkpoint files '/ckpt/model-rank-3-part-*.safetensors', only "
+        "pre-sharded checkpoints are currently supported!")
+    assert "Files exist for ranks 0-1" in message
+    assert "saved for 2 ranks, this job has 4" in message
+    assert "start the job with 2 ranks or reshard the checkpoint for 4" in message
+    assert isinstance(info.value, CheckpointError)
+
+
+def test_missing_rank_in_the_middle_lists_ranges():
+    layout = find_shard_layout(names([0, 1, 2, 4], [0]), P)
+    with pytest.raises(ShardLayoutError) as info:
+        shard_files_for_rank(layout, "/ckpt", 3, 5, "hint")
+    message = str(info.value)
+    assert "'/ckpt/model-rank-3-part-*.safetensors'" in message
+    assert "Files exist for ranks 0-2, 4." in message
+    assert "this job has" not in message  # saved world size 5 == job world size
+
+
+def test_no_file_matches_the_pattern():
+    layout = find_shard_layout(["model.safetensors", "config.json"], P)
+    with pytest.raises(ShardLayoutError) as info:
+        shard_files_for_rank(layout, "/ckpt", 0, 2, "it holds: config.json, model.safetensors")
+    message = str(info.value)
+    assert "Could not find checkpoint files '/ckpt/model-rank-0-part-*.safetensors'" in message
+    assert f"No file in /ckpt matches the pattern {P!r}" in message
+    assert "it holds: config.json, model.safetensors" in message
+    assert "'pattern'" in message and "--load-format safetensors" in message
+
+
+def test_job_smaller_than_saved_world_size_errors():
+    layout = find_shard_layout(names([0, 1, 2, 3], [0, 1]), P)
+    for rank in (0, 1):
+        with pytest.raises(ShardLayoutError) as info:
+            shard_files_for_rank(layout, "/ckpt", rank, 2, "hint")
+        message = str(info.value)
+        assert "/ckpt holds shards for ranks 0-3" in message
+        assert "saved for 4 ranks, this job has 2" in message
+        assert "the shards of ranks 2-3 would never be loaded" in message
+
+
+def test_job_larger_than_saved_world_size_fails_on_the_extra_ranks():
+    layout = find_shard_layout(names([0, 1], [0]), P)
+    assert shard_files_for_rank(layout, "/ckpt", 0, 3, "hint") == names([0], [0])
+    with pytest.raises(ShardLayoutError, match="saved for 2 ranks, this job has 3"):
+        shard_files_for_rank(layout, "/ckpt", 2, 3, "hint")
+
+
+def test_duplicate_part_numbers():
+    listing = ["model-rank-0-part-1.safetensors", "model-rank-0-part-01.safetensors",
+               "model-rank-0-part-0.safetensors"]
+    layout = find_shard_layout(listing, P)
+    with pytest.raises(ShardLayoutError) as info:
+        shard_files_for_rank(layout, "/ckpt", 0, 1, "hint")
+    message = str(info.value)
+    assert "rank 0 has two files for the same part number in /ckpt" in message
+    assert "model-rank-0-part-1.safetensors" in message
+    assert "model-rank-0-part-01.safetensors" in message
+
+
+def test_custom_pattern_in_message():
+    pattern = "tp{rank}-shard{part}.st"
+    layout = find_shard_layout(["tp0-shard0.st"], pattern)
+    with pytest.raises(ShardLayoutError, match=re.escape("'/ckpt/tp1-shard*.st'")):
+        shard_files_for_rank(layout, "/ckpt", 1, 2, "hint")
+
+
+# -- mismatched_ranks ------------------------------------------------------------------------
+
+SIG = [("/c/a.safetensors", 100), ("/c/b.safetensors", 200)]
+
+
+def test_mismatched_ranks_identical():
+    assert mismatched_ranks([SIG]) == {}
+    assert mismatched_ranks([SIG, list(SIG), list(SIG)]) == {}
+
+
+def test_mismatched_ranks_extra_file():
+    extra = SIG + [("/c/c.safetensors", 5)]
+    assert mismatched_ranks([SIG, SIG, extra]) == {2: "has ['/c/c.safetensors'] that rank 0 lacks"}
+
+
+def test_mismatched_ranks_missing_file():
+    assert mismatched_ranks([SIG, SIG[:1]]) == {1: "lacks ['/c/b.safetensors'] that rank 0 has"}
+
+
+def test_mismatched_ranks_different_size():
+    other = [("/c/a.safetensors", 100), ("/c/b.safetensors", 199)]
+    assert mismatched_ranks([SIG, other]) == {1: "sees other sizes for ['/c/b.safetensors']"}
+
+
+def test_mismatched_ranks_different_order():
+    assert mismatched_ranks([SIG, SIG[::-1]]) == {1: "lists the same files in another order"}
+
+
+def test_mismatched_ranks_several_differences():
+    other = [("/c/a.safetensors", 1), ("/c/z.safetensors", 2)]
+    result = mismatched_ranks([SIG, SIG, other, SIG[::-1]])
+    assert set(result) == {2, 3}
+    assert result[2] == ("has ['/c/z.safetensors'] that rank 0 lacks; lacks ['/c/b.safetensors'] that "
+                         "rank 0 has; sees other sizes for ['/c/a.safetensors']")
+    assert result[3] == "lists the same files in another order"
+
+
+# -- choose_read -----------------------------------------------------------------------------
+
+def choose(fmt, *, sharded=False, device="cpu", world=2, distributed=False, instant=False):
+    return choose_read(fmt, sharded_layout_found=sharded, device_type=device, world_size=world,
+                       distributed=distributed, instanttensor_installed=instant)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("instant", [False, True])
+def test_explicit_formats_ignore_the_machine(sharded, device, instant):
+    kw = dict(sharded=sharded, device=device, instant=instant)
+    assert choose("safetensors", **kw) == ReadChoice(False, "safetensors", False)
+    assert choose("sharded_state", **kw) == ReadChoice(True, "safetensors", False)
+    assert choose("runai_streamer_sharded", **kw) == ReadChoice(True, "runai", False)
+    assert choose("dummy", **kw) == ReadChoice(sharded, "dummy", False)
+
+
+def test_runai_streamer_cooperative_only_when_distributed_and_many():
+    assert choose("runai_streamer", world=2, distributed=True) == ReadChoice(False, "runai", True)
+    assert choose("runai_streamer", world=2, distributed=False) == ReadChoice(False, "runai", False)
+    assert choose("runai_streamer", world=1, distributed=True) == ReadChoice(False, "runai", False)
+    assert choose("runai_streamer", world=8, distributed=True, device="cuda", sharded=True) == \
+        ReadChoice(False, "runai", True)
+
+
+def test_instanttensor_cooperative_with_many_ranks():
+    assert choose("instanttensor", world=1, device="cuda") == ReadChoice(False, "instanttensor", False)
+    assert choose("instanttensor", world=4, device="cuda") == ReadChoice(False, "instanttensor", True)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("instant", [False, True])
+def test_auto_on_cpu(world, instant):
+    assert AUTO_CPU_BACKEND == "runai"
+    assert choose("auto", device="cpu", world=world, instant=instant) == ReadChoice(False, "runai", False)
+    assert choose("auto", device="cpu", world=world, instant=instant, sharded=True) == \
+        ReadChoice(True, "runai", False)
+
+
+def test_auto_on_cuda_with_instanttensor():
+    assert choose("auto", device="cuda", instant=True, world=1) == ReadChoice(False, "instanttensor", False)
+    assert choose("auto", device="cuda", instant=True, world=2) == ReadChoice(False, "instanttensor", True)
+    # A sharded layout is never read by InstantTensor: each rank streams its own files.
+    assert choose("auto", device="cuda", instant=True, world=2, sharded=True) == ReadChoice(True, "runai", False)
+    assert choose("auto", device="cuda", instant=True, world=1, sharded=True) == ReadChoice(True, "runai", False)
+
+
+def test_auto_on_cuda_without_instanttensor():
+    assert choose("auto", device="cuda", instant=False, world=1) == ReadChoice(False, "runai", False)
+    assert choose("auto", device="cuda", instant=False, world=2) == ReadChoice(False, "runai", True)
+    assert choose("auto", device="cuda", instant=False, world=2, sharded=True) == ReadChoice(True, "runai", False)
+
+
+def test_auto_ignores_distributed_flag():
+    assert choose("auto", device="cpu", world=2, distributed=True) == ReadChoice(False, "runai", False)
+
+
+def test_every_format_has_a_choice_and_unknown_is_a_programming_error():
+    for fmt in LOAD_FORMATS:
+        choice = choose(fmt, device="cuda", instant=True)
+        assert choice.backend in {"safetensors", "runai", "instanttensor", "dummy"}
+    with pytest.raises(AssertionError, match="unvalidated load format"):
+        choose("pt")
