@@ -11,9 +11,10 @@ import argparse
 import logging
 import sys
 
-from .config import LOAD_FORMATS, make_load_config
+from .config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS, make_load_config
 from .errors import DistloadError
 from .group import DEFAULT_TIMEOUT_S, WorkerGroup, detect_launch
+from .save import DEFAULT_MAX_FILE_SIZE
 
 log = logging.getLogger("distload")
 
@@ -36,6 +37,25 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip the per-rank SHA-256 digest (it costs a pass over the bytes)")
     load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                       help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
+
+    save = sub.add_parser("save-sharded", help="reshard a whole checkpoint into per-rank files, offline")
+    save.add_argument("source", help="a whole safetensors checkpoint: a file or a folder (index.json honoured)")
+    save.add_argument("output", help="a new or empty folder")
+    save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N")
+    save.add_argument("--file-pattern", default=DEFAULT_SHARD_PATTERN, metavar="P",
+                      help=f"default {DEFAULT_SHARD_PATTERN!r}")
+    save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
+                      help="start a new part past this many bytes (default 5 GiB)")
+    save.add_argument("--plan", default=None, metavar="PLAN",
+                      help="a built-in plan (decoder, alias llama/mistral/qwen2/qwen3; replicate) or a "
+                           "JSON plan file (default decoder)")
+
+    verify = sub.add_parser("verify", help="check a sharded checkpoint's files against its manifest")
+    verify.add_argument("folder")
+
+    inspect = sub.add_parser("inspect", help="files, tensors, bytes, dtypes and layout of a checkpoint")
+    inspect.add_argument("source")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a summary")
 
     demo = sub.add_parser("demo", help="write a small LLM-shaped checkpoint and load it with "
                                        "every format this machine supports")
@@ -74,6 +94,41 @@ def run_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_save_sharded(args: argparse.Namespace) -> int:
+    from .save import reshard
+
+    report = reshard(args.source, args.output, args.tensor_parallel_size, pattern=args.file_pattern,
+                     max_file_size=args.max_file_size, plan=args.plan)
+    for line in report.summary_lines():
+        print(line, flush=True)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from .manifest import verify_folder
+
+    manifest, problems = verify_folder(args.folder)
+    if problems:
+        print(f"{args.folder}: {len(problems)} problem(s):", flush=True)
+        for problem in problems:
+            print(f"  {problem}", flush=True)
+        return 1
+    assert manifest is not None
+    print(f"{args.folder}: OK: {len(manifest.files)} file(s) for {manifest.world_size} rank(s) match "
+          f"the manifest (sizes and SHA-256)", flush=True)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from .inspection import inspect_source, summary_lines
+
+    info = inspect_source(args.source)
+    print(json.dumps(info, indent=1) if args.json else "\n".join(summary_lines(info)), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank: int | str = "?"
@@ -82,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(rank)
         if args.command == "load":
             return run_load(args)
+        if args.command == "save-sharded":
+            return run_save_sharded(args)
+        if args.command == "verify":
+            return run_verify(args)
+        if args.command == "inspect":
+            return run_inspect(args)
         if args.command == "demo":
             from .demo import run_demo
 

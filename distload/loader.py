@@ -20,7 +20,7 @@ import importlib.util
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -31,6 +31,7 @@ from .checkpoint import CheckpointIndex, build_index
 from .config import LoadConfig, make_load_config
 from .errors import CheckpointError, DistloadError, GroupError
 from .group import WorkerGroup
+from .manifest import manifest_files_for_rank, read_manifest
 from .plan import (
     ReadChoice,
     choose_read,
@@ -58,43 +59,54 @@ class RankPlan:
     source: str
     choice: ReadChoice
     index: CheckpointIndex
+    # From a distload manifest: the keys this rank must end up with, and names that share a
+    # tensor's storage (tied embeddings; restored as the same tensor).
+    expected_keys: frozenset[str] | None = None
+    aliases: Mapping[str, str] = field(default_factory=dict)
 
 
 def plan_rank(source: str, config: LoadConfig, group: WorkerGroup) -> RankPlan:
     """List the source and read its headers for this rank (local I/O only, no collective)."""
     path = check_source(source)
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    names = list_names(folder) if os.path.isdir(path) else []
-    layout = find_shard_layout(names, config.pattern)
+    is_folder = os.path.isdir(path)
+    folder = path if is_folder else os.path.dirname(path)
+    names = list_names(folder) if is_folder else []
+    manifest = read_manifest(folder) if is_folder else None
+    pattern = config.pattern
+    if manifest is not None and "pattern" not in config.extra:
+        pattern = manifest.pattern
+    layout = find_shard_layout(names, pattern)
     if config.load_format == "instanttensor":
         check_instanttensor_device(group.device)  # fail at once, before any listing cost
     choice = choose_read(
         config.load_format,
-        sharded_layout_found=bool(layout.parts_by_rank),
+        sharded_layout_found=bool(layout.parts_by_rank) or manifest is not None,
         device_type=group.device.type,
         world_size=group.world_size,
         distributed=config.distributed,
         instanttensor_installed=importlib.util.find_spec("instanttensor") is not None,
     )
-    if choice.sharded:
-        if not os.path.isdir(path):
-            raise CheckpointError(
-                f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file"
-            )
-        files = shard_files_for_rank(layout, folder, group.rank, group.world_size, describe_names(names))
-        paths = [os.path.join(folder, name) for name in files]
-        hint = ""
-    else:
+    if not choice.sharded:
         paths, weight_map = whole_checkpoint(path)
         hint = ""
         if layout.parts_by_rank:
             hint = (f"; {folder} looks like a pre-sharded checkpoint (files for ranks "
                     f"{layout.ranks}): load it with --load-format sharded_state or "
                     f"runai_streamer_sharded")
-    index = build_index((read_header(p) for p in paths), hint=hint)
-    if not choice.sharded and weight_map is not None:
-        check_weight_map(path, weight_map, index)
-    return RankPlan(source, choice, index)
+        index = build_index((read_header(p) for p in paths), hint=hint)
+        if weight_map is not None:
+            check_weight_map(path, weight_map, index)
+        return RankPlan(source, choice, index)
+    if not is_folder:
+        raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
+    if manifest is None:
+        files = shard_files_for_rank(layout, folder, group.rank, group.world_size, describe_names(names))
+        index = build_index(read_header(os.path.join(folder, name)) for name in files)
+        return RankPlan(source, choice, index)
+    files = manifest_files_for_rank(manifest, folder, pattern, group.rank, group.world_size)
+    index = build_index(read_header(os.path.join(folder, name)) for name in files)
+    return RankPlan(source, choice, index, frozenset(manifest.keys_for_rank(group.rank)),
+                    dict(manifest.aliases.get(group.rank, {})))
 
 
 def check_cooperative_lists(group: WorkerGroup, plan: RankPlan) -> None:
@@ -118,6 +130,13 @@ def check_cooperative_lists(group: WorkerGroup, plan: RankPlan) -> None:
             f"Make the checkpoint visible at the same path with the same files on every node, or "
             f"read without cooperation (extra config distributed=false)."
         )
+
+
+def missing_keys_error(missing: set[str], why: str) -> CheckpointError:
+    shown = sorted(missing)
+    return CheckpointError(
+        f"Missing keys ({', '.join(shown[:10])}{' ...' if len(shown) > 10 else ''}) in loaded state! ({why})"
+    )
 
 
 class Loader:
@@ -145,6 +164,7 @@ class Loader:
         request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative)
         expected = {t.name for t in plan.index.tensors}
         received: set[str] = set()
+        alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
         nbytes = 0
         progress = Progress(plan.index.nbytes, enabled=self.progress and group.rank == 0)
         run = None
@@ -160,14 +180,21 @@ class Loader:
                 size = tensor.numel() * tensor.element_size()
                 nbytes += size
                 progress.update(size)
+                if name in alias_targets:
+                    alias_targets[name] = tensor
                 yield name, tensor
             if received != expected:
-                missing = sorted(expected - received)
-                raise CheckpointError(
-                    f"Missing keys ({', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}) "
-                    f"in loaded state! The {plan.choice.backend} reader delivered "
-                    f"{len(received)} of {len(expected)} tensors"
-                )
+                raise missing_keys_error(expected - received, f"the {plan.choice.backend} reader "
+                                         f"delivered {len(received)} of {len(expected)} tensors")
+            for alias, target in plan.aliases.items():
+                if alias_targets.get(target) is None:
+                    raise missing_keys_error({alias}, f"it shares storage with {target!r}, which is "
+                                             f"not in this rank's files")
+                received.add(alias)
+                yield alias, alias_targets[target]  # the same tensor: tied weights stay tied
+            if plan.expected_keys is not None and not plan.expected_keys <= received:
+                raise missing_keys_error(plan.expected_keys - received,
+                                         "the manifest lists them for this rank but its files lack them")
             if group.device.type == "cuda":
                 torch.cuda.synchronize(group.device)
         except GeneratorExit:
