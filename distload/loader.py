@@ -156,11 +156,18 @@ class Loader:
         self.progress = progress
         self.rank_report: RankReport | None = None
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def plan(self) -> RankPlan:
+        """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves."""
+        plan = self.group.agree("planning the load", lambda: plan_rank(self.source, self.config, self.group))
+        check_cooperative_lists(self.group, plan)
+        return plan
+
+    def tensors(self, plan: RankPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Steps 3-4: stream this rank's tensors (planning first unless ``plan`` is given)."""
         group = self.group
         start = time.perf_counter()
-        plan = group.agree("planning the load", lambda: plan_rank(self.source, self.config, group))
-        check_cooperative_lists(group, plan)
+        if plan is None:
+            plan = self.plan()
         request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative)
         expected = {t.name for t in plan.index.tensors}
         received: set[str] = set()
