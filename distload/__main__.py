@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("source")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a summary")
 
+    sync_demo = sub.add_parser("sync-demo", help="rank 0 pushes weight versions, the other ranks "
+                                                 "receive them in place (run under torchrun)")
+    sync_demo.add_argument("--steps", type=int, default=3)
+    sync_demo.add_argument("--size-mib", type=int, default=256)
+    sync_demo.add_argument("--bucket-mib", type=int, default=64)
+    sync_demo.add_argument("--device", default="auto")
+    sync_demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+
     demo = sub.add_parser("demo", help="write a small LLM-shaped checkpoint and load it with "
                                        "every format this machine supports")
     demo.add_argument("--nproc-per-node", type=int, default=None,
@@ -143,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_verify(args)
         if args.command == "inspect":
             return run_inspect(args)
+        if args.command == "sync-demo":
+            from .sync_demo import run_sync_demo
+
+            return run_sync_demo(args)
         if args.command == "demo":
             from .demo import run_demo
 

@@ -224,9 +224,9 @@ class WeightSync:
         """
         if self.rank not in self.receivers:
             raise ConfigError(f"rank {self.rank} is not a receiver ({self.receivers})")
-        start = time.perf_counter()
         targets = model_tensors(target)
         nbytes = num_tensors = num_buckets = 0
+        seconds = 0.0
         version = None
         try:
             for channel in self._channels:
@@ -236,6 +236,7 @@ class WeightSync:
                                     f"{self._channels[0].src}, {got[0]} from rank {channel.src}")
                 version = got[0]
                 nbytes, num_tensors, num_buckets = nbytes + got[1], num_tensors + got[2], num_buckets + got[3]
+                seconds += got[4]
         except Exception as exc:
             self.last_error = str(exc)
             if isinstance(exc, SyncError):
@@ -246,11 +247,14 @@ class WeightSync:
         self.version = version
         self.consistent = True
         self.last_error = None
-        return SyncStats(version, nbytes, num_tensors, num_buckets, time.perf_counter() - start)
+        return SyncStats(version, nbytes, num_tensors, num_buckets, seconds)
 
-    def _receive_from(self, channel: _Channel, targets: Mapping[str, torch.Tensor]) -> tuple[int, int, int, int]:
+    def _receive_from(self, channel: _Channel,
+                      targets: Mapping[str, torch.Tensor]) -> tuple[int, int, int, int, float]:
+        """One sender's update; the time counts from the metadata's arrival (not the wait for it)."""
         meta: list[Any] = [None]
         dist.broadcast_object_list(meta, src=channel.src, group=channel.control)
+        start = time.perf_counter()
         version, entries, buckets = meta[0]["version"], meta[0]["entries"], meta[0]["buckets"]
         problems = check_entries(entries, targets)
         refused = self._statuses(channel, not problems, "; ".join(problems[:10]) or None)
@@ -287,7 +291,8 @@ class WeightSync:
         failed = self._statuses(channel, True, None)
         if failed:
             raise SyncError(f"version {version} failed on: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
-        return version, sum(e.nbytes for e in entries), len(entries), len(buckets)
+        return (version, sum(e.nbytes for e in entries), len(entries), len(buckets),
+                time.perf_counter() - start)
 
     def close(self) -> None:
         for channel in self._channels:
