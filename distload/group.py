@@ -108,8 +108,12 @@ def detect_launch(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
             ),
             init_method=None,
         )
-    if "SLURM_PROCID" in environ and "SLURM_NTASKS" in environ:
-        world_size = _env_int(environ, "SLURM_NTASKS")
+    # Only a task that srun started (SLURM_STEP_ID set) is a rank: the batch script's own shell
+    # also has SLURM_PROCID=0 and SLURM_NTASKS=N, and treating it as rank 0 of N would wait the
+    # whole timeout for ranks that never start.
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
+        tasks_var = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+        world_size = _env_int(environ, tasks_var) if tasks_var in environ else 1
         rank = _env_int(environ, "SLURM_PROCID")
         local_rank = _env_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0
         local_world_size = world_size
@@ -136,6 +140,9 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
                 f"(torch.cuda.is_available() is False); use --device cpu or auto"
             )
         index = local_rank if choice == "cuda" else int(choice.split(":", 1)[1])
+        if choice == "cuda" and torch.cuda.device_count() == 1:
+            # One GPU visible per task (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank).
+            index = 0
         if index >= torch.cuda.device_count():
             raise ConfigError(
                 f"device cuda:{index} does not exist: this node has {torch.cuda.device_count()} "
@@ -185,7 +192,10 @@ class WorkerGroup:
                 kwargs.update(init_method=self.launch.init_method, rank=self.rank, world_size=self.world_size)
             if backend == "nccl":
                 kwargs["device_id"] = self.device
-            dist.init_process_group(**kwargs)
+            try:
+                dist.init_process_group(**kwargs)
+            except Exception as exc:  # a peer that never started, a port in use, a bad address
+                raise GroupError(self._rendezvous_failure(exc)) from exc
             self._owns_default_group = True
         if self.world_size > 1:
             # Control messages (errors, file lists, reports) always travel over gloo so they work
@@ -195,6 +205,21 @@ class WorkerGroup:
             else:
                 self._control = dist.new_group(backend="gloo", timeout=self.timeout)
         self.hostname = socket.gethostname()
+
+    def _rendezvous_failure(self, exc: BaseException) -> str:
+        where = self.launch.init_method or (
+            f"env://{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}")
+        reason = str(exc).rstrip(".")
+        message = (f"rank {self.rank} of {self.world_size} ({self.launch.launcher}) could not join the "
+                   f"process group at {where} within {self.timeout.total_seconds():.0f}s: {reason}")
+        if self.launch.launcher == "slurm":
+            message += (
+                f". Slurm said this job has SLURM_NTASKS={self.world_size} ranks: start them all with "
+                f"srun (a batch script or salloc shell outside srun is one process; there, unset "
+                f"SLURM_NTASKS and SLURM_PROCID, or use launch/slurm/load_srun.sbatch), and check that "
+                f"{where} is reachable from every node (set MASTER_ADDR/MASTER_PORT otherwise)"
+            )
+        return message
 
     # -- identity ---------------------------------------------------------------------------
     @property

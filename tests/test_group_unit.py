@@ -14,7 +14,8 @@ from distload.group import LaunchInfo, WorkerGroup, detect_launch, first_slurm_h
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
-               "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_JOB_ID")
+               "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID",
+               "SLURM_STEP_NUM_TASKS")
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
 
@@ -66,14 +67,14 @@ def test_non_integer_torchrun_value(name):
 
 
 def test_slurm_nodelist_without_master_addr(no_scontrol):
-    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2",
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2",
            "SLURM_JOB_NODELIST": "gpu[003-005,9]", "SLURM_JOB_ID": "123456"}
     launch = detect_launch(env)
     assert launch == LaunchInfo("slurm", 2, 4, 1, 2, "tcp://gpu003:23456")  # 20000 + 123456 % 20000
 
 
 def test_slurm_port_is_derived_from_the_job_id(no_scontrol):
-    base = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}
+    base = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}
     ports = {job: detect_launch({**base, "SLURM_JOB_ID": job}).init_method for job in ("7", "20007", "8")}
     assert ports["7"] == "tcp://n1:20007"
     assert ports["20007"] == ports["7"]  # same modulo
@@ -83,13 +84,13 @@ def test_slurm_port_is_derived_from_the_job_id(no_scontrol):
 
 
 def test_slurm_respects_master_addr_and_port(no_scontrol):
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[003-005]",
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[003-005]",
            "SLURM_JOB_ID": "42", "MASTER_ADDR": "10.0.0.7", "MASTER_PORT": "31337"}
     assert detect_launch(env).init_method == "tcp://10.0.0.7:31337"
 
 
 def test_slurm_step_nodelist_preferred(no_scontrol):
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a[1-4]",
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "a[1-4]",
            "SLURM_STEP_NODELIST": "b[7-8]", "SLURM_JOB_ID": "1"}
     assert detect_launch(env).init_method == "tcp://b7:20001"
 
@@ -99,38 +100,38 @@ def test_slurm_uses_scontrol_when_available(tmp_path, monkeypatch):
     fake.write_text("#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] || exit 1\necho realhost-a\necho realhost-b\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[003-005]", "SLURM_JOB_ID": "5"}
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[003-005]", "SLURM_JOB_ID": "5"}
     assert detect_launch(env).init_method == "tcp://realhost-a:20005"
 
 
 def test_slurm_single_task_needs_no_rendezvous(no_scontrol):
-    launch = detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    launch = detect_launch({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert launch == LaunchInfo("slurm", 0, 1, 0, 1, None)
 
 
 def test_slurm_local_world_size_with_odd_tasks_per_node(no_scontrol):
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)",
+    env = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2(x2)",
            "MASTER_ADDR": "h", "MASTER_PORT": "1234"}
     assert detect_launch(env).local_world_size == 4
 
 
 def test_slurm_without_nodelist_or_master_addr(no_scontrol):
     with pytest.raises(ConfigError) as info:
-        detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+        detect_launch({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
     assert "neither MASTER_ADDR nor SLURM_JOB_NODELIST" in str(info.value)
     assert "export MASTER_ADDR" in str(info.value)
 
 
 def test_slurm_non_integer_values(no_scontrol):
     with pytest.raises(ConfigError, match="SLURM_NTASKS='four' is not an integer"):
-        detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "four"})
+        detect_launch({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "four"})
     with pytest.raises(ConfigError, match="MASTER_PORT='http' is not an integer"):
-        detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"})
+        detect_launch({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"})
 
 
 def test_slurm_non_integer_job_id(no_scontrol):
     with pytest.raises(ConfigError, match="SLURM_JOB_ID"):
-        detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1",
+        detect_launch({"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1",
                        "SLURM_JOB_ID": "job42"})
 
 
@@ -273,3 +274,15 @@ def test_cli_reports_bad_rank_cleanly(monkeypatch, tmp_path, capsys):
 
 def test_distload_error_hierarchy():
     assert issubclass(ConfigError, DistloadError)
+
+
+def test_batch_shell_without_srun_is_one_process():
+    """sbatch's own shell has SLURM_PROCID=0 and SLURM_NTASKS=2 but no step: not rank 0 of 2."""
+    launch = detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"})
+    assert (launch.launcher, launch.world_size) == ("single", 1)
+
+
+def test_slurm_step_task_count_wins():
+    launch = detect_launch({"SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "8",
+                            "SLURM_STEP_NUM_TASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
+    assert (launch.launcher, launch.rank, launch.world_size) == ("slurm", 1, 2)
