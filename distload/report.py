@@ -17,18 +17,9 @@ from typing import Any, Mapping
 import torch
 
 from .checkpoint import dtype_code
+from .tensor_io import tensor_bytes
 
 GIB = 1024**3
-
-
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a tensor (copied to host if it lives on a device)."""
-    flat = tensor.detach().reshape(-1).contiguous()
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def update_digest(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:

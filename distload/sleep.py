@@ -7,8 +7,9 @@
   (:func:`distload.reload.reload_into`) or received (:class:`distload.sync.WeightSync`).
 
 The memory is released by resizing each tensor's storage to zero bytes (as FSDP does with its
-flat parameters): the Parameter objects, their shapes and dtypes, and every reference an engine
-holds stay valid. What does not survive is the address: after ``wake()`` a storage may live at a
+flat parameters), or, for a storage that cannot be resized (Run:ai hands out numpy-backed
+tensors), by swapping it out of each tensor and back in on wake: either way the Parameter objects,
+their shapes and dtypes, and every reference an engine holds stay valid. What does not survive is the address: after ``wake()`` a storage may live at a
 new ``data_ptr()``, so CUDA graphs captured before sleep must be captured again (keeping the
 address needs a custom allocator, like vLLM's CuMemAllocator). Tied weights share one storage
 and are handled once.
@@ -17,21 +18,45 @@ and are handled once.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 
 from .errors import ConfigError, DistloadError
 from .reload import model_tensors
+from .tensor_io import host_view
 
 
 @dataclass
 class _Slept:
     storage: torch.UntypedStorage
     nbytes: int
+    # The tensors over this storage, with their layout: a storage that cannot be resized (one a
+    # library built from a numpy array, as Run:ai does) is swapped out of each of them instead.
+    members: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     host: torch.Tensor | None = None  # level 1 on a device
     file_offset: int | None = None  # level 1 on the CPU
+
+    def release(self) -> None:
+        if self.storage.resizable():
+            self.storage.resize_(0)
+            return
+        for tensor, *_ in self.members:
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.storage = None  # type: ignore[assignment]  # the last reference: the memory goes
+
+    def restore(self) -> torch.Tensor:
+        """Give the memory back; returns a byte view of it to fill."""
+        if self.storage is not None:
+            self.storage.resize_(self.nbytes)
+        else:
+            device = self.members[0][0].device
+            self.storage = torch.empty(self.nbytes, dtype=torch.uint8, device=device).untyped_storage()
+            for tensor, offset, size, stride in self.members:
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                    self.storage, offset, size, stride)
+        return _bytes_of(self.storage)
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -39,30 +64,19 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-# numpy views of a storage make it non-resizable for good, so file I/O goes through a bounce buffer.
-_BOUNCE_BYTES = 64 * 1024 * 1024
+def _write_storage(f, data: torch.Tensor) -> None:
+    with host_view(data) as view:  # not numpy: a numpy view would make the storage non-resizable
+        f.write(view)
 
 
-def _write_through_bounce(f, data: torch.Tensor) -> None:
-    bounce = torch.empty(min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8)
-    for start in range(0, data.numel(), _BOUNCE_BYTES):
-        chunk = data[start:start + _BOUNCE_BYTES]
-        bounce[: chunk.numel()].copy_(chunk)
-        f.write(memoryview(bounce[: chunk.numel()].numpy()))
-
-
-def _read_through_bounce(f, data: torch.Tensor) -> None:
-    bounce = torch.empty(min(_BOUNCE_BYTES, data.numel()), dtype=torch.uint8)
-    view = memoryview(bounce.numpy())
-    for start in range(0, data.numel(), _BOUNCE_BYTES):
-        size = min(_BOUNCE_BYTES, data.numel() - start)
+def _read_storage(f, data: torch.Tensor) -> None:
+    with host_view(data) as view:
         done = 0
-        while done < size:
-            n = f.readinto(view[done:size])
+        while done < len(view):
+            n = f.readinto(view[done:])
             if not n:
                 raise DistloadError("the sleep offload file ended early; the weights cannot be restored")
             done += n
-        data[start:start + size].copy_(bounce[:size])
 
 
 class WeightSleeper:
@@ -79,13 +93,15 @@ class WeightSleeper:
     def asleep(self) -> bool:
         return self.level != 0
 
-    def _storages(self) -> list[torch.UntypedStorage]:
-        seen: dict[tuple, torch.UntypedStorage] = {}
-        for tensor in self._tensors.values():
+    def _storages(self) -> list[_Slept]:
+        """One entry per distinct storage (tied weights share one), with the tensors over it."""
+        entries: dict[tuple, _Slept] = {}
+        for tensor in {id(t): t for t in self._tensors.values()}.values():
             storage = tensor.untyped_storage()
             if storage.nbytes():
-                seen.setdefault((storage.device, storage.data_ptr()), storage)
-        return list(seen.values())
+                entry = entries.setdefault((storage.device, storage.data_ptr()), _Slept(storage, storage.nbytes()))
+                entry.members.append((tensor, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())))
+        return list(entries.values())
 
     def sleep(self, level: int = 1) -> int:
         """Release the weights' memory; returns the bytes released."""
@@ -93,24 +109,22 @@ class WeightSleeper:
             raise ConfigError(f"sleep level must be 1 (keep a copy) or 2 (drop the weights), got {level!r}")
         if self.asleep:
             raise DistloadError(f"already asleep at level {self.level}; wake() first")
-        storages = self._storages()
-        slept = []
-        if level == 1 and any(s.device.type == "cpu" for s in storages):
+        slept = self._storages()
+        if level == 1 and any(entry.storage.device.type == "cpu" for entry in slept):
             self._file = tempfile.TemporaryFile(dir=self._offload_dir, prefix="distload-sleep-")
         offset = 0
         try:
-            for storage in storages:
-                entry = _Slept(storage, storage.nbytes())
+            for entry in slept:
+                storage = entry.storage
                 if level == 1:
                     data = _bytes_of(storage)
                     if storage.device.type == "cpu":
                         assert self._file is not None
-                        _write_through_bounce(self._file, data)
+                        _write_storage(self._file, data)
                         entry.file_offset, offset = offset, offset + entry.nbytes
                     else:
                         entry.host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
                         entry.host.copy_(data)
-                slept.append(entry)
         except BaseException:
             self._close_file()
             raise
@@ -118,7 +132,7 @@ class WeightSleeper:
             self._file.flush()
         # Only now, with every copy safe, is any memory released: a failed sleep changes nothing.
         for entry in slept:
-            entry.storage.resize_(0)
+            entry.release()
         self._slept = slept
         self.level = level
         return sum(entry.nbytes for entry in slept)
@@ -128,14 +142,13 @@ class WeightSleeper:
         if not self.asleep:
             raise DistloadError("not asleep")
         for entry in self._slept:
-            entry.storage.resize_(entry.nbytes)
-            data = _bytes_of(entry.storage)
+            data = entry.restore()
             if entry.host is not None:
                 data.copy_(entry.host)
             elif entry.file_offset is not None:
                 assert self._file is not None
                 self._file.seek(entry.file_offset)
-                _read_through_bounce(self._file, data)
+                _read_storage(self._file, data)
             else:
                 data.zero_()
         nbytes = sum(entry.nbytes for entry in self._slept)

@@ -19,7 +19,7 @@ import torch
 
 from .checkpoint import DTYPES
 from .errors import CheckpointError
-from .report import tensor_bytes
+from .tensor_io import tensor_bytes
 
 
 @dataclass(frozen=True)
