@@ -1,0 +1,422 @@
+"""Unit tests for distload/sharding.py: plans, plan files, fused parts, shard shapes, and
+take_shard/reassemble (pure: no torch.distributed, no I/O besides plan files in tmp_path)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distload.errors import ConfigError
+from distload.sharding import (
+    BUILTIN_PLANS,
+    PLAN_ALIASES,
+    Action,
+    Rule,
+    ShardingPlan,
+    load_plan,
+    plan_from_json,
+    qkv_sizes,
+    reassemble,
+    shard_shape,
+    take_shard,
+)
+
+H, HEADS, KV_HEADS, INTER, VOCAB = 64, 8, 2, 128, 256
+HEAD_DIM = H // HEADS
+LLAMA_CONFIG = {"hidden_size": H, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS}
+
+
+def llama_shapes(prefix: str = "model.layers.3") -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}.self_attn.q_proj.weight": (H, H),
+        f"{prefix}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, H),
+        f"{prefix}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, H),
+        f"{prefix}.self_attn.q_proj.bias": (H,),
+        f"{prefix}.self_attn.o_proj.weight": (H, H),
+        f"{prefix}.self_attn.o_proj.bias": (H,),
+        f"{prefix}.mlp.gate_proj.weight": (INTER, H),
+        f"{prefix}.mlp.up_proj.weight": (INTER, H),
+        f"{prefix}.mlp.down_proj.weight": (H, INTER),
+        f"{prefix}.mlp.down_proj.bias": (H,),
+        f"{prefix}.input_layernorm.weight": (H,),
+        f"{prefix}.post_attention_layernorm.weight": (H,),
+        f"{prefix}.self_attn.q_norm.weight": (HEAD_DIM,),
+        "model.embed_tokens.weight": (VOCAB, H),
+        "lm_head.weight": (VOCAB, H),
+        "model.norm.weight": (H,),
+    }
+
+
+EXPECTED_DECODER = {
+    "q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_proj.bias": 0,
+    "gate_proj.weight": 0, "up_proj.weight": 0, "down_proj.weight": 1, "o_proj.weight": 1,
+    "o_proj.bias": None, "down_proj.bias": None, "input_layernorm.weight": None,
+    "post_attention_layernorm.weight": None, "q_norm.weight": None,
+    "embed_tokens.weight": 0, "lm_head.weight": 0, "model.norm.weight": None,
+}
+
+
+def expected_dim(name: str):
+    for suffix, dim in EXPECTED_DECODER.items():
+        if name.endswith(suffix):
+            return dim
+    raise AssertionError(name)
+
+
+# -- built-in plans ---------------------------------------------------------------------------
+
+def test_decoder_plan_on_llama_names():
+    plan = load_plan(None, LLAMA_CONFIG)
+    assert plan.name == "decoder"
+    for name, shape in llama_shapes().items():
+        action = plan.action(name, shape)
+        want = expected_dim(name)
+        assert action.dim == want, name
+        assert action.replicated == (want is None), name
+        assert action.parts is None, name
+        assert action.rule is not None, f"{name} should be matched by a rule of the decoder plan"
+
+
+def test_decoder_plan_shard_shapes():
+    plan = load_plan("decoder", LLAMA_CONFIG)
+    shapes = llama_shapes()
+    got = {n: shard_shape(n, s, plan.action(n, s), 4) for n, s in shapes.items()}
+    p = "model.layers.3"
+    assert got[f"{p}.self_attn.q_proj.weight"] == (H // 4, H)
+    assert got[f"{p}.self_attn.k_proj.weight"] == (KV_HEADS * HEAD_DIM // 4, H)
+    assert got[f"{p}.self_attn.o_proj.weight"] == (H, H // 4)
+    assert got[f"{p}.mlp.down_proj.weight"] == (H, INTER // 4)
+    assert got[f"{p}.self_attn.o_proj.bias"] == (H,)
+    assert got["model.embed_tokens.weight"] == (VOCAB // 4, H)
+    assert got["lm_head.weight"] == (VOCAB // 4, H)
+    assert got["model.norm.weight"] == (H,)
+
+
+def test_decoder_plan_other_families():
+    plan = load_plan("decoder", LLAMA_CONFIG)
+    # Mixtral experts, a nested lm_head, and names no rule knows.
+    assert plan.action("model.layers.0.block_sparse_moe.experts.3.w1.weight", (8, 4)).dim == 0
+    assert plan.action("model.layers.0.block_sparse_moe.experts.3.w3.weight", (8, 4)).dim == 0
+    assert plan.action("model.layers.0.block_sparse_moe.experts.3.w2.weight", (4, 8)).dim == 1
+    assert plan.action("language_model.lm_head.weight", (8, 4)).dim == 0
+    assert plan.action("model.rotary_emb.inv_freq", (4,)).replicated
+    unmatched = plan.action("model.layers.0.mlp.router.weight", (8, 4))
+    assert unmatched.replicated and unmatched.rule is None
+    # A norm is matched (replicated by a rule), so it is not "unmatched".
+    assert plan.action("model.norm.weight", (4,)).rule is not None
+
+
+@pytest.mark.parametrize("alias", ["llama", "mistral", "qwen2", "qwen3", "LLAMA", "Qwen3"])
+def test_plan_aliases_are_the_decoder_plan(alias):
+    plan = load_plan(alias, LLAMA_CONFIG)
+    assert plan.name == "decoder"
+    assert plan.rules == BUILTIN_PLANS["decoder"]
+    assert set(PLAN_ALIASES) == {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def test_replicate_plan_replicates_everything():
+    plan = load_plan("replicate")
+    assert plan.name == "replicate"
+    for name, shape in llama_shapes().items():
+        action = plan.action(name, shape)
+        assert action.replicated and action.rule == "*", name
+        assert shard_shape(name, shape, action, 4) == shape
+    t = torch.arange(12).reshape(3, 4)
+    a = plan.action("x", t.shape)
+    assert torch.equal(take_shard(t, a, 2, 4), t)
+
+
+def test_unknown_plan_name():
+    with pytest.raises(ConfigError) as err:
+        load_plan("gpt-neox-not-a-file")
+    msg = str(err.value)
+    assert "gpt-neox-not-a-file" in msg and "decoder" in msg and "replicate" in msg and "plan file" in msg
+
+
+def test_first_matching_rule_wins():
+    plan = plan_from_json({"rules": [{"match": "*.special.weight", "replicate": True},
+                                     {"match": "*.weight", "split": 1}]})
+    assert plan.action("a.special.weight", (4, 4)).replicated
+    assert plan.action("a.other.weight", (4, 4)).dim == 1
+    assert plan.action("a.other.bias", (4,)).rule is None
+
+
+# -- plan files -------------------------------------------------------------------------------
+
+def write_plan(tmp_path, value, name="plan.json") -> str:
+    path = str(tmp_path / name)
+    with open(path, "w") as f:
+        f.write(value if isinstance(value, str) else json.dumps(value))
+    return path
+
+
+def test_plan_file_valid(tmp_path):
+    raw = {"name": "my-model", "rules": [
+        {"match": "*.qkv_proj.weight", "split": 0, "fused": [32, 16, 16]},
+        {"match": "*.gate_up_proj.weight", "split": 0, "fused": 2},
+        {"match": "*.wqkv.weight", "split": 0, "fused": "qkv"},
+        {"match": "*.o_proj.weight", "split": 1},
+        {"match": "*norm*", "replicate": True},
+    ]}
+    plan = load_plan(write_plan(tmp_path, raw), {"hidden_size": 32, "num_attention_heads": 4,
+                                                 "num_key_value_heads": 2})
+    assert plan.name == "my-model"
+    assert plan.rules == (
+        Rule("*.qkv_proj.weight", 0, (32, 16, 16)), Rule("*.gate_up_proj.weight", 0, 2),
+        Rule("*.wqkv.weight", 0, "qkv"), Rule("*.o_proj.weight", 1), Rule("*norm*", None))
+    assert plan.action("l.qkv_proj.weight", (64, 8)) == Action(0, (32, 16, 16), "*.qkv_proj.weight")
+    assert plan.action("l.gate_up_proj.weight", (64, 8)).parts == (32, 32)
+    assert plan.action("l.wqkv.weight", (64, 8)).parts == (32, 16, 16)
+    assert plan.action("l.o_proj.weight", (8, 64)) == Action(1, None, "*.o_proj.weight")
+    assert plan.action("l.norm.weight", (8,)).replicated
+    # to_json gives back the file's rules, and reads back to the same plan
+    assert plan.to_json() == raw
+    assert plan_from_json(plan.to_json(), plan.config) == plan
+
+
+def test_plan_file_without_name_is_custom(tmp_path):
+    plan = load_plan(write_plan(tmp_path, {"rules": []}))
+    assert plan.name == "custom" and plan.rules == ()
+    assert plan.action("anything", (2,)) == Action(None, None, None)
+
+
+BAD_RULES = [
+    ("not-an-object", "'match' glob"),
+    ({"split": 0}, "'match' glob"),
+    ({"match": 3, "split": 0}, "'match' glob"),
+    ({"match": "*", "split": 0, "dim": 1}, "unknown keys ['dim']"),
+    ({"match": "*", "replicate": True, "split": 0}, "either replicates or splits"),
+    ({"match": "*", "replicate": True, "fused": 2}, "either replicates or splits"),
+    ({"match": "*"}, "'split' must be a dimension index"),
+    ({"match": "*", "replicate": False}, "'split' must be a dimension index"),
+    ({"match": "*", "split": -1}, "'split' must be a dimension index"),
+    ({"match": "*", "split": True}, "'split' must be a dimension index"),
+    ({"match": "*", "split": "0"}, "'split' must be a dimension index"),
+    ({"match": "*", "split": 1.0}, "'split' must be a dimension index"),
+    ({"match": "*", "split": 0, "fused": 0}, "'fused' must be"),
+    ({"match": "*", "split": 0, "fused": True}, "'fused' must be"),
+    ({"match": "*", "split": 0, "fused": []}, "'fused' must be"),
+    ({"match": "*", "split": 0, "fused": [4, 0]}, "'fused' must be"),
+    ({"match": "*", "split": 0, "fused": [4, -4]}, "'fused' must be"),
+    ({"match": "*", "split": 0, "fused": [4, 2.0]}, "'fused' must be"),
+    ({"match": "*", "split": 0, "fused": "kqv"}, "'fused' must be"),
+]
+
+
+@pytest.mark.parametrize("bad,needle", BAD_RULES, ids=[str(i) for i in range(len(BAD_RULES))])
+def test_plan_file_bad_rule_names_file_and_index(tmp_path, bad, needle):
+    good = {"match": "*norm*", "replicate": True}
+    path = write_plan(tmp_path, {"rules": [good, good, bad]})
+    with pytest.raises(ConfigError) as err:
+        load_plan(path)
+    msg = str(err.value)
+    assert path in msg, msg
+    assert "rule 2" in msg, msg
+    assert needle in msg, msg
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "not valid JSON"),
+    (b"\xff\xfe\x00bad".decode("latin-1"), "not valid JSON"),
+    ("[]", "expected an object with a 'rules' list"),
+    ('{"name": "x"}', "expected an object with a 'rules' list"),
+    ('{"rules": {"match": "*"}}', "expected an object with a 'rules' list"),
+])
+def test_plan_file_bad_top_level_names_file(tmp_path, content, needle):
+    path = write_plan(tmp_path, content)
+    with pytest.raises(ConfigError) as err:
+        load_plan(path)
+    assert path in str(err.value) and needle in str(err.value), str(err.value)
+
+
+def test_plan_file_path_that_does_not_exist(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match="neither a built-in plan"):
+        load_plan(missing)
+    assert not os.path.exists(missing)
+
+
+# -- fused parts ------------------------------------------------------------------------------
+
+def test_fused_list_sizes_must_add_up():
+    plan = plan_from_json({"rules": [{"match": "*qkv*", "split": 0, "fused": [32, 16, 16]}]})
+    assert plan.action("a.qkv.weight", (64, 8)).parts == (32, 16, 16)
+    with pytest.raises(ConfigError) as err:
+        plan.action("a.qkv.weight", (60, 8))
+    msg = str(err.value)
+    assert "'a.qkv.weight'" in msg and "[60, 8]" in msg and "64" in msg and "60" in msg
+
+
+def test_fused_equal_parts():
+    plan = plan_from_json({"rules": [{"match": "*", "split": 1, "fused": 3}]})
+    assert plan.action("t", (2, 12)).parts == (4, 4, 4)
+    with pytest.raises(ConfigError) as err:
+        plan.action("t", (2, 10))
+    assert "'t'" in str(err.value) and "3 equal fused parts" in str(err.value)
+
+
+@pytest.mark.parametrize("config,expected", [
+    ({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8}, (4096, 1024, 1024)),
+    ({"hidden_size": 4096, "num_attention_heads": 32}, (4096, 4096, 4096)),  # MHA: kv = heads
+    # Qwen3 style: head_dim given and not hidden/heads
+    ({"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128},
+     (2048, 1024, 1024)),
+    ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": None},
+     (1024, 256, 256)),
+])
+def test_qkv_sizes_from_config(config, expected):
+    assert qkv_sizes(config, "x.qkv_proj.weight") == expected
+
+
+def test_decoder_qkv_and_gate_up_are_fused():
+    plan = load_plan("decoder", LLAMA_CONFIG)
+    qkv = plan.action("model.layers.0.self_attn.qkv_proj.weight", (H + 2 * KV_HEADS * HEAD_DIM, H))
+    assert qkv.dim == 0 and qkv.parts == (H, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    bias = plan.action("model.layers.0.self_attn.qkv_proj.bias", (H + 2 * KV_HEADS * HEAD_DIM,))
+    assert bias.parts == qkv.parts
+    gate_up = plan.action("model.layers.0.mlp.gate_up_proj.weight", (2 * INTER, H))
+    assert gate_up.dim == 0 and gate_up.parts == (INTER, INTER)
+
+
+@pytest.mark.parametrize("config", [{}, {"hidden_size": 64}, {"num_attention_heads": 8},
+                                    {"num_attention_heads": "eight", "hidden_size": 64}])
+def test_qkv_without_config_is_a_clear_error(config):
+    plan = load_plan("decoder", config)
+    with pytest.raises(ConfigError) as err:
+        plan.action("model.layers.0.self_attn.qkv_proj.weight", (96, 64))
+    msg = str(err.value)
+    assert "qkv_proj.weight" in msg and "config.json" in msg and "num_attention_heads" in msg
+    assert '"fused": [q, k, v]' in msg  # says how to give the sizes instead
+
+
+def test_qkv_config_that_does_not_fit_the_tensor():
+    plan = load_plan("decoder", LLAMA_CONFIG)
+    with pytest.raises(ConfigError) as err:
+        plan.action("model.layers.0.self_attn.qkv_proj.weight", (H, H))  # should be H + 2 kv
+    assert "add up to" in str(err.value) and f"[{H}, {H}]" in str(err.value)
+
+
+# -- shard_shape errors -----------------------------------------------------------------------
+
+def test_indivisible_dimension_names_tensor_shape_and_n():
+    plan = load_plan("decoder", LLAMA_CONFIG)
+    name = "model.layers.0.mlp.down_proj.weight"
+    action = plan.action(name, (64, 100))
+    assert shard_shape(name, (64, 100), action, 4) == (64, 25)
+    with pytest.raises(ConfigError) as err:
+        shard_shape(name, (64, 100), action, 3)
+    msg = str(err.value)
+    assert repr(name) in msg and "[64, 100]" in msg and "3 ranks" in msg and "dim 1 (100)" in msg
+
+
+def test_indivisible_fused_part():
+    plan = load_plan("decoder", {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 1})
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    action = plan.action(name, (80, 64))  # q 64, k 8, v 8
+    assert action.parts == (64, 8, 8)
+    assert shard_shape(name, (80, 64), action, 8) == (10, 64)
+    # 80 is divisible by 16 but the k and v parts (8) are not: each part must be.
+    with pytest.raises(ConfigError) as err:
+        shard_shape(name, (80, 64), action, 16)
+    msg = str(err.value)
+    assert repr(name) in msg and "[80, 64]" in msg and "16" in msg and "[64, 8, 8]" in msg
+
+
+@pytest.mark.parametrize("shape", [(), (8,)])
+def test_split_dim_beyond_rank(shape):
+    plan = plan_from_json({"rules": [{"match": "*", "split": len(shape)}]})
+    action = plan.action("t.weight", shape)
+    with pytest.raises(ConfigError) as err:
+        shard_shape("t.weight", shape, action, 2)
+    msg = str(err.value)
+    assert "'t.weight'" in msg and str(list(shape)) in msg and f"no dim {len(shape)}" in msg
+
+
+def test_fused_split_dim_beyond_rank():
+    plan = plan_from_json({"rules": [{"match": "*", "split": 1, "fused": [2, 2]}]})
+    action = plan.action("bias", (4,))
+    with pytest.raises(ConfigError, match="no dim 1"):
+        shard_shape("bias", (4,), action, 2)
+
+
+def test_world_size_one_keeps_everything():
+    plan = load_plan("decoder", LLAMA_CONFIG)
+    for name, shape in llama_shapes().items():
+        assert shard_shape(name, shape, plan.action(name, shape), 1) == shape
+
+
+# -- take_shard / reassemble ------------------------------------------------------------------
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8, torch.bool]
+
+
+def make(shape, dtype, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randn(shape, generator=g) > 0
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+    return (torch.randn(shape, generator=g) * 10).to(dtype)
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("action,shape", [
+    (Action(0), (16, 6)),
+    (Action(1), (6, 16)),
+    (Action(2), (3, 2, 8)),
+    (Action(0, (8, 4, 4)), (16, 6)),
+    (Action(1, (8, 8)), (3, 16)),
+    (Action(None), (5, 3)),
+], ids=["dim0", "dim1", "dim2", "fused-qkv", "fused-dim1", "replicated"])
+def test_take_shard_reassemble_inverse(dtype, world, action, shape):
+    tensor = make(shape, dtype, seed=world)
+    shards = [take_shard(tensor, action, r, world) for r in range(world)]
+    want = shard_shape("t", shape, action, world)
+    for shard in shards:
+        assert tuple(shard.shape) == want
+        assert shard.dtype == dtype and shard.is_contiguous()
+    back = reassemble(shards, action)
+    assert back.dtype == dtype and tuple(back.shape) == tuple(shape)
+    assert raw(back) == raw(tensor)
+    if not action.replicated and world > 1:
+        assert raw(shards[0]) != raw(shards[-1]) or dtype == torch.bool
+
+
+def test_take_shard_fused_gives_each_rank_its_part_of_each():
+    q = torch.arange(0, 8).reshape(8, 1)
+    k = torch.arange(100, 104).reshape(4, 1)
+    v = torch.arange(200, 204).reshape(4, 1)
+    fused = torch.cat([q, k, v])
+    action = Action(0, (8, 4, 4))
+    assert take_shard(fused, action, 0, 2).flatten().tolist() == [0, 1, 2, 3, 100, 101, 200, 201]
+    assert take_shard(fused, action, 1, 2).flatten().tolist() == [4, 5, 6, 7, 102, 103, 202, 203]
+    # A plain split would straddle q and k: that is not what a fused rule does.
+    assert take_shard(fused, Action(0), 1, 2).flatten().tolist() == [
+        100, 101, 102, 103, 200, 201, 202, 203]
+
+
+def test_take_shard_row_parallel_slices_columns():
+    t = torch.arange(24).reshape(2, 12)
+    s = take_shard(t, Action(1), 2, 4)
+    assert s.tolist() == [[6, 7, 8], [18, 19, 20]]
+
+
+def test_take_shard_non_contiguous_source():
+    t = make((8, 12), torch.float32).t()  # (12, 8), non-contiguous
+    shards = [take_shard(t, Action(0), r, 4) for r in range(4)]
+    assert all(s.is_contiguous() for s in shards)
+    assert torch.equal(reassemble(shards, Action(0)), t)
+
+
+def test_shardingplan_is_pure_data():
+    plan = ShardingPlan("x", (Rule("*", 0),))
+    assert plan.config == {}
+    assert plan.to_json() == {"name": "x", "rules": [{"match": "*", "split": 0}]}
