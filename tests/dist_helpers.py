@@ -1,0 +1,168 @@
+"""Helpers for the multi-process tests: run a Python script under torchrun, launch ranks by hand,
+and read torchrun's per-rank failure summary.
+
+(conftest.run_distload runs ``-m distload``; these run arbitrary scripts and give per-process
+exit codes, which torchrun itself folds into one.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+# torchrun's agent polls its workers this often (seconds). With the default (0.1 s) the agent
+# may SIGTERM a rank that has already handled the failure but is still tearing down, because a
+# peer exited a few milliseconds earlier; a slower poll lets every rank exit on its own, so the
+# failure summary shows each rank's own exit code.
+FAILURE_ENV = {"PET_MONITOR_INTERVAL": "1"}
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(extra: Mapping[str, str] | None = None, drop_prefixes: tuple[str, ...] = ()) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCH_VARS and not (drop_prefixes and k.startswith(drop_prefixes))}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def write_script(folder, name: str, source: str) -> str:
+    path = os.path.join(str(folder), name)
+    with open(path, "w") as f:
+        f.write(textwrap.dedent(source))
+    return path
+
+
+def run_script(script: str, args: list[str], nproc: int | None = 2, timeout: float = 120,
+               env: Mapping[str, str] | None = None,
+               drop_prefixes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` alone (nproc None) or under torchrun with ``nproc`` ranks;
+    variables starting with one of ``drop_prefixes`` are removed from the environment."""
+    if nproc is None:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", script, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(env, drop_prefixes))
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_ranks(args: list[str], nproc: int = 2, timeout: float = 120) -> list[RankResult]:
+    """Start ``python -m distload ARGS`` once per rank with torchrun's environment, but without
+    torchrun's agent, so that each process's own exit code (or signal) is seen."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([sys.executable, "-m", "distload", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append(RankResult(rank, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+_EXIT_PID_RE = re.compile(
+    r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+) \(pid: (\d+)\)")
+
+
+def failed_rank_exitcodes(stderr: str) -> dict[int, tuple[int, int]]:
+    """rank -> (exit code, pid), from torchrun's ChildFailedError summary."""
+    return {int(rank): (int(code), int(pid)) for rank, code, pid in _EXIT_PID_RE.findall(stderr)}
+
+
+def assert_ranks_exited_1(result: subprocess.CompletedProcess, nproc: int = 2) -> None:
+    """torchrun's summary lists failed ranks with exit code 1 only.
+
+    A rank that had already handled the failure may still be tearing down when torchrun's agent
+    sees a peer exit and sends it SIGTERM ("Sending process PID closing signal SIGTERM"): that -15
+    is the agent's doing and is accepted. (test_dist_failures also launches ranks without the
+    agent, to check each process's own exit code.)
+    """
+    summary = failed_rank_exitcodes(result.stderr)
+    assert summary, f"no failure summary from torchrun:\n{result.stderr[-4000:]}"
+    assert set(summary) <= set(range(nproc)), summary
+    assert 1 in {code for code, _ in summary.values()}, summary
+    for rank, (code, pid) in summary.items():
+        if code == -15 and f"Sending process {pid} closing signal SIGTERM" in result.stderr:
+            continue
+        assert code == 1, f"rank {rank} exit code {code}:\n{result.stderr[-6000:]}"
+
+
+ABORT_MARKERS = ("terminate called", "Signal 6", "SIGABRT", "core dumped", "Segmentation fault",
+                 "SIGSEGV", "Fatal Python error")
+
+
+def rank_error(output: str, rank: int) -> str:
+    """The ``distload: error on rank R: ...`` message, with its indented continuation lines.
+
+    The ranks share torchrun's stderr and distload prints the message and its newline in two
+    writes, so one rank's message can run straight into the next rank's on the same line.
+    """
+    marker = f"distload: error on rank {rank}: "
+    start = output.find(marker)
+    assert start >= 0, f"no {marker!r} in:\n{output[-6000:]}"
+    rest = output[start + len(marker):]
+    following = rest.find("distload: error on rank ")
+    if following >= 0:
+        rest = rest[:following]
+    lines = rest.split("\n")
+    message = [lines[0]]
+    for line in lines[1:]:
+        if not line.startswith("  "):
+            break
+        message.append(line)
+    return "\n".join(message)
+
+
+def assert_failed_cleanly(result: subprocess.CompletedProcess, nproc: int = 2) -> dict[int, str]:
+    """torchrun failed, every rank printed a distload error and exited with code 1, and nothing
+    aborted. Returns rank -> its error message."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, f"rc {result.returncode}:\n{output[-6000:]}"
+    for marker in ABORT_MARKERS:
+        assert marker not in output, f"{marker!r} in output:\n{output[-6000:]}"
+    # torchrun prints one traceback of its own (ChildFailedError); any other is a rank that died
+    # of an exception distload did not turn into an error message.
+    assert output.count("Traceback (most recent call last)") == 1, output[-8000:]
+    messages = {rank: rank_error(output, rank) for rank in range(nproc)}
+    assert_ranks_exited_1(result, nproc)
+    return messages
+
+
+__all__ = ["ABORT_MARKERS", "FAILURE_ENV", "RankResult", "assert_failed_cleanly", "assert_ranks_exited_1",
+           "clean_env", "failed_rank_exitcodes", "free_port", "launch_ranks", "rank_error", "run_script",
+           "write_script"]

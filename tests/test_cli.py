@@ -1,0 +1,142 @@
+"""``python -m distload`` as a user runs it: alone, under torchrun, and the demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import textwrap
+
+import pytest
+import torch
+
+from conftest import every_dtype_state, plain_digest, read_report, run_distload, write_whole
+from dist_helpers import RankResult, launch_ranks, rank_error
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("cli") / "whole")
+    paths = write_whole(folder, every_dtype_state(seed=11), num_files=3)
+    return folder, paths
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_single_process_load(ckpt, tmp_path, kind):
+    folder, paths = ckpt
+    source = paths[1] if kind == "file" else folder
+    files = [paths[1]] if kind == "file" else paths
+    report_path = str(tmp_path / "r.json")
+    result = run_distload(["load", source, "--report-json", report_path, "--no-progress"], timeout=120)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert re.search(r"Loading weights took \d+\.\d\d seconds", result.stderr)
+    assert f"distload: auto from {source} on 1 rank(s)" in result.stdout
+    report = read_report(report_path)
+    assert report["world_size"] == 1
+    assert report["source"] == source
+    [rank] = report["ranks"]
+    assert rank["rank"] == 0 and rank["device"] == "cpu"
+    assert rank["files"] == files
+    assert rank["digest"] == plain_digest(files)
+
+
+def test_no_digest(ckpt, tmp_path):
+    folder, paths = ckpt
+    report_path = str(tmp_path / "r.json")
+    result = run_distload(["load", folder, "--load-format", "safetensors", "--no-digest",
+                           "--report-json", report_path, "--no-progress"], timeout=120)
+    assert result.returncode == 0, result.stderr[-6000:]
+    [rank] = read_report(report_path)["ranks"]
+    assert rank["digest"] is None
+    assert rank["num_tensors"] == len(every_dtype_state())  # it did load
+    assert "digest -" in result.stdout
+
+
+# Installed through PYTHONPATH into every process torchrun starts: records, per rank, each file
+# opened for writing and each rename into the report's folder (Python audit events).
+AUDIT_SITECUSTOMIZE = '''
+import os, sys
+_dir = os.environ.get("DISTLOAD_TEST_AUDIT_DIR")
+_watch = os.environ.get("DISTLOAD_TEST_WATCH_DIR")
+if _dir and _watch and "RANK" in os.environ:
+    _fd = os.open(os.path.join(_dir, "audit-rank%s.log" % os.environ["RANK"]),
+                  os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def _hook(event, args):
+        if event == "open" and isinstance(args[0], str) and args[0].startswith(_watch):
+            flags = args[2] if isinstance(args[2], int) else 0
+            mode = args[1] or ""
+            if flags & (os.O_WRONLY | os.O_RDWR) or any(c in mode for c in "wax+"):
+                os.write(_fd, ("open %s\\n" % args[0]).encode())
+        elif event == "os.rename" and str(args[1]).startswith(_watch):
+            os.write(_fd, ("rename %s -> %s\\n" % (args[0], args[1])).encode())
+
+    sys.addaudithook(_hook)
+'''
+
+
+def test_report_json_written_once_by_rank_0(ckpt, tmp_path):
+    folder, paths = ckpt
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(AUDIT_SITECUSTOMIZE))
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    report_dir = tmp_path / "reports" / "new"  # does not exist yet
+    report_path = str(report_dir / "r.json")
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+           "DISTLOAD_TEST_AUDIT_DIR": str(audit), "DISTLOAD_TEST_WATCH_DIR": str(tmp_path / "reports")}
+    result = run_distload(["load", folder, "--load-format", "runai_streamer", "--report-json", report_path,
+                           "--no-progress"], nproc=2, env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    logs = {rank: (audit / f"audit-rank{rank}.log").read_text() for rank in (0, 1)}
+    renames = [line for line in logs[0].splitlines() if line.startswith("rename ")]
+    assert len(renames) == 1 and renames[0].endswith(f"-> {report_path}"), logs[0]
+    assert logs[1] == "", f"rank 1 wrote into the report folder: {logs[1]}"
+    assert os.listdir(report_dir) == ["r.json"]  # no temporary file left behind
+    report = read_report(report_path)
+    assert report["world_size"] == 2 and [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert all(r["digest"] == plain_digest(paths) for r in report["ranks"])
+    assert result.stderr.count("report written to") == 1
+    assert result.stdout.count("distload: runai_streamer from") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_device_cuda_without_cuda_fails_clearly(ckpt, nproc):
+    """Alone, and as 2 ranks with torchrun's environment (started directly: the ranks fail before
+    any process group, so torchrun's agent could stop one before it speaks)."""
+    folder, _ = ckpt
+    args = ["load", folder, "--device", "cuda", "--no-progress"]
+    if nproc == 1:
+        result = run_distload(args, timeout=120)
+        results = [RankResult(0, result.returncode, result.stdout, result.stderr)]
+    else:
+        results = launch_ranks(args, nproc=nproc, timeout=120)
+    for r in results:
+        output = r.stdout + r.stderr
+        assert r.returncode == 1, output[-6000:]
+        assert "Traceback" not in output
+        message = rank_error(output, r.rank)
+        assert "--device cuda was asked for, but no CUDA device is visible" in message
+        assert "use --device cpu or auto" in message
+
+
+def test_demo(tmp_path):
+    result = run_distload(["demo", "--size-mib", "4", "--dir", str(tmp_path / "demo")], timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    rows = {}
+    for line in result.stdout.splitlines():
+        match = re.match(r"(\S+(?: distributed)?)\s+(whole|sharded)\s+(\S+)\s+\S+\s+(.+)$", line)
+        if match:
+            rows[(match[1], match[2])] = (match[3], match[4].strip())
+    real = [("safetensors", "whole"), ("runai_streamer", "whole"), ("runai_streamer distributed", "whole"),
+            ("sharded_state", "sharded"), ("runai_streamer_sharded", "sharded"), ("auto", "whole"),
+            ("auto", "sharded")]
+    for key in real:
+        assert key in rows, f"{key} missing from the demo table:\n{result.stdout[-4000:]}"
+        assert rows[key][1] == "bit-identical", (key, rows[key])
+    assert rows[("runai_streamer distributed", "whole")][0] == "runai-distributed"
+    assert rows[("dummy", "whole")][1] == "dummy (random)"
+    assert "every real read matched a plain safetensors read bit for bit" in result.stdout

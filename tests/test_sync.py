@@ -1,0 +1,200 @@
+"""Weight sync over gloo: versions, in place, refusal before data, a sender killed mid-update."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from distload.sync import _ALIGN, _Entry, check_entries, plan_buckets
+
+from dist_helpers import clean_env, free_port, run_script, write_script
+
+
+def entries(*sizes: int) -> list[_Entry]:
+    return [_Entry(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+
+
+def test_buckets_pack_in_order_aligned_and_a_big_tensor_alone():
+    buckets = plan_buckets(entries(10, 20, 100, 5, 300, 7), bucket_bytes=128)
+    layout = [[(i, off) for i, off in b.items] for b in buckets]
+    assert layout == [[(0, 0), (1, 64)], [(2, 0)], [(3, 0)], [(4, 0)], [(5, 0)]]
+    assert buckets[3].size == 300  # bigger than a bucket: travels alone
+    for bucket in buckets:
+        assert all(off % _ALIGN == 0 for _, off in bucket.items)
+    assert plan_buckets([], 128) == []
+
+
+def test_check_entries_names_every_problem():
+    targets = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    sent = [_Entry("a", "F32", (3, 2), 24), _Entry("b", "F32", (4,), 16), _Entry("c", "F32", (1,), 4)]
+    problems = check_entries(sent, targets)
+    assert problems == ["a: sent F32 [3, 2], here torch.float32 [2, 3]",
+                        "b: sent F32 [4], here torch.bfloat16 [4]", "c: no such tensor here"]
+    assert check_entries(sent[:0], targets) == []
+
+
+_SYNC = """
+import json, os, sys, torch, distload
+from distload.sync import WeightSync, SyncError
+mode = sys.argv[1]
+out = sys.argv[2]
+with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
+    senders = [0, 1] if mode == "two-senders" else [0]
+    sync = WeightSync(senders, bucket_bytes=4096, timeout_s=60)
+    dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.bool, torch.float8_e4m3fn]
+    shapes = {f"layer{i}.w": ((17 + i, 9), dtypes[i % len(dtypes)]) for i in range(20)}
+    shapes["big"] = ((64, 64), torch.float32)  # 16 KiB: bigger than a bucket
+    shapes["scalar"] = ((), torch.float64)
+    def value(name, version):
+        shape, dtype = shapes[name]
+        gen = torch.Generator().manual_seed(hash((name, version)) % 2**31)
+        return (torch.randn(shape, generator=gen) * 8).to(dtype)
+    def mine(name):  # with two senders, each pushes its own slice
+        return mode != "two-senders" or (hash(name) % 2) == g.rank
+    result = {"rank": g.rank}
+    if g.rank in senders:
+        for version in (1, 2, 3):
+            if mode == "refuse" and version != 2:
+                continue
+            state = {n: value(n, version) for n in shapes if mine(n)}
+            if mode == "refuse":
+                try:
+                    sync.push(state, version)
+                except SyncError as exc:
+                    result["refused"] = str(exc)
+                continue
+            sync.push(state, version)
+    else:
+        target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+        if mode == "refuse" and g.rank == 2:
+            target["layer3.w"] = torch.zeros(3, 3, dtype=shapes["layer3.w"][1])
+        pointers = {n: t.data_ptr() for n, t in target.items()}
+        result["versions"], result["exact"] = [], []
+        for version in (1, 2, 3):
+            if mode == "refuse" and version != 2:
+                continue
+            before = {n: t.clone() for n, t in target.items()}
+            try:
+                stats = sync.receive(target)
+            except SyncError as exc:
+                result["error"] = str(exc)
+                result["unchanged"] = all(torch.equal(before[n], target[n]) for n in target)
+                result["version"] = sync.version
+                result["consistent"] = sync.consistent
+                continue
+            result["versions"].append(stats.version)
+            result["exact"].append(all(
+                target[n].view(torch.uint8).equal(value(n, version).view(torch.uint8)) if target[n].dim()
+                else target[n].reshape(1).view(torch.uint8).equal(value(n, version).reshape(1).view(torch.uint8))
+                for n in shapes))
+        result["in_place"] = all(target[n].data_ptr() == pointers[n] for n in target)
+    sync.close()
+    with open(f"{out}/rank{g.rank}.json", "w") as f:
+        json.dump(result, f)
+"""
+
+
+def _results(tmp_path, nproc):
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.dist
+def test_versions_arrive_exact_and_in_place(tmp_path):
+    script = write_script(tmp_path, "sync.py", _SYNC)
+    run = run_script(script, ["one-sender", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    for r in _results(tmp_path, 3)[1:]:
+        assert r["versions"] == [1, 2, 3] and r["exact"] == [True, True, True] and r["in_place"], r
+
+
+@pytest.mark.dist
+def test_several_senders_each_push_a_slice(tmp_path):
+    script = write_script(tmp_path, "sync.py", _SYNC)
+    run = run_script(script, ["two-senders", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    receiver = _results(tmp_path, 3)[2]
+    assert receiver["versions"] == [1, 2, 3] and all(receiver["exact"]) and receiver["in_place"], receiver
+
+
+@pytest.mark.dist
+def test_a_refused_update_moves_no_byte_anywhere(tmp_path):
+    """Rank 2's layer3.w has another shape: the sender and BOTH receivers refuse version 2."""
+    script = write_script(tmp_path, "sync.py", _SYNC)
+    run = run_script(script, ["refuse", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    sender, r1, r2 = _results(tmp_path, 3)
+    assert "update to version 2 refused, nothing was sent" in sender["refused"]
+    assert "rank 2: layer3.w: sent" in sender["refused"]
+    for r in (r1, r2):
+        assert "refused (nothing was written; still at version None)" in r["error"], r
+        assert r["unchanged"] and r["consistent"] and r["version"] is None, r
+
+
+_KILLED = """
+import json, os, signal, sys, time, torch, distload
+import torch.distributed as dist
+from distload.sync import WeightSync, SyncError
+out = sys.argv[1]
+with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
+    sync = WeightSync([0], bucket_bytes=1 << 16, timeout_s=30)
+    state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(64)}  # 1 MiB in 16 buckets
+    if g.rank == 0:
+        sync.push(state, 1)
+        real = dist.broadcast
+        sent = []
+        def dying(*args, **kwargs):
+            sent.append(1)
+            if len(sent) == 4:  # a few buckets of version 2 are out: die like an OOM-killed trainer
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        dist.broadcast = dying
+        sync.push({n: t + 100 for n, t in state.items()}, 2)
+    else:
+        target = {n: torch.zeros_like(t) for n, t in state.items()}
+        result = {"first": sync.receive(target).version}
+        start = time.monotonic()
+        try:
+            sync.receive(target)
+            result["second"] = "arrived?!"
+        except SyncError as exc:
+            result["error"] = str(exc)
+        result["seconds"] = time.monotonic() - start
+        result["version"], result["consistent"], result["last_error"] = sync.version, sync.consistent, sync.last_error
+        with open(f"{out}/rank{g.rank}.json", "w") as f:
+            json.dump(result, f)
+        os._exit(0)  # the group lost a member: skip teardown handshakes with the dead rank
+"""
+
+
+@pytest.mark.dist
+def test_sender_killed_mid_update_leaves_old_version(tmp_path):
+    """Ranks started by hand (torchrun would kill the receivers as soon as the sender died):
+    the receivers must notice on their own, in bounded time, and keep reporting version 1."""
+    script = write_script(tmp_path, "killed.py", _KILLED)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, script, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=clean_env({"RANK": str(r), "WORLD_SIZE": "3", "LOCAL_RANK": str(r),
+                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
+             for r in range(3)]
+    start = time.monotonic()
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert time.monotonic() - start < 120
+    assert procs[0].returncode == -9, outputs[0][1][-2000:]
+    for rank in (1, 2):
+        assert procs[rank].returncode == 0, outputs[rank][1][-3000:]
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["first"] == 1 and "second" not in r, r
+        assert r["version"] == 1 and r["consistent"] is False and r["last_error"], r
+        assert "still at version 1" in r["error"], r
+        assert r["seconds"] < 60, r  # well inside the 30 s group timeout plus slack, not a hang
