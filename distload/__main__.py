@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="ranks to start with torchrun (default: GPUs, or 2 on a CPU)")
     demo.add_argument("--dir", default=None, help="write the checkpoints here (default: a temp folder)")
     demo.add_argument("--size-mib", type=int, default=64, help="approximate checkpoint size")
+    demo.add_argument("--case-timeout", type=float, default=600, metavar="SECONDS",
+                      help="give up on one format's load after this long (default 600)")
     return parser
 
 
@@ -160,7 +162,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(args)
     except DistloadError as exc:
-        print(f"distload: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        # One write per message: under torchrun the ranks share stderr, and print() writes the
+        # newline separately, so two ranks' lines would run together.
+        sys.stderr.write(f"distload: error on rank {rank}: {exc}\n")
+        sys.stderr.flush()
         return 1
     except KeyboardInterrupt:
         print(f"distload: interrupted on rank {rank}", file=sys.stderr, flush=True)

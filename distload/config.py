@@ -201,13 +201,22 @@ def endpoint_environment(environ: Mapping[str, str] = os.environ) -> dict[str, s
 
 @contextlib.contextmanager
 def applied_environment(changes: Mapping[str, str]) -> Iterator[None]:
-    """Set ``changes`` in os.environ for the duration of a load, then restore what was there."""
-    saved = {key: os.environ.get(key) for key in changes}
+    """Set ``changes`` in os.environ for the duration of a load, then restore what was there.
+
+    Every ``RUNAI_STREAMER_*`` variable is restored too: Run:ai sets some itself (e.g.
+    RUNAI_STREAMER_PROCESS_GROUP_SIZE in distributed mode) and never removes them, and a later
+    load with another group would inherit them.
+    """
+    keys = set(changes) | {key for key in os.environ if key.startswith("RUNAI_STREAMER_")}
+    saved = {key: os.environ.get(key) for key in keys}
     os.environ.update(changes)
     try:
         yield
     finally:
-        for key, old in saved.items():
+        for key in set(os.environ) | keys:
+            if not (key in keys or key.startswith("RUNAI_STREAMER_")):
+                continue
+            old = saved.get(key)
             if old is None:
                 os.environ.pop(key, None)
             else:

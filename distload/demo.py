@@ -151,7 +151,12 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"\n$ torchrun --nproc-per-node {world_size} -m distload load {folders[kind]} "
               f"--load-format {load_format}" + (f" --model-loader-extra-config '{extra}'" if extra else ""),
               flush=True)
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    timeout=args.case_timeout)
+        except subprocess.TimeoutExpired as exc:
+            result = subprocess.CompletedProcess(cmd, 124, f"{exc.output or ''}\ntimed out after "
+                                                           f"{args.case_timeout}s", None)
         print("\n".join(line for line in result.stdout.splitlines()
                         if line.startswith(("distload", "  ", "[distload rank 0]"))), flush=True)
         if result.returncode != 0:

@@ -623,15 +623,6 @@ def test_rejected_config_sets_no_environment_and_loads_restore_it(env_checks):
         assert checks["user value after loads"] == "7"  # the user's own value is put back
 
 
-ENV_LEAK_BUG = (
-    "distload bug (minor): Run:ai's distributed streamer sets RUNAI_STREAMER_PROCESS_GROUP_SIZE "
-    "in os.environ and never removes it; distload restores only the keys it set itself "
-    "(config.applied_environment), so the variable outlives the load, contrary to config.py's "
-    "'the environment is restored when the load ends'"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=ENV_LEAK_BUG)
 def test_distributed_load_leaves_no_runai_environment(env_checks):
     for rank, checks in env_checks.items():
         assert checks["after streamed load"] == {}, f"rank {rank}: {checks['after streamed load']}"
