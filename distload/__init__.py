@@ -14,6 +14,7 @@ from .errors import (
     ConfigError,
     DistloadError,
     GroupError,
+    ObjectStoreError,
     RankFailedError,
     ShardLayoutError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "LoadConfig",
     "LoadReport",
     "Loader",
+    "ObjectStoreError",
     "RankFailedError",
     "RankReport",
     "ShardLayoutError",

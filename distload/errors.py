@@ -23,6 +23,24 @@ class ShardLayoutError(CheckpointError):
     """A pre-sharded checkpoint does not match this job's ranks or pattern."""
 
 
+class ObjectStoreError(CheckpointError):
+    """An object store (S3, GCS, Azure Blob) refused or failed a request.
+
+    ``cause`` says which way, for code that wants to branch on it: ``bucket-missing``,
+    ``object-missing``, ``access-denied``, ``no-credentials``, ``unreachable`` or ``other``. The
+    message names the URI, the cause and the endpoint, never a credential.
+    """
+
+    CAUSES = ("bucket-missing", "object-missing", "access-denied", "no-credentials", "unreachable", "other")
+
+    def __init__(self, message: str, cause: str = "other"):
+        super().__init__(message)
+        self.cause = cause if cause in self.CAUSES else "other"
+
+    def __reduce__(self):  # picklable with its cause (errors travel between ranks)
+        return (type(self), (str(self), self.cause))
+
+
 class BackendUnavailableError(DistloadError):
     """A backend cannot run on this machine (missing package, no CUDA, ...)."""
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Any
 
@@ -10,25 +9,28 @@ from .checkpoint import build_index
 from .config import DEFAULT_SHARD_PATTERN
 from .manifest import read_manifest
 from .plan import find_shard_layout
-from .sources import check_source, list_names, read_header, whole_checkpoint
+from .sources import open_source, whole_checkpoint
 
 
 def inspect_source(source: str, pattern: str | None = None) -> dict[str, Any]:
-    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks)."""
-    path = check_source(source)
-    manifest = read_manifest(path) if os.path.isdir(path) else None
+    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks).
+
+    ``source`` is a local file or folder, or an object-store URI (headers by ranged reads).
+    """
+    src = open_source(source)
+    manifest = read_manifest(src) if not src.is_file else None
     pattern = pattern or (manifest.pattern if manifest else DEFAULT_SHARD_PATTERN)
-    names = list_names(path) if os.path.isdir(path) else []
+    names = src.names() if not src.is_file else []
     layout = find_shard_layout(names, pattern)
     if layout.parts_by_rank:
-        files = [os.path.join(path, name) for rank in layout.ranks for _, name in layout.parts_by_rank[rank]]
-        infos = [read_header(p) for p in files]
+        files = [src.path(name) for rank in layout.ranks for _, name in layout.parts_by_rank[rank]]
+        infos = src.read_headers(files)
         kind = {"layout": "sharded", "saved_world_size": manifest.world_size if manifest else layout.saved_world_size,
                 "ranks_found": layout.ranks, "pattern": pattern, "manifest": manifest is not None}
         tensors = [t for info in infos for t in info.tensors]
     else:
-        files, _ = whole_checkpoint(path)
-        index = build_index(read_header(p) for p in files)
+        files, _ = whole_checkpoint(src)
+        index = build_index(src.read_headers(files))
         infos = list(index.files)
         kind = {"layout": "whole", "manifest": False}
         tensors = index.tensors

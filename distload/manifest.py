@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .fsutil import write_json_atomic
 from .errors import CheckpointError, ShardLayoutError
+from .sources import Source, open_source
 
 MANIFEST_NAME = "distload.json"
 SAVING_MARKER = "distload.saving"
@@ -69,38 +70,24 @@ def write_manifest(folder: str, manifest: Manifest) -> None:
         os.unlink(marker)
 
 
-def write_json_atomic(path: str, value: Any) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".distload-tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(value, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def read_manifest(folder: str) -> Manifest | None:
+def read_manifest(folder: "str | Source") -> Manifest | None:
     """The folder's manifest; None if there is none (a checkpoint from another tool).
 
-    Raises CheckpointError if a save into the folder did not finish, or the manifest is corrupt.
+    ``folder`` is a local path, an object-store prefix, or a Source. Raises CheckpointError if a
+    save into the folder did not finish, or the manifest is corrupt.
     """
-    if os.path.exists(os.path.join(folder, SAVING_MARKER)):
+    src = open_source(folder)
+    if src.has_file(SAVING_MARKER):
         raise CheckpointError(
-            f"{folder}: the checkpoint is incomplete: a save into this folder did not finish "
-            f"({SAVING_MARKER} is still there and the manifest was not committed); run the save again"
+            f"{src.folder}: the checkpoint is incomplete: a save into this folder did not finish "
+            f"({SAVING_MARKER} is still there and the manifest was not committed); remove the folder "
+            f"and run the save again, or save into a new folder"
         )
-    path = os.path.join(folder, MANIFEST_NAME)
-    if not os.path.exists(path):
+    if not src.has_file(MANIFEST_NAME):
         return None
+    path = src.path(MANIFEST_NAME)
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
+        raw = json.loads(src.read_bytes(MANIFEST_NAME).decode("utf-8"))
         if raw.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {raw.get('format')!r}, expected {MANIFEST_FORMAT!r}")
         if raw.get("version") != MANIFEST_VERSION:
@@ -114,6 +101,8 @@ def read_manifest(folder: str) -> Manifest | None:
             replicated_unmatched=list(raw.get("replicated_unmatched", [])),
             source=raw.get("source"), created_by=raw.get("created_by", ""),
         )
+    except CheckpointError:
+        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc})") from None
 
@@ -126,32 +115,40 @@ def sha256_file(path: str, block: int = 16 * 1024 * 1024) -> str:
     return hasher.hexdigest()
 
 
-def verify_folder(folder: str) -> tuple[Manifest | None, list[str]]:
-    """Check every file of the manifest (exists, size, SHA-256); return the problems found."""
-    manifest = read_manifest(folder)
+def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:
+    """Check every file of the manifest (exists, size, SHA-256); return the problems found.
+
+    Works on a local folder and on an object-store prefix (objects are hashed from ranged reads).
+    """
+    src = open_source(folder)
+    manifest = read_manifest(src)
     if manifest is None:
-        return None, [f"{folder}: no {MANIFEST_NAME}: not a checkpoint saved by distload, or its save "
+        return None, [f"{src.folder}: no {MANIFEST_NAME}: not a checkpoint saved by distload, or its save "
                       f"did not finish; nothing to verify against"]
     problems = []
     for entry in manifest.files:
-        path = os.path.join(folder, entry.name)
-        if not os.path.isfile(path):
+        if not src.has_file(entry.name):
             problems.append(f"{entry.name} (rank {entry.rank}): missing")
             continue
-        size = os.path.getsize(path)
+        size = src.file_size(entry.name)
         if size != entry.size:
             problems.append(f"{entry.name} (rank {entry.rank}): {size} bytes, the manifest says {entry.size}")
             continue
-        digest = sha256_file(path)
+        hasher = hashlib.sha256()
+        for chunk in src.iter_chunks(entry.name):
+            hasher.update(chunk)
+        digest = hasher.hexdigest()
         if digest != entry.sha256:
             problems.append(f"{entry.name} (rank {entry.rank}): SHA-256 {digest[:16]}... differs from the "
                             f"manifest's {entry.sha256[:16]}...: the file was changed or corrupted")
     return manifest, problems
 
 
-def manifest_files_for_rank(manifest: Manifest, folder: str, pattern: str, rank: int,
+def manifest_files_for_rank(manifest: Manifest, folder: "str | Source", pattern: str, rank: int,
                             world_size: int) -> list[str]:
-    """This rank's file names per the manifest, after checking they match the job and the disk."""
+    """This rank's file names per the manifest, after checking they match the job and the storage."""
+    src = open_source(folder)
+    folder = src.folder
     if pattern != manifest.pattern:
         raise ShardLayoutError(
             f"{folder} was saved with the file pattern {manifest.pattern!r} (see {MANIFEST_NAME}), "
@@ -169,11 +166,10 @@ def manifest_files_for_rank(manifest: Manifest, folder: str, pattern: str, rank:
         raise ShardLayoutError(f"{folder}: {MANIFEST_NAME} lists no file for rank {rank}; the manifest is damaged")
     problems = []
     for entry in entries:
-        path = os.path.join(folder, entry.name)
-        if not os.path.isfile(path):
+        if not src.has_file(entry.name):
             problems.append(f"{entry.name} is missing")
-        elif os.path.getsize(path) != entry.size:
-            problems.append(f"{entry.name} is {os.path.getsize(path)} bytes, the manifest says {entry.size}")
+        elif src.file_size(entry.name) != entry.size:
+            problems.append(f"{entry.name} is {src.file_size(entry.name)} bytes, the manifest says {entry.size}")
     if problems:
         raise CheckpointError(
             f"{folder}: rank {rank}'s files do not match {MANIFEST_NAME}: {'; '.join(problems)}; "

@@ -18,7 +18,8 @@ from typing import Iterator
 import torch
 
 from ..config import applied_environment, runai_environment
-from ..errors import BackendUnavailableError, CheckpointError
+from ..errors import BackendUnavailableError, CheckpointError, DistloadError, ObjectStoreError
+from ..sources import is_object_store
 from .base import BackendRun, ReadRequest
 
 log = logging.getLogger("distload")
@@ -39,26 +40,85 @@ def read_runai(request: ReadRequest) -> BackendRun:
     streamer_cls = _import_streamer()
     group = request.group
     distributed = request.cooperative and group.world_size > 1
+    paths = [info.path for info in request.index.files]
     env = runai_environment(request.extra)
+    store = _object_store(paths)
+    if store is not None:
+        env.update(store.reader_environment())
     if distributed:
         # "auto" means NCCL only: on gloo the library would quietly stream alone on each rank.
         env["RUNAI_STREAMER_DIST"] = "1"
         env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(group.timeout.total_seconds())))
     run = BackendRun("runai-distributed" if distributed else "runai")
-    return run.start(_stream(streamer_cls, request, env, distributed, run))
+    return run.start(_stream(streamer_cls, request, env, distributed, run, store))
+
+
+# Run:ai 0.17 serves a single object-store type per process: after it read from s3://, a gs://
+# read fails with b'File access error', and the other way round (seen here with 0.17.1). Remember
+# the first type used, and refuse another with the reason instead.
+_runai_store_used: dict[str, str] = {}
+
+
+def _check_one_store_kind(scheme: str) -> None:
+    used = _runai_store_used.get("scheme")
+    if used is not None and used != scheme:
+        raise BackendUnavailableError(
+            f"Run:ai's reader serves one object-store type per process, and this process already read "
+            f"from {used}:// with it: a read from {scheme}:// here would fail with b'File access error'. "
+            f"Load {scheme}:// sources in another process, or with --load-format safetensors (ranged "
+            f"reads) in this one"
+        )
+
+
+def _object_store(paths: list[str]):
+    """The store all ``paths`` are in, or None for local files (Run:ai takes one scheme per call)."""
+    remote = [p for p in paths if is_object_store(p)]
+    if not remote:
+        return None
+    schemes = {p.split("://", 1)[0] for p in paths}
+    if len(remote) != len(paths) or len(schemes) > 1:
+        raise CheckpointError(f"Run:ai reads one storage type per load, got {', '.join(sorted(schemes))}")
+    from ..stores import store_for
+
+    return store_for(remote[0])[0]
+
+
+def _read_failure(paths: list[str], store, exc: BaseException) -> DistloadError:
+    """An error that says what went wrong, for Run:ai's opaque ``b'File access error'``."""
+    if store is None:
+        return CheckpointError(f"Run:ai could not read {', '.join(paths)}: {exc}")
+    from ..stores import scrub
+
+    try:
+        found = store.diagnose(paths)
+    except ObjectStoreError as diagnosed:
+        return diagnosed
+    if found is not None:
+        return found
+    return CheckpointError(scrub(
+        f"Run:ai's {store.product} reader could not read {', '.join(paths)} ({exc}), yet distload's own "
+        f"{store.product} client reaches every one of them at {store.endpoint().describe()}: the reader is "
+        f"configured differently. It connects to {store.reader_endpoint().describe()}; set "
+        f"RUNAI_STREAMER_LOG_TO_STDERR=1 to see its own reason"))
 
 
 def _stream(streamer_cls, request: ReadRequest, env: dict[str, str], distributed: bool,
-            run: BackendRun) -> Iterator[tuple[str, torch.Tensor]]:
+            run: BackendRun, store) -> Iterator[tuple[str, torch.Tensor]]:
     paths = [info.path for info in request.index.files]
     if not paths:
         return
+    if store is not None:
+        _check_one_store_kind(store.scheme)
+        # Run:ai's GCS reader retries an endpoint that is down for minutes: check it answers first.
+        store.check_reachable(paths[0], store.reader_endpoint())
     with applied_environment(env), streamer_cls() as streamer:
         try:
             streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
         except ValueError as exc:
-            # Run:ai reports every I/O fault as b'File access error'; name the files at least.
-            raise CheckpointError(f"Run:ai could not read {', '.join(paths)}: {exc}") from exc
+            # Run:ai reports every I/O fault as b'File access error'; find the real cause.
+            raise _read_failure(paths, store, exc) from exc
+        if store is not None:
+            _runai_store_used.setdefault("scheme", store.scheme)
         took_distributed = bool(getattr(streamer.file_streamer, "is_distributed", False))
         run.path = "runai-distributed" if took_distributed else "runai"
         if distributed and not took_distributed:
@@ -67,4 +127,9 @@ def _stream(streamer_cls, request: ReadRequest, env: dict[str, str], distributed
                 "set RUNAI_STREAMER_LOG_TO_STDERR=1 for its reason); the report says path=runai",
                 request.group.rank,
             )
-        yield from streamer.get_tensors()
+        try:
+            yield from streamer.get_tensors()
+        except ValueError as exc:
+            if "access error" not in str(exc):
+                raise
+            raise _read_failure(paths, store, exc) from exc

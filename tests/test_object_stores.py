@@ -1,0 +1,763 @@
+"""Loads from S3, GCS and Azure Blob against real servers on 127.0.0.1 (issue 4).
+
+    python -m pytest -q tests/test_object_stores.py
+
+Every store gets the same tests (parametrised by ``store``): whole and pre-sharded loads on 1 and
+2 ranks, bit for bit against a plain safetensors read of the local files (report digests); the
+bytes the server served for a cooperative read (a byte-counting proxy in front of it) against
+the objects' sizes; every error class with its message; a dead endpoint failing within a bounded
+time; no credential in any output. S3 runs on s3rver (and moto for unsigned/denied cases), GCS on
+gcp-storage-emulator, Azure on Azurite over HTTPS.
+
+Azure: Run:ai's Azure reader trusts only /etc/ssl/certs/ca-certificates.crt, so
+``test_azure_in_private_namespace`` re-runs this module for the ``azure`` store inside
+``unshare -rnm`` with a bundle (system CAs + a test CA made here) bind-mounted over that file,
+Azurite started inside: the machine's trust store is never changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import distload
+import distload.__main__
+import distload.save
+from distload.backends import BACKENDS, ReadRequest
+from distload.checkpoint import CheckpointIndex
+from distload.errors import BackendUnavailableError, CheckpointError, ObjectStoreError, ShardLayoutError
+from distload.inspection import inspect_source
+from distload.manifest import verify_folder
+
+from conftest import every_dtype_state, plain_digest, run_distload, write_sharded, write_whole
+from object_store_servers import (
+    AZURITE_KEY,
+    CANARY_SECRET,
+    ByteCountingProxy,
+    closed_port,
+    in_ci,
+    make_test_certificates,
+    start_azurite,
+    start_gcs,
+    start_moto,
+    start_s3rver,
+)
+
+IN_AZURE_NAMESPACE = os.environ.get("DISTLOAD_AZURE_NAMESPACE") == "1"
+STORES = ["azure"] if IN_AZURE_NAMESPACE else ["s3rver", "gcs"]
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+# Generous: a dead endpoint fails in well under a second here; Run:ai's GCS reader alone would
+# retry for minutes.
+UNREACHABLE_DEADLINE_S = 30.0
+MEASURED: dict[str, object] = {}
+BIG_TENSOR_ELEMENTS = 1024 * 1024  # 4 MiB of float32 per tensor
+
+
+# Credentials the tests put in the environment: no output may contain one.
+SECRETS = (CANARY_SECRET, "RGlzdGxvYWRDYW5hcnlTZWNyZXQtNGIxZDdlMGM5YQ==", AZURITE_KEY)
+
+
+def assert_no_secret(*texts: str) -> None:
+    for text in texts:
+        for secret in SECRETS:
+            assert secret not in text, "a credential leaked into the output"
+
+
+# -- servers and checkpoints -------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=STORES)
+def store(request, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp(f"store-{request.param}"))
+    if request.param == "s3rver":
+        server = start_s3rver(workdir)
+    elif request.param == "gcs":
+        server = start_gcs(workdir)
+    else:
+        server = start_azurite(workdir, os.environ["DISTLOAD_AZURE_CERT_DIR"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def store_env(store, monkeypatch):
+    """This process's environment set up for ``store`` (for in-process loads)."""
+    for key in LAUNCH_VARS + tuple(store.unset_keys()):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in store.env().items():
+        monkeypatch.setenv(key, value)
+    return store.env()
+
+
+def big_state(seed: int, num_tensors: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(BIG_TENSOR_ELEMENTS, generator=generator)
+            for i in range(num_tensors)}
+
+
+class Checkpoints:
+    """The local checkpoints, their uploads, and what a plain read of them gives."""
+
+    def __init__(self, store, root: str):
+        self.root = root
+        # whole, every dtype, 0-d and empty tensors, 3 files
+        self.whole = os.path.join(root, "whole")
+        self.whole_files = write_whole(self.whole, every_dtype_state(seed=1))
+        with open(os.path.join(self.whole, "config.json"), "w") as f:
+            json.dump({"model_type": "test"}, f)
+        # index.json names two files; a stray third file repeats a tensor (read, it would fail)
+        self.indexed = os.path.join(root, "indexed")
+        os.makedirs(self.indexed)
+        save_file({"a": torch.arange(6, dtype=torch.int32), "b": torch.ones(2, 3)},
+                  os.path.join(self.indexed, "one.safetensors"))
+        save_file({"c": torch.zeros(4, dtype=torch.bfloat16)}, os.path.join(self.indexed, "two.safetensors"))
+        save_file({"a": torch.ones(1)}, os.path.join(self.indexed, "stray.safetensors"))
+        with open(os.path.join(self.indexed, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {"a": "one.safetensors", "b": "one.safetensors",
+                                                      "c": "two.safetensors"}}, f)
+        self.indexed_files = [os.path.join(self.indexed, n) for n in ("one.safetensors", "two.safetensors")]
+        # pre-sharded without a manifest (vLLM style), for 1 and 2 ranks
+        self.sharded1 = os.path.join(root, "sharded1")
+        write_sharded(self.sharded1, world_size=1)
+        self.sharded2 = os.path.join(root, "sharded2")
+        write_sharded(self.sharded2, world_size=2)
+        # pre-sharded by distload (with its manifest), for 2 ranks
+        self.saved2 = os.path.join(root, "saved2")
+        distload.save.reshard(self.whole, self.saved2, 2, plan="replicate")
+        # 24 MiB in 3 files: large against the listing and header reads, for the byte counts
+        self.big = os.path.join(root, "big")
+        self.big_files = write_whole(self.big, big_state(7, 6), num_files=3)
+        # a prefix with no safetensors at its level (one in a sub-folder)
+        self.nothing = os.path.join(root, "nothing")
+        os.makedirs(os.path.join(self.nothing, "sub"))
+        with open(os.path.join(self.nothing, "config.json"), "w") as f:
+            f.write("{}")
+        save_file({"x": torch.ones(1)}, os.path.join(self.nothing, "sub", "model.safetensors"))
+
+        self.uri = {name: store.upload_folder(os.path.join(root, name), name)
+                    for name in ("whole", "indexed", "sharded1", "sharded2", "saved2", "big", "nothing")}
+
+    @staticmethod
+    def rank_files(folder: str, rank: int) -> list[str]:
+        return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(f"model-rank-{rank}-"))
+
+
+@pytest.fixture(scope="module")
+def ckpts(store, tmp_path_factory):
+    return Checkpoints(store, str(tmp_path_factory.mktemp(f"ckpts-{store.name}")))
+
+
+def load_report(uri: str, fmt: str, extra=None):
+    with distload.WorkerGroup(device="cpu") as group:
+        state, report = distload.Loader(uri, fmt, extra, group=group).load_with_report()
+    return state, report.ranks[0]
+
+
+def run_driver(loads: list[dict], tmp_path, env: dict, nproc: int | None, timeout: float = 240):
+    spec, out = str(tmp_path / "spec.json"), str(tmp_path / "out.json")
+    with open(spec, "w") as f:
+        json.dump(loads, f)
+    script = os.path.join(os.path.dirname(__file__), "store_load_driver.py")
+    cmd = [sys.executable, script, spec, out] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, spec, out]
+    full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert_no_secret(result.stdout, result.stderr)
+    with open(out) as f:
+        text = f.read()
+    assert_no_secret(text)
+    return json.loads(text)
+
+
+# -- without a server: URIs, endpoints, scrubbing, the ranged reader's grouping --------------------
+
+def test_scrub_removes_every_credential(monkeypatch):
+    from distload.stores import scrub
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY_SECRET)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"AccountName=a;AccountKey={AZURITE_KEY};")
+    text = (f"denied: {CANARY_SECRET} key {AZURITE_KEY} AccountKey=abc123; "
+            f"https://a.blob.core.windows.net/c/b?sv=2024&sig=c2VjcmV0c2ln&se=1 "
+            f"https://b.s3.amazonaws.com/k?X-Amz-Signature=0123abcd&X-Amz-Security-Token=tok")
+    clean = scrub(text)
+    for secret in (CANARY_SECRET, AZURITE_KEY, "abc123", "c2VjcmV0c2ln", "0123abcd", "tok"):
+        assert secret not in clean
+    assert clean.count("<redacted>") >= 6
+
+
+def test_endpoints_and_reader_environment(monkeypatch):
+    from distload.stores.azure import AzureStore
+    from distload.stores.base import get_store
+    from distload.stores.gcs import GCSStore
+    from distload.stores.s3 import S3Store
+
+    for key in ("AWS_ENDPOINT_URL", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "AWS_EC2_METADATA_DISABLED",
+                "STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT", "AZURE_STORAGE_ACCOUNT_NAME",
+                "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ENDPOINT_SUFFIX"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://minio.local:9000")
+    s3 = S3Store()
+    assert s3.endpoint().describe() == "http://minio.local:9000 (from RUNAI_STREAMER_S3_ENDPOINT)"
+    assert s3.reader_environment() == {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+                                       "AWS_EC2_METADATA_DISABLED": "true"}
+    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "https://s3.eu-west-1.amazonaws.com")
+    assert S3Store().reader_environment() == {}  # AWS itself: virtual hosts and instance roles stay
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
+    assert GCSStore().reader_environment() == {"CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:4443"}
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
+                       "DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=a2V5;EndpointSuffix=core.windows.net")
+    azure = AzureStore()
+    assert azure.reader_environment() == {"AZURE_STORAGE_ACCOUNT_NAME": "acct", "AZURE_STORAGE_ACCOUNT_KEY": "a2V5",
+                                          "AZURE_STORAGE_ENDPOINT_SUFFIX": "blob.core.windows.net"}
+    assert azure.reader_endpoint().url == "https://acct.blob.core.windows.net"
+    assert get_store("gs") is get_store("gs")  # one client per configuration
+
+
+def test_ranged_reader_coalesces_requests():
+    from distload.backends.ranged import coalesce
+    from distload.checkpoint import TensorInfo
+
+    tensors = [TensorInfo(f"t{i}", "U8", (size,), "f", begin, begin + size)
+               for i, (begin, size) in enumerate([(100, 10), (110, 30), (140, 100), (240, 5)])]
+    assert [(s, e, [t.name for t in m]) for s, e, m in coalesce(tensors, chunk_bytes=50)] == [
+        (100, 140, ["t0", "t1"]), (140, 240, ["t2"]), (240, 245, ["t3"])]
+    assert len(coalesce(tensors, chunk_bytes=1000)) == 1
+
+
+# -- one rank, in this process: ranged reads, dummy, index, inspect, verify ---------------------
+
+def test_whole_checkpoint_ranged_reads_bit_for_bit(store, store_env, ckpts):
+    state, report = load_report(ckpts.uri["whole"], "safetensors")
+    assert report.path == "ranged-reads"
+    assert report.files == [f"{ckpts.uri['whole']}/{os.path.basename(p)}" for p in ckpts.whole_files]
+    assert report.digest == plain_digest(ckpts.whole_files)
+    # one object named directly
+    one = f"{ckpts.uri['whole']}/{os.path.basename(ckpts.whole_files[1])}"
+    _, report = load_report(one, "safetensors")
+    assert report.files == [one] and report.digest == plain_digest([ckpts.whole_files[1]])
+
+
+def test_dummy_reads_headers_only(store, store_env, ckpts):
+    state, report = load_report(ckpts.uri["whole"], "dummy")
+    expected = every_dtype_state(seed=1)
+    assert report.path == "dummy"
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in state.items()} == \
+        {k: (v.dtype, tuple(v.shape)) for k, v in expected.items()}
+
+
+def test_index_json_is_honoured(store, store_env, ckpts):
+    _, report = load_report(ckpts.uri["indexed"], "safetensors")
+    assert report.files == [f"{ckpts.uri['indexed']}/one.safetensors", f"{ckpts.uri['indexed']}/two.safetensors"]
+    assert report.digest == plain_digest(ckpts.indexed_files)
+
+
+def test_sharded_one_rank_ranged_reads(store, store_env, ckpts):
+    _, report = load_report(ckpts.uri["sharded1"], "sharded_state")
+    assert report.path == "ranged-reads"
+    assert report.digest == plain_digest(Checkpoints.rank_files(ckpts.sharded1, 0))
+
+
+def test_inspect_and_verify(store, store_env, ckpts, capsys):
+    info = inspect_source(ckpts.uri["saved2"])
+    assert info["layout"] == "sharded" and info["saved_world_size"] == 2 and info["manifest"] is True
+    assert all(f["path"].startswith(ckpts.uri["saved2"] + "/") for f in info["files"])
+    info = inspect_source(ckpts.uri["whole"])
+    assert info["layout"] == "whole" and info["num_tensors"] == len(every_dtype_state())
+    manifest, problems = verify_folder(ckpts.uri["saved2"])
+    assert manifest is not None and manifest.world_size == 2 and problems == []
+    assert distload.__main__.main(["verify", ckpts.uri["saved2"]]) == 0
+    assert "OK" in capsys.readouterr().out
+    # the same checkpoint with one part changed (same size) and one part gone
+    bad = store.upload_folder(ckpts.saved2, "saved2-damaged")
+    name = sorted(n for n in os.listdir(ckpts.saved2) if n.endswith(".safetensors"))
+    with open(os.path.join(ckpts.saved2, name[0]), "rb") as f:
+        data = bytearray(f.read())
+    data[-1] ^= 0xFF
+    store.put(f"saved2-damaged/{name[0]}", bytes(data))
+    store.delete(f"saved2-damaged/{name[-1]}")
+    _, problems = verify_folder(bad)
+    text = "\n".join(problems)
+    assert f"{name[0]} (rank 0): SHA-256" in text and "changed or corrupted" in text
+    assert f"{name[-1]} (rank 1): missing" in text
+
+
+# -- errors: each class, with its message --------------------------------------------------------
+
+def expect_store_error(uri: str, fmt: str = "safetensors", cause: str | None = None) -> str:
+    start = time.monotonic()
+    with pytest.raises(CheckpointError) as info:
+        load_report(uri, fmt)
+    message = str(info.value)
+    if cause is not None:
+        assert isinstance(info.value, ObjectStoreError) and info.value.cause == cause, message
+    assert "File access error" not in message
+    assert_no_secret(message)
+    assert time.monotonic() - start < UNREACHABLE_DEADLINE_S
+    return message
+
+
+def test_bucket_missing(store, store_env, ckpts):
+    word = "container" if store.scheme == "az" else "bucket"
+    uri = f"{store.scheme}://no-such-{word}-here/whole"
+    message = expect_store_error(uri, cause="bucket-missing")
+    assert message.startswith(uri + ":")
+    assert f"the {word} 'no-such-{word}-here' does not exist" in message
+    assert f"127.0.0.1:{store.port}" in message or f"localhost:{store.port}" in message
+
+
+def test_object_missing(store, store_env, ckpts):
+    uri = f"{ckpts.uri['whole']}/model-00009-of-00009.safetensors"
+    message = expect_store_error(uri, cause="object-missing")
+    assert message.startswith(uri + ": the object does not exist")
+    # an index naming an object that is not there
+    store.upload_folder(ckpts.indexed, "indexed-broken")
+    store.delete("indexed-broken/two.safetensors")
+    message = expect_store_error(store.uri("indexed-broken"))
+    assert "names files that are not in" in message and "two.safetensors" in message
+
+
+def test_no_safetensors_under_prefix_lists_what_is_there(store, store_env, ckpts):
+    message = expect_store_error(ckpts.uri["nothing"])
+    assert "no .safetensors objects under this prefix" in message
+    assert "config.json" in message and "sub/" in message
+    message = expect_store_error(store.uri("never-uploaded"))
+    assert "nothing is stored under never-uploaded/" in message
+
+
+def test_access_denied(store, ckpts, monkeypatch):
+    env, cleanup = store.denied_env()
+    for key in LAUNCH_VARS + tuple(store.unset_keys()):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    try:
+        message = expect_store_error(ckpts.uri["whole"], cause="access-denied")
+    finally:
+        if cleanup:
+            cleanup["close"]()
+    assert message.startswith(ckpts.uri["whole"] + ": access denied by the")
+    assert {"s3": "AWS_ACCESS_KEY_ID", "gs": "GOOGLE_APPLICATION_CREDENTIALS",
+            "az": "AZURE_STORAGE_ACCOUNT_KEY"}[store.scheme] in message
+
+
+@pytest.mark.parametrize("fmt", ["runai_streamer", "safetensors", "dummy", "sharded_state",
+                                 "runai_streamer_sharded", "auto"])
+def test_unreachable_endpoint_fails_fast_on_every_format(store, ckpts, monkeypatch, fmt):
+    port = closed_port()
+    for key in LAUNCH_VARS + tuple(store.unset_keys()):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in store.env(port).items():
+        monkeypatch.setenv(key, value)
+    start = time.monotonic()
+    message = expect_store_error(ckpts.uri["sharded1" if "shard" in fmt else "whole"], fmt, cause="unreachable")
+    seconds = time.monotonic() - start
+    MEASURED[f"{store.name} unreachable ({fmt}) s"] = round(seconds, 3)
+    assert f":{port}" in message and "cannot reach the" in message
+    assert "connection refused" in message
+
+
+class BlackHole:
+    """A loopback port whose SYNs go unanswered (listen backlog full): an endpoint behind a
+    firewall that drops packets, without sending anything off this machine."""
+
+    def __init__(self):
+        import socket
+
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(0)
+        self.port = self.server.getsockname()[1]
+        self.fillers = []
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            try:
+                filler.connect(("127.0.0.1", self.port))
+            except BlockingIOError:
+                pass
+            self.fillers.append(filler)
+        time.sleep(0.2)
+
+    def close(self):
+        for s in self.fillers + [self.server]:
+            s.close()
+
+
+def test_endpoint_that_never_answers_fails_within_bound(store, ckpts, monkeypatch):
+    hole = BlackHole()
+    try:
+        for key in LAUNCH_VARS + tuple(store.unset_keys()):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in store.env(hole.port).items():
+            monkeypatch.setenv(key, value)
+        start = time.monotonic()
+        message = expect_store_error(ckpts.uri["whole"], "runai_streamer", cause="unreachable")
+        MEASURED[f"{store.name} silent endpoint s"] = round(time.monotonic() - start, 2)
+    finally:
+        hole.close()
+    assert f"no answer from 127.0.0.1:{hole.port} within 5 s" in message
+
+
+def test_reader_checks_the_endpoint_before_run_ai(store, store_env, ckpts, monkeypatch):
+    """The endpoint dies between planning and reading: Run:ai's reader is not started (its GCS
+    reader would retry for minutes); the backend's own check fails within seconds."""
+    with distload.WorkerGroup(device="cpu") as group:
+        plan = distload.loader.plan_rank(ckpts.uri["whole"], distload.make_load_config("runai_streamer"), group)
+        port = closed_port()
+        for key, value in store.env(port).items():
+            monkeypatch.setenv(key, value)
+        request = ReadRequest(CheckpointIndex(plan.index.files), group.device, group, {}, False)
+        start = time.monotonic()
+        with pytest.raises(ObjectStoreError) as info:
+            list(BACKENDS["runai"](request).tensors())
+    MEASURED[f"{store.name} reader endpoint check s"] = round(time.monotonic() - start, 3)
+    assert time.monotonic() - start < UNREACHABLE_DEADLINE_S
+    assert info.value.cause == "unreachable" and f":{port}" in str(info.value)
+
+
+def test_instanttensor_refuses_object_stores(store, store_env, ckpts):
+    with pytest.raises(BackendUnavailableError, match="instanttensor reads local files only"):
+        load_report(ckpts.uri["whole"], "instanttensor")
+
+
+def test_manifest_world_size_checked(store, store_env, ckpts):
+    with pytest.raises(ShardLayoutError, match="was saved for 2 ranks, but this job has 1"):
+        load_report(ckpts.uri["saved2"], "sharded_state")
+
+
+# -- Run:ai: one rank (one process), then two ranks (torchrun) -----------------------------------
+
+def test_run_ai_one_rank(store, ckpts, tmp_path):
+    uri = ckpts.uri
+    results = run_driver([
+        {"source": uri["whole"], "format": "runai_streamer"},
+        {"source": uri["whole"], "format": "auto"},
+        {"source": uri["indexed"], "format": "runai_streamer", "extra": {"concurrency": 4}},
+        {"source": uri["sharded1"], "format": "runai_streamer_sharded"},
+    ], tmp_path, store.env(), nproc=None)
+    assert [r.get("error") for r in results] == [None] * 4, results
+    digests = [plain_digest(ckpts.whole_files)] * 2 + [plain_digest(ckpts.indexed_files),
+                                                       plain_digest(Checkpoints.rank_files(ckpts.sharded1, 0))]
+    for result, digest in zip(results, digests):
+        (rank,) = result["ranks"]
+        assert rank["path"] == "runai" and rank["digest"] == digest
+
+
+def test_run_ai_failure_names_the_object_and_cause(store, ckpts, tmp_path):
+    """An object removed after planning: Run:ai says b'File access error'; distload says which
+    object and why."""
+    store.upload_folder(ckpts.whole, "whole-vanishing")
+    victim = os.path.basename(ckpts.whole_files[2])
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import distload
+import distload.__main__
+import distload.save
+from distload.backends import BACKENDS, ReadRequest
+from object_store_servers import StoreServer
+server = StoreServer({store.name!r}, {store.scheme!r}, {store.bucket!r}, {store.port}, {store.workdir!r}, None, {store.extra!r})
+with distload.WorkerGroup(device="cpu") as group:
+    plan = distload.loader.plan_rank({store.uri('whole-vanishing')!r}, distload.make_load_config("runai_streamer"), group)
+    server.delete("whole-vanishing/{victim}")
+    try:
+        list(BACKENDS["runai"](ReadRequest(plan.index, group.device, group, {{}}, False)).tensors())
+    except distload.DistloadError as exc:
+        print("ERROR", type(exc).__name__, getattr(exc, "cause", None), exc)
+"""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(store.env())
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert_no_secret(result.stdout, result.stderr)
+    line = [x for x in result.stdout.splitlines() if x.startswith("ERROR")]
+    assert line, result.stdout + result.stderr[-3000:]
+    assert f"ObjectStoreError object-missing {store.uri('whole-vanishing')}/{victim}: the object does not exist" \
+        in line[0]
+
+
+def _byte_count_run(store, ckpts, tmp_path, distributed: bool):
+    proxy = ByteCountingProxy(store.port)
+    report_path = str(tmp_path / "report.json")
+    try:
+        result = run_distload(
+            ["load", ckpts.uri["big"], "--load-format", "runai_streamer", "--model-loader-extra-config",
+             json.dumps({"distributed": distributed}), "--report-json", report_path, "--no-progress"],
+            nproc=2, env=store.env(proxy.port), timeout=240)
+    finally:
+        proxy.close()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert_no_secret(result.stdout, result.stderr, open(report_path).read())
+    with open(report_path) as f:
+        report = json.load(f)
+    total = sum(os.path.getsize(p) for p in ckpts.big_files)
+    expected = plain_digest(ckpts.big_files)
+    assert [r["digest"] for r in report["ranks"]] == [expected, expected]
+    return report, proxy.served, total
+
+
+def test_two_ranks_cooperative_read_fetches_each_byte_once(store, ckpts, tmp_path):
+    report, served, total = _byte_count_run(store, ckpts, tmp_path, distributed=True)
+    assert [r["path"] for r in report["ranks"]] == ["runai-distributed"] * 2
+    MEASURED[f"{store.name} served/size distributed"] = round(served / total, 4)
+    # served counts everything: both ranks' listings and header reads, HTTP (or TLS) framing
+    assert served <= 1.05 * total, f"served {served} bytes for {total} bytes of objects"
+    assert served >= total
+
+
+def test_two_ranks_each_reading_alone_fetches_twice(store, ckpts, tmp_path):
+    report, served, total = _byte_count_run(store, ckpts, tmp_path, distributed=False)
+    assert [r["path"] for r in report["ranks"]] == ["runai", "runai"]
+    MEASURED[f"{store.name} served/size alone"] = round(served / total, 4)
+    assert 1.9 * total <= served <= 2.1 * total
+
+
+def test_two_ranks_every_format(store, ckpts, tmp_path):
+    uri = ckpts.uri
+    results = run_driver([
+        {"source": uri["whole"], "format": "safetensors"},
+        {"source": uri["whole"], "format": "auto"},
+        {"source": uri["whole"], "format": "dummy"},
+        {"source": uri["sharded2"], "format": "sharded_state"},
+        {"source": uri["sharded2"], "format": "runai_streamer_sharded"},
+        {"source": uri["saved2"], "format": "runai_streamer_sharded"},
+        {"source": uri["saved2"], "format": "auto"},
+        {"source": uri["sharded1"], "format": "sharded_state"},
+    ], tmp_path, store.env(), nproc=2)
+    whole = plain_digest(ckpts.whole_files)
+    paths = [[r["path"] for r in result["ranks"]] if "ranks" in result else result for result in results]
+    assert paths[:7] == [["ranged-reads"] * 2, ["runai-distributed"] * 2, ["dummy"] * 2,
+                         ["ranged-reads"] * 2, ["runai"] * 2, ["runai"] * 2, ["runai"] * 2], paths
+    assert [r["digest"] for r in results[0]["ranks"]] == [whole, whole]
+    assert [r["digest"] for r in results[1]["ranks"]] == [whole, whole]
+    for i in (3, 4):
+        assert [r["digest"] for r in results[i]["ranks"]] == [
+            plain_digest(Checkpoints.rank_files(ckpts.sharded2, rank)) for rank in (0, 1)]
+    for i in (5, 6):
+        assert [r["digest"] for r in results[i]["ranks"]] == [
+            plain_digest(Checkpoints.rank_files(ckpts.saved2, rank)) for rank in (0, 1)]
+    # a job larger than the checkpoint: the layout error names what exists, on every rank
+    assert "Files exist for ranks 0: the checkpoint was saved for 1 ranks, this job has 2" in results[7]["error"]
+
+
+def test_cli_two_ranks_sharded_and_inspect(store, ckpts, tmp_path):
+    report_path = str(tmp_path / "report.json")
+    result = run_distload(["load", ckpts.uri["sharded2"], "--load-format", "runai_streamer_sharded",
+                           "--report-json", report_path, "--no-progress"], nproc=2, env=store.env(), timeout=240)
+    assert result.returncode == 0, result.stderr[-5000:]
+    with open(report_path) as f:
+        report = json.load(f)
+    assert [r["digest"] for r in report["ranks"]] == [
+        plain_digest(Checkpoints.rank_files(ckpts.sharded2, rank)) for rank in (0, 1)]
+    assert [r["files"] for r in report["ranks"]] == [
+        [f"{ckpts.uri['sharded2']}/model-rank-{rank}-part-{part}.safetensors" for part in (0, 1)] for rank in (0, 1)]
+    inspected = run_distload(["inspect", ckpts.uri["sharded2"], "--json"], env=store.env(), timeout=120)
+    assert inspected.returncode == 0, inspected.stderr
+    assert json.loads(inspected.stdout)["saved_world_size"] == 2
+    assert_no_secret(result.stdout, result.stderr, inspected.stdout, inspected.stderr)
+
+
+# -- S3 only: moto (unsigned public buckets, no credentials, the legacy endpoint variable) -------
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    if IN_AZURE_NAMESPACE:
+        pytest.fail("the S3 tests do not run inside the Azure namespace (deselect them with -k azure)")
+    server = start_moto(str(tmp_path_factory.mktemp("moto")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto_ckpt(moto, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("moto-ckpt") / "whole")
+    files = write_whole(folder, every_dtype_state(seed=3))
+    moto.upload_folder(folder, "whole")
+    moto.create_bucket("distload-public", public=True)
+    public = moto.upload_folder(folder, "whole", bucket="distload-public", public=True)
+    return files, moto.uri("whole"), public
+
+
+def anonymous_env(moto) -> dict[str, str]:
+    env = {k: v for k, v in moto.env().items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env["AWS_EC2_METADATA_DISABLED"] = "true"  # no credential lookup may leave this machine
+    return env
+
+
+def test_moto_public_bucket_unsigned(moto, moto_ckpt, monkeypatch, tmp_path):
+    files, _, public = moto_ckpt
+    for key in LAUNCH_VARS + tuple(moto.unset_keys()) + ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {**anonymous_env(moto), "RUNAI_STREAMER_S3_UNSIGNED": "1"}.items():
+        monkeypatch.setenv(key, value)
+    _, report = load_report(public, "safetensors")
+    assert report.digest == plain_digest(files)
+    results = run_driver([{"source": public, "format": "runai_streamer"}], tmp_path,
+                         {**anonymous_env(moto), "RUNAI_STREAMER_S3_UNSIGNED": "1"}, nproc=None)
+    assert results[0]["ranks"][0]["digest"] == plain_digest(files), results
+    # without the switch and without credentials: said so, with the switch named
+    monkeypatch.delenv("RUNAI_STREAMER_S3_UNSIGNED")
+    message = expect_store_error(public, cause="no-credentials")
+    assert "no S3 credentials found" in message and "RUNAI_STREAMER_S3_UNSIGNED=1" in message
+
+
+def test_moto_private_bucket_denies_unsigned(moto, moto_ckpt, monkeypatch):
+    _, private, _ = moto_ckpt
+    env, _ = moto.denied_env()
+    for key in LAUNCH_VARS + tuple(moto.unset_keys()):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    message = expect_store_error(private, cause="access-denied")
+    assert "403" in message or "AccessDenied" in message, message
+
+
+def test_moto_legacy_endpoint_variable(moto, moto_ckpt, tmp_path):
+    files, private, _ = moto_ckpt
+    env = moto.env()
+    env["RUNAI_STREAMER_S3_ENDPOINT"] = env.pop("AWS_ENDPOINT_URL")
+    base = {k: v for k, v in os.environ.items() if k != "AWS_ENDPOINT_URL"}
+    report_path = str(tmp_path / "report.json")
+    cmd = [sys.executable, "-m", "distload", "load", private, "--load-format", "runai_streamer",
+           "--report-json", report_path, "--no-progress"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                            env={**{k: v for k, v in base.items() if k not in LAUNCH_VARS}, **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_no_secret(result.stdout, result.stderr)
+    with open(report_path) as f:
+        assert json.load(f)["ranks"][0]["digest"] == plain_digest(files)
+
+
+# -- memory_limit bounds Run:ai's host buffer ---------------------------------------------------
+
+RSS_PROBE = r"""
+import json, sys, threading, time
+import psutil
+import distload
+
+uri, warm, extra = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+process = psutil.Process()
+with distload.WorkerGroup(device="cpu") as group:
+    for _ in distload.iter_tensors(warm, "runai_streamer", extra, group=group):
+        pass  # loads the reader's libraries and threads: the baseline includes them
+    time.sleep(0.2)
+    base = process.memory_info().rss
+    peak, done = [base], []
+
+    def sample():
+        while not done:
+            peak[0] = max(peak[0], process.memory_info().rss)
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    nbytes = 0
+    for name, tensor in distload.iter_tensors(uri, "runai_streamer", extra, group=group):
+        nbytes += tensor.numel() * tensor.element_size()
+        del tensor  # each tensor dropped: what remains is the reader's buffer
+    done.append(1)
+    sampler.join()
+print(json.dumps({"base": base, "peak": peak[0], "nbytes": nbytes}))
+"""
+
+MIB = 1024 * 1024
+# What a load from S3 costs beyond Run:ai's buffer at concurrency 2: the S3 client's own buffers
+# for requests in flight (measured here: 46-53 MiB over the limit, the same for 128 and 256 MiB
+# checkpoints; about 80 MiB at the default concurrency 8; 4 MiB from local files), the tensor
+# being handed out, allocator slack.
+RSS_OVERHEAD = 80 * MIB
+MEMORY_LIMIT = 16 * MIB
+
+
+def test_memory_limit_bounds_peak_rss(tmp_path_factory):
+    if IN_AZURE_NAMESPACE:
+        pytest.fail("S3-only test: deselect it inside the Azure namespace")
+    workdir = str(tmp_path_factory.mktemp("memory"))
+    server = start_s3rver(workdir)
+    try:
+        folder = os.path.join(workdir, "ckpt")
+        files = write_whole(folder, big_state(11, 32), num_files=4)  # 128 MiB: 8x the limit
+        uri = server.upload_folder(folder, "big")
+        warm = os.path.join(workdir, "warm")
+        write_whole(warm, big_state(12, 1), num_files=1)
+        warm_uri = server.upload_folder(warm, "warm")
+        total = sum(os.path.getsize(p) for p in files)
+        env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+        env.update(server.env())
+        growth = {}
+        for limit in (MEMORY_LIMIT, -1):
+            extra = json.dumps({"memory_limit": limit, "concurrency": 2})
+            out = subprocess.run([sys.executable, "-c", RSS_PROBE, uri, warm_uri, extra], capture_output=True,
+                                 text=True, timeout=180, env=env)
+            assert out.returncode == 0, out.stderr[-3000:]
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            assert result["nbytes"] == 32 * 4 * MIB
+            growth[limit] = result["peak"] - result["base"]
+    finally:
+        server.stop()
+    MEASURED["rss growth MiB, memory_limit 16 MiB, 128 MiB from S3"] = round(growth[MEMORY_LIMIT] / MIB, 1)
+    MEASURED["rss growth MiB, memory_limit -1, 128 MiB from S3"] = round(growth[-1] / MIB, 1)
+    assert total >= 8 * MEMORY_LIMIT
+    assert growth[MEMORY_LIMIT] <= MEMORY_LIMIT + RSS_OVERHEAD, \
+        f"peak RSS grew {growth[MEMORY_LIMIT] / MIB:.1f} MiB with a {MEMORY_LIMIT / MIB:.0f} MiB limit"
+    # and the limit is what bounds it: without one the buffer takes about the whole checkpoint
+    assert growth[-1] > 0.75 * total
+
+
+# -- Azure: this module again, inside a private namespace ------------------------------------------
+
+def _namespaces_work() -> bool:
+    probe = subprocess.run(["unshare", "-rnm", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+def _azure_in_private_namespace(tmp_path):
+    unshare = shutil.which("unshare")
+    azurite = os.path.join(os.path.dirname(__file__), "node", "node_modules", ".bin", "azurite-blob")
+    if not (unshare and os.path.exists(azurite) and _namespaces_work()):
+        message = "Azure tests need Azurite (npm ci --prefix tests/node) and unshare -rnm"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    certs = make_test_certificates(str(tmp_path / "certs"))
+    inner = (
+        "set -e; ip link set lo up; "
+        f"mount --bind {certs['bundle.pem']} /etc/ssl/certs/ca-certificates.crt; "
+        f"exec {sys.executable} -m pytest -q -p no:cacheprovider -k azure "
+        f"{os.path.abspath(__file__)} -o addopts='' --timeout 600"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update({"DISTLOAD_AZURE_NAMESPACE": "1", "DISTLOAD_AZURE_CERT_DIR": os.path.dirname(certs["ca.pem"]),
+                "DISTLOAD_MEASURED_JSON": str(tmp_path / "measured.json")})
+    result = subprocess.run([unshare, "-rnm", "bash", "-c", inner], capture_output=True, text=True,
+                            timeout=900, env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    output = result.stdout + result.stderr
+    print(output[-4000:])
+    assert result.returncode == 0, output[-8000:]
+    assert " passed" in output and " skipped" not in output and " failed" not in output
+    if os.path.exists(tmp_path / "measured.json"):
+        with open(tmp_path / "measured.json") as f:
+            MEASURED.update(json.load(f))
+
+
+if not IN_AZURE_NAMESPACE:  # the outer half of the Azure run (inside, only the azure store runs)
+    test_azure_in_private_namespace = _azure_in_private_namespace
+
+
+def teardown_module(module):
+    if MEASURED:
+        print("\nmeasured:", json.dumps(MEASURED, indent=1))
+        target = os.environ.get("DISTLOAD_MEASURED_JSON")
+        if target:
+            with open(target, "w") as f:
+                json.dump(MEASURED, f)
