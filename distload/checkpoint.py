@@ -11,6 +11,7 @@ the data; offsets are relative to the first byte after the header.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -121,8 +122,29 @@ def parse_header(path: str, head: bytes, file_size: int) -> FileInfo:
     tensors = []
     for name, entry in header.items():
         tensors.append(_parse_entry(path, name, entry, data_start, data_len))
-    tensors.sort(key=lambda t: t.begin)
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    _check_coverage(path, tensors, data_start, data_len)
     return FileInfo(path=path, size=file_size, tensors=tuple(tensors), metadata=metadata)
+
+
+def _check_coverage(path: str, tensors: list[TensorInfo], data_start: int, data_len: int) -> None:
+    """Tensors must fill the data section back to back, as safetensors itself requires."""
+    cursor = data_start
+    previous = None
+    for tensor in tensors:
+        if tensor.begin != cursor:
+            what = "overlaps" if tensor.begin < cursor else f"leaves a gap of {tensor.begin - cursor} bytes after"
+            after = f"tensor {previous.name!r}" if previous else "the header"
+            raise CheckpointError(
+                f"{path}: corrupt header: tensor {tensor.name!r} {what} {after}; a safetensors file "
+                f"stores its tensors back to back (re-download or re-save it)"
+            )
+        cursor, previous = tensor.end, tensor
+    if cursor != data_start + data_len:
+        raise CheckpointError(
+            f"{path}: {data_start + data_len - cursor} bytes after the last tensor belong to no tensor "
+            f"of the header: the file is corrupt or something was appended to it (re-download or re-save it)"
+        )
 
 
 def _parse_entry(path: str, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
@@ -171,6 +193,30 @@ def read_local_header(path: str) -> FileInfo:
     except PermissionError:
         raise CheckpointError(f"{path}: permission denied") from None
     return parse_header(path, head, size)
+
+
+FINGERPRINT_SAMPLE_BYTES = 64 * 1024
+
+
+def content_fingerprint(info: FileInfo) -> str:
+    """SHA-256 of a local file's header and three samples of its data (start, middle, end).
+
+    Two nodes can hold different versions of a checkpoint at the same path with the same sizes
+    (a fine-tune of the same model); cooperative readers would then silently mix them. Every
+    weight changes in a fine-tune, so a few sampled blocks tell the versions apart at the cost of
+    four small reads per file.
+    """
+    hasher = hashlib.sha256()
+    data_start = info.tensors[0].begin if info.tensors else info.size
+    samples = [(0, data_start)]
+    if info.size > data_start:
+        middle = data_start + (info.size - data_start) // 2
+        for offset in (data_start, middle, max(data_start, info.size - FINGERPRINT_SAMPLE_BYTES)):
+            samples.append((offset, min(FINGERPRINT_SAMPLE_BYTES, info.size - offset)))
+    with open(info.path, "rb", buffering=0) as f:
+        for offset, size in samples:
+            hasher.update(os.pread(f.fileno(), size, offset))
+    return hasher.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -51,21 +51,22 @@ def _check_memory_limit(key: str, value: Any) -> None:
 def check_pattern(key: str, value: Any) -> None:
     """A shard file-name pattern: plain ``{rank}`` and ``{part}`` fields, each at least once."""
     example = f"e.g. {DEFAULT_SHARD_PATTERN!r}"
+    label = key if key.startswith("--") else f"extra config '{key}'"
     if not isinstance(value, str):
-        raise ConfigError(f"extra config '{key}' must be a string, {example}; got {value!r}")
+        raise ConfigError(f"{label} must be a string, {example}; got {value!r}")
     try:
         fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(value)
                   if name is not None]
     except ValueError as exc:
-        raise ConfigError(f"extra config '{key}' {value!r} is not a valid pattern ({exc}); {example}") from None
+        raise ConfigError(f"{label} {value!r} is not a valid pattern ({exc}); {example}") from None
     names = {name for name, _, _ in fields}
     if names != {"rank", "part"} or any(spec or conv for _, spec, conv in fields):
         raise ConfigError(
-            f"extra config '{key}' must contain the fields {{rank}} and {{part}} and no other field, "
+            f"{label} must contain the fields {{rank}} and {{part}} and no other field, "
             f"format spec or conversion (such as {{part:05d}}), {example}; got {value!r}"
         )
     if "/" in value:
-        raise ConfigError(f"extra config '{key}' {value!r} must be a file name, not a path")
+        raise ConfigError(f"{label} {value!r} must be a file name, not a path")
 
 
 def _check_positive_number(key: str, value: Any) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
@@ -27,9 +26,9 @@ import torch
 
 from .backends import BACKENDS, ReadRequest
 from .backends.instanttensor import check_instanttensor_device
-from .checkpoint import CheckpointIndex, build_index
+from .checkpoint import CheckpointIndex, build_index, content_fingerprint
 from .config import LoadConfig, make_load_config
-from .errors import CheckpointError, DistloadError, GroupError
+from .errors import BackendUnavailableError, CheckpointError, DistloadError, GroupError
 from .group import WorkerGroup
 from .manifest import manifest_files_for_rank, read_manifest
 from .plan import (
@@ -39,15 +38,16 @@ from .plan import (
     mismatched_ranks,
     shard_files_for_rank,
 )
-from .report import LoadReport, Progress, RankReport, gib_per_s, state_digest
-from .sources import (
-    check_source,
-    check_weight_map,
-    describe_names,
-    list_names,
-    read_header,
-    whole_checkpoint,
+from .report import (
+    LoadReport,
+    Progress,
+    RankReport,
+    gib_per_s,
+    peak_rss_bytes,
+    state_digest,
+    storage_read_bytes,
 )
+from .sources import check_weight_map, describe_names, open_source, whole_checkpoint
 
 log = logging.getLogger("distload")
 
@@ -63,61 +63,89 @@ class RankPlan:
     # tensor's storage (tied embeddings; restored as the same tensor).
     expected_keys: frozenset[str] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # For a cooperative read of local files: each file's content fingerprint, compared across ranks.
+    fingerprints: tuple[str, ...] = ()
+
+    def signature(self) -> list[tuple]:
+        """What ranks compare before a cooperative read: path, size (and content) per file."""
+        if not self.fingerprints:
+            return self.index.signature()
+        return [(path, size, fp) for (path, size), fp in zip(self.index.signature(), self.fingerprints)]
 
 
 def plan_rank(source: str, config: LoadConfig, group: WorkerGroup) -> RankPlan:
-    """List the source and read its headers for this rank (local I/O only, no collective)."""
-    path = check_source(source)
-    is_folder = os.path.isdir(path)
-    folder = path if is_folder else os.path.dirname(path)
-    names = list_names(folder) if is_folder else []
-    manifest = read_manifest(folder) if is_folder else None
+    """List the source and read its headers for this rank (I/O on the source only, no collective).
+
+    The same on a local folder and an object-store prefix: both go through a Source (one listing,
+    headers by ranged reads on object stores).
+    """
+    src = open_source(source)
+    if config.load_format == "instanttensor":
+        if src.remote:
+            raise BackendUnavailableError(
+                f"{source}: --load-format instanttensor reads local files only; load an object-store "
+                f"source with runai_streamer (extra config {{\"distributed\": true}} reads each byte "
+                f"once per node), or copy the checkpoint to local disk first"
+            )
+        check_instanttensor_device(group.device)  # fail at once, before any listing cost
+    is_folder = not src.is_file
+    folder = src.folder
+    names = src.names() if is_folder else []
+    manifest = read_manifest(src) if is_folder else None
     pattern = config.pattern
     if manifest is not None and "pattern" not in config.extra:
         pattern = manifest.pattern
     layout = find_shard_layout(names, pattern)
-    if config.load_format == "instanttensor":
-        check_instanttensor_device(group.device)  # fail at once, before any listing cost
     choice = choose_read(
         config.load_format,
         sharded_layout_found=bool(layout.parts_by_rank) or manifest is not None,
         device_type=group.device.type,
         world_size=group.world_size,
         distributed=config.distributed,
-        instanttensor_installed=importlib.util.find_spec("instanttensor") is not None,
+        # InstantTensor reads local files only; `auto` takes Run:ai for an object store.
+        instanttensor_installed=not src.remote and importlib.util.find_spec("instanttensor") is not None,
+        remote=src.remote,
     )
     if not choice.sharded:
-        paths, weight_map = whole_checkpoint(path)
+        paths, weight_map = whole_checkpoint(src)
         hint = ""
         if layout.parts_by_rank:
             hint = (f"; {folder} looks like a pre-sharded checkpoint (files for ranks "
                     f"{layout.ranks}): load it with --load-format sharded_state or "
                     f"runai_streamer_sharded")
-        index = build_index((read_header(p) for p in paths), hint=hint)
+        index = build_index(src.read_headers(paths), hint=hint)
         if weight_map is not None:
-            check_weight_map(path, weight_map, index)
-        return RankPlan(source, choice, index)
+            check_weight_map(folder, weight_map, index)
+        fingerprints: tuple[str, ...] = ()
+        if choice.cooperative and not src.remote:
+            # An object key names the same bytes for every rank; a local path may not.
+            fingerprints = tuple(content_fingerprint(info) for info in index.files)
+        return RankPlan(source, choice, index, fingerprints=fingerprints)
     if not is_folder:
         raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
     if manifest is None:
         files = shard_files_for_rank(layout, folder, group.rank, group.world_size, describe_names(names))
-        index = build_index(read_header(os.path.join(folder, name)) for name in files)
+        index = build_index(src.read_headers([src.path(name) for name in files]))
         return RankPlan(source, choice, index)
-    files = manifest_files_for_rank(manifest, folder, pattern, group.rank, group.world_size)
-    index = build_index(read_header(os.path.join(folder, name)) for name in files)
+    files = manifest_files_for_rank(manifest, src, pattern, group.rank, group.world_size)
+    index = build_index(src.read_headers([src.path(name) for name in files]))
     return RankPlan(source, choice, index, frozenset(manifest.keys_for_rank(group.rank)),
                     dict(manifest.aliases.get(group.rank, {})))
 
 
 def check_cooperative_lists(group: WorkerGroup, plan: RankPlan) -> None:
     """Every rank must take the same read decision, and cooperative reads need identical lists."""
-    mine = (plan.choice, plan.index.signature())
+    mine = (plan.choice, plan.signature())
     everyone = group.exchange(mine)
     choices = {rank: choice for rank, (choice, _) in enumerate(everyone)}
     if len(set(choices.values())) > 1:
+        def describe(c: ReadChoice) -> str:
+            return (f"{c.backend} ({'per-rank shards' if c.sharded else 'whole checkpoint'}"
+                    f"{', cooperative' if c.cooperative else ''})")
+
         raise GroupError(
             "ranks chose different readers for the same load: "
-            + "; ".join(f"rank {r}: {c}" for r, c in choices.items())
+            + "; ".join(f"rank {r}: {describe(c)}" for r, c in choices.items())
             + ". Every rank must run the same command with the same extra config."
         )
     if not plan.choice.cooperative:
@@ -166,6 +194,7 @@ class Loader:
         """Steps 3-4: stream this rank's tensors (planning first unless ``plan`` is given)."""
         group = self.group
         start = time.perf_counter()
+        read_before = storage_read_bytes()
         if plan is None:
             plan = self.plan()
         request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative)
@@ -205,6 +234,14 @@ class Loader:
             if group.device.type == "cuda":
                 torch.cuda.synchronize(group.device)
         except GeneratorExit:
+            if plan.choice.cooperative and run is not None:
+                # The other ranks are inside the backend's collectives, waiting for this rank's
+                # share: finish the read (dropping the tensors) so that they can complete.
+                try:
+                    for _ in run.tensors():
+                        pass
+                except Exception:
+                    pass
             group.report_failure("loading", DistloadError(
                 f"rank {group.rank} stopped consuming tensors before the load finished"))
             raise
@@ -220,6 +257,8 @@ class Loader:
             path=run.path, files=[f.path for f in plan.index.files], num_tensors=len(received),
             nbytes=nbytes, seconds=round(seconds, 6), gib_per_s=gib_per_s(nbytes, seconds),
             hostname=group.hostname,
+            read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
+            peak_rss_bytes=peak_rss_bytes(),
         )
 
     def load(self) -> dict[str, torch.Tensor]:

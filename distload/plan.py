@@ -101,7 +101,7 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
         # drops the shards of ranks it does not have.
         raise ShardLayoutError(
             f"{folder} holds shards for ranks {_ranges(layout.ranks)}{mismatch}; "
-            f"the shards of ranks {world_size}-{saved - 1} would never be loaded."
+            f"the shards of ranks {_ranges(list(range(world_size, saved)))} would never be loaded."
         )
     parts = [part for part, _ in layout.parts_by_rank[rank]]
     if len(set(parts)) != len(parts):
@@ -112,17 +112,25 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
     return [name for _, name in layout.parts_by_rank[rank]]
 
 
-def mismatched_ranks(signatures: list[list[tuple[str, int]]]) -> dict[int, str]:
-    """Ranks whose file list differs from rank 0's, with what differs (for a clear error)."""
+def mismatched_ranks(signatures: list[list[tuple]]) -> dict[int, str]:
+    """Ranks whose file list differs from rank 0's, with what differs (for a clear error).
+
+    A signature lists ``(path, size)`` or ``(path, size, content fingerprint)`` per file.
+    """
+    def as_map(signature: list[tuple]) -> dict[str, tuple[int, str]]:
+        return {item[0]: (item[1], item[2] if len(item) > 2 else "") for item in signature}
+
     reference = signatures[0]
     differing: dict[int, str] = {}
     for rank, signature in enumerate(signatures[1:], start=1):
         if signature == reference:
             continue
-        ref, own = dict(reference), dict(signature)
+        ref, own = as_map(reference), as_map(signature)
         only_here = sorted(set(own) - set(ref))
         only_ref = sorted(set(ref) - set(own))
-        sizes = sorted(p for p in set(own) & set(ref) if own[p] != ref[p])
+        common = set(own) & set(ref)
+        sizes = sorted(p for p in common if own[p][0] != ref[p][0])
+        contents = sorted(p for p in common if own[p][0] == ref[p][0] and own[p][1] != ref[p][1])
         what = []
         if only_here:
             what.append(f"has {only_here} that rank 0 lacks")
@@ -130,6 +138,8 @@ def mismatched_ranks(signatures: list[list[tuple[str, int]]]) -> dict[int, str]:
             what.append(f"lacks {only_ref} that rank 0 has")
         if sizes:
             what.append(f"sees other sizes for {sizes}")
+        if contents:
+            what.append(f"sees other contents (same size, different bytes) for {contents}")
         if not what:
             what.append("lists the same files in another order")
         differing[rank] = "; ".join(what)
@@ -145,24 +155,29 @@ class ReadChoice:
     cooperative: bool
 
 
-# Which reader `auto` picks on a CPU, from benchmarks/results (see the README): with the page cache
-# already sharing reads between ranks, each rank streaming alone beats Run:ai's distributed mode
-# over gloo by 3-4x, so local CPU loads never read cooperatively.
-AUTO_CPU_BACKEND = "runai"
+# What `auto` picks on a CPU, from benchmarks/results/load.md: on local files distload's own
+# parallel-pread reader (no intermediate buffer, no memory map) beats safetensors (copied out of
+# its map) and Run:ai; and with the page cache already sharing reads between a node's ranks, each
+# rank reading alone beats Run:ai's distributed mode over gloo, so local loads never cooperate.
+# On an object store nothing shares the reads, so a whole checkpoint is read cooperatively.
+AUTO_CPU_BACKEND = "pread"
 
 
 def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: str, world_size: int,
-                distributed: bool, instanttensor_installed: bool) -> ReadChoice:
+                distributed: bool, instanttensor_installed: bool, remote: bool = False) -> ReadChoice:
     """Map a load format (already validated) to a read, for one rank; pure and deterministic.
 
     Every rank of a job calls this with the same arguments and so takes the same decision,
     which the cooperative backends rely on (the caller still cross-checks the file lists).
+    ``remote``: the source is an object store. safetensors' reader needs a local file, so there
+    the safetensors formats read the same tensors with ranged GETs (backend ``ranged``).
     """
     many = world_size > 1
+    plain = "ranged" if remote else "safetensors"
     if load_format == "safetensors":
-        return ReadChoice(False, "safetensors", False)
+        return ReadChoice(False, plain, False)
     if load_format == "sharded_state":
-        return ReadChoice(True, "safetensors", False)
+        return ReadChoice(True, plain, False)
     if load_format == "runai_streamer":
         return ReadChoice(False, "runai", distributed and many)
     if load_format == "runai_streamer_sharded":
@@ -172,10 +187,12 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     if load_format == "dummy":
         return ReadChoice(sharded_layout_found, "dummy", False)
     if load_format == "auto":
-        if device_type == "cuda":
+        if device_type == "cuda" and not remote:
             if instanttensor_installed and not sharded_layout_found:
                 return ReadChoice(False, "instanttensor", many)
             # Run:ai over NCCL reads each byte once and broadcasts device to device.
+            return ReadChoice(sharded_layout_found, "runai", many and not sharded_layout_found)
+        if remote:
             return ReadChoice(sharded_layout_found, "runai", many and not sharded_layout_found)
         return ReadChoice(sharded_layout_found, AUTO_CPU_BACKEND, False)
     raise AssertionError(f"unvalidated load format {load_format!r}")

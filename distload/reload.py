@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 
 from .checkpoint import DTYPES
-from .errors import CheckpointError, DistloadError
+from .errors import DistloadError
 from .loader import Loader
 from .sharding import Action, ShardingPlan, load_plan, shard_shape, take_shard
 

@@ -7,16 +7,14 @@ tensors sorted by name, feeding for each ``name|DTYPE|d0,d1,...|`` followed by i
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 import torch
 
 from .checkpoint import dtype_code
+from .fsutil import write_json_atomic
 from .tensor_io import tensor_bytes
 
 GIB = 1024**3
@@ -53,6 +51,10 @@ class RankReport:
     gib_per_s: float
     digest: str | None = None
     hostname: str = ""
+    # Bytes this process read from storage during the load (psutil read_bytes: page-cache hits
+    # do not count) and its peak resident memory so far; None where the OS does not say.
+    read_bytes: int | None = None
+    peak_rss_bytes: int | None = None
 
 
 @dataclass
@@ -79,17 +81,7 @@ class LoadReport:
 
     def write(self, path: str) -> None:
         """Write atomically: a reader never sees half a report."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".report-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=2)
-                f.write("\n")
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        write_json_atomic(path, self.to_json(), indent=2)
 
     def summary_lines(self) -> list[str]:
         lines = [f"distload: {self.load_format} from {self.source} on {self.world_size} rank(s)"]
@@ -106,6 +98,22 @@ class LoadReport:
             f"{total['gib_per_s']:.2f} GiB/s"
         )
         return lines
+
+
+def storage_read_bytes() -> int | None:
+    """This process's bytes read from storage so far (None if the OS does not tell)."""
+    try:
+        import psutil
+
+        return psutil.Process().io_counters().read_bytes
+    except Exception:  # no /proc/self/io (some containers), or psutil refused
+        return None
+
+
+def peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 class Progress:

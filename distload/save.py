@@ -27,26 +27,31 @@ from .errors import CheckpointError, ConfigError
 from .manifest import MANIFEST_NAME, SAVING_MARKER, Manifest, ShardFile, read_manifest, write_manifest
 from .plan import find_shard_layout
 from .sharding import ShardingPlan, load_plan, shard_shape, take_shard
-from .sources import INDEX_FILE, check_source, list_names, read_header, whole_checkpoint
-from .writer import Entry, SafetensorsWriter
+from .sources import INDEX_FILE, check_source, is_object_store, list_names, read_header, whole_checkpoint
+from .tensor_io import host_view
+from .writer import HEADER_OVERHEAD_BYTES, Entry, SafetensorsWriter
 
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
 
 
 def split_into_parts(entries: Sequence[Entry], max_file_size: int) -> list[list[Entry]]:
-    """Group entries, in order, into parts of at most ``max_file_size`` tensor bytes.
+    """Group entries, in order, into parts whose files stay within ``max_file_size`` bytes.
 
-    A rank with no tensors still gets one (empty) part, so its loader finds a file.
+    A file's size counts its header too (exactly, padding at its widest), so a part never exceeds
+    the limit unless it holds a single tensor that does by itself. A rank with no tensors still
+    gets one (empty) part, so its loader finds a file.
     """
     parts: list[list[Entry]] = []
     current: list[Entry] = []
-    size = 0
+    data = header = 0
     for entry in entries:
-        if current and size + entry.nbytes > max_file_size:
+        grown = HEADER_OVERHEAD_BYTES + header + entry.header_bytes(data) + data + entry.nbytes
+        if current and grown > max_file_size:
             parts.append(current)
-            current, size = [], 0
+            current, data, header = [], 0, 0
         current.append(entry)
-        size += entry.nbytes
+        header += entry.header_bytes(data)
+        data += entry.nbytes
     parts.append(current)
     return parts
 
@@ -54,10 +59,7 @@ def split_into_parts(entries: Sequence[Entry], max_file_size: int) -> list[list[
 def check_save_args(output: str, pattern: str, max_file_size: int, world_size: int | None = None) -> None:
     if not isinstance(output, str) or not output or "://" in output:
         raise ConfigError(f"output must be a local folder path, got {output!r}")
-    try:
-        check_pattern("pattern", pattern)
-    except ConfigError as exc:
-        raise ConfigError(f"invalid file pattern (--file-pattern): {exc}") from None
+    check_pattern("--file-pattern", pattern)
     if isinstance(max_file_size, bool) or not isinstance(max_file_size, int) or max_file_size <= 0:
         raise ConfigError(f"--max-file-size must be a positive number of bytes, got {max_file_size!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)
@@ -67,7 +69,12 @@ def check_save_args(output: str, pattern: str, max_file_size: int, world_size: i
 
 def prepare_output(output: str, pattern: str) -> None:
     """Create OUTPUT and drop the saving marker; refuse to mix with an existing checkpoint."""
-    os.makedirs(output, exist_ok=True)
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise ConfigError(f"output {output} exists and is not a folder; give a new or empty folder")
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the output folder {output}: {exc.strerror}") from None
     names = list_names(output)
     existing = [n for n in names if n == MANIFEST_NAME or n == SAVING_MARKER]
     layout = find_shard_layout(names, pattern)
@@ -120,14 +127,20 @@ class _RankWriter:
             self.writer.abort()
 
 
+# Weights in any format, and the indexes of whole checkpoints: never metadata. A folder often
+# holds the same model as .safetensors and .bin; copying the .bin would double OUTPUT for nothing.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack",
+                   ".onnx", ".npz", ".distload-tmp")
+WEIGHT_INDEXES = (INDEX_FILE, "pytorch_model.bin.index.json", "tf_model.h5.index.json",
+                  "flax_model.msgpack.index.json", MANIFEST_NAME, SAVING_MARKER)
+
+
 def copy_metadata_files(source_folder: str, output: str) -> list[str]:
     """Copy every non-weight file (config, tokenizer, generation config, ...) of the source."""
     copied = []
     for name in list_names(source_folder):
         path = os.path.join(source_folder, name)
-        if not os.path.isfile(path) or name.endswith(".safetensors") or name == INDEX_FILE:
-            continue
-        if name in (MANIFEST_NAME, SAVING_MARKER) or name.endswith(".distload-tmp"):
+        if not os.path.isfile(path) or name.endswith(WEIGHT_SUFFIXES) or name in WEIGHT_INDEXES:
             continue
         tmp = os.path.join(output, f".{name}.distload-tmp")
         shutil.copyfile(path, tmp)
@@ -241,10 +254,11 @@ class ReshardReport:
         return lines
 
 
-def _read_tensor(f, info: TensorInfo) -> torch.Tensor:
-    """Read one tensor with plain reads into a fresh buffer (no memory map)."""
-    buffer = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
+def _read_tensor(f, info: TensorInfo, buffer: torch.Tensor) -> torch.Tensor:
+    """Read one tensor with plain reads (no memory map) into ``buffer``, reused for every tensor:
+    one allocation of the largest tensor's size instead of one per tensor, which would leave the
+    allocator's heap fragmented and the process's memory well above the largest tensor."""
+    view = host_view(buffer)[: info.nbytes]
     f.seek(info.begin)
     done = 0
     while done < info.nbytes:
@@ -252,7 +266,7 @@ def _read_tensor(f, info: TensorInfo) -> torch.Tensor:
         if not n:
             raise CheckpointError(f"{info.file}: ended while reading tensor {info.name!r} (file truncated?)")
         done += n
-    return buffer.view(info.torch_dtype).reshape(info.shape)
+    return buffer[: info.nbytes].view(info.torch_dtype).reshape(info.shape)
 
 
 def _source_config(folder: str) -> dict[str, Any]:
@@ -277,6 +291,11 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
     start = time.perf_counter()
     check_save_args(output, pattern, max_file_size, world_size)
     path = check_source(source)
+    if is_object_store(path):
+        raise ConfigError(
+            f"{source}: save-sharded reads a local checkpoint; copy it from the object store first "
+            f"(the sharded output can then be uploaded and loaded straight from there)"
+        )
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     if os.path.isdir(path):
         layout = find_shard_layout(list_names(path), DEFAULT_SHARD_PATTERN)
@@ -302,12 +321,13 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
     prepare_output(output, pattern)
     writers: list[_RankWriter] = []
     nbytes_read = 0
+    buffer = torch.empty(max((t.nbytes for t in index.tensors), default=0), dtype=torch.uint8)
     try:
         writers = [_RankWriter(output, pattern, rank, parts) for rank in range(world_size)]
         for file_info in index.files:
             with open(file_info.path, "rb", buffering=0) as f:
                 for info in file_info.tensors:
-                    tensor = _read_tensor(f, info)
+                    tensor = _read_tensor(f, info, buffer)
                     nbytes_read += info.nbytes
                     for rank, writer in enumerate(writers):
                         writer.write(info.name, take_shard(tensor, actions[info.name], rank, world_size))

@@ -32,6 +32,15 @@ class Entry:
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
+    def header_bytes(self, offset: int) -> int:
+        """This entry's share of the JSON header when its data starts at ``offset``."""
+        entry = {"dtype": self.dtype, "shape": list(self.shape), "data_offsets": [offset, offset + self.nbytes]}
+        return len(json.dumps({self.name: entry}, separators=(",", ":"))) - 1  # the braces become a comma
+
+
+# The 8-byte length, the header's braces, and up to 7 bytes of padding to an 8-byte boundary.
+HEADER_OVERHEAD_BYTES = 8 + 2 + 7
+
 
 def temporary_name(path: str) -> str:
     folder, name = os.path.split(path)

@@ -155,14 +155,6 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(outcome, f)
 '''
 
-SAME_PATH_BUG = (
-    "distload bug: the cooperative-read check compares only each file's path and size "
-    "(CheckpointIndex.signature), so two nodes holding different versions of a checkpoint with "
-    "the same layout at the same path pass it, and Run:ai's distributed read hands every rank a "
-    "mix of both versions without any error"
-)
-
-
 def _private_mounts_work() -> bool:
     try:
         return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
@@ -172,7 +164,6 @@ def _private_mounts_work() -> bool:
 
 
 @pytest.mark.skipif(not _private_mounts_work(), reason="needs unshare --mount and bind mounts (root)")
-@pytest.mark.xfail(strict=True, reason=SAME_PATH_BUG)
 def test_cooperative_read_same_path_other_content(tmp_path):
     """Rank 1 sees another version of the checkpoint at the same path, as a second node with a
     stale copy would (a private mount namespace stands in for the other node)."""
@@ -324,13 +315,13 @@ def _duplicate_name(tmp_path):
 def _trailing_bytes_runai(tmp_path):
     paths = write_whole(str(tmp_path / "ck"), every_dtype_state())
     append_garbage(paths[0])
-    return load_args(str(tmp_path / "ck"), "runai_streamer"), ["extra trailing bytes"], paths[0]
+    return load_args(str(tmp_path / "ck"), "runai_streamer"), ["bytes after the last tensor belong to no tensor"], paths[0]
 
 
 def _trailing_bytes_safetensors(tmp_path):
     paths = write_whole(str(tmp_path / "ck"), every_dtype_state())
     append_garbage(paths[0])
-    return load_args(str(tmp_path / "ck"), "safetensors"), [], paths[0]
+    return load_args(str(tmp_path / "ck"), "safetensors"), ["bytes after the last tensor belong to no tensor"], paths[0]
 
 
 def _config(load_format, extra, *expected):
@@ -363,16 +354,9 @@ BAD_INPUTS = {
 CONFIG_CASES = {"unknown-load-format", "unknown-key", "distributed-yes", "concurrency-true", "concurrency-0",
                 "memory-limit-minus-2", "invalid-json", "distributed-on-sharded"}
 
-TRAILING_BYTES_BUG = (
-    "distload bug: checkpoint.parse_header accepts a file whose data section is longer than its "
-    "tensors cover, and backends/safetensors.py lets safe_open's SafetensorError ('incomplete "
-    "metadata, file not fully covered') escape as a traceback that names no file"
-)
-
-
 @pytest.mark.parametrize("case", [
     *BAD_INPUTS,
-    pytest.param("trailing-bytes-safetensors", marks=pytest.mark.xfail(strict=True, reason=TRAILING_BYTES_BUG)),
+    "trailing-bytes-safetensors",
 ])
 def test_bad_input_fails_clearly_on_every_rank(tmp_path, case):
     make = BAD_INPUTS.get(case, _trailing_bytes_safetensors)
@@ -419,17 +403,43 @@ def test_corrupt_shard_of_rank_1_only(tmp_path):
     assert f"rank 1: {bad}: corrupt header" in messages[0]
 
 
+INJECTED_READ_ERROR = r'''
+import os, sys
+import distload.backends as backends
+from distload.errors import CheckpointError
+
+if os.environ["RANK"] == "1":  # an I/O error on rank 1 after two tensors, as a failing disk gives
+    real = backends.BACKENDS["runai"]
+
+    def failing(request):
+        run = real(request)
+
+        def tensors():
+            for i, item in enumerate(run.tensors()):
+                if i == 2:
+                    raise CheckpointError(f"{request.index.files[0].path}: [Errno 5] Input/output error")
+                yield item
+
+        return backends.BackendRun(run.path).start(tensors())
+
+    backends.BACKENDS["runai"] = failing
+
+from distload.__main__ import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
 def test_read_error_of_rank_1_only_while_loading(tmp_path):
     """The headers pass on both ranks; rank 1's reader fails mid-load (after the planning step)."""
     folder = str(tmp_path / "sh")
     write_sharded(folder, world_size=2)
     bad = os.path.join(folder, "model-rank-1-part-0.safetensors")
-    append_garbage(bad)
+    script = write_script(tmp_path, "inject.py", INJECTED_READ_ERROR)
     start = time.monotonic()
-    result = run_distload(load_args(folder, "runai_streamer_sharded"), nproc=2, env=FAILURE_ENV)
+    result = run_script(script, load_args(folder, "runai_streamer_sharded"), nproc=2, env=FAILURE_ENV)
     assert time.monotonic() - start < HANG_DEADLINE_S
     messages = assert_failed_cleanly(result)
-    assert bad in messages[1]
+    assert f"{bad}: [Errno 5] Input/output error" in messages[1]
     assert messages[0].startswith("loading failed on rank(s) 1:")
     assert bad in messages[0]
 
@@ -485,14 +495,6 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump(outcome, f)
 '''
 
-COOPERATIVE_STOP_BUG = (
-    "distload bug: in a cooperative (Run:ai distributed) read, a rank that stops consuming "
-    "iter_tensors enters report_failure's all_gather while its peers wait in Run:ai's broadcast, "
-    "so the peers hang for the whole group timeout and then fail with a raw gloo timeout that "
-    "does not name the rank that stopped (loader.py, Loader.tensors, 'except GeneratorExit')"
-)
-
-
 @pytest.fixture(scope="module")
 def large_whole(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("large") / "whole")
@@ -504,9 +506,8 @@ def large_whole(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt,extra,group_timeout", [
     ("safetensors", "{}", "120"),
-    # a short group timeout: today the peer of the rank that stopped waits for all of it
-    pytest.param("runai_streamer", '{"distributed": true}', "8",
-                 marks=pytest.mark.xfail(strict=True, reason=COOPERATIVE_STOP_BUG)),
+    # a short group timeout: the peer of the rank that stopped must not wait for it
+    ("runai_streamer", '{"distributed": true}', "8"),
 ], ids=["safetensors", "runai-distributed"])
 def test_rank_1_stops_consuming_iter_tensors(large_whole, tmp_path, fmt, extra, group_timeout):
     script = write_script(tmp_path, "stop.py", STOP_SCRIPT)
@@ -645,12 +646,12 @@ def failing_sources(tmp_path_factory):
     return {
         "planning-fails-on-rank-1": load_args(one_rank, "sharded_state"),
         "planning-fails-everywhere": load_args(corrupt, "runai_streamer", '{"distributed": true}'),
-        "loading-fails-on-rank-1": load_args(read_error, "runai_streamer_sharded"),
+        "bad-file-on-rank-1": load_args(read_error, "runai_streamer_sharded"),
     }
 
 
 @pytest.mark.parametrize("case", ["planning-fails-on-rank-1", "planning-fails-everywhere",
-                                  "loading-fails-on-rank-1"])
+                                  "bad-file-on-rank-1"])
 def test_failing_load_exits_1_without_abort(failing_sources, case):
     """Ranks started directly (torchrun's environment, no agent that could kill a slow rank), so
     each process's own exit status is seen: 1, not a signal."""

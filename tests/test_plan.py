@@ -248,10 +248,10 @@ def test_instanttensor_cooperative_with_many_ranks():
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("instant", [False, True])
 def test_auto_on_cpu(world, instant):
-    assert AUTO_CPU_BACKEND == "runai"
-    assert choose("auto", device="cpu", world=world, instant=instant) == ReadChoice(False, "runai", False)
+    assert AUTO_CPU_BACKEND == "pread"
+    assert choose("auto", device="cpu", world=world, instant=instant) == ReadChoice(False, "pread", False)
     assert choose("auto", device="cpu", world=world, instant=instant, sharded=True) == \
-        ReadChoice(True, "runai", False)
+        ReadChoice(True, "pread", False)
 
 
 def test_auto_on_cuda_with_instanttensor():
@@ -269,7 +269,7 @@ def test_auto_on_cuda_without_instanttensor():
 
 
 def test_auto_ignores_distributed_flag():
-    assert choose("auto", device="cpu", world=2, distributed=True) == ReadChoice(False, "runai", False)
+    assert choose("auto", device="cpu", world=2, distributed=True) == ReadChoice(False, "pread", False)
 
 
 def test_every_format_has_a_choice_and_unknown_is_a_programming_error():
@@ -278,3 +278,21 @@ def test_every_format_has_a_choice_and_unknown_is_a_programming_error():
         assert choice.backend in {"safetensors", "runai", "instanttensor", "dummy"}
     with pytest.raises(AssertionError, match="unvalidated load format"):
         choose("pt")
+
+
+def test_auto_reads_an_object_store_cooperatively():
+    """No page cache shares a node's downloads: a whole checkpoint on several ranks is read once
+    per node; shards and a single rank are read alone."""
+    common = dict(device_type="cpu", distributed=False, instanttensor_installed=False, remote=True)
+    assert choose_read("auto", sharded_layout_found=False, world_size=2, **common) == ReadChoice(False, "runai", True)
+    assert choose_read("auto", sharded_layout_found=True, world_size=2, **common) == ReadChoice(True, "runai", False)
+    assert choose_read("auto", sharded_layout_found=False, world_size=1, **common) == ReadChoice(False, "runai", False)
+    assert choose_read("runai_streamer", sharded_layout_found=False, world_size=2, **common).cooperative is False
+    # safetensors' reader needs a local file: on an object store the same tensors come by ranged GETs.
+    assert choose_read("safetensors", sharded_layout_found=False, world_size=2, **common) == \
+        ReadChoice(False, "ranged", False)
+    assert choose_read("sharded_state", sharded_layout_found=True, world_size=2, **common) == \
+        ReadChoice(True, "ranged", False)
+    # InstantTensor reads local files only; a GPU job on an object store streams with Run:ai.
+    gpu = dict(common, device_type="cuda", instanttensor_installed=True)
+    assert choose_read("auto", sharded_layout_found=False, world_size=2, **gpu) == ReadChoice(False, "runai", True)

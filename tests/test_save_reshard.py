@@ -7,7 +7,6 @@ and reassembled with the manifest's plan must give back the source tensors exact
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -319,9 +318,6 @@ def test_reshard_single_file_source(tmp_path):
     assert shard_names(out) == [PATTERN.format(rank=r, part=0) for r in range(2)]
 
 
-@pytest.mark.xfail(strict=True, reason="manifest.write_json_atomic creates distload.json with "
-                   "tempfile.mkstemp, i.e. mode 0600, while shard files get 0666 & ~umask: other "
-                   "users of a shared checkpoint cannot read the manifest")
 def test_manifest_is_as_readable_as_the_shards(resharded):
     out = resharded[0][2]
     shard_mode = stat.S_IMODE(os.stat(os.path.join(out, shard_names(out)[0])).st_mode)
@@ -330,9 +326,6 @@ def test_manifest_is_as_readable_as_the_shards(resharded):
     assert manifest_mode == shard_mode
 
 
-@pytest.mark.xfail(strict=True, reason="save.copy_metadata_files copies every file that is not "
-                   "*.safetensors, so weight files in another format (pytorch_model.bin, *.pt, "
-                   "*.pth, *.gguf) are copied whole into OUTPUT")
 def test_reshard_does_not_copy_other_weight_formats(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -368,8 +361,9 @@ def test_part_splitting_at_max_file_size(tmp_path):
 
 
 def assert_parts_respect_limit(out: str, limit: int) -> None:
-    """Tensor bytes of a part <= limit unless it holds one tensor; and a part is never closed
-    while the next tensor would still have fitted (greedy)."""
+    """A part's FILE (header included) is <= limit unless it holds one tensor; and a part is never
+    closed while the next tensor would still have fitted (greedy; the slack covers the next
+    tensor's header entry and the header padding)."""
     m = read_manifest_json(out)
     by_rank = {}
     for f in m["files"]:
@@ -377,12 +371,14 @@ def assert_parts_respect_limit(out: str, limit: int) -> None:
     for rank, files in by_rank.items():
         files.sort(key=lambda f: f["part"])
         for i, f in enumerate(files):
-            infos = read_local_header(os.path.join(out, f["name"])).tensors
-            size = sum(t.nbytes for t in infos)
+            path = os.path.join(out, f["name"])
+            infos = read_local_header(path).tensors
+            size = os.path.getsize(path)
             assert size <= limit or len(infos) == 1, (f["name"], size, limit)
             if i + 1 < len(files):
                 first_next = read_local_header(os.path.join(out, files[i + 1]["name"])).tensors[0]
-                assert size + first_next.nbytes > limit, (f["name"], "closed too early")
+                slack = 128
+                assert size + first_next.nbytes + slack > limit, (f["name"], "closed too early")
 
 
 def test_part_splitting_llama(resharded):
@@ -390,9 +386,6 @@ def test_part_splitting_llama(resharded):
         assert_parts_respect_limit(out, 16 * 1024)
 
 
-@pytest.mark.xfail(strict=True, reason="save.split_into_parts (save.py:37) counts tensor bytes only, "
-                   "so a file of several tensors exceeds --max-file-size by its header (here ~1.8 KB "
-                   "over 16 KiB; for the 5 GiB default it can break a 5 GiB single-PUT object limit)")
 def test_files_on_disk_respect_max_file_size(resharded):
     limit = 16 * 1024
     out = resharded[0][4]
@@ -511,9 +504,6 @@ def test_bad_file_pattern_cli(source, tmp_path, pattern):
         assert not os.path.exists(out)
 
 
-@pytest.mark.xfail(strict=True, reason="save.prepare_output (save.py:71) calls os.makedirs(output) "
-                   "unguarded: an OUTPUT that is an existing file (or cannot be created) ends in a "
-                   "raw FileExistsError/PermissionError traceback instead of a distload error")
 def test_output_that_is_a_file_is_a_clear_error(source, tmp_path):
     out = tmp_path / "out.safetensors"
     out.write_bytes(b"not a folder")

@@ -12,6 +12,8 @@ from typing import Callable
 from .base import BackendRun, ReadRequest
 from .dummy import read_dummy
 from .instanttensor import read_instanttensor
+from .pread import read_pread
+from .ranged import read_ranged
 from .runai import read_runai
 from .safetensors import read_safetensors
 
@@ -20,6 +22,8 @@ BACKENDS: dict[str, Callable[[ReadRequest], BackendRun]] = {
     "runai": read_runai,
     "instanttensor": read_instanttensor,
     "dummy": read_dummy,
+    "ranged": read_ranged,
+    "pread": read_pread,
 }
 
 __all__ = ["BACKENDS", "BackendRun", "ReadRequest"]

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from ..errors import CheckpointError
 from .base import BackendRun, ReadRequest
 
 
@@ -23,7 +24,15 @@ def read_safetensors(request: ReadRequest) -> BackendRun:
 def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
     device = str(request.device)
     for info in request.index.files:
-        with safe_open(info.path, framework="pt", device=device) as handle:
+        try:
+            handle = safe_open(info.path, framework="pt", device=device)
+        except Exception as exc:  # SafetensorError, OSError: name the file
+            raise CheckpointError(f"{info.path}: safetensors could not open it: {exc}") from exc
+        with handle:
             for tensor in info.tensors:  # in file order: sequential reads
-                loaded = handle.get_tensor(tensor.name)
+                try:
+                    loaded = handle.get_tensor(tensor.name)
+                except Exception as exc:
+                    raise CheckpointError(f"{info.path}: safetensors could not read tensor "
+                                          f"{tensor.name!r}: {exc}") from exc
                 yield tensor.name, loaded.clone() if loaded.device.type == "cpu" else loaded

@@ -1,0 +1,320 @@
+"""Load throughput of every CPU format against the limit of this machine and the naive way.
+
+    python benchmarks/bench_load.py                      # 2 GiB, 1 and 2 ranks, warm and cold, 3 repeats
+    python benchmarks/bench_load.py --size-mib 512 --repeats 1 --ranks 2 --cases warm
+
+Writes a Llama-shaped bf16 checkpoint (whole, and pre-sharded for each rank count) with
+``distload.demo``, then, in ONE run, for 1 and 2 ranks, warm page cache and cold (every file
+evicted with posix_fadvise(DONTNEED) before each repetition; no root needed):
+
+- every CPU format through ``torchrun -m distload load`` (the report gives seconds, bytes, the
+  path that ran, and per rank the bytes read from storage (psutil ``read_bytes``) and peak RSS);
+- **limit**: each rank reads exactly the bytes it needs with parallel ``pread``s into a few
+  preallocated buffers reused across reads: storage/page-cache throughput with no allocation;
+- **naive**: each rank reads the whole checkpoint with plain ``safetensors.torch.load_file`` and
+  keeps (copies out) its part: what a user gets without distload;
+- **in place**: ``reload_into`` of the rank's shard into tensors it already holds (hot reload).
+
+Medians of ``--repeats``; the slowest rank's seconds count. Results: benchmarks/results/
+load.json, load.md and load.png (needs matplotlib: ``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from distload.checkpoint import read_local_header  # noqa: E402
+from distload.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
+
+GIB = 2**30
+FORMATS = [  # (label, layout, --load-format, extra config)
+    ("safetensors", "whole", "safetensors", None),
+    ("runai_streamer", "whole", "runai_streamer", None),
+    ("runai_streamer distributed", "whole", "runai_streamer", '{"distributed": true}'),
+    ("auto (whole)", "whole", "auto", None),
+    ("sharded_state", "sharded", "sharded_state", None),
+    ("runai_streamer_sharded", "sharded", "runai_streamer_sharded", None),
+    ("auto (sharded)", "sharded", "auto", None),
+]
+
+
+def safetensors_files(folder: str, rank: int | None = None) -> list[str]:
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if rank is not None:
+        names = [n for n in names if n.startswith(f"model-rank-{rank}-part-")]
+    return [os.path.join(folder, n) for n in names]
+
+
+def evict(folder: str) -> None:
+    """Drop the folder's files from the page cache (no root needed)."""
+    for name in os.listdir(folder):
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# -- baselines, one process per rank --------------------------------------------------------------
+
+
+def _limit(files: list[str]) -> int:
+    """Parallel preads of every tensor byte of ``files`` into 8 reused 16 MiB buffers."""
+    chunks = []
+    for path in files:
+        info = read_local_header(path)
+        start, end = min(t.begin for t in info.tensors), max(t.end for t in info.tensors)
+        chunks += [(path, off, min(16 * 2**20, end - off)) for off in range(start, end, 16 * 2**20)]
+    fds = {p: os.open(p, os.O_RDONLY) for p in files}
+    buffers = [bytearray(16 * 2**20) for _ in range(8)]
+
+    def work(i: int) -> int:
+        view, total = memoryview(buffers[i]), 0
+        for path, off, size in chunks[i::8]:
+            total += os.preadv(fds[path], [view[:size]], off)
+        return total
+
+    with ThreadPoolExecutor(8) as pool:
+        nbytes = sum(pool.map(work, range(8)))
+    for fd in fds.values():
+        os.close(fd)
+    return nbytes
+
+
+def _naive(whole_files: list[str], rank: int, world_size: int, sharded: bool, splits: dict) -> int:
+    from safetensors.torch import load_file
+
+    kept = {}
+    for path in whole_files:
+        for name, tensor in load_file(path).items():
+            split = splits.get(name) if sharded else None
+            part = tensor.chunk(world_size, dim=split)[rank] if split is not None else tensor
+            kept[name] = part.clone()  # keep it: a copy out of the memory map, as a model would
+    return sum(t.numel() * t.element_size() for t in kept.values())
+
+
+def _baseline_rank(kind: str, args: tuple, barrier, queue) -> None:
+    torch.set_num_threads(1)
+    proc = psutil.Process()
+    barrier.wait()
+    read0 = proc.io_counters().read_bytes
+    start = time.perf_counter()
+    nbytes = _limit(*args) if kind == "limit" else _naive(*args)
+    seconds = time.perf_counter() - start
+    queue.put({"seconds": seconds, "nbytes": nbytes, "read_bytes": proc.io_counters().read_bytes - read0,
+               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+
+
+def run_baseline(kind: str, per_rank_args: list[tuple]) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(len(per_rank_args)), ctx.Queue()
+    procs = [ctx.Process(target=_baseline_rank, args=(kind, a, barrier, queue)) for a in per_rank_args]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    return results
+
+
+# -- distload runs ---------------------------------------------------------------------------------
+
+
+def run_load(folder: str, load_format: str, extra: str | None, nproc: int, report: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "distload", "load", folder, "--load-format", load_format, "--report-json", report,
+           "--no-progress", "--no-digest"]
+    if extra:
+        cmd += ["--model-loader-extra-config", extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    with open(report) as f:
+        data = json.load(f)
+    return [{"seconds": r["seconds"], "nbytes": r["nbytes"], "read_bytes": r.get("read_bytes", 0),
+             "peak_rss": r.get("peak_rss_bytes", 0), "path": r["path"]} for r in data["ranks"]]
+
+
+_IN_PLACE = r"""
+import json, sys, time, torch, distload
+from distload.reload import reload_into
+folder, out = sys.argv[1], sys.argv[2]
+with distload.WorkerGroup(device="cpu") as g:
+    plan = distload.Loader(folder, "auto", group=g).plan()
+    state = {t.name: torch.ones(t.shape, dtype=t.torch_dtype) for t in plan.index.tensors}  # touched
+    start = time.perf_counter()
+    report = reload_into(state, folder, "auto", group=g)
+    seconds = time.perf_counter() - start
+    results = g.exchange({"seconds": seconds, "nbytes": report.nbytes, "path": report.path})
+    if g.rank == 0:
+        json.dump(results, open(out, "w"))
+"""
+
+
+def run_in_place(folder: str, nproc: int, case: str, out: str, script: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           script, folder, out, case]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise SystemExit(f"in-place run failed:\n{result.stderr[-3000:]}")
+    with open(out) as f:
+        return [dict(r, read_bytes=0, peak_rss=0) for r in json.load(f)]
+
+
+def summarize(label: str, layout: str, nproc: int, case: str, repeats: list[list[dict]]) -> dict:
+    seconds = statistics.median(max(r["seconds"] for r in rep) for rep in repeats)
+    first = repeats[0]
+    nbytes = sum(r["nbytes"] for r in first)
+    return {
+        "method": label, "layout": layout, "ranks": nproc, "cache": case,
+        "path": ",".join(sorted({r.get("path", label) for r in first})),
+        "seconds": round(seconds, 4),
+        "gib_per_s_total": round(nbytes / GIB / seconds, 3),
+        "gib_per_s_per_rank": round(nbytes / nproc / GIB / seconds, 3),
+        "read_gib_from_storage": round(statistics.median(sum(r["read_bytes"] for r in rep) for rep in repeats) / GIB, 3),
+        "peak_rss_gib_max_rank": round(max(r["peak_rss"] for r in first) / GIB, 3),
+    }
+
+
+def machine() -> dict:
+    from importlib.metadata import version
+
+    disk = psutil.disk_usage(tempfile.gettempdir())
+    return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
+            "disk_total_gib": round(disk.total / GIB), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "runai_model_streamer": version("runai-model-streamer"), "safetensors": version("safetensors")}
+
+
+def write_outputs(out_dir: str, result: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "load.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    m = result["machine"]
+    lines = [f"{result['size_mib']} MiB bf16 Llama-shaped checkpoint, median of {result['repeats']}; "
+             f"{m['cpus']} CPUs, {m['memory_gib']} GiB, {m['platform']}, torch {m['torch']}, "
+             f"Run:ai {m['runai_model_streamer']}, safetensors {m['safetensors']}.", "",
+             "| ranks | cache | layout | method | path | s (slowest rank) | GiB/s per rank | GiB/s total "
+             "| vs limit | vs naive | read from storage GiB | peak RSS GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['ranks']} | {row['cache']} | {row['layout']} | {row['method']} | {row['path']} "
+                     f"| {row['seconds']} | {row['gib_per_s_per_rank']} | {row['gib_per_s_total']} "
+                     f"| {row.get('vs_limit', '')} | {row.get('vs_naive', '')} "
+                     f"| {row['read_gib_from_storage']} | {row['peak_rss_gib_max_rank']} |")
+    with open(os.path.join(out_dir, "load.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart (pip install -e '.[bench]')")
+        return
+    groups = sorted({(r["ranks"], r["cache"]) for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 6), squeeze=False)
+    for ax, (nproc, case) in zip(axes[0], groups):
+        rows = [r for r in result["rows"] if (r["ranks"], r["cache"]) == (nproc, case)]
+        ax.barh([f"{r['method']} [{r['layout']}]" for r in rows], [r["gib_per_s_per_rank"] for r in rows])
+        ax.set_title(f"{nproc} rank(s), {case} cache")
+        ax.set_xlabel("GiB/s per rank")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "load.png"), dpi=80)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mib", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp folder on disk)")
+    args = parser.parse_args()
+
+    root = args.dir or tempfile.mkdtemp(prefix="distload-bench-", dir="/var/tmp")
+    rows: list[dict] = []
+    script = os.path.join(root, "in_place.py")
+    with open(script, "w") as f:
+        f.write(_IN_PLACE)
+    for nproc in args.ranks:
+        whole, sharded = write_demo_checkpoint(os.path.join(root, f"ws{nproc}"), nproc, args.size_mib)
+        folders = {"whole": whole, "sharded": sharded}
+        hidden, vocab = 512, 8192
+        layers = json.load(open(os.path.join(whole, "config.json")))["num_hidden_layers"]
+        splits = {n: s for n, (_, s) in llama_shapes(hidden, layers, vocab).items()}
+        for case in args.cases:
+            def prepare() -> None:
+                if case == "cold":
+                    for folder in folders.values():
+                        evict(folder)
+                else:  # warm: make sure everything is cached
+                    for folder in folders.values():
+                        for path in safetensors_files(folder):
+                            with open(path, "rb") as f:
+                                while f.read(64 * 2**20):
+                                    pass
+
+            for layout in ("whole", "sharded"):
+                per_rank = [(safetensors_files(whole),) if layout == "whole" else (safetensors_files(sharded, r),)
+                            for r in range(nproc)]
+                reps = []
+                for _ in range(args.repeats):
+                    prepare()
+                    reps.append(run_baseline("limit", per_rank))
+                rows.append(summarize("limit", layout, nproc, case, reps))
+                naive_args = [(safetensors_files(whole), r, nproc, layout == "sharded", splits) for r in range(nproc)]
+                reps = []
+                for _ in range(args.repeats):
+                    prepare()
+                    reps.append(run_baseline("naive", naive_args))
+                rows.append(summarize("naive", layout, nproc, case, reps))
+            for label, layout, load_format, extra in FORMATS:
+                if extra and nproc == 1:
+                    continue
+                reps = []
+                for _ in range(args.repeats):
+                    prepare()
+                    reps.append(run_load(folders[layout], load_format, extra, nproc, os.path.join(root, "r.json")))
+                rows.append(summarize(label, layout, nproc, case, reps))
+                print(json.dumps(rows[-1]), flush=True)
+            reps = []
+            for _ in range(args.repeats):
+                prepare()
+                reps.append(run_in_place(sharded, nproc, case, os.path.join(root, "ip.json"), script))
+            rows.append(summarize("in place (reload_into)", "sharded", nproc, case, reps))
+    for row in rows:
+        same = [r for r in rows if (r["ranks"], r["cache"], r["layout"]) == (row["ranks"], row["cache"], row["layout"])]
+        limit = next(r for r in same if r["method"] == "limit")
+        naive = next(r for r in same if r["method"] == "naive")
+        row["vs_limit"] = round(row["gib_per_s_per_rank"] / limit["gib_per_s_per_rank"], 2)
+        row["vs_naive"] = round(row["gib_per_s_per_rank"] / naive["gib_per_s_per_rank"], 2)
+    write_outputs(args.out, {"machine": machine(), "size_mib": args.size_mib, "repeats": args.repeats,
+                             "rows": rows})
+    if not args.dir:
+        subprocess.run(["rm", "-rf", root])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

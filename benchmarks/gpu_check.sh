@@ -1,0 +1,238 @@
+#!/usr/bin/env bash
+# The GPU check: distload's GPU load paths on a ~16 GB synthetic bf16 checkpoint, read from /dev/shm
+# and from disk (cold cache), next to plain safetensors; weight sync over NCCL with 2+ GPUs.
+#
+#   bash benchmarks/gpu_check.sh                          # one H200: 4-6 minutes, disk speed decides (limit 8)
+#   GPU_CHECK_CPU_SMOKE=1 bash benchmarks/gpu_check.sh    # no GPU: the same steps, 8 MiB, --device cpu
+#
+# Python packages it needs; a GPU machine may lack those marked *. There is no internet there: a
+# missing one is installed with pip only from wheels vendored in this checkout ($GPU_CHECK_WHEELS,
+# default vendor/wheels), otherwise the script stops naming it. torch must already be a CUDA build
+# (never installed here); distload is imported from this checkout (run from anywhere).
+#   torch  safetensors>=0.4.3  numpy  psutil  tqdm  runai-model-streamer==0.17.1 *  instanttensor>=0.2.2 *
+#
+# Settings (environment, defaults in brackets): GPU_CHECK_SIZE_MIB [15000], GPU_CHECK_FORMATS
+# [safetensors instanttensor auto runai_streamer; safetensors first: the baseline],
+# GPU_CHECK_LOCATIONS [shm disk], GPU_CHECK_SHM_DIR [/dev/shm], GPU_CHECK_DISK_DIR [/var/tmp],
+# GPU_CHECK_CASE_TIMEOUT [240 s per load], GPU_CHECK_SYNC_RANKS [the GPU count; 0 skips],
+# GPU_CHECK_REPORT_DIR [unset: reports deleted], PYTHON [python3].
+# Exit status: 0 every path loaded onto the device and every digest agrees; 1 a path failed or the
+# digests disagree; 2 the machine is not ready (a package, CUDA or space missing).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$REPO"
+PY="${PYTHON:-python3}"
+START=$SECONDS
+if [[ "${GPU_CHECK_CPU_SMOKE:-0}" == 1 ]]; then
+    MODE=cpu-smoke DEVICE=cpu EXPECT_DEVICE=cpu
+    SIZE_MIB="${GPU_CHECK_SIZE_MIB:-8}"
+    FORMATS="${GPU_CHECK_FORMATS:-safetensors auto runai_streamer}"
+    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm runai_model_streamer=runai-model-streamer==0.17.1"
+else
+    MODE=gpu DEVICE=cuda EXPECT_DEVICE=cuda:0
+    SIZE_MIB="${GPU_CHECK_SIZE_MIB:-15000}"
+    FORMATS="${GPU_CHECK_FORMATS:-safetensors instanttensor auto runai_streamer}"
+    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm runai_model_streamer=runai-model-streamer==0.17.1 instanttensor=instanttensor>=0.2.2"
+fi
+PACKAGES="$PACKAGES ${GPU_CHECK_REQUIRE:-}"
+LOCATIONS="${GPU_CHECK_LOCATIONS:-shm disk}"
+CASE_TIMEOUT="${GPU_CHECK_CASE_TIMEOUT:-240}"
+WHEELS="${GPU_CHECK_WHEELS:-$REPO/vendor/wheels}"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
+
+say() { printf '[gpu_check %3ds] %s\n' $((SECONDS - START)) "$*"; }
+not_ready() { say "NOT READY: $*"; exit 2; }
+
+# -- 1. packages, device, space ---------------------------------------------------------------------
+for entry in $PACKAGES; do
+    module="${entry%%=*}" requirement="${entry#*=}"
+    "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$module') is None)" && continue
+    [[ "$module" == torch ]] && not_ready "Python package torch is missing: install the CUDA build of torch that matches this driver"
+    if [[ -d "$WHEELS" ]] && "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$requirement"; then
+        say "installed $requirement from $WHEELS"
+    else
+        not_ready "Python package '$requirement' (import $module) is missing, and no wheel for it in $WHEELS (no internet here: preinstall it, or vendor its wheel there)"
+    fi
+done
+if [[ "$MODE" == gpu ]]; then
+    GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+    [[ "$GPUS" -ge 1 ]] || not_ready "torch sees no CUDA device (torch.cuda.is_available() is False); GPU_CHECK_CPU_SMOKE=1 runs the CPU smoke test"
+    "$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, CUDA {torch.version.cuda}")'
+    SYNC_RANKS="${GPU_CHECK_SYNC_RANKS:-$GPUS}"
+else
+    SYNC_RANKS="${GPU_CHECK_SYNC_RANKS:-2}"
+fi
+SHM_ROOT="${GPU_CHECK_SHM_DIR:-/dev/shm}" DISK_ROOT="${GPU_CHECK_DISK_DIR:-/var/tmp}"
+roomy() { (( $(df -Pk "$1" | awk 'NR == 2 {print $4}') / 1024 > SIZE_MIB * 21 / 20 + 64 )); }
+roomy "$DISK_ROOT" || not_ready "$DISK_ROOT has too little free space for a $SIZE_MIB MiB checkpoint (set GPU_CHECK_DISK_DIR, or GPU_CHECK_SIZE_MIB lower)"
+failed=0
+if [[ " $LOCATIONS " == *" shm "* ]] && ! roomy "$SHM_ROOT"; then
+    say "FAILED: $SHM_ROOT has too little free space for $SIZE_MIB MiB (df -h $SHM_ROOT; set GPU_CHECK_SHM_DIR): reading from disk only"
+    LOCATIONS="${LOCATIONS//shm/}" failed=1
+fi
+
+SHM_WORK="" DISK_WORK=""
+cleanup() { rm -rf -- "${SHM_WORK:-}" "${DISK_WORK:-}"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+DISK_WORK="$(mktemp -d "$DISK_ROOT/distload-gpu-check.XXXXXX")"
+if [[ " $LOCATIONS " == *" shm "* ]]; then
+    SHM_WORK="$(mktemp -d "$SHM_ROOT/distload-gpu-check.XXXXXX")" GEN="$SHM_WORK/ckpt"
+else
+    GEN="$DISK_WORK/ckpt"
+fi
+mkdir -p "$DISK_WORK/reports"
+: > "$DISK_WORK/status.tsv"
+
+# -- 2. a synthetic Llama-shaped bf16 checkpoint (a cheap arange pattern, not randn) -----------------
+say "mode $MODE: writing a ~$SIZE_MIB MiB checkpoint to $GEN"
+"$PY" - "$GEN" "$SIZE_MIB" <<'EOF'
+import json, math, os, sys
+import torch
+from distload.demo import llama_shapes
+
+folder, size = sys.argv[1], int(sys.argv[2]) * 2**20
+big = size >= 2 * 2**30
+hidden, vocab = (4096, 32000) if big else (256, 4096)
+per_layer = 21 * hidden * hidden  # bytes of one layer's bf16 weights in llama_shapes
+layers = max(2, (size - 4 * vocab * hidden) // per_layer)
+shapes = [(name, shape) for name, (shape, _) in llama_shapes(hidden, layers, vocab).items()]
+numels = [math.prod(shape) for _, shape in shapes]
+base = (torch.arange(max(numels), dtype=torch.int32) & 0x3FFF).to(torch.int16)  # finite bf16 bits
+num_files = max(2, math.ceil(sum(numels) * 2 / 4e9))  # ~4 GB files, like a Hugging Face checkpoint
+per_file = math.ceil(len(shapes) / num_files)
+os.makedirs(folder)
+weight_map = {}
+for f in range(num_files):
+    chunk = list(range(f * per_file, min(len(shapes), (f + 1) * per_file)))
+    name = f"model-{f + 1:05d}-of-{num_files:05d}.safetensors"
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for i in chunk:
+        header[shapes[i][0]] = {"dtype": "BF16", "shape": list(shapes[i][1]), "data_offsets": [offset, offset + 2 * numels[i]]}
+        offset += 2 * numels[i]
+        weight_map[shapes[i][0]] = name
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    with open(os.path.join(folder, name), "wb") as out:
+        out.write(len(raw).to_bytes(8, "little") + raw)
+        for i in chunk:
+            out.write(memoryview((base[: numels[i]] + (i % 4096)).numpy()))  # distinct per tensor
+json.dump({"metadata": {}, "weight_map": weight_map}, open(os.path.join(folder, "model.safetensors.index.json"), "w"))
+json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_hidden_layers": layers,
+           "vocab_size": vocab, "torch_dtype": "bfloat16"}, open(os.path.join(folder, "config.json"), "w"))
+print(f"{sum(numels) * 2 / 1e9:.2f} GB in {len(shapes)} tensors, {num_files} files")
+EOF
+if [[ " $LOCATIONS " == *" disk "* && "$GEN" != "$DISK_WORK/ckpt" ]]; then
+    say "copying it to $DISK_WORK/ckpt"
+    cp -r "$GEN" "$DISK_WORK/ckpt"
+    sync -f "$DISK_WORK/ckpt" 2>/dev/null || sync
+fi
+
+# Drop the folder's files from the page cache (no root needed), as benchmarks/bench_load.py does.
+evict() {
+    "$PY" - "$1" <<'EOF'
+import os, sys
+for name in os.listdir(sys.argv[1]):
+    fd = os.open(os.path.join(sys.argv[1], name), os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+EOF
+}
+
+# -- 3. every format, from each location, straight onto the device -----------------------------------
+for location in $LOCATIONS; do
+    case "$location" in
+        shm) ckpt="$SHM_WORK/ckpt" ;;
+        disk) ckpt="$DISK_WORK/ckpt" ;;
+        *) not_ready "GPU_CHECK_LOCATIONS: unknown location '$location' (shm, disk)" ;;
+    esac
+    for format in $FORMATS; do
+        [[ "$location" == disk ]] && evict "$ckpt"
+        report="$DISK_WORK/reports/$location-$format.json"
+        log="$DISK_WORK/reports/$location-$format.log"
+        say "$location: python -m distload load $ckpt --load-format $format --device $DEVICE"
+        if timeout "$CASE_TIMEOUT" "$PY" -m distload load "$ckpt" --load-format "$format" --device "$DEVICE" \
+                --report-json "$report" --no-progress > "$log" 2>&1; then
+            rc=0
+        else
+            rc=$?
+            why="exit $rc"
+            [[ $rc == 124 ]] && why="timed out after $CASE_TIMEOUT s"
+            say "FAILED ($why): last lines of its output:"
+            tail -n 15 "$log" | sed 's/^/    /'
+        fi
+        printf '%s\t%s\t%s\t%s\n' "$location" "$format" "$rc" "$report" >> "$DISK_WORK/status.tsv"
+    done
+done
+
+# -- 4. the table: GB/s next to plain safetensors, digests that must all agree ------------------------
+"$PY" - "$DISK_WORK/status.tsv" "$EXPECT_DEVICE" <<'EOF' || failed=1
+import json, sys
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
+expect_device, loads = sys.argv[2], []
+for location, fmt, rc, path in rows:
+    load = {"location": location, "format": fmt, "rc": int(rc)}
+    if load["rc"] == 0:
+        rank = json.load(open(path))["ranks"][0]
+        load.update(rank=rank, gbps=rank["nbytes"] / 1e9 / rank["seconds"])
+    loads.append(load)
+digests = [l["rank"]["digest"] for l in loads if "rank" in l]
+reference = next((l["rank"]["digest"] for l in loads if l["format"] == "safetensors" and "rank" in l),
+                 digests[0] if digests else None)
+bad = 0
+print(f"\n{'location':8} {'format':16} {'path':16} {'device':7} {'s':>7} {'GB/s':>7} {'vs safetensors':>14} "
+      f"{'read GB':>8}  {'digest':16}  check")
+for l in loads:
+    if "rank" not in l:
+        bad += 1
+        print(f"{l['location']:8} {l['format']:16} {'-':16} {'-':7} {'-':>7} {'-':>7} {'-':>14} {'-':>8}  {'-':16}  "
+              f"FAILED (exit {l['rc']})")
+        continue
+    r = l["rank"]
+    base = next((m for m in loads if m["location"] == l["location"] and m["format"] == "safetensors" and "rank" in m), None)
+    check = "ok"
+    if r["device"] != expect_device:
+        check = f"WRONG DEVICE (wanted {expect_device})"
+    elif r["digest"] != reference:
+        check = "DIGEST MISMATCH"
+    bad += check != "ok"
+    print(f"{l['location']:8} {l['format']:16} {r['path']:16} {r['device']:7} {r['seconds']:7.2f} {l['gbps']:7.2f} "
+          f"{(l['gbps'] / base['gbps']) if base else float('nan'):13.2f}x {(r.get('read_bytes') or 0) / 1e9:8.2f}  "
+          f"{r['digest'][:16]}  {check}")
+if loads and "rank" in loads[0]:
+    print(f"checkpoint: {loads[0]['rank']['nbytes'] / 1e9:.2f} GB, {loads[0]['rank']['num_tensors']} tensors; "
+          f"'read GB' is what the process read from storage (cold disk: about the checkpoint)")
+sys.exit(1 if bad else 0)
+EOF
+if [[ -n "${GPU_CHECK_REPORT_DIR:-}" ]]; then
+    mkdir -p "$GPU_CHECK_REPORT_DIR"
+    cp "$DISK_WORK"/reports/* "$GPU_CHECK_REPORT_DIR"/
+fi
+
+# -- 5. weight sync: rank 0 pushes, the others receive in place (NCCL on GPUs) -----------------------
+if [[ "$SYNC_RANKS" -ge 2 ]]; then
+    sync_mib="$SIZE_MIB"
+    [[ "$MODE" == gpu ]] && sync_mib=1024
+    say "weight sync: torchrun --nproc-per-node $SYNC_RANKS -m distload sync-demo --device $DEVICE --size-mib $sync_mib"
+    if ! timeout "$CASE_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node "$SYNC_RANKS" \
+            -m distload sync-demo --device "$DEVICE" --size-mib "$sync_mib" > "$DISK_WORK/sync.log" 2>&1; then
+        failed=1
+        say "weight sync FAILED: last lines of its output:"
+        tail -n 15 "$DISK_WORK/sync.log" | sed 's/^/    /'
+    else
+        grep -E "received version|digest" "$DISK_WORK/sync.log" | sed 's/^/    /'
+    fi
+else
+    say "weight sync: skipped ($SYNC_RANKS GPU(s) here; syncing over NCCL needs 2 or more)"
+fi
+
+if [[ "$failed" != 0 ]]; then
+    say "FAILED: a path failed or the digests disagree (see above)"
+    exit 1
+fi
+say "OK: every path loaded onto $EXPECT_DEVICE and every digest agrees"
