@@ -1,0 +1,77 @@
+"""distload's own parallel-pread reader (the `auto` path on local CPU files)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import distload
+from distload.backends import pread
+from distload.backends.base import ReadRequest
+from distload.config import make_load_config
+from distload.errors import CheckpointError
+from distload.loader import plan_rank
+from distload.sleep import WeightSleeper
+
+from conftest import every_dtype_state, plain_read, write_whole
+
+
+def read_all(folder: str, group, **extra) -> dict[str, torch.Tensor]:
+    plan = plan_rank(folder, make_load_config("auto"), group)
+    return dict(pread.read_pread(ReadRequest(plan.index, group.device, group, extra)).tensors())
+
+
+@pytest.fixture
+def group():
+    with distload.WorkerGroup(device="cpu") as g:
+        yield g
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8)))
+
+
+@pytest.mark.parametrize("concurrency", [1, 3])
+def test_bit_identical_with_chunks_and_read_ahead(tmp_path, group, monkeypatch, concurrency):
+    # Small chunks and window, so one tensor spans several chunks and the window fills.
+    monkeypatch.setattr(pread, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(pread, "READ_AHEAD_BYTES", 16384)
+    state = every_dtype_state()
+    state["big"] = torch.randn(100, 301)  # 120 KB: 30 chunks
+    paths = write_whole(str(tmp_path / "ck"), state, num_files=3)
+    got = read_all(str(tmp_path / "ck"), group, concurrency=concurrency)
+    want = plain_read(paths)
+    assert set(got) == set(want)
+    assert all(same_bytes(got[n], want[n]) for n in want)
+
+
+def test_tensors_are_owned_and_can_sleep(tmp_path, group):
+    """No memory map and no numpy view: the tensor survives the file and its storage resizes."""
+    paths = write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=1)
+    got = read_all(str(tmp_path / "ck"), group)
+    want = plain_read(paths)
+    os.unlink(paths[0])
+    assert all(same_bytes(got[n], want[n]) for n in want)
+    sleeper = WeightSleeper(got)
+    sleeper.sleep(2)
+    sleeper.wake()
+
+
+def test_file_shrinking_after_planning_names_file_and_tensor(tmp_path, group):
+    paths = write_whole(str(tmp_path / "ck"), {"a": torch.ones(1000), "b": torch.ones(1000)}, num_files=1)
+    plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
+    os.truncate(paths[0], os.path.getsize(paths[0]) - 100)  # a copy still in progress, say
+    with pytest.raises(CheckpointError, match=r"ended while reading tensor 'b'") as info:
+        dict(pread.read_pread(ReadRequest(plan.index, group.device, group, {})).tensors())
+    assert paths[0] in str(info.value)
+
+
+def test_auto_reports_the_pread_path(tmp_path, group):
+    write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
+    state, report = distload.Loader(str(tmp_path / "ck"), "auto", group=group).load_with_report()
+    assert report.ranks[0].path == "pread"
+    assert report.ranks[0].read_bytes is None or report.ranks[0].read_bytes >= 0
+    assert report.ranks[0].peak_rss_bytes > 0
