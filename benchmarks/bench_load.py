@@ -26,7 +26,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from distload.checkpoint import read_local_header  # noqa: E402
 from distload.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
+from distload.report import peak_rss_bytes  # noqa: E402
 
 GIB = 2**30
 FORMATS = [  # (label, layout, --load-format, extra config)
@@ -120,7 +120,7 @@ def _baseline_rank(kind: str, args: tuple, barrier, queue) -> None:
     nbytes = _limit(*args) if kind == "limit" else _naive(*args)
     seconds = time.perf_counter() - start
     queue.put({"seconds": seconds, "nbytes": nbytes, "read_bytes": proc.io_counters().read_bytes - read0,
-               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+               "peak_rss": peak_rss_bytes()})
 
 
 def run_baseline(kind: str, per_rank_args: list[tuple]) -> list[dict]:

@@ -111,6 +111,19 @@ def storage_read_bytes() -> int | None:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    From /proc/self/status (VmHWM) where there is one: getrusage's ru_maxrss survives exec, so a
+    process started from a big parent (a test runner, torchrun's agent) would report the
+    parent's peak as its own.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -961,6 +961,7 @@ import json, resource, sys, threading, time
 import psutil
 import torch
 import distload.save
+from distload.report import peak_rss_bytes
 
 proc = psutil.Process()
 baseline = proc.memory_info().rss
@@ -977,7 +978,8 @@ thread.start()
 report = distload.save.reshard(sys.argv[1], sys.argv[2], 2)
 done.set()
 thread.join()
-maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+# VmHWM, not getrusage's ru_maxrss: ru_maxrss survives exec and would report the test runner's peak
+maxrss = peak_rss_bytes()
 print(json.dumps({"baseline": baseline, "sampled_peak": peak[0], "maxrss": maxrss,
                   "nbytes_read": report.nbytes_read}))
 """
