@@ -190,14 +190,20 @@ class Loader:
         check_cooperative_lists(self.group, plan)
         return plan
 
-    def tensors(self, plan: RankPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Steps 3-4: stream this rank's tensors (planning first unless ``plan`` is given)."""
+    def tensors(self, plan: RankPlan | None = None,
+                destinations: Mapping[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Steps 3-4: stream this rank's tensors (planning first unless ``plan`` is given).
+
+        ``destinations`` (checkpoint name -> existing tensor of the same dtype and shape): a
+        backend that can may read straight into them (see ReadRequest).
+        """
         group = self.group
         start = time.perf_counter()
         read_before = storage_read_bytes()
         if plan is None:
             plan = self.plan()
-        request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative)
+        request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative,
+                              dict(destinations or {}))
         expected = {t.name for t in plan.index.tensors}
         received: set[str] = set()
         alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}

@@ -182,6 +182,11 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
     return copies, report
 
 
+def _is_whole_copy(copy: _Copy) -> bool:
+    dest = copy.dest
+    return (copy.action is None or copy.action.replicated) and dest.dim is None and dest.src_dim is None
+
+
 def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: str,
                 load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None, *,
                 group: Any, strict: bool = True, name_map: NameMap | None = None,
@@ -210,10 +215,13 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
         return check_fit(sources, targets, name_map=name_map, plan=sharding, tp_size=tp_size, strict=strict)
 
     copies, report = group.agree("checking the model against the checkpoint", check)
+    # A checkpoint tensor that lands whole in one model tensor may be read straight into it.
+    direct = {name: targets[c[0].dest.name].detach() for name, c in copies.items()
+              if len(c) == 1 and _is_whole_copy(c[0])}
     written = 0
     with torch.no_grad():
         try:
-            for name, tensor in loader.tensors(rank_plan):
+            for name, tensor in loader.tensors(rank_plan, destinations=direct):
                 for copy in copies.get(name, ()):
                     src = tensor
                     if copy.action is not None:
@@ -226,7 +234,8 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
                     dst = targets[dest.name].detach()
                     if dest.dim is not None:
                         dst = dst.narrow(dest.dim, dest.start, src.shape[dest.dim])
-                    dst.copy_(src)
+                    if not (src.data_ptr() == dst.data_ptr() and src.shape == dst.shape):
+                        dst.copy_(src)  # else the reader already put the bytes in place
                     report.nbytes += src.numel() * src.element_size()
                 if name in copies:
                     written += 1

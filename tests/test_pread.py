@@ -75,3 +75,15 @@ def test_auto_reports_the_pread_path(tmp_path, group):
     assert report.ranks[0].path == "pread"
     assert report.ranks[0].read_bytes is None or report.ranks[0].read_bytes >= 0
     assert report.ranks[0].peak_rss_bytes > 0
+
+
+def test_reads_straight_into_fitting_destinations(tmp_path, group):
+    """An in-place reload hands its tensors over: a fitting one is filled, a misfit is not used."""
+    paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(64, 8), "b": torch.randn(16)}, num_files=1)
+    plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
+    fits, misfit = torch.zeros(64, 8), torch.zeros(16, dtype=torch.float64)
+    request = ReadRequest(plan.index, group.device, group, {}, destinations={"a": fits, "b": misfit})
+    got = dict(pread.read_pread(request).tensors())
+    want = plain_read(paths)
+    assert got["a"] is fits and torch.equal(fits, want["a"])
+    assert got["b"] is not misfit and torch.equal(got["b"], want["b"]) and not misfit.any()

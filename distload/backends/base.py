@@ -16,6 +16,9 @@ class ReadRequest:
 
     ``cooperative`` means every rank of the group holds this very index (checked by the caller
     before the backend runs) and the backend may split the reading across them.
+    ``destinations``: existing tensors (by checkpoint name) that a backend able to read in place
+    may read straight into and yield, instead of allocating (an in-place reload); a backend that
+    cannot ignores them, and the caller copies.
     """
 
     index: CheckpointIndex
@@ -23,6 +26,7 @@ class ReadRequest:
     group: Any  # the WorkerGroup; backends use its process_group, rank and timeout
     extra: Mapping[str, Any] = field(default_factory=dict)
     cooperative: bool = False
+    destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 class BackendRun:
