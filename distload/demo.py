@@ -50,9 +50,13 @@ def llama_shapes(hidden: int, layers: int, vocab: int) -> dict[str, tuple[tuple[
     return shapes
 
 
-def write_demo_checkpoint(root: str, world_size: int, size_mib: int = 64) -> tuple[str, str]:
-    """Write ``root/whole`` (2 files + index + config) and ``root/sharded`` (per rank, 2 parts)."""
-    hidden = 512
+def write_demo_checkpoint(root: str, world_size: int, size_mib: int = 64,
+                          hidden: int = 512) -> tuple[str, str]:
+    """Write ``root/whole`` (2 files + index + config) and ``root/sharded`` (per rank, 2 parts).
+
+    ``hidden`` sets the tensor sizes: 512 gives many small tensors (a quick demo), 2048 and up
+    gives the tens-of-MiB tensors of real models (what benchmarks should see).
+    """
     vocab = 8192
     per_layer = 2 * (4 * hidden * hidden // 2 + 3 * hidden * (hidden * 8 // 3 // 64 * 64))
     layers = max(2, (size_mib * 2**20 - 2 * 2 * vocab * hidden) // per_layer)
