@@ -214,9 +214,7 @@ def applied_environment(changes: Mapping[str, str]) -> Iterator[None]:
     try:
         yield
     finally:
-        for key in set(os.environ) | keys:
-            if not (key in keys or key.startswith("RUNAI_STREAMER_")):
-                continue
+        for key in keys | {key for key in os.environ if key.startswith("RUNAI_STREAMER_")}:
             old = saved.get(key)
             if old is None:
                 os.environ.pop(key, None)

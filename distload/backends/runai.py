@@ -50,17 +50,17 @@ def read_runai(request: ReadRequest) -> BackendRun:
         env["RUNAI_STREAMER_DIST"] = "1"
         env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(group.timeout.total_seconds())))
     run = BackendRun("runai-distributed" if distributed else "runai")
-    return run.start(_stream(streamer_cls, request, env, distributed, run, store))
+    return run.start(_stream(streamer_cls, request, paths, env, distributed, run, store))
 
 
 # Run:ai 0.17 serves a single object-store type per process: after it read from s3://, a gs://
 # read fails with b'File access error', and the other way round (seen here with 0.17.1). Remember
 # the first type used, and refuse another with the reason instead.
-_runai_store_used: dict[str, str] = {}
+_runai_store_used: str | None = None
 
 
 def _check_one_store_kind(scheme: str) -> None:
-    used = _runai_store_used.get("scheme")
+    used = _runai_store_used
     if used is not None and used != scheme:
         raise BackendUnavailableError(
             f"Run:ai's reader serves one object-store type per process, and this process already read "
@@ -102,9 +102,8 @@ def _read_failure(paths: list[str], store, exc: BaseException) -> DistloadError:
         f"RUNAI_STREAMER_LOG_TO_STDERR=1 to see its own reason"))
 
 
-def _stream(streamer_cls, request: ReadRequest, env: dict[str, str], distributed: bool,
+def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str, str], distributed: bool,
             run: BackendRun, store) -> Iterator[tuple[str, torch.Tensor]]:
-    paths = [info.path for info in request.index.files]
     if not paths:
         return
     if store is not None:
@@ -117,8 +116,9 @@ def _stream(streamer_cls, request: ReadRequest, env: dict[str, str], distributed
         except ValueError as exc:
             # Run:ai reports every I/O fault as b'File access error'; find the real cause.
             raise _read_failure(paths, store, exc) from exc
-        if store is not None:
-            _runai_store_used.setdefault("scheme", store.scheme)
+        global _runai_store_used
+        if store is not None and _runai_store_used is None:
+            _runai_store_used = store.scheme
         took_distributed = bool(getattr(streamer.file_streamer, "is_distributed", False))
         run.path = "runai-distributed" if took_distributed else "runai"
         if distributed and not took_distributed:
