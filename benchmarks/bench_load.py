@@ -12,8 +12,11 @@ evicted with posix_fadvise(DONTNEED) before each repetition; no root needed):
 - **limit**: each rank reads exactly the bytes it needs with parallel ``pread``s (8 threads, 8 MiB,
   in file order) into a few preallocated buffers reused across reads: storage/page-cache
   throughput with no allocation;
+- **limit (fresh memory)**: the same reads into a new ``torch.empty`` per tensor, kept: the ceiling
+  for any reader that hands out new tensors (first-touch page faults included);
 - **naive**: each rank reads the whole checkpoint with plain ``safetensors.torch.load_file`` and
-  keeps (copies out) its part: what a user gets without distload;
+  keeps (copies out) its part: what a user gets without distload (torch on one thread per rank
+  when there are several ranks, as torchrun sets OMP_NUM_THREADS=1 for the distload runs);
 - **in place**: ``reload_into`` of the rank's shard into tensors it already holds (hot reload).
 
 Medians of ``--repeats``; the slowest rank's seconds count. Results: benchmarks/results/
@@ -43,6 +46,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from distload.checkpoint import read_local_header  # noqa: E402
 from distload.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
 from distload.report import peak_rss_bytes  # noqa: E402
+from distload.tensor_io import host_view  # noqa: E402
 
 GIB = 2**30
 FORMATS = [  # (label, layout, --load-format, extra config)
@@ -53,6 +57,9 @@ FORMATS = [  # (label, layout, --load-format, extra config)
     ("sharded_state", "sharded", "sharded_state", None),
     ("runai_streamer_sharded", "sharded", "runai_streamer_sharded", None),
     ("auto (sharded)", "sharded", "auto", None),
+    # The same reader with transparent huge pages forced on (auto decides per machine; see
+    # distload/host_memory.py): shows what 4 KiB page faults cost, and what huge pages cost here.
+    ("auto (sharded), huge pages forced", "sharded", "auto", '{"huge_pages": true}'),
 ]
 
 
@@ -100,6 +107,27 @@ def _limit(files: list[str]) -> int:
     return nbytes
 
 
+def _limit_fresh(files: list[str]) -> int:
+    """The limit's reads, but into a new ``torch.empty`` per tensor (4 KiB pages, as torch
+    allocates by default): the ceiling for any reader that hands out new tensors, page faults and
+    all. Tensors are kept until the end, as a model keeps its weights."""
+    chunk = 8 * 2**20
+    fds = {p: os.open(p, os.O_RDONLY) for p in files}
+    kept, jobs = [], []
+    for path in files:
+        for t in read_local_header(path).tensors:
+            out = torch.empty(t.end - t.begin, dtype=torch.uint8)
+            kept.append(out)
+            view = host_view(out)
+            jobs += [(fds[path], view[off:off + chunk], t.begin + off) for off in range(0, len(view), chunk)]
+
+    with ThreadPoolExecutor(8) as pool:
+        nbytes = sum(pool.map(lambda job: os.preadv(job[0], [job[1]], job[2]), jobs))
+    for fd in fds.values():
+        os.close(fd)
+    return nbytes
+
+
 def _naive(whole_files: list[str], rank: int, world_size: int, sharded: bool, splits: dict) -> int:
     from safetensors.torch import load_file
 
@@ -112,13 +140,17 @@ def _naive(whole_files: list[str], rank: int, world_size: int, sharded: bool, sp
     return sum(t.numel() * t.element_size() for t in kept.values())
 
 
-def _baseline_rank(kind: str, args: tuple, barrier, queue) -> None:
-    torch.set_num_threads(1)
+BASELINES = {"limit": _limit, "limit (fresh memory)": _limit_fresh, "naive": _naive}
+
+
+def _baseline_rank(kind: str, args: tuple, nproc: int, barrier, queue) -> None:
+    if nproc > 1:
+        torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1 for the distload runs
     proc = psutil.Process()
     barrier.wait()
     read0 = proc.io_counters().read_bytes
     start = time.perf_counter()
-    nbytes = _limit(*args) if kind == "limit" else _naive(*args)
+    nbytes = BASELINES[kind](*args)
     seconds = time.perf_counter() - start
     queue.put({"seconds": seconds, "nbytes": nbytes, "read_bytes": proc.io_counters().read_bytes - read0,
                "peak_rss": peak_rss_bytes()})
@@ -127,7 +159,8 @@ def _baseline_rank(kind: str, args: tuple, barrier, queue) -> None:
 def run_baseline(kind: str, per_rank_args: list[tuple]) -> list[dict]:
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(len(per_rank_args)), ctx.Queue()
-    procs = [ctx.Process(target=_baseline_rank, args=(kind, a, barrier, queue)) for a in per_rank_args]
+    procs = [ctx.Process(target=_baseline_rank, args=(kind, a, len(per_rank_args), barrier, queue))
+             for a in per_rank_args]
     for p in procs:
         p.start()
     results = [queue.get(timeout=1800) for _ in procs]
@@ -151,7 +184,8 @@ def run_load(folder: str, load_format: str, extra: str | None, nproc: int, repor
     with open(report) as f:
         data = json.load(f)
     return [{"seconds": r["seconds"], "nbytes": r["nbytes"], "read_bytes": r.get("read_bytes", 0),
-             "peak_rss": r.get("peak_rss_bytes", 0), "path": r["path"]} for r in data["ranks"]]
+             "peak_rss": r.get("peak_rss_bytes", 0), "path": r["path"],
+             "huge_page_bytes": r.get("huge_page_bytes", 0)} for r in data["ranks"]]
 
 
 _IN_PLACE = r"""
@@ -195,6 +229,7 @@ def summarize(label: str, layout: str, nproc: int, case: str, repeats: list[list
         "gib_per_s_per_rank": round(nbytes / nproc / GIB / seconds, 3),
         "read_gib_from_storage": round(statistics.median(sum(r["read_bytes"] for r in rep) for rep in repeats) / GIB, 3),
         "peak_rss_gib_max_rank": round(max(r["peak_rss"] for r in first) / GIB, 3),
+        "huge_page_gib": round(sum(r.get("huge_page_bytes", 0) for r in first) / GIB, 3),
     }
 
 
@@ -218,13 +253,14 @@ def write_outputs(out_dir: str, result: dict) -> None:
              f"{m['cpus']} CPUs, {m['memory_gib']} GiB, {m['platform']}, torch {m['torch']}, "
              f"Run:ai {m['runai_model_streamer']}, safetensors {m['safetensors']}.", "",
              "| ranks | cache | layout | method | path | s (slowest rank) | GiB/s per rank | GiB/s total "
-             "| vs limit | vs naive | read from storage GiB | peak RSS GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs limit | vs naive | read from storage GiB | peak RSS GiB | huge pages GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['ranks']} | {row['cache']} | {row['layout']} | {row['method']} | {row['path']} "
                      f"| {row['seconds']} | {row['gib_per_s_per_rank']} | {row['gib_per_s_total']} "
                      f"| {row.get('vs_limit', '')} | {row.get('vs_naive', '')} "
-                     f"| {row['read_gib_from_storage']} | {row['peak_rss_gib_max_rank']} |")
+                     f"| {row['read_gib_from_storage']} | {row['peak_rss_gib_max_rank']} "
+                     f"| {row.get('huge_page_gib', 0)} |")
     with open(os.path.join(out_dir, "load.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -284,11 +320,12 @@ def main() -> int:
             for layout in ("whole", "sharded"):
                 per_rank = [(safetensors_files(whole),) if layout == "whole" else (safetensors_files(sharded, r),)
                             for r in range(nproc)]
-                reps = []
-                for _ in range(args.repeats):
-                    prepare()
-                    reps.append(run_baseline("limit", per_rank))
-                rows.append(summarize("limit", layout, nproc, case, reps))
+                for kind in ("limit", "limit (fresh memory)"):
+                    reps = []
+                    for _ in range(args.repeats):
+                        prepare()
+                        reps.append(run_baseline(kind, per_rank))
+                    rows.append(summarize(kind, layout, nproc, case, reps))
                 naive_args = [(safetensors_files(whole), r, nproc, layout == "sharded", splits) for r in range(nproc)]
                 reps = []
                 for _ in range(args.repeats):
@@ -296,7 +333,7 @@ def main() -> int:
                     reps.append(run_baseline("naive", naive_args))
                 rows.append(summarize("naive", layout, nproc, case, reps))
             for label, layout, load_format, extra in FORMATS:
-                if extra and nproc == 1:
+                if "distributed" in (extra or "") and nproc == 1:
                     continue
                 reps = []
                 for _ in range(args.repeats):

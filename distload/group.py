@@ -235,6 +235,11 @@ class WorkerGroup:
         return self.launch.local_rank
 
     @property
+    def local_world_size(self) -> int:
+        """Ranks on this node (the whole world where the launcher does not say)."""
+        return self.launch.local_world_size
+
+    @property
     def backend(self) -> str | None:
         return dist.get_backend() if self.world_size > 1 else None
 

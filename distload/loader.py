@@ -30,6 +30,7 @@ from .checkpoint import CheckpointIndex, build_index, content_fingerprint
 from .config import LoadConfig, make_load_config
 from .errors import BackendUnavailableError, CheckpointError, DistloadError, GroupError
 from .group import WorkerGroup
+from .host_memory import HostMemory
 from .manifest import manifest_files_for_rank, read_manifest
 from .plan import (
     ReadChoice,
@@ -202,8 +203,6 @@ class Loader:
         read_before = storage_read_bytes()
         if plan is None:
             plan = self.plan()
-        request = ReadRequest(plan.index, group.device, group, self.config.extra, plan.choice.cooperative,
-                              dict(destinations or {}))
         expected = {t.name for t in plan.index.tensors}
         received: set[str] = set()
         alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
@@ -211,6 +210,13 @@ class Loader:
         progress = Progress(plan.index.nbytes, enabled=self.progress and group.rank == 0)
         run = None
         try:
+            # Inside the try: an explicit huge_pages=true on a kernel without them fails this
+            # rank, and the others hear of it instead of waiting.
+            host_memory = HostMemory(self.config.extra.get("huge_pages"), group.local_world_size)
+            if host_memory.why_not:
+                log.debug("new host tensors on 4 KiB pages: %s", host_memory.why_not)
+            request = ReadRequest(plan.index, group.device, group, self.config.extra,
+                                  plan.choice.cooperative, dict(destinations or {}), host_memory)
             run = BACKENDS[plan.choice.backend](request)
             for name, tensor in run.tensors():
                 if name in received or name not in expected:
@@ -265,6 +271,7 @@ class Loader:
             hostname=group.hostname,
             read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
             peak_rss_bytes=peak_rss_bytes(),
+            huge_page_bytes=request.host_memory.huge_page_bytes,
         )
 
     def load(self) -> dict[str, torch.Tensor]:

@@ -85,8 +85,9 @@ def test_unknown_key_names_the_allowed_keys(fmt):
 def test_allowed_keys_per_format():
     assert set(ALLOWED_KEYS["runai_streamer"]) == {"distributed", "concurrency", "memory_limit"}
     assert set(ALLOWED_KEYS["runai_streamer_sharded"]) == {"pattern", "concurrency", "memory_limit"}
-    assert set(ALLOWED_KEYS["sharded_state"]) == {"pattern"}
-    assert set(ALLOWED_KEYS["auto"]) == {"pattern"}
+    assert set(ALLOWED_KEYS["sharded_state"]) == {"pattern", "huge_pages"}
+    assert set(ALLOWED_KEYS["auto"]) == {"pattern", "huge_pages"}
+    assert set(ALLOWED_KEYS["safetensors"]) == {"huge_pages"}
     assert set(ALLOWED_KEYS["instanttensor"]) == {
         "buffer_size", "chunk_size", "concurrency", "io_depth", "max_free_mem_usage", "backend"}
 
@@ -101,12 +102,12 @@ def test_distributed_on_sharded_runai_explains_why():
     assert "allowed keys: concurrency, memory_limit, pattern" in message
 
 
-@pytest.mark.parametrize("fmt", ["dummy", "safetensors"])
+@pytest.mark.parametrize("fmt, allowed", [("dummy", "none"), ("safetensors", "huge_pages")])
 @pytest.mark.parametrize("key", ["distributed", "concurrency", "memory_limit", "pattern"])
-def test_dummy_and_safetensors_accept_no_keys(fmt, key):
+def test_dummy_and_safetensors_accept_no_loader_keys(fmt, allowed, key):
     value = {"distributed": True, "concurrency": 2, "memory_limit": 0,
              "pattern": DEFAULT_SHARD_PATTERN}[key]
-    with pytest.raises(ConfigError, match="allowed keys: none"):
+    with pytest.raises(ConfigError, match=f"allowed keys: {allowed}$"):
         make_load_config(fmt, {key: value})
 
 

@@ -8,6 +8,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..checkpoint import CheckpointIndex
+from ..host_memory import HostMemory
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,7 @@ class ReadRequest:
     ``destinations``: existing tensors (by checkpoint name) that a backend able to read in place
     may read straight into and yield, instead of allocating (an in-place reload); a backend that
     cannot ignores them, and the caller copies.
+    ``host_memory``: where a backend that allocates host tensors itself gets them (huge pages).
     """
 
     index: CheckpointIndex
@@ -27,6 +29,7 @@ class ReadRequest:
     extra: Mapping[str, Any] = field(default_factory=dict)
     cooperative: bool = False
     destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    host_memory: HostMemory = field(default_factory=HostMemory)
 
 
 class BackendRun:

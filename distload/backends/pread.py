@@ -52,7 +52,7 @@ def _destination(request: ReadRequest, info: TensorInfo) -> torch.Tensor:
     if (dest is not None and request.device.type == "cpu" and dest.device.type == "cpu"
             and dest.is_contiguous() and dest.dtype == info.torch_dtype and tuple(dest.shape) == info.shape):
         return dest
-    return torch.empty(info.shape, dtype=info.torch_dtype)
+    return request.host_memory.empty(info.shape, info.torch_dtype)
 
 
 def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:

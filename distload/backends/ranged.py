@@ -39,8 +39,9 @@ def read_ranged(request: ReadRequest) -> BackendRun:
     return BackendRun("ranged-reads").start(_stream(request))
 
 
-def _tensor_from(data: bytes, offset: int, info: TensorInfo, device: torch.device) -> torch.Tensor:
-    out = torch.empty(info.nbytes, dtype=torch.uint8)
+def _tensor_from(data: bytes, offset: int, info: TensorInfo, request: ReadRequest) -> torch.Tensor:
+    device = request.device
+    out = request.host_memory.empty((info.nbytes,), torch.uint8)
     if info.nbytes:
         # Through ctypes, not numpy: a numpy view would make the storage non-resizable for good
         # (see tensor_io), and WeightSleeper could not release it.
@@ -71,5 +72,5 @@ def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
                 pending = pool.submit(fetch, jobs[i + 1])
             start, members = job[2], job[4]
             for info in members:
-                yield info.name, _tensor_from(data, info.begin - start, info, request.device)
+                yield info.name, _tensor_from(data, info.begin - start, info, request)
             del data

@@ -3,7 +3,8 @@
 On the CPU ``get_tensor`` returns a view of the file's memory map: nothing is read until the
 tensor is first touched, and rewriting the file (a reshard, a hot reload) would change the
 "loaded" tensor under its user. We copy each tensor out of the map so that a load means the bytes
-are in the rank's own memory, and its timing is the real cost.
+are in the rank's own memory, and its timing is the real cost. The copies are new host tensors
+from the request's HostMemory (huge pages where the kernel allows).
 """
 
 from __future__ import annotations
@@ -35,4 +36,7 @@ def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
                 except Exception as exc:
                     raise CheckpointError(f"{info.path}: safetensors could not read tensor "
                                           f"{tensor.name!r}: {exc}") from exc
-                yield tensor.name, loaded.clone() if loaded.device.type == "cpu" else loaded
+                if loaded.device.type == "cpu":
+                    copy = request.host_memory.empty(tuple(loaded.shape), loaded.dtype)
+                    loaded = copy.copy_(loaded)
+                yield tensor.name, loaded
