@@ -12,8 +12,6 @@ evicted with posix_fadvise(DONTNEED) before each repetition; no root needed):
 - **limit**: each rank reads exactly the bytes it needs with parallel ``pread``s (8 threads, 8 MiB,
   in file order) into a few preallocated buffers reused across reads: storage/page-cache
   throughput with no allocation;
-- **limit (fresh memory)**: the same reads into a new ``torch.empty`` per tensor, kept: the ceiling
-  for any reader that hands out new tensors (first-touch page faults included);
 - **naive**: each rank reads the whole checkpoint with plain ``safetensors.torch.load_file`` and
   keeps (copies out) its part: what a user gets without distload (torch on one thread per rank
   when there are several ranks, as torchrun sets OMP_NUM_THREADS=1 for the distload runs);
@@ -46,7 +44,6 @@ sys.path.insert(0, os.path.dirname(HERE))
 from distload.checkpoint import read_local_header  # noqa: E402
 from distload.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
 from distload.report import peak_rss_bytes  # noqa: E402
-from distload.tensor_io import host_view  # noqa: E402
 
 GIB = 2**30
 FORMATS = [  # (label, layout, --load-format, extra config)
@@ -107,27 +104,6 @@ def _limit(files: list[str]) -> int:
     return nbytes
 
 
-def _limit_fresh(files: list[str]) -> int:
-    """The limit's reads, but into a new ``torch.empty`` per tensor (4 KiB pages, as torch
-    allocates by default): the ceiling for any reader that hands out new tensors, page faults and
-    all. Tensors are kept until the end, as a model keeps its weights."""
-    chunk = 8 * 2**20
-    fds = {p: os.open(p, os.O_RDONLY) for p in files}
-    kept, jobs = [], []
-    for path in files:
-        for t in read_local_header(path).tensors:
-            out = torch.empty(t.end - t.begin, dtype=torch.uint8)
-            kept.append(out)
-            view = host_view(out)
-            jobs += [(fds[path], view[off:off + chunk], t.begin + off) for off in range(0, len(view), chunk)]
-
-    with ThreadPoolExecutor(8) as pool:
-        nbytes = sum(pool.map(lambda job: os.preadv(job[0], [job[1]], job[2]), jobs))
-    for fd in fds.values():
-        os.close(fd)
-    return nbytes
-
-
 def _naive(whole_files: list[str], rank: int, world_size: int, sharded: bool, splits: dict) -> int:
     from safetensors.torch import load_file
 
@@ -140,7 +116,7 @@ def _naive(whole_files: list[str], rank: int, world_size: int, sharded: bool, sp
     return sum(t.numel() * t.element_size() for t in kept.values())
 
 
-BASELINES = {"limit": _limit, "limit (fresh memory)": _limit_fresh, "naive": _naive}
+BASELINES = {"limit": _limit, "naive": _naive}
 
 
 def _baseline_rank(kind: str, args: tuple, nproc: int, barrier, queue) -> None:
@@ -320,12 +296,11 @@ def main() -> int:
             for layout in ("whole", "sharded"):
                 per_rank = [(safetensors_files(whole),) if layout == "whole" else (safetensors_files(sharded, r),)
                             for r in range(nproc)]
-                for kind in ("limit", "limit (fresh memory)"):
-                    reps = []
-                    for _ in range(args.repeats):
-                        prepare()
-                        reps.append(run_baseline(kind, per_rank))
-                    rows.append(summarize(kind, layout, nproc, case, reps))
+                reps = []
+                for _ in range(args.repeats):
+                    prepare()
+                    reps.append(run_baseline("limit", per_rank))
+                rows.append(summarize("limit", layout, nproc, case, reps))
                 naive_args = [(safetensors_files(whole), r, nproc, layout == "sharded", splits) for r in range(nproc)]
                 reps = []
                 for _ in range(args.repeats):

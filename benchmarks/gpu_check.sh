@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: distload's GPU load paths on a ~16 GB synthetic bf16 checkpoint, read from /dev/shm
-# and from disk (cold cache), next to plain safetensors; weight sync over NCCL with 2+ GPUs.
+# and from disk (cold cache), next to plain safetensors; host memory within Run:ai's memory_limit;
+# weight sync over NCCL with 2+ GPUs.
 #
 #   bash benchmarks/gpu_check.sh                          # one H200: 4-6 minutes, disk speed decides (limit 8)
 #   GPU_CHECK_CPU_SMOKE=1 bash benchmarks/gpu_check.sh    # no GPU: the same steps, 8 MiB, --device cpu
@@ -15,9 +16,12 @@
 # [safetensors instanttensor auto runai_streamer; safetensors first: the baseline],
 # GPU_CHECK_LOCATIONS [shm disk], GPU_CHECK_SHM_DIR [/dev/shm], GPU_CHECK_DISK_DIR [/var/tmp],
 # GPU_CHECK_CASE_TIMEOUT [240 s per load], GPU_CHECK_SYNC_RANKS [the GPU count; 0 skips],
+# GPU_CHECK_MEMORY_LIMIT_MIB [1024; Run:ai's memory_limit in the host-memory bound check],
+# GPU_CHECK_RSS_OVERHEAD_MIB [512; what that check allows beyond the limit],
 # GPU_CHECK_REPORT_DIR [unset: reports deleted], PYTHON [python3].
-# Exit status: 0 every path loaded onto the device and every digest agrees; 1 a path failed or the
-# digests disagree; 2 the machine is not ready (a package, CUDA or space missing).
+# Exit status: 0 every path loaded onto the device, every digest agrees and Run:ai's host memory
+# stayed within memory_limit plus the stated overhead; 1 otherwise; 2 the machine is not ready (a
+# package, CUDA or space missing).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,6 +41,7 @@ else
 fi
 PACKAGES="$PACKAGES ${GPU_CHECK_REQUIRE:-}"
 LOCATIONS="${GPU_CHECK_LOCATIONS:-shm disk}"
+MEMORY_LIMIT_MIB="${GPU_CHECK_MEMORY_LIMIT_MIB:-1024}" RSS_OVERHEAD_MIB="${GPU_CHECK_RSS_OVERHEAD_MIB:-512}"
 CASE_TIMEOUT="${GPU_CHECK_CASE_TIMEOUT:-240}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/vendor/wheels}"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
@@ -209,6 +214,44 @@ if loads and "rank" in loads[0]:
           f"'read GB' is what the process read from storage (cold disk: about the checkpoint)")
 sys.exit(1 if bad else 0)
 EOF
+# -- 4b. host memory bounded by memory_limit: Run:ai's host buffer, next to a load that reads nothing --
+# dummy creates the same tensors on the device without reading (CUDA context, torch, the tensors);
+# Run:ai with memory_limit may grow the process's peak RSS beyond that by at most the limit plus
+# RSS_OVERHEAD_MIB (its threads, the headers, allocator slack).
+read -r BOUND_LOCATION _ <<< "$LOCATIONS"
+if [[ -n "$BOUND_LOCATION" ]]; then
+    [[ "$BOUND_LOCATION" == shm ]] && ckpt="$SHM_WORK/ckpt" || ckpt="$DISK_WORK/ckpt"
+    : > "$DISK_WORK/memory.tsv"
+    for format in dummy runai_streamer; do
+        extra=()
+        [[ "$format" == runai_streamer ]] && extra=(--model-loader-extra-config "{\"memory_limit\": $((MEMORY_LIMIT_MIB * 1024 * 1024))}")
+        report="$DISK_WORK/reports/memory-$format.json"
+        say "$BOUND_LOCATION: python -m distload load $ckpt --load-format $format --device $DEVICE ${extra[*]}"
+        if timeout "$CASE_TIMEOUT" "$PY" -m distload load "$ckpt" --load-format "$format" --device "$DEVICE" \
+                "${extra[@]}" --report-json "$report" --no-progress --no-digest > "$DISK_WORK/memory-$format.log" 2>&1; then
+            printf '%s\t%s\n' "$format" "$report" >> "$DISK_WORK/memory.tsv"
+        else
+            say "FAILED ($format, for the memory bound): last lines of its output:"
+            tail -n 15 "$DISK_WORK/memory-$format.log" | sed 's/^/    /'
+        fi
+    done
+    "$PY" - "$DISK_WORK/memory.tsv" "$MEMORY_LIMIT_MIB" "$RSS_OVERHEAD_MIB" <<'EOF' || failed=1
+import json, sys
+peak = {fmt: json.load(open(path))["ranks"][0]["peak_rss_bytes"] for fmt, path in
+        (line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip())}
+limit, overhead, mib = int(sys.argv[2]), int(sys.argv[3]), 2**20
+if set(peak) != {"dummy", "runai_streamer"}:
+    print("host memory bound: FAILED (a load failed, see above)")
+    sys.exit(1)
+growth = (peak["runai_streamer"] - peak["dummy"]) / mib
+ok = growth <= limit + overhead
+print(f"host memory bound: runai_streamer with memory_limit {limit} MiB peaked at {peak['runai_streamer'] / mib:.0f} MiB "
+      f"RSS, dummy (no reads) at {peak['dummy'] / mib:.0f} MiB: {growth:.0f} MiB more; bound {limit} + {overhead} MiB: "
+      f"{'ok' if ok else 'EXCEEDED'}")
+sys.exit(0 if ok else 1)
+EOF
+fi
+
 if [[ -n "${GPU_CHECK_REPORT_DIR:-}" ]]; then
     mkdir -p "$GPU_CHECK_REPORT_DIR"
     cp "$DISK_WORK"/reports/* "$GPU_CHECK_REPORT_DIR"/
@@ -232,7 +275,7 @@ else
 fi
 
 if [[ "$failed" != 0 ]]; then
-    say "FAILED: a path failed or the digests disagree (see above)"
+    say "FAILED: a path failed, the digests disagree, or host memory exceeded its bound (see above)"
     exit 1
 fi
-say "OK: every path loaded onto $EXPECT_DEVICE and every digest agrees"
+say "OK: every path loaded onto $EXPECT_DEVICE, every digest agrees, host memory within its bound"

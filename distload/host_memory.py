@@ -38,16 +38,28 @@ import torch
 
 from .errors import ConfigError
 
-HUGE_PAGE_BYTES = 2 * 1024 * 1024
-# Below this a tensor's aligned interior is at most one huge page (and often none).
-MIN_TENSOR_BYTES = 4 * 1024 * 1024
-_MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+_THP_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
+_MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
 _BUDDYINFO = "/proc/buddyinfo"
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
+
+
+def _read_int(path: str, default: int) -> int:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return default
+
+
+# 2 MiB with 4 KiB base pages (x86-64, most arm64 kernels); the kernel says what it really is.
+HUGE_PAGE_BYTES = _read_int(_THP_SIZE, 2 * 1024 * 1024)
+# Below this a tensor's aligned interior is at most one huge page (and often none).
+MIN_TENSOR_BYTES = 2 * HUGE_PAGE_BYTES
 
 
 def thp_mode(path: str = _THP_ENABLED) -> Optional[str]:
@@ -64,7 +76,7 @@ def thp_mode(path: str = _THP_ENABLED) -> Optional[str]:
 
 
 def free_huge_page_bytes(path: str = _BUDDYINFO) -> int:
-    """Bytes in free blocks of at least 2 MiB (buddy order 9 with 4 KiB pages), over every zone."""
+    """Bytes in free blocks of at least a huge page (buddy order 9 with 4 KiB pages), over every zone."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -99,14 +111,6 @@ def free_page_reporting(devices: str = _VIRTIO_DEVICES) -> Optional[str]:
                 and features[_VIRTIO_BALLOON_F_REPORTING] == "1"):
             return name
     return None
-
-
-def _read_int(path: str, default: int) -> int:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return default
 
 
 def _madvise():

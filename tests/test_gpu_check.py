@@ -55,10 +55,13 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
             line = table_line(result.stdout, location, fmt)
             assert line.split()[2:4] == [path, "cpu"], line
             assert line.endswith(" ok"), line
-    digests = {line.split()[-2] for line in result.stdout.splitlines() if line.endswith(" ok")}
+    digests = {line.split()[-2] for line in result.stdout.splitlines()
+               if line.endswith(" ok") and line.split()[0] in ("shm", "disk")}
     assert len(digests) == 1, result.stdout
     assert "every receiver's digest matches the trainer's" in result.stdout, out  # sync-demo, 2 ranks
-    assert "OK: every path loaded onto cpu and every digest agrees" in result.stdout
+    bound = [line for line in result.stdout.splitlines() if line.startswith("host memory bound:")]
+    assert len(bound) == 1 and bound[0].endswith("bound 1024 + 512 MiB: ok"), out
+    assert "OK: every path loaded onto cpu, every digest agrees, host memory within its bound" in result.stdout
     assert left_behind(folders) == []
 
 
@@ -74,6 +77,20 @@ def test_a_failed_path_or_a_digest_mismatch_exits_non_zero(tmp_path):
     assert "instanttensor reads only onto CUDA devices" in result.stdout  # the failing load's own error
     assert table_line(result.stdout, "shm", "dummy").endswith("DIGEST MISMATCH")
     assert "weight sync: skipped" in result.stdout
+    assert left_behind(folders) == []
+
+
+@pytest.mark.dist
+def test_host_memory_beyond_the_bound_exits_non_zero(tmp_path):
+    # A negative allowance: any peak RSS exceeds it, so the check's failing branch runs for real.
+    result, folders = run_check(tmp_path, GPU_CHECK_CPU_SMOKE="1", GPU_CHECK_LOCATIONS="shm",
+                                GPU_CHECK_FORMATS="safetensors", GPU_CHECK_SYNC_RANKS="0",
+                                GPU_CHECK_RSS_OVERHEAD_MIB="-100000")
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert table_line(result.stdout, "shm", "safetensors").endswith(" ok")
+    line = next(line for line in result.stdout.splitlines() if line.startswith("host memory bound:"))
+    assert "runai_streamer with memory_limit 1024 MiB peaked at" in line and line.endswith("EXCEEDED"), out
     assert left_behind(folders) == []
 
 
