@@ -161,7 +161,7 @@ def run_load(folder: str, load_format: str, extra: str | None, nproc: int, repor
         data = json.load(f)
     return [{"seconds": r["seconds"], "nbytes": r["nbytes"], "read_bytes": r.get("read_bytes", 0),
              "peak_rss": r.get("peak_rss_bytes", 0), "path": r["path"],
-             "huge_page_bytes": r.get("huge_page_bytes", 0)} for r in data["ranks"]]
+             "huge_page_marked_bytes": r.get("huge_page_marked_bytes", 0)} for r in data["ranks"]]
 
 
 _IN_PLACE = r"""
@@ -205,7 +205,7 @@ def summarize(label: str, layout: str, nproc: int, case: str, repeats: list[list
         "gib_per_s_per_rank": round(nbytes / nproc / GIB / seconds, 3),
         "read_gib_from_storage": round(statistics.median(sum(r["read_bytes"] for r in rep) for rep in repeats) / GIB, 3),
         "peak_rss_gib_max_rank": round(max(r["peak_rss"] for r in first) / GIB, 3),
-        "huge_page_gib": round(sum(r.get("huge_page_bytes", 0) for r in first) / GIB, 3),
+        "huge_page_gib": round(sum(r.get("huge_page_marked_bytes", 0) for r in first) / GIB, 3),
     }
 
 
@@ -229,7 +229,7 @@ def write_outputs(out_dir: str, result: dict) -> None:
              f"{m['cpus']} CPUs, {m['memory_gib']} GiB, {m['platform']}, torch {m['torch']}, "
              f"Run:ai {m['runai_model_streamer']}, safetensors {m['safetensors']}.", "",
              "| ranks | cache | layout | method | path | s (slowest rank) | GiB/s per rank | GiB/s total "
-             "| vs limit | vs naive | read from storage GiB | peak RSS GiB | huge pages GiB |",
+             "| vs limit | vs naive | read from storage GiB | peak RSS GiB (largest rank) | marked for huge pages GiB (all ranks) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lines.append(f"| {row['ranks']} | {row['cache']} | {row['layout']} | {row['method']} | {row['path']} "

@@ -219,7 +219,9 @@ EOF
 # Run:ai with memory_limit may grow the process's peak RSS beyond that by at most the limit plus
 # RSS_OVERHEAD_MIB (its threads, the headers, allocator slack).
 read -r BOUND_LOCATION _ <<< "$LOCATIONS"
-if [[ -n "$BOUND_LOCATION" ]]; then
+if [[ " $FORMATS " != *" runai_streamer "* ]]; then
+    say "host memory bound: skipped (runai_streamer is not in GPU_CHECK_FORMATS)"
+elif [[ -n "$BOUND_LOCATION" ]]; then
     [[ "$BOUND_LOCATION" == shm ]] && ckpt="$SHM_WORK/ckpt" || ckpt="$DISK_WORK/ckpt"
     : > "$DISK_WORK/memory.tsv"
     for format in dummy runai_streamer; do
@@ -228,7 +230,7 @@ if [[ -n "$BOUND_LOCATION" ]]; then
         report="$DISK_WORK/reports/memory-$format.json"
         say "$BOUND_LOCATION: python -m distload load $ckpt --load-format $format --device $DEVICE ${extra[*]}"
         if timeout "$CASE_TIMEOUT" "$PY" -m distload load "$ckpt" --load-format "$format" --device "$DEVICE" \
-                "${extra[@]}" --report-json "$report" --no-progress --no-digest > "$DISK_WORK/memory-$format.log" 2>&1; then
+                ${extra[@]+"${extra[@]}"} --report-json "$report" --no-progress --no-digest > "$DISK_WORK/memory-$format.log" 2>&1; then
             printf '%s\t%s\n' "$format" "$report" >> "$DISK_WORK/memory.tsv"
         else
             say "FAILED ($format, for the memory bound): last lines of its output:"
@@ -237,11 +239,14 @@ if [[ -n "$BOUND_LOCATION" ]]; then
     done
     "$PY" - "$DISK_WORK/memory.tsv" "$MEMORY_LIMIT_MIB" "$RSS_OVERHEAD_MIB" <<'EOF' || failed=1
 import json, sys
-peak = {fmt: json.load(open(path))["ranks"][0]["peak_rss_bytes"] for fmt, path in
+peak = {fmt: json.load(open(path))["ranks"][0].get("peak_rss_bytes") for fmt, path in
         (line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip())}
 limit, overhead, mib = int(sys.argv[2]), int(sys.argv[3]), 2**20
 if set(peak) != {"dummy", "runai_streamer"}:
     print("host memory bound: FAILED (a load failed, see above)")
+    sys.exit(1)
+if None in peak.values():
+    print("host memory bound: FAILED (the report has no peak_rss_bytes: this OS gave no peak RSS)")
     sys.exit(1)
 growth = (peak["runai_streamer"] - peak["dummy"]) / mib
 ok = growth <= limit + overhead

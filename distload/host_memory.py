@@ -3,14 +3,18 @@
 Why: reading a checkpoint that is already in the page cache into fresh memory is bound by page
 faults, not by I/O. Every 4 KiB of a new tensor costs a fault (a trap, a zeroed page, a page-table
 update) on first touch; a 2 MiB huge page costs one fault for 512 of them. Measured on the
-2-core VM in benchmarks/results: the same parallel-pread reader fills 1 GiB of new 4 KiB-page
-tensors at about 4.5 GiB/s and of huge-page tensors at 11-14 GiB/s.
+2-core VM (benchmarks/results/profile_warm.md): a warm 1 GiB load into new tensors runs at
+3.6 GiB/s on 4 KiB pages (one fault per page, 97% of the CPU time in the kernel) and at 8.5 GiB/s
+with huge pages, right after memory was freed (see the first cost below).
 
 Most distributions run transparent huge pages in ``madvise`` mode: only ranges marked with
 ``madvise(MADV_HUGEPAGE)`` get them. We mark the 2 MiB-aligned interior of each new tensor of at
-least ``MIN_TENSOR_BYTES`` before anything touches it. The tensor stays an ordinary
+least ``MIN_TENSOR_BYTES`` before distload writes to it. The tensor stays an ordinary
 ``torch.empty`` tensor (torch's allocator, a resizable storage that frees normally); only the
-kernel's backing changes.
+kernel's backing changes. The mark is advice: memory that glibc hands out again from its heap
+(after a large free it raises its mmap threshold, up to 32 MiB) is already backed by 4 KiB pages,
+and there the mark changes nothing until khugepaged collapses it; ``marked_bytes`` counts advice
+given, not huge pages obtained (smaps' AnonHugePages says that).
 
 Two costs to avoid. First, a virtual machine whose balloon driver does free page reporting
 (virtio-balloon with VIRTIO_BALLOON_F_REPORTING, as on this project's Firecracker VMs) hands every
@@ -23,8 +27,9 @@ mark only as many bytes as the free 2 MiB (and larger) blocks in ``/proc/buddyin
 between the node's ranks. ``huge_pages: true`` marks everything (and fails when the kernel has
 huge pages off); ``false`` marks nothing.
 
-Each marked tensor splits its mapping into more VMAs; a process has at most ``vm.max_map_count``
-of them, so we mark at most an eighth of that many tensors.
+Each marked tensor splits its mapping into up to two more VMAs; a process has at most
+``vm.max_map_count`` of them, so a process marks at most an eighth of that many tensors, over all
+its loads (the count is per process: marks outlive a load while its tensors live).
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
+
+# Tensors this process may still mark (see the module docstring); None until first needed.
+_process_slots: Optional[int] = None
+_process_lock = threading.Lock()
 
 
 def _read_int(path: str, default: int) -> int:
@@ -122,18 +131,18 @@ def _madvise():
 
 
 class HostMemory:
-    """Allocates a load's new host tensors; thread-safe; counts what it marked for huge pages.
+    """Allocates a load's new host tensors; thread-safe; counts the bytes it marked for huge pages.
 
     ``huge_pages``: None (auto: mark within the free-block budget when the kernel's mode is
     ``madvise`` and no balloon reports free pages), True (mark every large tensor), False (never).
-    ``why_not``: why ``auto`` marks nothing, for the log; None when it marks.
+    ``why_not``: why nothing is marked, for the log; None when marking is on.
     ``local_ranks``: ranks on this node, which share the free blocks.
     """
 
     def __init__(self, huge_pages: Optional[bool] = None, local_ranks: int = 1, *,
                  mode: Optional[str] = "detect", free_bytes: Optional[int] = None,
-                 reporting: Optional[str] = "detect", max_marked_tensors: Optional[int] = None):
-        # mode, free_bytes, reporting and max_marked_tensors stand in for what the kernel says (tests).
+                 reporting: Optional[str] = "detect"):
+        # mode, free_bytes and reporting stand in for what the kernel says (tests).
         mode = thp_mode() if mode == "detect" else mode
         reporting = free_page_reporting() if reporting == "detect" else reporting
         if huge_pages and mode not in ("always", "madvise"):
@@ -160,13 +169,14 @@ class HostMemory:
         if huge_pages is None and self.enabled:
             free = free_huge_page_bytes() if free_bytes is None else free_bytes
             self._budget: Optional[int] = free // max(1, local_ranks)
+            if self._budget < HUGE_PAGE_BYTES:
+                self.enabled = False
+                self.why_not = "the kernel has no free huge-page-sized blocks (/proc/buddyinfo)"
         else:
             self._budget = None  # unlimited
-        self._slots = (_read_int(_MAX_MAP_COUNT, 65530) // 8 if max_marked_tensors is None
-                       else max_marked_tensors)
         self._lock = threading.Lock()
         self._madvise = _madvise() if self.enabled else None
-        self.huge_page_bytes = 0  # bytes marked MADV_HUGEPAGE so far
+        self.marked_bytes = 0  # bytes marked MADV_HUGEPAGE so far
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """``torch.empty(shape, dtype)`` on the host, its aligned interior marked for huge pages."""
@@ -186,9 +196,10 @@ class HostMemory:
         if length <= 0:
             return
         with self._lock:
-            if self._slots <= 0 or (self._budget is not None and self._budget < length):
+            if self._budget is not None and self._budget < length:
                 return
-            self._slots -= 1
+            if not _take_slot():
+                return
             if self._budget is not None:
                 self._budget -= length
             if self._madvise(first, length, _MADV_HUGEPAGE) != 0:
@@ -198,7 +209,20 @@ class HostMemory:
                                       f"failed: {os.strerror(err)}; drop 'huge_pages' to let "
                                       f"distload decide")
                 # The kernel said madvise mode but refused (a seccomp filter): stop marking. The
-                # tensor is fine, its backing stays 4 KiB pages; the report's huge_page_bytes shows it.
+                # tensor is fine, its backing stays 4 KiB pages; the report's count shows it.
                 self.enabled = False
+                self.why_not = f"madvise(MADV_HUGEPAGE) failed: {os.strerror(err)}"
                 return
-            self.huge_page_bytes += length
+            self.marked_bytes += length
+
+
+def _take_slot() -> bool:
+    """Count one more marked tensor against this process's share of vm.max_map_count."""
+    global _process_slots
+    with _process_lock:
+        if _process_slots is None:
+            _process_slots = _read_int(_MAX_MAP_COUNT, 65530) // 8
+        if _process_slots <= 0:
+            return False
+        _process_slots -= 1
+        return True

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from .backends import BACKENDS, ReadRequest
+from .backends import BACKENDS, HOST_TENSOR_BACKENDS, ReadRequest
 from .backends.instanttensor import check_instanttensor_device
 from .checkpoint import CheckpointIndex, build_index, content_fingerprint
 from .config import LoadConfig, make_load_config
@@ -161,6 +161,14 @@ def check_cooperative_lists(group: WorkerGroup, plan: RankPlan) -> None:
         )
 
 
+def host_memory_for(choice: ReadChoice, extra: Mapping[str, Any], local_ranks: int) -> HostMemory:
+    """Where a read's new host tensors come from. ``huge_pages`` concerns only the backends that
+    create host tensors themselves; the others (Run:ai, InstantTensor, dummy) ignore it, and an
+    explicit true must not fail a load it cannot affect."""
+    setting = extra.get("huge_pages") if choice.backend in HOST_TENSOR_BACKENDS else False
+    return HostMemory(setting, local_ranks)
+
+
 def missing_keys_error(missing: set[str], why: str) -> CheckpointError:
     shown = sorted(missing)
     return CheckpointError(
@@ -212,9 +220,9 @@ class Loader:
         try:
             # Inside the try: an explicit huge_pages=true on a kernel without them fails this
             # rank, and the others hear of it instead of waiting.
-            host_memory = HostMemory(self.config.extra.get("huge_pages"), group.local_world_size)
+            host_memory = host_memory_for(plan.choice, self.config.extra, group.local_world_size)
             if host_memory.why_not:
-                log.debug("new host tensors on 4 KiB pages: %s", host_memory.why_not)
+                log.debug("not marking new host tensors for huge pages: %s", host_memory.why_not)
             request = ReadRequest(plan.index, group.device, group, self.config.extra,
                                   plan.choice.cooperative, dict(destinations or {}), host_memory)
             run = BACKENDS[plan.choice.backend](request)
@@ -271,7 +279,7 @@ class Loader:
             hostname=group.hostname,
             read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
             peak_rss_bytes=peak_rss_bytes(),
-            huge_page_bytes=request.host_memory.huge_page_bytes,
+            huge_page_marked_bytes=request.host_memory.marked_bytes,
         )
 
     def load(self) -> dict[str, torch.Tensor]:

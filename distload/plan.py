@@ -157,8 +157,8 @@ class ReadChoice:
 
 # What `auto` picks on a CPU, from benchmarks/results/load.md: on local files distload's own
 # parallel-pread reader (no intermediate buffer, no memory map) beats safetensors (copied out of
-# its map) and Run:ai from disk. From a warm page cache safetensors' memcpy is ~25% faster, but a
-# file truncated under a memory map kills the process with SIGBUS, where pread raises an error
+# its map) and Run:ai from disk in 3 of the 4 cold cases. From a warm page cache, on per-rank
+# shards, safetensors' memcpy is 20-25% faster, but a file truncated under a memory map kills the process with SIGBUS, where pread raises an error
 # naming the file and tensor: we keep pread. And with the page cache already sharing reads
 # between a node's ranks, each rank reading alone beats Run:ai's distributed mode over gloo, so
 # local loads never cooperate.

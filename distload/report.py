@@ -55,8 +55,9 @@ class RankReport:
     # do not count) and its peak resident memory so far; None where the OS does not say.
     read_bytes: int | None = None
     peak_rss_bytes: int | None = None
-    # Bytes of the new host tensors marked for transparent huge pages (distload.host_memory).
-    huge_page_bytes: int = 0
+    # Bytes of the new host tensors marked for transparent huge pages (advice to the kernel; see
+    # distload.host_memory).
+    huge_page_marked_bytes: int = 0
 
 
 @dataclass

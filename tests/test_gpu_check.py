@@ -77,6 +77,7 @@ def test_a_failed_path_or_a_digest_mismatch_exits_non_zero(tmp_path):
     assert "instanttensor reads only onto CUDA devices" in result.stdout  # the failing load's own error
     assert table_line(result.stdout, "shm", "dummy").endswith("DIGEST MISMATCH")
     assert "weight sync: skipped" in result.stdout
+    assert "host memory bound: skipped (runai_streamer is not in GPU_CHECK_FORMATS)" in result.stdout
     assert left_behind(folders) == []
 
 
@@ -84,7 +85,7 @@ def test_a_failed_path_or_a_digest_mismatch_exits_non_zero(tmp_path):
 def test_host_memory_beyond_the_bound_exits_non_zero(tmp_path):
     # A negative allowance: any peak RSS exceeds it, so the check's failing branch runs for real.
     result, folders = run_check(tmp_path, GPU_CHECK_CPU_SMOKE="1", GPU_CHECK_LOCATIONS="shm",
-                                GPU_CHECK_FORMATS="safetensors", GPU_CHECK_SYNC_RANKS="0",
+                                GPU_CHECK_FORMATS="safetensors runai_streamer", GPU_CHECK_SYNC_RANKS="0",
                                 GPU_CHECK_RSS_OVERHEAD_MIB="-100000")
     out = result.stdout + result.stderr
     assert result.returncode == 1, out

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import distload
+from distload import host_memory
 from distload.errors import ConfigError
 from distload.host_memory import (
     HUGE_PAGE_BYTES,
@@ -78,6 +79,11 @@ def test_free_page_reporting_is_the_balloon_with_feature_bit_5(tmp_path):
     assert free_page_reporting(str(tmp_path / "missing")) is None
 
 
+# madvise(MADV_HUGEPAGE) fails with EINVAL on a kernel built without transparent huge pages.
+needs_thp_kernel = pytest.mark.skipif(
+    thp_mode() is None,
+    reason="this kernel has no transparent huge pages at all (no /sys/kernel/mm/transparent_hugepage)",
+)
 needs_madvise_thp = pytest.mark.skipif(
     thp_mode() not in ("madvise", "always"),
     reason=f"the kernel has no transparent huge pages (mode {thp_mode()}); smaps would never say THPeligible",
@@ -90,7 +96,7 @@ def test_marked_tensors_are_huge_page_eligible_in_the_kernel():
     big = memory.empty((16 * MIB,), torch.float32)  # 64 MiB
     plain = torch.empty(16 * MIB, dtype=torch.float32)
     assert memory.enabled and memory.why_not is None
-    assert memory.huge_page_bytes == aligned_interior(big) >= 62 * MIB
+    assert memory.marked_bytes == aligned_interior(big) >= 62 * MIB
     assert marked_in_kernel(big)
     if thp_mode() == "madvise":
         assert not marked_in_kernel(plain)
@@ -103,27 +109,35 @@ def test_marked_tensors_are_huge_page_eligible_in_the_kernel():
 def test_small_tensors_are_not_marked():
     memory = HostMemory(None, mode="madvise", reporting=None, free_bytes=1 << 40)
     memory.empty((MIB - 1,), torch.float32)  # just under 4 MiB
-    assert memory.huge_page_bytes == 0
+    assert memory.marked_bytes == 0
 
 
+@needs_thp_kernel
 def test_auto_stays_within_the_free_blocks_shared_by_the_node_ranks():
     # 100 MiB of free 2 MiB blocks shared by 2 ranks: 50 MiB each; one 64 MiB tensor does not fit.
     memory = HostMemory(None, local_ranks=2, mode="madvise", reporting=None, free_bytes=100 * MIB)
     memory.empty((64 * MIB,), torch.uint8)
-    assert memory.huge_page_bytes == 0
+    assert memory.marked_bytes == 0
     memory.empty((40 * MIB,), torch.uint8)
-    assert 38 * MIB <= memory.huge_page_bytes <= 40 * MIB
+    assert 38 * MIB <= memory.marked_bytes <= 40 * MIB
     # Explicit true ignores the budget.
     memory = HostMemory(True, local_ranks=2, mode="madvise", reporting=None, free_bytes=0)
     memory.empty((64 * MIB,), torch.uint8)
-    assert memory.huge_page_bytes >= 62 * MIB
+    assert memory.marked_bytes >= 62 * MIB
 
 
-def test_marks_at_most_the_allowed_number_of_tensors():
-    memory = HostMemory(True, mode="madvise", reporting=None, max_marked_tensors=1)
+@needs_thp_kernel
+def test_the_process_marks_at_most_its_share_of_the_map_count(monkeypatch):
+    monkeypatch.setattr(host_memory, "_process_slots", 2)  # as if earlier loads had used the rest
+    memory = HostMemory(True, mode="madvise", reporting=None)
     first = memory.empty((8 * MIB,), torch.uint8)
-    memory.empty((8 * MIB,), torch.uint8)
-    assert memory.huge_page_bytes == aligned_interior(first)
+    assert memory.marked_bytes == aligned_interior(first)
+    # A second load in the same process shares the count.
+    other = HostMemory(True, mode="madvise", reporting=None)
+    second = other.empty((8 * MIB,), torch.uint8)
+    other.empty((8 * MIB,), torch.uint8)
+    assert other.marked_bytes == aligned_interior(second)
+    assert host_memory._process_slots == 0
 
 
 @pytest.mark.parametrize("setting, mode, reporting, why", [
@@ -135,14 +149,37 @@ def test_marks_at_most_the_allowed_number_of_tensors():
 def test_when_nothing_is_marked_the_reason_is_given(setting, mode, reporting, why):
     memory = HostMemory(setting, mode=mode, reporting=reporting, free_bytes=1 << 40)
     memory.empty((8 * MIB,), torch.uint8)
-    assert not memory.enabled and memory.huge_page_bytes == 0
+    assert not memory.enabled and memory.marked_bytes == 0
     assert why in memory.why_not
 
 
+def test_auto_without_free_huge_blocks_marks_nothing_and_says_why():
+    memory = HostMemory(None, local_ranks=4, mode="madvise", reporting=None, free_bytes=3 * MIB)
+    memory.empty((8 * MIB,), torch.uint8)
+    assert not memory.enabled and memory.marked_bytes == 0
+    assert "no free huge-page-sized blocks" in memory.why_not
+
+
+@pytest.mark.parametrize("backend, used", [("pread", True), ("ranged", True), ("safetensors", True),
+                                           ("runai", False), ("instanttensor", False), ("dummy", False)])
+def test_huge_pages_true_concerns_only_backends_that_create_host_tensors(monkeypatch, backend, used):
+    from distload.loader import host_memory_for
+    from distload.plan import ReadChoice
+
+    monkeypatch.setattr(host_memory, "thp_mode", lambda: "never")  # a kernel with huge pages off
+    choice = ReadChoice(False, backend, False)
+    if used:
+        with pytest.raises(ConfigError, match="'huge_pages' is true"):
+            host_memory_for(choice, {"huge_pages": True}, 1)
+    else:
+        assert not host_memory_for(choice, {"huge_pages": True}, 1).enabled
+
+
+@needs_thp_kernel
 def test_explicit_true_overrides_free_page_reporting():
     memory = HostMemory(True, mode="madvise", reporting="virtio0")
     memory.empty((8 * MIB,), torch.uint8)
-    assert memory.enabled and memory.huge_page_bytes > 0
+    assert memory.enabled and memory.marked_bytes > 0
 
 
 @pytest.mark.parametrize("mode", ["never", None])
@@ -173,7 +210,7 @@ def test_loads_on_huge_pages_are_bit_identical_and_reported(tmp_path, load_forma
     assert set(loaded) == set(want)
     for name in want:
         assert loaded[name].dtype == want[name].dtype and loaded[name].equal(want[name]), name
-    assert report.ranks[0].huge_page_bytes >= 3 * 2 * MIB
+    assert report.ranks[0].huge_page_marked_bytes >= 3 * 2 * MIB
     WeightSleeper(loaded).sleep(2)  # storages stay resizable
 
 

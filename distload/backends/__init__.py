@@ -26,4 +26,7 @@ BACKENDS: dict[str, Callable[[ReadRequest], BackendRun]] = {
     "pread": read_pread,
 }
 
-__all__ = ["BACKENDS", "BackendRun", "ReadRequest"]
+# The backends that create host tensors themselves, from ReadRequest.host_memory (huge pages).
+HOST_TENSOR_BACKENDS = frozenset({"pread", "ranged", "safetensors"})
+
+__all__ = ["BACKENDS", "HOST_TENSOR_BACKENDS", "BackendRun", "ReadRequest"]
