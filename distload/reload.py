@@ -23,6 +23,7 @@ each rank its part of a whole checkpoint's tensors, as ``save-sharded`` would.
 from __future__ import annotations
 
 import math
+from collections import Counter
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -215,9 +216,14 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
         return check_fit(sources, targets, name_map=name_map, plan=sharding, tp_size=tp_size, strict=strict)
 
     copies, report = group.agree("checking the model against the checkpoint", check)
-    # A checkpoint tensor that lands whole in one model tensor may be read straight into it.
+    # A checkpoint tensor that lands whole in one model tensor may be read straight into it, unless
+    # that memory is also written for another tensor (tied weights): the reader's threads would
+    # write both at once, where copying in checkpoint order lets the last one win, as always.
+    writes_per_storage = Counter(targets[c.dest.name].untyped_storage().data_ptr()
+                                 for cs in copies.values() for c in cs)
     direct = {name: targets[c[0].dest.name].detach() for name, c in copies.items()
-              if len(c) == 1 and _is_whole_copy(c[0])}
+              if len(c) == 1 and _is_whole_copy(c[0])
+              and writes_per_storage[targets[c[0].dest.name].untyped_storage().data_ptr()] == 1}
     written = 0
     with torch.no_grad():
         try:
@@ -239,12 +245,15 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
                     report.nbytes += src.numel() * src.element_size()
                 if name in copies:
                     written += 1
-        except DistloadError as exc:
-            if written == 0:
+        except Exception as exc:
+            # With direct destinations the reader writes into the model ahead of what it has
+            # handed out, so any failure after reading began may have changed it.
+            if written == 0 and not direct:
                 raise
             raise ReloadError(
-                f"the reload failed after {written} of {len(copies)} tensors were written, so the model "
-                f"now mixes old and new weights; reload again before using it. Cause: {exc}"
+                f"the reload failed after {written} of {len(copies)} tensors were handed out"
+                f"{' (and others read ahead into the model)' if direct else ''}, so the model may now "
+                f"mix old and new weights; reload again before using it. Cause: {exc}"
             ) from exc
     report.num_tensors = written
     report.seconds = time.perf_counter() - start

@@ -222,3 +222,34 @@ def test_two_ranks_take_their_slice_and_fail_together(tmp_path):
     assert bad.returncode != 0
     assert "rank 1 refused: ReloadError" in bad.stdout
     assert "rank 0 refused: RankFailedError" in bad.stdout and "rank(s) 1" in bad.stdout
+
+
+def test_a_file_vanishing_mid_reload_is_a_reload_error_naming_it(tmp_path, group, monkeypatch):
+    """pread reads ahead straight into the model: a failure after reading began says the model may
+    be mixed, and names the file, instead of a raw FileNotFoundError."""
+    ckpt = {"a": torch.ones(1000), "b": torch.full((1000,), 2.0)}
+    paths = write_whole(str(tmp_path / "ck"), ckpt, num_files=2)
+    target = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+    real_plan = distload.Loader.plan
+
+    def plan_then_delete(self):
+        plan = real_plan(self)
+        os.unlink(paths[1])  # removed after planning, before reading
+        return plan
+
+    monkeypatch.setattr(distload.Loader, "plan", plan_then_delete)
+    with pytest.raises(ReloadError, match="may now mix old and new weights") as info:
+        reload_into(target, str(tmp_path / "ck"), "auto", group=group)
+    assert paths[1] in str(info.value) and "moved or deleted after the load was planned" in str(info.value)
+
+
+def test_tied_destinations_end_whole_not_torn(tmp_path, group):
+    """Two checkpoint tensors filling one shared storage are copied in order, never read into it
+    by parallel threads (which tore them: half one value, half the other)."""
+    n = 6 * 1024 * 1024  # 24 MiB each: several pread chunks
+    save_file({"embed": torch.ones(n), "head": torch.full((n,), 2.0)}, str(tmp_path / "m.safetensors"))
+    shared = torch.zeros(n)
+    for _ in range(3):
+        shared.zero_()
+        reload_into({"embed": shared, "head": shared}, str(tmp_path / "m.safetensors"), "auto", group=group)
+        assert torch.equal(shared, torch.ones(n)) or torch.equal(shared, torch.full((n,), 2.0))

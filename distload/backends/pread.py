@@ -46,6 +46,14 @@ def _read_chunk(fd: int, view: memoryview, offset: int, path: str, name: str) ->
         done += n
 
 
+def _open(path: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot open it to read its tensors ({exc.strerror}): was it "
+                              f"moved or deleted after the load was planned?") from None
+
+
 def _destination(request: ReadRequest, info: TensorInfo) -> torch.Tensor:
     """The caller's tensor to read into in place when it fits exactly, else a new one."""
     dest = request.destinations.get(info.name)
@@ -73,7 +81,7 @@ def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
                         exhausted = True
                         break
                     if info.file not in fds:
-                        fds[info.file] = os.open(info.file, os.O_RDONLY)
+                        fds[info.file] = _open(info.file)
                     tensor = _destination(request, info)
                     view = host_view(tensor)
                     futures = [pool.submit(_read_chunk, fds[info.file], view[start:start + CHUNK_BYTES],
