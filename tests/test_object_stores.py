@@ -761,3 +761,23 @@ def teardown_module(module):
         if target:
             with open(target, "w") as f:
                 json.dump(MEASURED, f)
+
+
+@pytest.mark.parametrize("var, value, needle", [
+    ("AWS_ENDPOINT_URL", "http://localhost:abc", "from AWS_ENDPOINT_URL) is not a valid URL"),
+    ("AWS_ENDPOINT_URL", "http://[::1", "from AWS_ENDPOINT_URL) is not a valid URL"),
+    ("STORAGE_EMULATOR_HOST", "localhost:99999", "from STORAGE_EMULATOR_HOST) is not a valid URL"),
+    ("AZURE_STORAGE_CONNECTION_STRING", "garbage", "has no valid host name"),
+])
+def test_malformed_endpoint_settings_name_the_setting(tmp_path, monkeypatch, var, value, needle):
+    """A bad endpoint setting is a ConfigError naming it, on every path (no ValueError traceback)."""
+    from distload.errors import ConfigError
+
+    monkeypatch.setenv(var, value)  # stores are cached per setting: this one is new
+    scheme = {"AWS_ENDPOINT_URL": "s3", "STORAGE_EMULATOR_HOST": "gs"}.get(var, "az")
+    with pytest.raises(ConfigError) as info:
+        distload.load(f"{scheme}://bucket/model", "safetensors", device="cpu")
+    message = str(info.value)
+    assert needle in message
+    if var != "AZURE_STORAGE_CONNECTION_STRING":  # the connection string itself is never echoed
+        assert value in message

@@ -119,9 +119,18 @@ class Endpoint:
     origin: str
 
     def host_port(self) -> tuple[str, int]:
-        parsed = urllib.parse.urlsplit(self.url if "://" in self.url else f"http://{self.url}")
-        port = parsed.port or (443 if parsed.scheme == "https" else 80)
-        return parsed.hostname or "", port
+        """Host and port; a malformed setting is a ConfigError naming it (every request goes
+        through here first, so nothing later meets a half-parsed URL)."""
+        try:
+            parsed = urllib.parse.urlsplit(self.url if "://" in self.url else f"http://{self.url}")
+            port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        except ValueError as exc:
+            raise ConfigError(f"the endpoint {self.describe()} is not a valid URL ({exc}); fix that "
+                              f"setting") from None
+        host = parsed.hostname or ""
+        if not host or "" in host.rstrip(".").split("."):
+            raise ConfigError(f"the endpoint {self.describe()} has no valid host name; fix that setting")
+        return host, port
 
     def describe(self) -> str:
         return f"{self.url} (from {self.origin})"
