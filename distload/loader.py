@@ -26,6 +26,7 @@ import torch
 
 from .backends import BACKENDS, HOST_TENSOR_BACKENDS, ReadRequest
 from .backends.instanttensor import check_instanttensor_device
+from .backends.runai import check_runai_source
 from .checkpoint import CheckpointIndex, build_index, content_fingerprint
 from .config import LoadConfig, make_load_config
 from .errors import BackendUnavailableError, CheckpointError, DistloadError, GroupError
@@ -195,7 +196,13 @@ class Loader:
 
     def plan(self) -> RankPlan:
         """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves."""
-        plan = self.group.agree("planning the load", lambda: plan_rank(self.source, self.config, self.group))
+        def plan_and_check() -> RankPlan:
+            plan = plan_rank(self.source, self.config, self.group)
+            if plan.choice.backend == "runai":
+                check_runai_source([info.path for info in plan.index.files])
+            return plan
+
+        plan = self.group.agree("planning the load", plan_and_check)
         check_cooperative_lists(self.group, plan)
         return plan
 

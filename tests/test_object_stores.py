@@ -781,3 +781,15 @@ def test_malformed_endpoint_settings_name_the_setting(tmp_path, monkeypatch, var
     assert needle in message
     if var != "AZURE_STORAGE_CONNECTION_STRING":  # the connection string itself is never echoed
         assert value in message
+
+
+def test_run_ai_refusals_come_while_planning(store, store_env, ckpts, monkeypatch):
+    """A refusal Run:ai would meet only once reading starts comes in the planning step, where every
+    rank hears of it (inside Run:ai's distributed collectives the others would wait the timeout)."""
+    import distload.backends.runai as runai_backend
+
+    monkeypatch.setattr(runai_backend, "_runai_store_used", "az" if store.scheme != "az" else "s3")
+    with distload.WorkerGroup(device="cpu") as group:
+        loader = distload.Loader(ckpts.uri["whole"], "runai_streamer", group=group)
+        with pytest.raises(BackendUnavailableError, match="serves one object-store type per process"):
+            loader.plan()

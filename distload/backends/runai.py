@@ -70,6 +70,21 @@ def _check_one_store_kind(scheme: str) -> None:
         )
 
 
+def check_runai_source(paths: list[str]) -> None:
+    """The refusals Run:ai's reader would otherwise meet only once reading starts, for the planning
+    step: there every rank hears of one rank's failure at once, where inside Run:ai's distributed
+    collectives the others would wait for that rank until the group's timeout."""
+    store = _object_store(paths)
+    if store is not None and paths:
+        _preflight(store, paths[0])
+
+
+def _preflight(store, uri: str) -> None:
+    _check_one_store_kind(store.scheme)
+    # Run:ai's GCS reader retries an endpoint that is down for minutes: check it answers first.
+    store.check_reachable(uri, store.reader_endpoint())
+
+
 def _object_store(paths: list[str]):
     """The store all ``paths`` are in, or None for local files (Run:ai takes one scheme per call)."""
     remote = [p for p in paths if is_object_store(p)]
@@ -107,9 +122,8 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
     if not paths:
         return
     if store is not None:
-        _check_one_store_kind(store.scheme)
-        # Run:ai's GCS reader retries an endpoint that is down for minutes: check it answers first.
-        store.check_reachable(paths[0], store.reader_endpoint())
+        # Again here: the endpoint may have gone away since planning.
+        _preflight(store, paths[0])
     with applied_environment(env), streamer_cls() as streamer:
         try:
             streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
