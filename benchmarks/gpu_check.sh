@@ -228,7 +228,7 @@ elif [[ -n "$BOUND_LOCATION" ]]; then
         extra=()
         [[ "$format" == runai_streamer ]] && extra=(--model-loader-extra-config "{\"memory_limit\": $((MEMORY_LIMIT_MIB * 1024 * 1024))}")
         report="$DISK_WORK/reports/memory-$format.json"
-        say "$BOUND_LOCATION: python -m distload load $ckpt --load-format $format --device $DEVICE ${extra[*]}"
+        say "$BOUND_LOCATION: python -m distload load $ckpt --load-format $format --device $DEVICE ${extra[*]:-}"
         if timeout "$CASE_TIMEOUT" "$PY" -m distload load "$ckpt" --load-format "$format" --device "$DEVICE" \
                 ${extra[@]+"${extra[@]}"} --report-json "$report" --no-progress --no-digest > "$DISK_WORK/memory-$format.log" 2>&1; then
             printf '%s\t%s\n' "$format" "$report" >> "$DISK_WORK/memory.tsv"

@@ -143,40 +143,44 @@ class HostMemory:
                  mode: Optional[str] = "detect", free_bytes: Optional[int] = None,
                  reporting: Optional[str] = "detect"):
         # mode, free_bytes and reporting stand in for what the kernel says (tests).
+        self.marked_bytes = 0  # bytes marked MADV_HUGEPAGE so far
+        self._lock = threading.Lock()
+        self._required = bool(huge_pages)
+        self._budget: Optional[int] = None  # bytes auto may still mark; None: no limit
+        self.why_not = self._reason_not_to_mark(huge_pages, local_ranks, mode, free_bytes, reporting)
+        self.enabled = self.why_not is None
+        self._madvise = _madvise() if self.enabled else None
+
+    def _reason_not_to_mark(self, huge_pages: Optional[bool], local_ranks: int, mode: Optional[str],
+                            free_bytes: Optional[int], reporting: Optional[str]) -> Optional[str]:
+        """Why this load marks nothing, or None (setting ``_budget`` for auto); asks the kernel
+        only as much as the setting needs."""
+        if huge_pages is False:
+            return "extra config 'huge_pages' is false"
         mode = thp_mode() if mode == "detect" else mode
-        reporting = free_page_reporting() if reporting == "detect" else reporting
         if huge_pages and mode not in ("always", "madvise"):
             raise ConfigError(
                 f"extra config 'huge_pages' is true but this kernel's transparent huge pages are "
                 f"{mode or 'not available'} ({_THP_ENABLED}); set that to madvise (as root), or drop "
                 f"'huge_pages' to let distload decide"
             )
-        # In `always` mode the kernel already backs aligned ranges with huge pages, under its own
-        # defrag policy; marking them would make their faults compact memory.
-        self.enabled = huge_pages is not False and mode == "madvise"
-        self.why_not: Optional[str] = None
-        if huge_pages is False:
-            self.why_not = "extra config 'huge_pages' is false"
-        elif mode == "always":
-            self.why_not = "the kernel gives huge pages to every large allocation itself (mode always)"
-        elif mode != "madvise":
-            self.why_not = f"transparent huge pages are {mode or 'not available'}"
-        elif huge_pages is None and reporting:
-            self.enabled = False
-            self.why_not = (f"the balloon {reporting} reports free pages to the host, so huge pages "
-                            f"fault slowly; 'huge_pages': true overrides")
-        self._required = bool(huge_pages)
-        if huge_pages is None and self.enabled:
-            free = free_huge_page_bytes() if free_bytes is None else free_bytes
-            self._budget: Optional[int] = free // max(1, local_ranks)
-            if self._budget < HUGE_PAGE_BYTES:
-                self.enabled = False
-                self.why_not = "the kernel has no free huge-page-sized blocks (/proc/buddyinfo)"
-        else:
-            self._budget = None  # unlimited
-        self._lock = threading.Lock()
-        self._madvise = _madvise() if self.enabled else None
-        self.marked_bytes = 0  # bytes marked MADV_HUGEPAGE so far
+        if mode == "always":
+            # The kernel already backs aligned ranges with huge pages, under its own defrag
+            # policy; marking them would make their faults compact memory.
+            return "the kernel gives huge pages to every large allocation itself (mode always)"
+        if mode != "madvise":
+            return f"transparent huge pages are {mode or 'not available'}"
+        if huge_pages:
+            return None
+        reporting = free_page_reporting() if reporting == "detect" else reporting
+        if reporting:
+            return (f"the balloon {reporting} reports free pages to the host, so huge pages fault "
+                    f"slowly; 'huge_pages': true overrides")
+        free = free_huge_page_bytes() if free_bytes is None else free_bytes
+        self._budget = free // max(1, local_ranks)
+        if self._budget < HUGE_PAGE_BYTES:
+            return "the kernel has no free huge-page-sized blocks (/proc/buddyinfo)"
+        return None
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """``torch.empty(shape, dtype)`` on the host, its aligned interior marked for huge pages."""

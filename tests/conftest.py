@@ -21,6 +21,11 @@ ALL_DTYPES = [
 ]
 
 
+def in_ci() -> bool:
+    """Under CI (CI=true) every tool a test needs is installed: a missing one fails, never skips."""
+    return bool(os.environ.get("CI"))
+
+
 def every_dtype_state(seed: int = 0, prefix: str = "") -> dict[str, torch.Tensor]:
     """One tensor per dtype plus a 0-d and an empty tensor, values from ``seed``."""
     generator = torch.Generator().manual_seed(seed)

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from conftest import in_ci
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 NODE_BIN = os.path.join(TESTS, "node", "node_modules", ".bin")
 VENV_BIN = os.path.dirname(sys.executable)
@@ -40,10 +42,6 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 # A recognisable secret: no output of any test may contain it.
 CANARY_SECRET = "DistloadCanarySecret-4b1d7e0c9a"
-
-
-def in_ci() -> bool:
-    return bool(os.environ.get("CI"))
 
 
 def need(path: str | None, what: str, install: str) -> str:

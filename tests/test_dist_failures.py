@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import every_dtype_state, plain_digest, read_report, run_distload, write_sharded, write_whole
+from conftest import every_dtype_state, in_ci, plain_digest, read_report, run_distload, write_sharded, write_whole
 from dist_helpers import (
     ABORT_MARKERS,
     FAILURE_ENV,
@@ -163,10 +163,14 @@ def _private_mounts_work() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _private_mounts_work(), reason="needs unshare --mount and bind mounts (root)")
 def test_cooperative_read_same_path_other_content(tmp_path):
     """Rank 1 sees another version of the checkpoint at the same path, as a second node with a
     stale copy would (a private mount namespace stands in for the other node)."""
+    if not _private_mounts_work():
+        message = "needs unshare --mount and bind mounts (root)"
+        if in_ci():  # CI runs as root: there this is a broken setup, not a missing feature
+            pytest.fail(message)
+        pytest.skip(message)
     here, other = str(tmp_path / "ckpt"), str(tmp_path / "other-version")
     write_whole(here, every_dtype_state(seed=1))
     write_whole(other, every_dtype_state(seed=2))  # same names, shapes and file sizes

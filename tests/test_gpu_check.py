@@ -104,6 +104,7 @@ def test_a_missing_package_is_named(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(660)  # the script may take its 600 s, beyond the suite's 300 s per test
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU check needs CUDA; this machine has no GPU")
 def test_gpu_check_on_a_gpu(tmp_path):
     # The real GPU mode (instanttensor, auto, Run:ai and safetensors onto cuda:0; /dev/shm and disk),

@@ -55,9 +55,13 @@ def test_tensors_are_owned_and_can_sleep(tmp_path, group):
     want = plain_read(paths)
     os.unlink(paths[0])
     assert all(same_bytes(got[n], want[n]) for n in want)
+    sizes = {n: t.untyped_storage().nbytes() for n, t in got.items()}
     sleeper = WeightSleeper(got)
     sleeper.sleep(2)
+    assert all(t.untyped_storage().nbytes() == 0 for t in got.values())  # released, not copied
     sleeper.wake()
+    assert {n: t.untyped_storage().nbytes() for n, t in got.items()} == sizes
+    assert all(got[n].shape == want[n].shape and got[n].dtype == want[n].dtype for n in want)
 
 
 def test_file_shrinking_after_planning_names_file_and_tensor(tmp_path, group):
@@ -73,7 +77,7 @@ def test_auto_reports_the_pread_path(tmp_path, group):
     write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
     state, report = distload.Loader(str(tmp_path / "ck"), "auto", group=group).load_with_report()
     assert report.ranks[0].path == "pread"
-    assert report.ranks[0].read_bytes is None or report.ranks[0].read_bytes >= 0
+    assert report.ranks[0].nbytes == sum(t.numel() * t.element_size() for t in state.values())
     assert report.ranks[0].peak_rss_bytes > 0
 
 

@@ -20,7 +20,8 @@ class ReadRequest:
     ``destinations``: existing tensors (by checkpoint name) that a backend able to read in place
     may read straight into and yield, instead of allocating (an in-place reload); a backend that
     cannot ignores them, and the caller copies.
-    ``host_memory``: where a backend that allocates host tensors itself gets them (huge pages).
+    ``host_memory``: where a backend that allocates host tensors itself gets them (huge pages;
+    the loader passes one per load, the default marks nothing).
     """
 
     index: CheckpointIndex
@@ -29,7 +30,7 @@ class ReadRequest:
     extra: Mapping[str, Any] = field(default_factory=dict)
     cooperative: bool = False
     destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    host_memory: HostMemory = field(default_factory=HostMemory)
+    host_memory: HostMemory = field(default_factory=lambda: HostMemory(False))
 
 
 class BackendRun:
