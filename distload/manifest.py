@@ -101,18 +101,8 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
             replicated_unmatched=list(raw.get("replicated_unmatched", [])),
             source=raw.get("source"), created_by=raw.get("created_by", ""),
         )
-    except CheckpointError:
-        raise
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc})") from None
-
-
-def sha256_file(path: str, block: int = 16 * 1024 * 1024) -> str:
-    hasher = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            hasher.update(chunk)
-    return hasher.hexdigest()
 
 
 def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:

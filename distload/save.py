@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .checkpoint import TensorInfo, build_index, dtype_code
+from .backends.pread import read_exactly
 from .config import DEFAULT_SHARD_PATTERN, check_pattern
 from .errors import CheckpointError, ConfigError
 from .manifest import MANIFEST_NAME, SAVING_MARKER, Manifest, ShardFile, read_manifest, write_manifest
@@ -258,14 +259,7 @@ def _read_tensor(f, info: TensorInfo, buffer: torch.Tensor) -> torch.Tensor:
     """Read one tensor with plain reads (no memory map) into ``buffer``, reused for every tensor:
     one allocation of the largest tensor's size instead of one per tensor, which would leave the
     allocator's heap fragmented and the process's memory well above the largest tensor."""
-    view = host_view(buffer)[: info.nbytes]
-    f.seek(info.begin)
-    done = 0
-    while done < info.nbytes:
-        n = f.readinto(view[done:])
-        if not n:
-            raise CheckpointError(f"{info.file}: ended while reading tensor {info.name!r} (file truncated?)")
-        done += n
+    read_exactly(f.fileno(), host_view(buffer)[: info.nbytes], info.begin, info.file, info.name)
     return buffer[: info.nbytes].view(info.torch_dtype).reshape(info.shape)
 
 

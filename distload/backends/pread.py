@@ -33,7 +33,9 @@ def read_pread(request: ReadRequest) -> BackendRun:
     return BackendRun("pread").start(_stream(request))
 
 
-def _read_chunk(fd: int, view: memoryview, offset: int, path: str, name: str) -> None:
+def read_exactly(fd: int, view: memoryview, offset: int, path: str, name: str) -> None:
+    """Fill ``view`` from ``fd`` at ``offset`` (tensor ``name`` of ``path``); short reads retried,
+    a file that ends early or fails is a CheckpointError naming both."""
     done = 0
     while done < len(view):
         try:
@@ -84,7 +86,7 @@ def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
                         fds[info.file] = _open(info.file)
                     tensor = _destination(request, info)
                     view = host_view(tensor)
-                    futures = [pool.submit(_read_chunk, fds[info.file], view[start:start + CHUNK_BYTES],
+                    futures = [pool.submit(read_exactly, fds[info.file], view[start:start + CHUNK_BYTES],
                                            info.begin + start, info.file, info.name)
                                for start in range(0, info.nbytes, CHUNK_BYTES)]
                     pending.append((info, tensor, futures))
