@@ -316,16 +316,12 @@ def _duplicate_name(tmp_path):
     return load_args(str(folder), "auto"), ["tensor 'w' appears in two files", a], b
 
 
-def _trailing_bytes_runai(tmp_path):
-    paths = write_whole(str(tmp_path / "ck"), every_dtype_state())
-    append_garbage(paths[0])
-    return load_args(str(tmp_path / "ck"), "runai_streamer"), ["bytes after the last tensor belong to no tensor"], paths[0]
-
-
-def _trailing_bytes_safetensors(tmp_path):
-    paths = write_whole(str(tmp_path / "ck"), every_dtype_state())
-    append_garbage(paths[0])
-    return load_args(str(tmp_path / "ck"), "safetensors"), ["bytes after the last tensor belong to no tensor"], paths[0]
+def _trailing_bytes(load_format):
+    def make(tmp_path):
+        paths = write_whole(str(tmp_path / "ck"), every_dtype_state())
+        append_garbage(paths[0])
+        return load_args(str(tmp_path / "ck"), load_format), ["bytes after the last tensor belong to no tensor"], paths[0]
+    return make
 
 
 def _config(load_format, extra, *expected):
@@ -342,7 +338,8 @@ BAD_INPUTS = {
     "corrupt-header": _corrupt_header,
     "truncated": _truncated,
     "same-name-in-two-files": _duplicate_name,
-    "trailing-bytes-runai": _trailing_bytes_runai,
+    "trailing-bytes-runai": _trailing_bytes("runai_streamer"),
+    "trailing-bytes-safetensors": _trailing_bytes("safetensors"),
     "unknown-load-format": _config("tensorizer", None, "unknown load format 'tensorizer'", "runai_streamer"),
     "unknown-key": _config("runai_streamer", '{"chunk_size": 8}',
                            "Unexpected extra config keys ['chunk_size']", "allowed keys: concurrency, distributed, memory_limit"),
@@ -358,13 +355,10 @@ BAD_INPUTS = {
 CONFIG_CASES = {"unknown-load-format", "unknown-key", "distributed-yes", "concurrency-true", "concurrency-0",
                 "memory-limit-minus-2", "invalid-json", "distributed-on-sharded"}
 
-@pytest.mark.parametrize("case", [
-    *BAD_INPUTS,
-    "trailing-bytes-safetensors",
-])
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_fails_clearly_on_every_rank(tmp_path, case):
-    make = BAD_INPUTS.get(case, _trailing_bytes_safetensors)
-    args, expected, named_file = make(tmp_path)
+    args, expected, named_file = BAD_INPUTS[case](tmp_path)
     start = time.monotonic()
     if case in CONFIG_CASES:
         # Rejected before any process group exists, so the ranks do not wait for each other and
