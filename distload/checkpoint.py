@@ -213,9 +213,13 @@ def content_fingerprint(info: FileInfo) -> str:
         middle = data_start + (info.size - data_start) // 2
         for offset in (data_start, middle, max(data_start, info.size - FINGERPRINT_SAMPLE_BYTES)):
             samples.append((offset, min(FINGERPRINT_SAMPLE_BYTES, info.size - offset)))
-    with open(info.path, "rb", buffering=0) as f:
-        for offset, size in samples:
-            hasher.update(os.pread(f.fileno(), size, offset))
+    try:
+        with open(info.path, "rb", buffering=0) as f:
+            for offset, size in samples:
+                hasher.update(os.pread(f.fileno(), size, offset))
+    except OSError as exc:
+        raise CheckpointError(f"{info.path}: cannot read it to compare its content across ranks "
+                              f"({exc.strerror or exc}): was it moved or deleted while planning?") from None
     return hasher.hexdigest()
 
 

@@ -15,6 +15,7 @@ import distload
 from distload.checkpoint import (
     DTYPES,
     build_index,
+    content_fingerprint,
     dtype_code,
     parse_header,
     read_local_header,
@@ -538,3 +539,14 @@ def test_index_with_non_string_file_names(tmp_path, weight_map):
     write_index(str(folder), weight_map)
     with pytest.raises(CheckpointError, match="not a valid safetensors index"):
         list_whole_checkpoint(str(folder))
+
+
+def test_fingerprint_of_a_file_gone_since_its_header_was_read_names_it(tmp_path):
+    path = str(tmp_path / "a.safetensors")
+    save_file({"a": torch.ones(10)}, path)
+    info = read_local_header(path)
+    assert len(content_fingerprint(info)) == 64
+    os.unlink(path)
+    with pytest.raises(CheckpointError, match="cannot read it to compare its content across ranks") as caught:
+        content_fingerprint(info)
+    assert path in str(caught.value)
