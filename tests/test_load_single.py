@@ -221,3 +221,21 @@ def test_loader_report_digest_matches_plain_read(whole_ckpt):
     assert rank.nbytes == sum(t.numel() * t.element_size() for t in state.values())
     assert rank.files == sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     assert rank.path == "safetensors"
+
+
+def test_instanttensor_gets_only_its_own_knobs():
+    """`auto` may carry distload's keys (pattern, huge_pages) to InstantTensor on a GPU: they must
+    not reach its safe_open, which rejects unknown keyword arguments."""
+    import enum
+    import types
+
+    from distload.backends.instanttensor import instanttensor_knobs
+    from distload.config import make_load_config
+
+    fake = types.SimpleNamespace(Backend=enum.Enum("Backend", "URING AIO"),
+                                 BackendPolicy=enum.Enum("BackendPolicy", "BUFFERED"))
+    extra = make_load_config("auto", {"pattern": "w-{rank}-{part}.safetensors", "huge_pages": True}).extra
+    assert instanttensor_knobs(extra, fake) == {}
+    extra = make_load_config("instanttensor", {"concurrency": 4, "backend": "uring,buffered"}).extra
+    assert instanttensor_knobs(extra, fake) == {
+        "concurrency": 4, "backend": [fake.Backend.URING, fake.BackendPolicy.BUFFERED]}

@@ -6,10 +6,11 @@ It cannot run without CUDA; distload says so at once instead of falling back to 
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..config import ALLOWED_KEYS
 from ..errors import BackendUnavailableError
 from .base import BackendRun, ReadRequest
 
@@ -39,13 +40,23 @@ def read_instanttensor(request: ReadRequest) -> BackendRun:
     module = _import_instanttensor()
     group = request.group
     process_group = group.process_group if (request.cooperative and group.world_size > 1) else None
-    knobs = dict(request.extra)
+    knobs = instanttensor_knobs(request.extra, module)
+    path = "instanttensor-group" if process_group is not None else "instanttensor"
+    return BackendRun(path).start(_stream(module, request, process_group, knobs))
+
+
+def instanttensor_knobs(extra: Mapping[str, Any], module) -> dict[str, Any]:
+    """InstantTensor's own settings from a validated extra config, as ``safe_open`` takes them.
+
+    Only its own keys: ``auto`` may bring others (``pattern``, ``huge_pages``) that are distload's
+    and that ``safe_open`` would reject as unexpected keyword arguments.
+    """
+    knobs = {key: value for key, value in extra.items() if key in ALLOWED_KEYS["instanttensor"]}
     if "backend" in knobs:
         knobs["backend"] = [module.Backend[name.strip().upper()] if name.strip().upper() != "BUFFERED"
                             else module.BackendPolicy.BUFFERED
                             for name in knobs["backend"].split(",")]
-    path = "instanttensor-group" if process_group is not None else "instanttensor"
-    return BackendRun(path).start(_stream(module, request, process_group, knobs))
+    return knobs
 
 
 def _stream(module, request: ReadRequest, process_group, knobs) -> Iterator[tuple[str, torch.Tensor]]:
