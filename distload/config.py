@@ -91,7 +91,8 @@ _RUNAI_KEYS: dict[str, Callable[[str, Any], None]] = {
 # The whitelist per format. vLLM rejects concurrency/memory_limit for the sharded Run:ai format
 # although its docs promise them (vLLM issue 30100); distload accepts them.
 ALLOWED_KEYS: dict[str, dict[str, Callable[[str, Any], None]]] = {
-    "auto": {"pattern": check_pattern, "huge_pages": _check_bool},
+    # concurrency: reader threads for pread, RUNAI_STREAMER_CONCURRENCY for Run:ai, InstantTensor's own.
+    "auto": {"pattern": check_pattern, "huge_pages": _check_bool, "concurrency": _check_positive_int},
     "safetensors": {"huge_pages": _check_bool},
     "runai_streamer": {"distributed": _check_bool, **_RUNAI_KEYS},
     "runai_streamer_sharded": {"pattern": check_pattern, **_RUNAI_KEYS},

@@ -86,7 +86,7 @@ def test_allowed_keys_per_format():
     assert set(ALLOWED_KEYS["runai_streamer"]) == {"distributed", "concurrency", "memory_limit"}
     assert set(ALLOWED_KEYS["runai_streamer_sharded"]) == {"pattern", "concurrency", "memory_limit"}
     assert set(ALLOWED_KEYS["sharded_state"]) == {"pattern", "huge_pages"}
-    assert set(ALLOWED_KEYS["auto"]) == {"pattern", "huge_pages"}
+    assert set(ALLOWED_KEYS["auto"]) == {"pattern", "huge_pages", "concurrency"}
     assert set(ALLOWED_KEYS["safetensors"]) == {"huge_pages"}
     assert set(ALLOWED_KEYS["instanttensor"]) == {
         "buffer_size", "chunk_size", "concurrency", "io_depth", "max_free_mem_usage", "backend"}

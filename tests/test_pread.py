@@ -91,3 +91,19 @@ def test_reads_straight_into_fitting_destinations(tmp_path, group):
     want = plain_read(paths)
     assert got["a"] is fits and torch.equal(fits, want["a"])
     assert got["b"] is not misfit and torch.equal(got["b"], want["b"]) and not misfit.any()
+
+
+def test_auto_concurrency_sets_the_reader_threads(tmp_path, group, monkeypatch):
+    workers = []
+
+    class Recording(pread.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kwargs):
+            workers.append(max_workers)
+            super().__init__(max_workers=max_workers, **kwargs)
+
+    monkeypatch.setattr(pread, "ThreadPoolExecutor", Recording)
+    paths = write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
+    got = distload.load(str(tmp_path / "ck"), "auto", {"concurrency": 3}, group=group)
+    want = plain_read(paths)
+    assert workers == [3]
+    assert set(got) == set(want) and all(same_bytes(got[n], want[n]) for n in want)
