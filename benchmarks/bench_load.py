@@ -28,6 +28,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -259,19 +260,8 @@ def write_outputs(out_dir: str, result: dict) -> None:
     fig.savefig(os.path.join(out_dir, "load.png"), dpi=80)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=2048)
-    parser.add_argument("--hidden", type=int, default=2048,
-                        help="hidden size of the synthetic model: 2048 gives 8-32 MiB tensors, as real models have")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--cases", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
-    parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp folder on disk)")
-    args = parser.parse_args()
-
-    root = args.dir or tempfile.mkdtemp(prefix="distload-bench-", dir="/var/tmp")
+def run_cases(args: argparse.Namespace, root: str) -> list[dict]:
+    """Every case in the order the docstring gives; the rows of the table, before ratios."""
     rows: list[dict] = []
     script = os.path.join(root, "in_place.py")
     with open(script, "w") as f:
@@ -321,6 +311,27 @@ def main() -> int:
                 prepare()
                 reps.append(run_in_place(sharded, nproc, case, os.path.join(root, "ip.json"), script))
             rows.append(summarize("in place (reload_into)", "sharded", nproc, case, reps))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--size-mib", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=2048,
+                        help="hidden size of the synthetic model: 2048 gives 8-32 MiB tensors, as real models have")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp folder on disk)")
+    args = parser.parse_args()
+
+    root = args.dir or tempfile.mkdtemp(prefix="distload-bench-", dir="/var/tmp")
+    try:
+        rows = run_cases(args, root)
+    finally:
+        if not args.dir:  # also when a run fails: the checkpoints take several GiB
+            shutil.rmtree(root, ignore_errors=True)
     for row in rows:
         same = [r for r in rows if (r["ranks"], r["cache"], r["layout"]) == (row["ranks"], row["cache"], row["layout"])]
         limit = next(r for r in same if r["method"] == "limit")
@@ -329,8 +340,6 @@ def main() -> int:
         row["vs_naive"] = round(row["gib_per_s_per_rank"] / naive["gib_per_s_per_rank"], 2)
     write_outputs(args.out, {"machine": machine(), "size_mib": args.size_mib, "hidden": args.hidden,
                              "repeats": args.repeats, "rows": rows})
-    if not args.dir:
-        subprocess.run(["rm", "-rf", root])
     return 0
 
 

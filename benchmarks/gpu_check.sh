@@ -186,6 +186,9 @@ for location, fmt, rc, path in rows:
         rank = json.load(open(path))["ranks"][0]
         load.update(rank=rank, gbps=rank["nbytes"] / 1e9 / rank["seconds"])
     loads.append(load)
+if not loads:
+    print("no load ran (GPU_CHECK_FORMATS or GPU_CHECK_LOCATIONS empty?): nothing was checked")
+    sys.exit(1)
 digests = [l["rank"]["digest"] for l in loads if "rank" in l]
 reference = next((l["rank"]["digest"] for l in loads if l["format"] == "safetensors" and "rank" in l),
                  digests[0] if digests else None)
