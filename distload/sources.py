@@ -165,10 +165,16 @@ class ObjectSource:
             yield self.store.read(location, start, min(size, start + block))
 
     def read_headers(self, paths: list[str]) -> list[FileInfo]:
+        # The listing already gave each object's size: no HEAD (or size probe) per header.
+        sizes = {self.path(name): size for name, size in self._list().objects.items()}
+
+        def one(path: str) -> FileInfo:
+            return self.store.read_header(path, sizes.get(path))
+
         if len(paths) <= 1:
-            return [read_header(p) for p in paths]
+            return [one(p) for p in paths]
         with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(paths)), thread_name_prefix="distload-header") as pool:
-            return list(pool.map(read_header, paths))
+            return list(pool.map(one, paths))
 
     def no_weights_message(self, names: list[str]) -> str:
         if not names:

@@ -319,9 +319,14 @@ class ObjectStore:
     def size(self, location: ObjectURI) -> int:
         return self.call(str(location), lambda: self._size(location))
 
-    def read_header(self, uri: str) -> FileInfo:
+    def read_header(self, uri: str, size: int | None = None) -> FileInfo:
+        """The object's parsed header; ``size`` from a listing saves asking for it (one ranged GET
+        where the header fits in the first probe)."""
         location = parse_uri(uri)
-        head, size = self.call(uri, lambda: self._read_head(location, HEADER_PROBE_BYTES))
+        if size is None:
+            head, size = self.call(uri, lambda: self._read_head(location, HEADER_PROBE_BYTES))
+        else:
+            head = self.read(location, 0, min(HEADER_PROBE_BYTES, size))
         if len(head) >= 8:
             (header_len,) = struct.unpack("<Q", head[:8])
             if 2 <= header_len <= MAX_HEADER_BYTES and len(head) < 8 + header_len <= size:
