@@ -4,7 +4,7 @@
     python benchmarks/bench_load.py --size-mib 512 --repeats 1 --ranks 2 --cases warm
 
 Writes a Llama-shaped bf16 checkpoint (whole, and pre-sharded for each rank count) with
-``distload.demo``, then, in ONE run, for 1 and 2 ranks, warm page cache and cold (every file
+``distload.cli.demo``, then, in ONE run, for 1 and 2 ranks, warm page cache and cold (every file
 evicted with posix_fadvise(DONTNEED) before each repetition; no root needed):
 
 - every CPU format through ``torchrun -m distload load`` (the report gives seconds, bytes, the
@@ -42,9 +42,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from distload.checkpoint import read_local_header  # noqa: E402
-from distload.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
-from distload.report import peak_rss_bytes  # noqa: E402
+from distload.loading.index import read_local_header  # noqa: E402
+from distload.cli.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
+from distload.loading.report import peak_rss_bytes  # noqa: E402
 
 GIB = 2**30
 FORMATS = [  # (label, layout, --load-format, extra config)
@@ -167,8 +167,8 @@ def run_load(folder: str, load_format: str, extra: str | None, nproc: int, repor
 
 _IN_PLACE = r"""
 import json, sys, time, torch, distload
-from distload.reload import reload_into
-from distload.report import peak_rss_bytes, storage_read_bytes
+from distload.live.reload import reload_into
+from distload.loading.report import peak_rss_bytes, storage_read_bytes
 folder, out = sys.argv[1], sys.argv[2]
 with distload.WorkerGroup(device="cpu") as g:
     plan = distload.Loader(folder, "auto", group=g).plan()

@@ -8,7 +8,7 @@ Needs s3rver (``npm ci --prefix tests/node``, as .ci/run does) and ``pip install
 tests/object_store_servers.py, which imports pytest). Nothing leaves 127.0.0.1.
 
 Starts s3rver on a free loopback port, writes a Llama-shaped bf16 checkpoint of ``--size-mib``
-(``distload.demo.write_demo_checkpoint``: two files, index.json, config.json), uploads it with
+(``distload.cli.demo.write_demo_checkpoint``: two files, index.json, config.json), uploads it with
 boto3, then, in ONE run (repeats interleaved, median of ``--repeats``):
 
 - **download-then-load** (what a user does without a streaming loader): in one process, boto3
@@ -60,7 +60,7 @@ def baseline_worker(uri: str, dest: str, out: str) -> None:
     from botocore.config import Config
     from safetensors.torch import load_file
 
-    from distload.report import state_digest
+    from distload.loading.report import state_digest
 
     torch.set_num_threads(1)
     bucket, prefix = uri[len("s3://"):].split("/", 1)
@@ -227,7 +227,7 @@ def main() -> int:
         raise SystemExit("s3rver is not installed: npm ci --prefix tests/node (as .ci/run does)")
     from object_store_servers import ByteCountingProxy, start_s3rver
 
-    from distload.demo import expected_digests, write_demo_checkpoint
+    from distload.cli.demo import expected_digests, write_demo_checkpoint
 
     began = time.monotonic()
     root = args.dir or tempfile.mkdtemp(prefix="distload-bench-s3-", dir="/var/tmp")

@@ -30,8 +30,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
     from distload.group import WorkerGroup
-    from distload.sync import WeightSync
-    from distload.sync_demo import _state
+    from distload.live.sync import WeightSync
+    from distload.cli.sync_demo import _state
 
     with WorkerGroup(device="cpu") as group:
         state = _state(args.size_mib, group.device)

@@ -96,7 +96,7 @@ say "mode $MODE: writing a ~$SIZE_MIB MiB checkpoint to $GEN"
 "$PY" - "$GEN" "$SIZE_MIB" <<'EOF'
 import json, math, os, sys
 import torch
-from distload.demo import llama_shapes
+from distload.cli.demo import llama_shapes
 
 folder, size = sys.argv[1], int(sys.argv[2]) * 2**20
 big = size >= 2 * 2**30

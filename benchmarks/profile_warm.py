@@ -63,7 +63,7 @@ def measure(script: str, folder: str, setting: str) -> dict:
 
 
 def main() -> int:
-    from distload.demo import write_demo_checkpoint
+    from distload.cli.demo import write_demo_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024)

@@ -7,8 +7,8 @@
             ...
 """
 
-from .config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS, LoadConfig, make_load_config
-from .errors import (
+from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS, LoadConfig, make_load_config
+from distload.errors import (
     BackendUnavailableError,
     CheckpointError,
     ConfigError,
@@ -18,9 +18,9 @@ from .errors import (
     RankFailedError,
     ShardLayoutError,
 )
-from .group import WorkerGroup
-from .loader import Loader, iter_tensors, load
-from .report import LoadReport, RankReport, state_digest
+from distload.group import WorkerGroup
+from distload.loading.loader import Loader, iter_tensors, load
+from distload.loading.report import LoadReport, RankReport, state_digest
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
-from .errors import ConfigError
+from distload.errors import ConfigError
 
 DEFAULT_SHARD_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError, DistloadError, GroupError, RankFailedError
+from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .errors import ConfigError
+from distload.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Raw bytes of tensors, without numpy.
 
 A numpy view of a tensor marks its storage non-resizable for good, and a storage that cannot be
-resized cannot be released by :class:`distload.sleep.WeightSleeper`. Every byte view distload
+resized cannot be released by :class:`distload.live.sleep.WeightSleeper`. Every byte view distload
 takes of a tensor a user may hold therefore goes through ctypes instead.
 """
 

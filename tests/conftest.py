@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from distload.report import state_digest
+from distload.loading.report import state_digest
 
 # Every dtype the core must round-trip bit for bit.
 ALL_DTYPES = [

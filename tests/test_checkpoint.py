@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 import distload
-from distload.checkpoint import (
+from distload.loading.index import (
     DTYPES,
     build_index,
     content_fingerprint,
@@ -23,8 +23,8 @@ from distload.checkpoint import (
 from distload.config import make_load_config
 from distload.errors import CheckpointError, ConfigError
 from distload.group import WorkerGroup
-from distload.loader import plan_rank
-from distload.sources import INDEX_FILE, check_source, list_whole_checkpoint, read_header
+from distload.loading.loader import plan_rank
+from distload.loading.sources import INDEX_FILE, check_source, list_whole_checkpoint, read_header
 
 from conftest import ALL_DTYPES, every_dtype_state, plain_read, write_sharded, write_whole
 

@@ -311,7 +311,7 @@ def test_one_bad_value_raises_before_environment_is_computed(tmp_path, monkeypat
         calls.append((args, kwargs))
         return {}
 
-    import distload.backends.runai as runai_backend
+    import distload.loading.backends.runai as runai_backend
 
     monkeypatch.setattr(config_mod, "runai_environment", spy)
     monkeypatch.setattr(runai_backend, "runai_environment", spy)

@@ -403,7 +403,7 @@ def test_corrupt_shard_of_rank_1_only(tmp_path):
 
 INJECTED_READ_ERROR = r'''
 import os, sys
-import distload.backends as backends
+import distload.loading.backends as backends
 from distload.errors import CheckpointError
 
 if os.environ["RANK"] == "1":  # an I/O error on rank 1 after two tensors, as a failing disk gives
@@ -422,7 +422,7 @@ if os.environ["RANK"] == "1":  # an I/O error on rank 1 after two tensors, as a 
 
     backends.BACKENDS["runai"] = failing
 
-from distload.__main__ import main
+from distload.cli.main import main
 sys.exit(main(sys.argv[1:]))
 '''
 

@@ -262,7 +262,7 @@ def test_worker_group_cuda_device_without_cuda():
 
 
 def test_cli_reports_bad_rank_cleanly(monkeypatch, tmp_path, capsys):
-    from distload.__main__ import main
+    from distload.cli.main import main
 
     monkeypatch.setenv("RANK", "first")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,4 +1,4 @@
-"""New host tensors on transparent huge pages (distload.host_memory) and the huge_pages setting."""
+"""New host tensors on transparent huge pages (distload.loading.host_memory) and the huge_pages setting."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import torch
 from safetensors.torch import save_file
 
 import distload
-from distload import host_memory
+from distload.loading import host_memory
 from distload.errors import ConfigError
-from distload.host_memory import (
+from distload.loading.host_memory import (
     HUGE_PAGE_BYTES,
     HostMemory,
     free_huge_page_bytes,
     free_page_reporting,
     thp_mode,
 )
-from distload.sleep import WeightSleeper
+from distload.live.sleep import WeightSleeper
 
 from conftest import plain_read, write_whole
 
@@ -163,8 +163,8 @@ def test_auto_without_free_huge_blocks_marks_nothing_and_says_why():
 @pytest.mark.parametrize("backend, used", [("pread", True), ("ranged", True), ("safetensors", True),
                                            ("runai", False), ("instanttensor", False), ("dummy", False)])
 def test_huge_pages_true_concerns_only_backends_that_create_host_tensors(monkeypatch, backend, used):
-    from distload.loader import host_memory_for
-    from distload.plan import ReadChoice
+    from distload.loading.loader import host_memory_for
+    from distload.loading.layout import ReadChoice
 
     monkeypatch.setattr(host_memory, "thp_mode", lambda: "never")  # a kernel with huge pages off
     choice = ReadChoice(False, backend, False)

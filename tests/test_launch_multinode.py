@@ -21,7 +21,7 @@ import time
 import pytest
 
 from conftest import every_dtype_state, plain_digest, read_report, write_sharded, write_whole
-from distload.report import state_digest
+from distload.loading.report import state_digest
 from slurm_cluster import free_port, require_root_tools
 
 pytestmark = pytest.mark.dist

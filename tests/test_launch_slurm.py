@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import every_dtype_state, plain_digest, read_report, run_distload, write_sharded, write_whole
-from distload.report import state_digest
+from distload.loading.report import state_digest
 from slurm_cluster import SlurmCluster, free_port, missing_slurm_tools, require_root_tools
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -229,7 +229,7 @@ def test_instanttensor_gets_only_its_own_knobs():
     import enum
     import types
 
-    from distload.backends.instanttensor import instanttensor_knobs
+    from distload.loading.backends.instanttensor import instanttensor_knobs
     from distload.config import make_load_config
 
     fake = types.SimpleNamespace(Backend=enum.Enum("Backend", "URING AIO"),

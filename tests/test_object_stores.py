@@ -29,13 +29,13 @@ import torch
 from safetensors.torch import save_file
 
 import distload
-import distload.__main__
-import distload.save
-from distload.backends import BACKENDS, ReadRequest
-from distload.checkpoint import CheckpointIndex
+import distload.cli.main
+import distload.sharded.save
+from distload.loading.backends import BACKENDS, ReadRequest
+from distload.loading.index import CheckpointIndex
 from distload.errors import BackendUnavailableError, CheckpointError, ObjectStoreError, ShardLayoutError
-from distload.inspection import inspect_source
-from distload.manifest import verify_folder
+from distload.sharded.inspection import inspect_source
+from distload.loading.manifest import verify_folder
 
 from conftest import every_dtype_state, plain_digest, run_distload, write_sharded, write_whole
 from object_store_servers import (
@@ -131,7 +131,7 @@ class Checkpoints:
         write_sharded(self.sharded2, world_size=2)
         # pre-sharded by distload (with its manifest), for 2 ranks
         self.saved2 = os.path.join(root, "saved2")
-        distload.save.reshard(self.whole, self.saved2, 2, plan="replicate")
+        distload.sharded.save.reshard(self.whole, self.saved2, 2, plan="replicate")
         # 24 MiB in 3 files: large against the listing and header reads, for the byte counts
         self.big = os.path.join(root, "big")
         self.big_files = write_whole(self.big, big_state(7, 6), num_files=3)
@@ -183,7 +183,7 @@ def run_driver(loads: list[dict], tmp_path, env: dict, nproc: int | None, timeou
 # -- without a server: URIs, endpoints, scrubbing, the ranged reader's grouping --------------------
 
 def test_scrub_removes_every_credential(monkeypatch):
-    from distload.stores import scrub
+    from distload.loading.stores import scrub
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", CANARY_SECRET)
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", f"AccountName=a;AccountKey={AZURITE_KEY};")
@@ -197,10 +197,10 @@ def test_scrub_removes_every_credential(monkeypatch):
 
 
 def test_endpoints_and_reader_environment(monkeypatch):
-    from distload.stores.azure import AzureStore
-    from distload.stores.base import get_store
-    from distload.stores.gcs import GCSStore
-    from distload.stores.s3 import S3Store
+    from distload.loading.stores.azure import AzureStore
+    from distload.loading.stores.base import get_store
+    from distload.loading.stores.gcs import GCSStore
+    from distload.loading.stores.s3 import S3Store
 
     for key in ("AWS_ENDPOINT_URL", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "AWS_EC2_METADATA_DISABLED",
                 "STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT", "AZURE_STORAGE_ACCOUNT_NAME",
@@ -225,8 +225,8 @@ def test_endpoints_and_reader_environment(monkeypatch):
 
 
 def test_ranged_reader_coalesces_requests():
-    from distload.backends.ranged import coalesce
-    from distload.checkpoint import TensorInfo
+    from distload.loading.backends.ranged import coalesce
+    from distload.loading.index import TensorInfo
 
     tensors = [TensorInfo(f"t{i}", "U8", (size,), "f", begin, begin + size)
                for i, (begin, size) in enumerate([(100, 10), (110, 30), (140, 100), (240, 5)])]
@@ -276,7 +276,7 @@ def test_inspect_and_verify(store, store_env, ckpts, capsys):
     assert info["layout"] == "whole" and info["num_tensors"] == len(every_dtype_state())
     manifest, problems = verify_folder(ckpts.uri["saved2"])
     assert manifest is not None and manifest.world_size == 2 and problems == []
-    assert distload.__main__.main(["verify", ckpts.uri["saved2"]]) == 0
+    assert distload.cli.main.main(["verify", ckpts.uri["saved2"]]) == 0
     assert "OK" in capsys.readouterr().out
     # the same checkpoint with one part changed (same size) and one part gone
     bad = store.upload_folder(ckpts.saved2, "saved2-damaged")
@@ -413,7 +413,7 @@ def test_reader_checks_the_endpoint_before_run_ai(store, store_env, ckpts, monke
     """The endpoint dies between planning and reading: Run:ai's reader is not started (its GCS
     reader would retry for minutes); the backend's own check fails within seconds."""
     with distload.WorkerGroup(device="cpu") as group:
-        plan = distload.loader.plan_rank(ckpts.uri["whole"], distload.make_load_config("runai_streamer"), group)
+        plan = distload.loading.loader.plan_rank(ckpts.uri["whole"], distload.make_load_config("runai_streamer"), group)
         port = closed_port()
         for key, value in store.env(port).items():
             monkeypatch.setenv(key, value)
@@ -463,13 +463,13 @@ def test_run_ai_failure_names_the_object_and_cause(store, ckpts, tmp_path):
 import sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 import distload
-import distload.__main__
-import distload.save
-from distload.backends import BACKENDS, ReadRequest
+import distload.cli.main
+import distload.sharded.save
+from distload.loading.backends import BACKENDS, ReadRequest
 from object_store_servers import StoreServer
 server = StoreServer({store.name!r}, {store.scheme!r}, {store.bucket!r}, {store.port}, {store.workdir!r}, None, {store.extra!r})
 with distload.WorkerGroup(device="cpu") as group:
-    plan = distload.loader.plan_rank({store.uri('whole-vanishing')!r}, distload.make_load_config("runai_streamer"), group)
+    plan = distload.loading.loader.plan_rank({store.uri('whole-vanishing')!r}, distload.make_load_config("runai_streamer"), group)
     server.delete("whole-vanishing/{victim}")
     try:
         list(BACKENDS["runai"](ReadRequest(plan.index, group.device, group, {{}}, False)).tensors())
@@ -787,7 +787,7 @@ def test_malformed_endpoint_settings_name_the_setting(tmp_path, monkeypatch, var
 def test_run_ai_refusals_come_while_planning(store, store_env, ckpts, monkeypatch):
     """A refusal Run:ai would meet only once reading starts comes in the planning step, where every
     rank hears of it (inside Run:ai's distributed collectives the others would wait the timeout)."""
-    import distload.backends.runai as runai_backend
+    import distload.loading.backends.runai as runai_backend
 
     monkeypatch.setattr(runai_backend, "_runai_store_used", "az" if store.scheme != "az" else "s3")
     with distload.WorkerGroup(device="cpu") as group:

@@ -8,7 +8,7 @@ import pytest
 
 from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS
 from distload.errors import CheckpointError, ShardLayoutError
-from distload.plan import (
+from distload.loading.layout import (
     AUTO_CPU_BACKEND,
     ReadChoice,
     choose_read,

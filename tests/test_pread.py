@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import distload
-from distload.backends import pread
-from distload.backends.base import ReadRequest
+from distload.loading.backends import pread
+from distload.loading.backends.base import ReadRequest
 from distload.config import make_load_config
 from distload.errors import CheckpointError
-from distload.loader import plan_rank
-from distload.sleep import WeightSleeper
+from distload.loading.loader import plan_rank
+from distload.live.sleep import WeightSleeper
 
 from conftest import every_dtype_state, plain_read, write_whole
 

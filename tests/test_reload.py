@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import distload
-from distload.reload import Destination, ReloadError, check_fit, reload_into
+from distload.live.reload import Destination, ReloadError, check_fit, reload_into
 from distload.sharding import load_plan, take_shard
 
 from conftest import plain_read, write_whole
@@ -197,7 +197,7 @@ def test_two_ranks_take_their_slice_and_fail_together(tmp_path):
     write_whole(folder, whole, num_files=1)
     script = write_script(tmp_path, "rl.py", f"""
         import sys, torch, distload
-        from distload.reload import reload_into, ReloadError
+        from distload.live.reload import reload_into, ReloadError
         with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
             bad = sys.argv[1] == "bad" and g.rank == 1
             model = {{"model.layers.0.mlp.gate_proj.weight": torch.zeros(4, 4 if not bad else 5),

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from distload.report import LoadReport, RankReport, gib_per_s, state_digest
+from distload.loading.report import LoadReport, RankReport, gib_per_s, state_digest
 
 from conftest import every_dtype_state
 

@@ -22,11 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import distload
-from distload.__main__ import main as cli_main
-from distload.checkpoint import read_local_header
+from distload.cli.main import main as cli_main
+from distload.loading.index import read_local_header
 from distload.errors import CheckpointError, ConfigError, ShardLayoutError
-from distload.manifest import MANIFEST_NAME, SAVING_MARKER
-from distload.save import reshard, save_sharded
+from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER
+from distload.sharded.save import reshard, save_sharded
 from distload.sharding import load_plan, plan_from_json, reassemble
 
 from conftest import plain_digest, plain_read, read_report, run_distload, write_sharded
@@ -568,7 +568,7 @@ def test_missing_qkv_config_is_a_clear_error(tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-import distload.save as save
+import distload.sharded.save as save
 
 calls = [0]
 real = save.take_shard
@@ -626,7 +626,7 @@ def full_reshard(src: str, tmp_path) -> str:
 
 
 def test_save_failing_midway_in_process(source, tmp_path, monkeypatch):
-    import distload.writer as writer_module
+    import distload.sharded.writer as writer_module
 
     src, _ = source
     out = str(tmp_path / "out")
@@ -960,8 +960,8 @@ MEASURE_SCRIPT = """
 import json, resource, sys, threading, time
 import psutil
 import torch
-import distload.save
-from distload.report import peak_rss_bytes
+import distload.sharded.save
+from distload.loading.report import peak_rss_bytes
 
 proc = psutil.Process()
 baseline = proc.memory_info().rss
@@ -975,7 +975,7 @@ def sample():
 
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-report = distload.save.reshard(sys.argv[1], sys.argv[2], 2)
+report = distload.sharded.save.reshard(sys.argv[1], sys.argv[2], 2)
 done.set()
 thread.join()
 # VmHWM, not getrusage's ru_maxrss: ru_maxrss survives exec and would report the test runner's peak
@@ -1071,8 +1071,8 @@ JOB_SCRIPT = """
 import json, sys
 import torch
 import distload
-from distload.report import state_digest
-from distload.save import save_sharded
+from distload.loading.report import state_digest
+from distload.sharded.save import save_sharded
 
 sys.path.insert(0, sys.argv[3])
 from test_save_reshard import job_state

@@ -11,7 +11,7 @@ import torch
 
 import distload
 from distload.errors import ConfigError, DistloadError
-from distload.sleep import WeightSleeper
+from distload.live.sleep import WeightSleeper
 
 from conftest import write_whole
 
@@ -40,7 +40,7 @@ def test_level2_drops_then_reload_fills(tmp_path):
     sleeper.wake()
     assert float(model.weight.detach().abs().sum()) == 0.0  # zero-filled, not garbage
     with distload.WorkerGroup(device="cpu") as group:
-        from distload.reload import reload_into
+        from distload.live.reload import reload_into
 
         reload_into(model, str(tmp_path / "ck"), "safetensors", group=group)
     assert torch.equal(model.weight.detach(), ckpt["weight"]) and torch.equal(model.bias.detach(), ckpt["bias"])
@@ -60,7 +60,7 @@ def test_misuse_is_refused():
 
 _RSS_SCRIPT = r"""
 import json, sys, torch, psutil
-from distload.sleep import WeightSleeper
+from distload.live.sleep import WeightSleeper
 level = int(sys.argv[1])
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(12)])  # ~192 MiB
 with torch.no_grad():
@@ -96,7 +96,7 @@ def test_sleep_frees_resident_memory(level):
 def test_loaded_and_digested_tensors_can_sleep(tmp_path, fmt):
     """Nothing on a load path (digest included) may pin a storage: a numpy view would make it
     non-resizable for good, and sleep could never release it."""
-    from distload.report import state_digest
+    from distload.loading.report import state_digest
 
     from conftest import every_dtype_state
 

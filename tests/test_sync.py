@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from distload.sync import _ALIGN, _Entry, check_entries, plan_buckets
+from distload.live.sync import _ALIGN, _Entry, check_entries, plan_buckets
 
 from dist_helpers import clean_env, free_port, run_script, write_script
 
@@ -40,7 +40,7 @@ def test_check_entries_names_every_problem():
 
 _SYNC = """
 import json, os, sys, torch, distload
-from distload.sync import WeightSync, SyncError
+from distload.live.sync import WeightSync, SyncError
 mode = sys.argv[1]
 out = sys.argv[2]
 with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
@@ -138,7 +138,7 @@ def test_a_refused_update_moves_no_byte_anywhere(tmp_path):
 _KILLED = """
 import json, os, signal, sys, time, torch, distload
 import torch.distributed as dist
-from distload.sync import WeightSync, SyncError
+from distload.live.sync import WeightSync, SyncError
 out = sys.argv[1]
 with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
     sync = WeightSync([0], bucket_bytes=1 << 16, timeout_s=30)

@@ -1,0 +1,177 @@
+"""Command line: ``python -m distload load|demo ...`` (under torchrun, srun, or alone).
+
+    torchrun --nproc-per-node 2 -m distload load /ckpt --load-format runai_streamer \
+        --model-loader-extra-config '{"distributed": true}' --report-json report.json
+    python -m distload demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS, make_load_config
+from distload.errors import DistloadError
+from distload.group import DEFAULT_TIMEOUT_S, WorkerGroup, detect_launch
+from distload.sharded.save import DEFAULT_MAX_FILE_SIZE
+
+log = logging.getLogger("distload")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m distload", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    load = sub.add_parser("load", help="load a checkpoint onto every rank and report")
+    load.add_argument("source", help="a safetensors file, a folder, or a pre-sharded folder")
+    load.add_argument("--load-format", default="auto", type=str.lower,
+                      help=f"one of {', '.join(LOAD_FORMATS)} (default auto)")
+    load.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
+                      help='a JSON object, e.g. \'{"distributed": true, "concurrency": 16}\'')
+    load.add_argument("--device", default="auto", help="auto (cuda:<local_rank> or cpu), cpu, cuda")
+    load.add_argument("--report-json", default=None, metavar="PATH",
+                      help="rank 0 writes the load report here")
+    load.add_argument("--no-progress", action="store_true", help="no progress bar")
+    load.add_argument("--no-digest", action="store_true",
+                      help="skip the per-rank SHA-256 digest (it costs a pass over the bytes)")
+    load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                      help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
+
+    save = sub.add_parser("save-sharded", help="reshard a whole checkpoint into per-rank files, offline")
+    save.add_argument("source", help="a whole safetensors checkpoint: a file or a folder (index.json honoured)")
+    save.add_argument("output", help="a new or empty folder")
+    save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N")
+    save.add_argument("--file-pattern", default=DEFAULT_SHARD_PATTERN, metavar="P",
+                      help=f"default {DEFAULT_SHARD_PATTERN!r}")
+    save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
+                      help="start a new part past this many bytes (default 5 GiB)")
+    save.add_argument("--plan", default=None, metavar="PLAN",
+                      help="a built-in plan (decoder, alias llama/mistral/qwen2/qwen3; replicate) or a "
+                           "JSON plan file (default decoder)")
+
+    verify = sub.add_parser("verify", help="check a sharded checkpoint's files against its manifest")
+    verify.add_argument("folder")
+
+    inspect = sub.add_parser("inspect", help="files, tensors, bytes, dtypes and layout of a checkpoint")
+    inspect.add_argument("source")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+
+    sync_demo = sub.add_parser("sync-demo", help="rank 0 pushes weight versions, the other ranks "
+                                                 "receive them in place (run under torchrun)")
+    sync_demo.add_argument("--steps", type=int, default=3)
+    sync_demo.add_argument("--size-mib", type=int, default=256)
+    sync_demo.add_argument("--bucket-mib", type=int, default=64)
+    sync_demo.add_argument("--device", default="auto")
+    sync_demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+
+    demo = sub.add_parser("demo", help="write a small LLM-shaped checkpoint and load it with "
+                                       "every format this machine supports")
+    demo.add_argument("--nproc-per-node", type=int, default=None,
+                      help="ranks to start with torchrun (default: GPUs, or 2 on a CPU)")
+    demo.add_argument("--dir", default=None, help="write the checkpoints here (default: a temp folder)")
+    demo.add_argument("--size-mib", type=int, default=64, help="approximate checkpoint size")
+    demo.add_argument("--case-timeout", type=float, default=600, metavar="SECONDS",
+                      help="give up on one format's load after this long (default 600)")
+    return parser
+
+
+def _setup_logging(rank: int) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[distload rank {rank}] %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def run_load(args: argparse.Namespace) -> int:
+    from distload.loading.loader import Loader
+
+    # Validate before the process group exists: a bad flag costs no rendezvous.
+    make_load_config(args.load_format, args.model_loader_extra_config)
+    with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:
+        loader = Loader(args.source, args.load_format, args.model_loader_extra_config,
+                        group=group, progress=not args.no_progress)
+        state, report = loader.load_with_report(digest=not args.no_digest)
+        del state
+        if group.rank == 0:
+            log.info("Loading weights took %.2f seconds", report.total["seconds"])
+            for line in report.summary_lines():
+                print(line, flush=True)
+            if args.report_json:
+                report.write(args.report_json)
+                log.info("report written to %s", args.report_json)
+    return 0
+
+
+def run_save_sharded(args: argparse.Namespace) -> int:
+    from distload.sharded.save import reshard
+
+    report = reshard(args.source, args.output, args.tensor_parallel_size, pattern=args.file_pattern,
+                     max_file_size=args.max_file_size, plan=args.plan)
+    for line in report.summary_lines():
+        print(line, flush=True)
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from distload.loading.manifest import verify_folder
+
+    manifest, problems = verify_folder(args.folder)
+    if problems:
+        print(f"{args.folder}: {len(problems)} problem(s):", flush=True)
+        for problem in problems:
+            print(f"  {problem}", flush=True)
+        return 1
+    assert manifest is not None
+    print(f"{args.folder}: OK: {len(manifest.files)} file(s) for {manifest.world_size} rank(s) match "
+          f"the manifest (sizes and SHA-256)", flush=True)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from distload.sharded.inspection import inspect_source, summary_lines
+
+    info = inspect_source(args.source)
+    print(json.dumps(info, indent=1) if args.json else "\n".join(summary_lines(info)), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank: int | str = "?"
+    try:
+        rank = detect_launch().rank
+        _setup_logging(rank)
+        if args.command == "load":
+            return run_load(args)
+        if args.command == "save-sharded":
+            return run_save_sharded(args)
+        if args.command == "verify":
+            return run_verify(args)
+        if args.command == "inspect":
+            return run_inspect(args)
+        if args.command == "sync-demo":
+            from distload.cli.sync_demo import run_sync_demo
+
+            return run_sync_demo(args)
+        if args.command == "demo":
+            from distload.cli.demo import run_demo
+
+            return run_demo(args)
+    except DistloadError as exc:
+        # One write per message: under torchrun the ranks share stderr, and print() writes the
+        # newline separately, so two ranks' lines would run together.
+        sys.stderr.write(f"distload: error on rank {rank}: {exc}\n")
+        sys.stderr.flush()
+        return 1
+    except KeyboardInterrupt:
+        print(f"distload: interrupted on rank {rank}", file=sys.stderr, flush=True)
+        return 130
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

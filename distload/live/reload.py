@@ -1,0 +1,261 @@
+"""In-place reload: copy a checkpoint into an existing model without reallocating anything.
+
+Every parameter keeps its storage (``data_ptr()`` unchanged), so CUDA graphs and an engine's
+references stay valid. Host memory stays bounded: tensors stream one at a time from the loader
+and are copied and dropped.
+
+Order of calls (every rank of the group makes them):
+
+1. ``Loader.plan()``: list and read the headers of this rank's files (collective, see loader.py).
+2. ``agree("checking the model against the checkpoint")``: every checkpoint tensor, after the
+   name map and the slicing plan, is matched to its destination and its shape and dtype compared;
+   every model tensor must be covered. Any mismatch on any rank stops every rank here, before a
+   single byte is written, and says what differs.
+3. Stream and copy. An I/O failure here is reported with how many tensors were already written.
+
+Name mapping (engine layouts): ``name_map(checkpoint_name)`` returns the model name, a
+:class:`Destination` (copy into a slice of a fused parameter, and/or take a slice of the
+checkpoint tensor), a list of them (one checkpoint tensor feeding several parameters), or None
+to ignore the tensor on purpose. Slicing: ``plan`` (a sharding plan name, file or object) gives
+each rank its part of a whole checkpoint's tensors, as ``save-sharded`` would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import torch
+
+from distload.loading.index import DTYPES
+from distload.errors import DistloadError
+from distload.loading.loader import Loader
+from distload.sharding import Action, ShardingPlan, load_plan, shard_shape, take_shard
+
+
+class ReloadError(DistloadError):
+    """The model and the checkpoint do not fit together, or the copy failed."""
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where (part of) a checkpoint tensor goes.
+
+    ``name``: the model's parameter or buffer. ``dim``/``start``: copy into
+    ``param.narrow(dim, start, n)`` (a fused parameter) instead of the whole parameter.
+    ``src_dim``/``src_start``/``src_length``: copy only ``tensor.narrow(src_dim, src_start,
+    src_length)`` of the checkpoint tensor (one fused checkpoint tensor feeding several parameters).
+    """
+
+    name: str
+    dim: int | None = None
+    start: int = 0
+    src_dim: int | None = None
+    src_start: int = 0
+    src_length: int | None = None
+
+
+NameMap = Callable[[str], Union[str, Destination, Sequence[Destination], None]]
+
+
+@dataclass
+class ReloadReport:
+    num_tensors: int = 0  # checkpoint tensors copied
+    nbytes: int = 0  # bytes written into the model
+    seconds: float = 0.0
+    path: str = ""
+    skipped: list[str] = field(default_factory=list)  # unexpected checkpoint keys (strict=False)
+    missing: list[str] = field(default_factory=list)  # model keys left untouched (strict=False)
+    ignored: list[str] = field(default_factory=list)  # mapped to None by the name map
+
+
+def model_tensors(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Name -> tensor of a module's parameters and buffers (tied names included), or a dict."""
+    if isinstance(target, torch.nn.Module):
+        named = dict(target.named_parameters(remove_duplicate=False))
+        named.update(target.named_buffers(remove_duplicate=False))
+        return named
+    if isinstance(target, Mapping):
+        bad = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ReloadError(f"target entry {bad[0]!r} is not a tensor")
+        return dict(target)
+    raise ReloadError(f"reload target must be an nn.Module or a dict of tensors, got {type(target).__name__}")
+
+
+def _destinations(name: str, name_map: NameMap | None) -> list[Destination]:
+    mapped: Any = name if name_map is None else name_map(name)
+    if mapped is None:
+        return []
+    if isinstance(mapped, str):
+        return [Destination(mapped)]
+    if isinstance(mapped, Destination):
+        return [mapped]
+    out = [Destination(m) if isinstance(m, str) else m for m in mapped]
+    if not all(isinstance(d, Destination) for d in out):
+        raise ReloadError(f"name_map({name!r}) must return a name, a Destination, a list of them, or None")
+    return out
+
+
+@dataclass(frozen=True)
+class _Copy:
+    dest: Destination
+    action: Action | None  # the slicing plan's action for the source tensor, None without a plan
+
+
+def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapping[str, torch.Tensor], *,
+              name_map: NameMap | None, plan: ShardingPlan | None, tp_size: int,
+              strict: bool) -> tuple[dict[str, list[_Copy]], ReloadReport]:
+    """Match every checkpoint tensor (name, dtype code, shape) to the model; pure, no copies.
+
+    Raises ReloadError listing every problem at once; returns the copy plan otherwise.
+    """
+    report = ReloadReport()
+    copies: dict[str, list[_Copy]] = {}
+    problems: list[str] = []
+    covered: dict[int, int] = {}  # id(target tensor) -> elements written
+    for name, dtype, shape in sources:
+        action = plan.action(name, shape) if plan is not None else None
+        try:
+            if action is not None:
+                shape = shard_shape(name, shape, action, tp_size)
+            dests = _destinations(name, name_map)
+        except DistloadError as exc:
+            problems.append(str(exc))
+            continue
+        if not dests:
+            report.ignored.append(name)
+            continue
+        for dest in dests:
+            where = name if dest.name == name else f"{name} -> {dest.name}"
+            if dest.name not in targets:
+                if strict:
+                    problems.append(f"unexpected key {where}: the model has no such parameter or buffer")
+                else:
+                    report.skipped.append(where)
+                continue
+            dst = targets[dest.name]
+            if DTYPES[dtype] != dst.dtype:
+                problems.append(f"{where}: dtype {dtype} in the checkpoint, {dst.dtype} in the model")
+                continue
+            src_shape = list(shape)
+            if dest.src_dim is not None:
+                length = dest.src_length if dest.src_length is not None else shape[dest.src_dim] - dest.src_start
+                if dest.src_dim >= len(shape) or dest.src_start + length > shape[dest.src_dim] or length < 0:
+                    problems.append(f"{where}: source slice dim {dest.src_dim} [{dest.src_start}, "
+                                    f"{dest.src_start + length}) is outside the checkpoint shape {list(shape)}")
+                    continue
+                src_shape[dest.src_dim] = length
+            dst_shape = list(dst.shape)
+            if dest.dim is not None:
+                if dest.dim >= dst.dim() or dest.dim >= len(src_shape):
+                    problems.append(f"{where}: no dim {dest.dim} to copy into (model shape {list(dst.shape)})")
+                    continue
+                if dest.start + src_shape[dest.dim] > dst.shape[dest.dim]:
+                    problems.append(f"{where}: rows [{dest.start}, {dest.start + src_shape[dest.dim]}) of dim "
+                                    f"{dest.dim} do not fit the model shape {list(dst.shape)}")
+                    continue
+                dst_shape[dest.dim] = src_shape[dest.dim]
+            if src_shape != dst_shape:
+                what = "the rank's slice" if action is not None and not action.replicated else "shape"
+                problems.append(f"{where}: {what} {src_shape} in the checkpoint, {dst_shape} in the model")
+                continue
+            copies.setdefault(name, []).append(_Copy(dest, action))
+            covered[id(dst)] = covered.get(id(dst), 0) + math.prod(src_shape)
+    untouched: dict[int, list[str]] = {}
+    for model_name, tensor in targets.items():
+        if covered.get(id(tensor), 0) < tensor.numel() or (tensor.numel() == 0 and id(tensor) not in covered):
+            untouched.setdefault(id(tensor), []).append(model_name)
+    missing = sorted(" = ".join(names) for names in untouched.values())
+    if missing and strict:
+        problems.append(f"missing keys (no checkpoint tensor fills them): {', '.join(missing[:20])}"
+                        + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
+    else:
+        report.missing = missing
+    if problems:
+        raise ReloadError(
+            f"the checkpoint does not fit the model ({len(problems)} problem(s)); nothing was written:\n  "
+            + "\n  ".join(problems[:50]) + ("\n  ..." if len(problems) > 50 else "")
+        )
+    return copies, report
+
+
+def _is_whole_copy(copy: _Copy) -> bool:
+    dest = copy.dest
+    return (copy.action is None or copy.action.replicated) and dest.dim is None and dest.src_dim is None
+
+
+def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: str,
+                load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None, *,
+                group: Any, strict: bool = True, name_map: NameMap | None = None,
+                plan: str | ShardingPlan | None = None, tp_rank: int | None = None,
+                tp_size: int | None = None, progress: bool = False) -> ReloadReport:
+    """Load ``source`` into ``target``'s existing tensors, in place, all-or-nothing on mismatch.
+
+    Call on every rank of ``group``. With ``plan``, each rank copies its tensor-parallel slice
+    (rank ``tp_rank`` of ``tp_size``, default the group's rank and size) of a whole checkpoint.
+    """
+    start = time.perf_counter()
+    targets = model_tensors(target)
+    loader = Loader(source, load_format, extra_config, group=group, progress=progress)
+    rank_plan = loader.plan()
+    tp_rank = group.rank if tp_rank is None else tp_rank
+    tp_size = group.world_size if tp_size is None else tp_size
+    sources = [(t.name, t.dtype, t.shape) for t in rank_plan.index.tensors]
+    by_name = {t.name: t for t in rank_plan.index.tensors}
+    sources += [(alias, by_name[tgt].dtype, by_name[tgt].shape) for alias, tgt in rank_plan.aliases.items()
+                if tgt in by_name]
+
+    def check() -> tuple[dict[str, list[_Copy]], ReloadReport]:
+        if plan is not None and rank_plan.choice.sharded:
+            raise ReloadError(f"{source} is already sharded per rank; reload it without a slicing plan")
+        sharding = plan if isinstance(plan, ShardingPlan) or plan is None else load_plan(plan)
+        return check_fit(sources, targets, name_map=name_map, plan=sharding, tp_size=tp_size, strict=strict)
+
+    copies, report = group.agree("checking the model against the checkpoint", check)
+    # A checkpoint tensor that lands whole in one model tensor may be read straight into it, unless
+    # that memory is also written for another tensor (tied weights): the reader's threads would
+    # write both at once, where copying in checkpoint order lets the last one win, as always.
+    writes_per_storage = Counter(targets[c.dest.name].untyped_storage().data_ptr()
+                                 for cs in copies.values() for c in cs)
+    direct = {name: targets[c[0].dest.name].detach() for name, c in copies.items()
+              if len(c) == 1 and _is_whole_copy(c[0])
+              and writes_per_storage[targets[c[0].dest.name].untyped_storage().data_ptr()] == 1}
+    written = 0
+    with torch.no_grad():
+        try:
+            for name, tensor in loader.tensors(rank_plan, destinations=direct):
+                for copy in copies.get(name, ()):
+                    src = tensor
+                    if copy.action is not None:
+                        src = take_shard(src, copy.action, tp_rank, tp_size)
+                    dest = copy.dest
+                    if dest.src_dim is not None:
+                        length = (dest.src_length if dest.src_length is not None
+                                  else src.shape[dest.src_dim] - dest.src_start)
+                        src = src.narrow(dest.src_dim, dest.src_start, length)
+                    dst = targets[dest.name].detach()
+                    if dest.dim is not None:
+                        dst = dst.narrow(dest.dim, dest.start, src.shape[dest.dim])
+                    if not (src.data_ptr() == dst.data_ptr() and src.shape == dst.shape):
+                        dst.copy_(src)  # else the reader already put the bytes in place
+                    report.nbytes += src.numel() * src.element_size()
+                if name in copies:
+                    written += 1
+        except Exception as exc:
+            # With direct destinations the reader writes into the model ahead of what it has
+            # handed out, so any failure after reading began may have changed it.
+            if written == 0 and not direct:
+                raise
+            raise ReloadError(
+                f"the reload failed after {written} of {len(copies)} tensors were handed out"
+                f"{' (and others read ahead into the model)' if direct else ''}, so the model may now "
+                f"mix old and new weights; reload again before using it. Cause: {exc}"
+            ) from exc
+    report.num_tensors = written
+    report.seconds = time.perf_counter() - start
+    report.path = loader.rank_report.path if loader.rank_report else ""
+    return report

@@ -1,0 +1,17 @@
+"""The load path, in the order the data flows (every rank runs each step):
+
+    sources      a source URI -> its files (local folder, s3://, gs://, az://), one listing
+    index        file headers -> the checkpoint index (names, dtypes, shapes, byte ranges)
+    layout       whole or pre-sharded (patterns, the manifest): which files are this rank's
+    choice       the read choice: which backend, cooperative or not (pure)
+    plan         the rank plan: source, choice, index and what the rank must end up with
+    agreement    every rank planned the same read, and cooperative readers hold identical lists
+    backends/    the readers (one object each), onto cuda:<local_rank> or cpu
+    delivery     what the backend hands over is checked against the rank plan
+    loader       the steps above, end to end, with a timeout on every collective
+    report       digest, progress, the per-rank and job report
+
+``stores/`` holds the object-store clients the sources and readers share; ``host_memory`` the
+policy for new host tensors (huge pages). Nothing here imports the sharded-checkpoint or
+live-update areas: they build on this one.
+"""

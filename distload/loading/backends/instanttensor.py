@@ -1,0 +1,66 @@
+"""InstantTensor: CUDA-only reader; with the group's handle every rank reads a share of the same
+files and all-gathers the rest over NCCL, so each byte leaves storage once.
+
+It cannot run without CUDA; distload says so at once instead of falling back to another reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from distload.config import ALLOWED_KEYS
+from distload.errors import BackendUnavailableError
+from distload.loading.backends.base import BackendRun, ReadRequest
+
+
+def _import_instanttensor():
+    try:
+        import instanttensor
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"--load-format instanttensor needs the instanttensor package: "
+            f"pip install 'distload[instanttensor]' ({exc})"
+        ) from None
+    return instanttensor
+
+
+def check_instanttensor_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise BackendUnavailableError(
+            f"--load-format instanttensor reads only onto CUDA devices, and this rank's device is "
+            f"{device} (torch.cuda.is_available() is {torch.cuda.is_available()}); use "
+            f"--load-format safetensors or runai_streamer on a machine without GPUs"
+        )
+
+
+def read_instanttensor(request: ReadRequest) -> BackendRun:
+    check_instanttensor_device(request.device)
+    module = _import_instanttensor()
+    group = request.group
+    process_group = group.process_group if (request.cooperative and group.world_size > 1) else None
+    knobs = instanttensor_knobs(request.extra, module)
+    path = "instanttensor-group" if process_group is not None else "instanttensor"
+    return BackendRun(path).start(_stream(module, request, process_group, knobs))
+
+
+def instanttensor_knobs(extra: Mapping[str, Any], module) -> dict[str, Any]:
+    """InstantTensor's own settings from a validated extra config, as ``safe_open`` takes them.
+
+    Only its own keys: ``auto`` may bring others (``pattern``, ``huge_pages``) that are distload's
+    and that ``safe_open`` would reject as unexpected keyword arguments.
+    """
+    knobs = {key: value for key, value in extra.items() if key in ALLOWED_KEYS["instanttensor"]}
+    if "backend" in knobs:
+        knobs["backend"] = [module.Backend[name.strip().upper()] if name.strip().upper() != "BUFFERED"
+                            else module.BackendPolicy.BUFFERED
+                            for name in knobs["backend"].split(",")]
+    return knobs
+
+
+def _stream(module, request: ReadRequest, process_group, knobs) -> Iterator[tuple[str, torch.Tensor]]:
+    paths = [info.path for info in request.index.files]
+    with module.safe_open(paths, framework="pt", device=request.device,
+                          process_group=process_group, **knobs) as handle:
+        yield from handle.tensors()

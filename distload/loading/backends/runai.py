@@ -1,0 +1,149 @@
+"""Run:ai Model Streamer: concurrent chunked reads, optionally cooperative across ranks.
+
+Distributed mode splits the chunks of ONE file list across the ranks of the default process group
+(grouped by host), each rank reads its share and broadcasts it. Two quirks shape this module:
+
+- it silently falls back to plain streaming in several cases (gloo without
+  ``RUNAI_STREAMER_DIST=1``, too little GPU memory, ...), so we set the variable ourselves and
+  report the path the library actually took (``runai-distributed`` or ``runai``);
+- ranks with different file lists silently receive each other's data, so the caller must have
+  checked that every rank holds the same list before ``cooperative`` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import torch
+
+from distload.config import applied_environment, runai_environment
+from distload.errors import BackendUnavailableError, CheckpointError, DistloadError, ObjectStoreError
+from distload.loading.sources import is_object_store
+from distload.loading.backends.base import BackendRun, ReadRequest
+
+log = logging.getLogger("distload")
+
+
+def _import_streamer():
+    try:
+        from runai_model_streamer import SafetensorsStreamer
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the Run:ai formats need runai-model-streamer: pip install 'distload' (it is a "
+            f"core dependency) ({exc})"
+        ) from None
+    return SafetensorsStreamer
+
+
+def read_runai(request: ReadRequest) -> BackendRun:
+    streamer_cls = _import_streamer()
+    group = request.group
+    distributed = request.cooperative and group.world_size > 1
+    paths = [info.path for info in request.index.files]
+    env = runai_environment(request.extra)
+    store = _object_store(paths)
+    if store is not None:
+        env.update(store.reader_environment())
+    if distributed:
+        # "auto" means NCCL only: on gloo the library would quietly stream alone on each rank.
+        env["RUNAI_STREAMER_DIST"] = "1"
+        env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(group.timeout.total_seconds())))
+    run = BackendRun("runai-distributed" if distributed else "runai")
+    return run.start(_stream(streamer_cls, request, paths, env, distributed, run, store))
+
+
+# Run:ai 0.17 serves a single object-store type per process: after it read from s3://, a gs://
+# read fails with b'File access error', and the other way round (seen here with 0.17.1). Remember
+# the first type used, and refuse another with the reason instead.
+_runai_store_used: str | None = None
+
+
+def _check_one_store_kind(scheme: str) -> None:
+    used = _runai_store_used
+    if used is not None and used != scheme:
+        raise BackendUnavailableError(
+            f"Run:ai's reader serves one object-store type per process, and this process already read "
+            f"from {used}:// with it: a read from {scheme}:// here would fail with b'File access error'. "
+            f"Load {scheme}:// sources in another process, or with --load-format safetensors (ranged "
+            f"reads) in this one"
+        )
+
+
+def check_runai_source(paths: list[str]) -> None:
+    """The refusals Run:ai's reader would otherwise meet only once reading starts, for the planning
+    step: there every rank hears of one rank's failure at once, where inside Run:ai's distributed
+    collectives the others would wait for that rank until the group's timeout."""
+    store = _object_store(paths)
+    if store is not None and paths:
+        _preflight(store, paths[0])
+
+
+def _preflight(store, uri: str) -> None:
+    _check_one_store_kind(store.scheme)
+    # Run:ai's GCS reader retries an endpoint that is down for minutes: check it answers first.
+    store.check_reachable(uri, store.reader_endpoint())
+
+
+def _object_store(paths: list[str]):
+    """The store all ``paths`` are in, or None for local files (Run:ai takes one scheme per call)."""
+    remote = [p for p in paths if is_object_store(p)]
+    if not remote:
+        return None
+    schemes = {p.split("://", 1)[0] for p in paths}
+    if len(remote) != len(paths) or len(schemes) > 1:
+        raise CheckpointError(f"Run:ai reads one storage type per load, got {', '.join(sorted(schemes))}")
+    from distload.loading.stores import store_for
+
+    return store_for(remote[0])[0]
+
+
+def _read_failure(paths: list[str], store, exc: BaseException) -> DistloadError:
+    """An error that says what went wrong, for Run:ai's opaque ``b'File access error'``."""
+    if store is None:
+        return CheckpointError(f"Run:ai could not read {', '.join(paths)}: {exc}")
+    from distload.loading.stores import scrub
+
+    try:
+        found = store.diagnose(paths)
+    except ObjectStoreError as diagnosed:
+        return diagnosed
+    if found is not None:
+        return found
+    return CheckpointError(scrub(
+        f"Run:ai's {store.product} reader could not read {', '.join(paths)} ({exc}), yet distload's own "
+        f"{store.product} client reaches every one of them at {store.endpoint().describe()}: the reader is "
+        f"configured differently. It connects to {store.reader_endpoint().describe()}; set "
+        f"RUNAI_STREAMER_LOG_TO_STDERR=1 to see its own reason"))
+
+
+def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str, str], distributed: bool,
+            run: BackendRun, store) -> Iterator[tuple[str, torch.Tensor]]:
+    if not paths:
+        return
+    if store is not None:
+        # Again here: the endpoint may have gone away since planning.
+        _preflight(store, paths[0])
+    with applied_environment(env), streamer_cls() as streamer:
+        try:
+            streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
+        except ValueError as exc:
+            # Run:ai reports every I/O fault as b'File access error'; find the real cause.
+            raise _read_failure(paths, store, exc) from exc
+        global _runai_store_used
+        if store is not None and _runai_store_used is None:
+            _runai_store_used = store.scheme
+        took_distributed = bool(getattr(streamer.file_streamer, "is_distributed", False))
+        run.path = "runai-distributed" if took_distributed else "runai"
+        if distributed and not took_distributed:
+            log.warning(
+                "rank %d: Run:ai did not use distributed streaming (it fell back to reading alone; "
+                "set RUNAI_STREAMER_LOG_TO_STDERR=1 for its reason); the report says path=runai",
+                request.group.rank,
+            )
+        try:
+            yield from streamer.get_tensors()
+        except ValueError as exc:
+            if "access error" not in str(exc):
+                raise
+            raise _read_failure(paths, store, exc) from exc

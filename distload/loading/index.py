@@ -1,0 +1,261 @@
+"""The index of a checkpoint: its files and every tensor's name, dtype, shape and byte range.
+
+Headers are parsed here rather than by a backend so that every reader gets the same precise
+errors (which file, which tensor, what is wrong) before any tensor data moves, and so that the
+``dummy`` format and the cross-rank checks need nothing but headers.
+
+Format (https://github.com/huggingface/safetensors): 8 bytes little-endian header length N, N bytes
+of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then
+the data; offsets are relative to the first byte after the header.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from distload.errors import CheckpointError
+
+# safetensors dtype code -> (torch dtype, item size in bytes)
+DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+DTYPE_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+
+# A header larger than this is not a header: the first 8 bytes of some other file.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+    file: str
+    begin: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: str
+    size: int
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str] | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} has no safetensors code") from None
+
+
+def parse_header(path: str, head: bytes, file_size: int) -> FileInfo:
+    """Parse a safetensors header from the file's first bytes (at least 8 + N of them)."""
+    if file_size < 8:
+        raise CheckpointError(
+            f"{path}: not a safetensors file: it is {file_size} bytes long, shorter than the "
+            f"8-byte header length"
+        )
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > MAX_HEADER_BYTES or header_len < 2:
+        raise CheckpointError(
+            f"{path}: not a safetensors file: its first 8 bytes give a header length of "
+            f"{header_len} bytes; is this a PyTorch .bin/.pt or another format saved with a "
+            f".safetensors name?"
+        )
+    if 8 + header_len > file_size:
+        raise CheckpointError(
+            f"{path}: truncated header: the header says it is {header_len} bytes but the file "
+            f"holds only {file_size - 8} after the length field; the file was cut short "
+            f"(re-download or re-save it)"
+        )
+    raw = head[8 : 8 + header_len]
+    if len(raw) < header_len:
+        raise CheckpointError(f"{path}: truncated header: could read {len(raw)} of {header_len} bytes")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt header: not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}")
+    data_start = 8 + header_len
+    data_len = file_size - data_start
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise CheckpointError(f"{path}: corrupt header: __metadata__ must be an object")
+    tensors = []
+    for name, entry in header.items():
+        tensors.append(_parse_entry(path, name, entry, data_start, data_len))
+    tensors.sort(key=lambda t: (t.begin, t.end))
+    _check_coverage(path, tensors, data_start, data_len)
+    return FileInfo(path=path, size=file_size, tensors=tuple(tensors), metadata=metadata)
+
+
+def _check_coverage(path: str, tensors: list[TensorInfo], data_start: int, data_len: int) -> None:
+    """Tensors must fill the data section back to back, as safetensors itself requires."""
+    cursor = data_start
+    previous = None
+    for tensor in tensors:
+        if tensor.begin != cursor:
+            what = "overlaps" if tensor.begin < cursor else f"leaves a gap of {tensor.begin - cursor} bytes after"
+            after = f"tensor {previous.name!r}" if previous else "the header"
+            raise CheckpointError(
+                f"{path}: corrupt header: tensor {tensor.name!r} {what} {after}; a safetensors file "
+                f"stores its tensors back to back (re-download or re-save it)"
+            )
+        cursor, previous = tensor.end, tensor
+    if cursor != data_start + data_len:
+        raise CheckpointError(
+            f"{path}: {data_start + data_len - cursor} bytes after the last tensor belong to no tensor "
+            f"of the header: the file is corrupt or something was appended to it (re-download or re-save it)"
+        )
+
+
+def _parse_entry(path: str, name: str, entry: object, data_start: int, data_len: int) -> TensorInfo:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: corrupt header entry (expected an object)")
+    dtype = entry.get("dtype")
+    shape = entry.get("shape")
+    offsets = entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: corrupt shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r}")
+    begin, end = offsets
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{where}: header says {end - begin} bytes but {dtype} {shape} needs {expected}"
+        )
+    if end > data_len:
+        raise CheckpointError(
+            f"{path}: file is shorter than its header says: tensor {name!r} ends at data byte "
+            f"{end}, but the file holds only {data_len} data bytes; it was truncated "
+            f"(re-download or re-save it)"
+        )
+    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+
+
+def read_local_header(path: str) -> FileInfo:
+    """Read and parse the header of a local safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                (header_len,) = struct.unpack("<Q", head)
+                if 2 <= header_len <= MAX_HEADER_BYTES:
+                    head += f.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied") from None
+    return parse_header(path, head, size)
+
+
+FINGERPRINT_SAMPLE_BYTES = 64 * 1024
+
+
+def content_fingerprint(info: FileInfo) -> str:
+    """SHA-256 of a local file's header and three samples of its data (start, middle, end).
+
+    Two nodes can hold different versions of a checkpoint at the same path with the same sizes
+    (a fine-tune of the same model); cooperative readers would then silently mix them. Every
+    weight changes in a fine-tune, so a few sampled blocks tell the versions apart at the cost of
+    four small reads per file.
+    """
+    hasher = hashlib.sha256()
+    data_start = info.tensors[0].begin if info.tensors else info.size
+    samples = [(0, data_start)]
+    if info.size > data_start:
+        middle = data_start + (info.size - data_start) // 2
+        for offset in (data_start, middle, max(data_start, info.size - FINGERPRINT_SAMPLE_BYTES)):
+            samples.append((offset, min(FINGERPRINT_SAMPLE_BYTES, info.size - offset)))
+    try:
+        with open(info.path, "rb", buffering=0) as f:
+            for offset, size in samples:
+                hasher.update(os.pread(f.fileno(), size, offset))
+    except OSError as exc:
+        raise CheckpointError(f"{info.path}: cannot read it to compare its content across ranks "
+                              f"({exc.strerror or exc}): was it moved or deleted while planning?") from None
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class CheckpointIndex:
+    """The tensors a rank will read: files in read order, every tensor once."""
+
+    files: tuple[FileInfo, ...]
+
+    @property
+    def tensors(self) -> list[TensorInfo]:
+        return [t for f in self.files for t in f.tensors]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.files)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(f.tensors) for f in self.files)
+
+    def signature(self) -> list[tuple[str, int]]:
+        """What ranks compare before a cooperative read: each file's path and size."""
+        return [(f.path, f.size) for f in self.files]
+
+
+def build_index(files: Iterable[FileInfo], hint: str = "") -> CheckpointIndex:
+    """Check that no tensor name appears in two files, and freeze the list."""
+    seen: dict[str, str] = {}
+    files = tuple(files)
+    for info in files:
+        for tensor in info.tensors:
+            if tensor.name in seen:
+                raise CheckpointError(
+                    f"tensor {tensor.name!r} appears in two files: {seen[tensor.name]} and "
+                    f"{info.path}; a checkpoint must name each tensor once{hint}"
+                )
+            seen[tensor.name] = info.path
+    return CheckpointIndex(files)

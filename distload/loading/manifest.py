@@ -1,0 +1,168 @@
+"""The manifest of a sharded checkpoint (``distload.json``), written last by every save.
+
+A checkpoint is complete only when its manifest exists. A save first drops a marker
+(``distload.saving``) and removes it only after the manifest is in place, so a save that died
+midway is recognised as incomplete rather than loaded with parts missing. Checkpoints written by
+other tools (vLLM's sharded_state) have no manifest and still load; they just get fewer checks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from distload.fileio import write_json_atomic
+from distload.errors import CheckpointError, ShardLayoutError
+from distload.loading.sources import Source, open_source
+
+MANIFEST_NAME = "distload.json"
+SAVING_MARKER = "distload.saving"
+MANIFEST_FORMAT = "distload-sharded"
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    name: str
+    rank: int
+    part: int
+    size: int
+    sha256: str
+    tensors: list[str]
+
+
+@dataclass
+class Manifest:
+    world_size: int
+    pattern: str
+    files: list[ShardFile]
+    plan: dict[str, Any] | None = None
+    # rank -> {alias name: name of the tensor it shares storage with}
+    aliases: dict[int, dict[str, str]] = field(default_factory=dict)
+    replicated_unmatched: list[str] = field(default_factory=list)
+    source: str | None = None
+    format: str = MANIFEST_FORMAT
+    version: int = MANIFEST_VERSION
+    created_by: str = ""
+
+    def files_for_rank(self, rank: int) -> list[ShardFile]:
+        return sorted((f for f in self.files if f.rank == rank), key=lambda f: f.part)
+
+    def keys_for_rank(self, rank: int) -> set[str]:
+        keys = {name for f in self.files_for_rank(rank) for name in f.tensors}
+        return keys | set(self.aliases.get(rank, {}))
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["aliases"] = {str(rank): names for rank, names in self.aliases.items()}
+        # format and version first, for a human reading the file
+        return {"format": out.pop("format"), "version": out.pop("version"), **out}
+
+
+def write_manifest(folder: str, manifest: Manifest) -> None:
+    """Write the manifest atomically, then remove the saving marker: the commit point of a save."""
+    write_json_atomic(os.path.join(folder, MANIFEST_NAME), manifest.to_json())
+    marker = os.path.join(folder, SAVING_MARKER)
+    if os.path.exists(marker):
+        os.unlink(marker)
+
+
+def read_manifest(folder: "str | Source") -> Manifest | None:
+    """The folder's manifest; None if there is none (a checkpoint from another tool).
+
+    ``folder`` is a local path, an object-store prefix, or a Source. Raises CheckpointError if a
+    save into the folder did not finish, or the manifest is corrupt.
+    """
+    src = open_source(folder)
+    if src.has_file(SAVING_MARKER):
+        raise CheckpointError(
+            f"{src.folder}: the checkpoint is incomplete: a save into this folder did not finish "
+            f"({SAVING_MARKER} is still there and the manifest was not committed); remove the folder "
+            f"and run the save again, or save into a new folder"
+        )
+    if not src.has_file(MANIFEST_NAME):
+        return None
+    path = src.path(MANIFEST_NAME)
+    try:
+        raw = json.loads(src.read_bytes(MANIFEST_NAME).decode("utf-8"))
+        if raw.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"format is {raw.get('format')!r}, expected {MANIFEST_FORMAT!r}")
+        if raw.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"version {raw.get('version')!r} is not supported (this distload reads "
+                             f"version {MANIFEST_VERSION})")
+        files = [ShardFile(**entry) for entry in raw["files"]]
+        return Manifest(
+            world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
+            plan=raw.get("plan"),
+            aliases={int(rank): dict(names) for rank, names in raw.get("aliases", {}).items()},
+            replicated_unmatched=list(raw.get("replicated_unmatched", [])),
+            source=raw.get("source"), created_by=raw.get("created_by", ""),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc})") from None
+
+
+def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:
+    """Check every file of the manifest (exists, size, SHA-256); return the problems found.
+
+    Works on a local folder and on an object-store prefix (objects are hashed from ranged reads).
+    """
+    src = open_source(folder)
+    manifest = read_manifest(src)
+    if manifest is None:
+        return None, [f"{src.folder}: no {MANIFEST_NAME}: not a checkpoint saved by distload, or its save "
+                      f"did not finish; nothing to verify against"]
+    problems = []
+    for entry in manifest.files:
+        if not src.has_file(entry.name):
+            problems.append(f"{entry.name} (rank {entry.rank}): missing")
+            continue
+        size = src.file_size(entry.name)
+        if size != entry.size:
+            problems.append(f"{entry.name} (rank {entry.rank}): {size} bytes, the manifest says {entry.size}")
+            continue
+        hasher = hashlib.sha256()
+        for chunk in src.iter_chunks(entry.name):
+            hasher.update(chunk)
+        digest = hasher.hexdigest()
+        if digest != entry.sha256:
+            problems.append(f"{entry.name} (rank {entry.rank}): SHA-256 {digest[:16]}... differs from the "
+                            f"manifest's {entry.sha256[:16]}...: the file was changed or corrupted")
+    return manifest, problems
+
+
+def manifest_files_for_rank(manifest: Manifest, folder: "str | Source", pattern: str, rank: int,
+                            world_size: int) -> list[str]:
+    """This rank's file names per the manifest, after checking they match the job and the storage."""
+    src = open_source(folder)
+    folder = src.folder
+    if pattern != manifest.pattern:
+        raise ShardLayoutError(
+            f"{folder} was saved with the file pattern {manifest.pattern!r} (see {MANIFEST_NAME}), "
+            f"but the load asks for {pattern!r}; drop the 'pattern' extra config or pass the saved one"
+        )
+    if manifest.world_size != world_size:
+        raise ShardLayoutError(
+            f"{folder} was saved for {manifest.world_size} ranks, but this job has {world_size}: "
+            f"start the job with {manifest.world_size} ranks, or reshard the whole checkpoint for "
+            f"{world_size}: python -m distload save-sharded <whole checkpoint> <new folder> "
+            f"--tensor-parallel-size {world_size}"
+        )
+    entries = manifest.files_for_rank(rank)
+    if not entries:
+        raise ShardLayoutError(f"{folder}: {MANIFEST_NAME} lists no file for rank {rank}; the manifest is damaged")
+    problems = []
+    for entry in entries:
+        if not src.has_file(entry.name):
+            problems.append(f"{entry.name} is missing")
+        elif src.file_size(entry.name) != entry.size:
+            problems.append(f"{entry.name} is {src.file_size(entry.name)} bytes, the manifest says {entry.size}")
+    if problems:
+        raise CheckpointError(
+            f"{folder}: rank {rank}'s files do not match {MANIFEST_NAME}: {'; '.join(problems)}; "
+            f"run `python -m distload verify {folder}` and re-copy or re-save the checkpoint"
+        )
+    return [entry.name for entry in entries]

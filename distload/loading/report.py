@@ -1,0 +1,153 @@
+"""What a load reports: per-tensor digest, byte-counting progress, timing, and the JSON report.
+
+The digest lets anyone check a load against a plain safetensors read: SHA-256 over the rank's
+tensors sorted by name, feeding for each ``name|DTYPE|d0,d1,...|`` followed by its raw bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from distload.loading.index import dtype_code
+from distload.fileio import write_json_atomic
+from distload.tensor_io import tensor_bytes
+
+GIB = 1024**3
+
+
+def update_digest(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor) -> None:
+    shape = ",".join(str(d) for d in tensor.shape)
+    hasher.update(f"{name}|{dtype_code(tensor.dtype)}|{shape}|".encode("utf-8"))
+    hasher.update(tensor_bytes(tensor))
+
+
+def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The report's digest of a name -> tensor mapping."""
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        update_digest(hasher, name, tensors[name])
+    return hasher.hexdigest()
+
+
+def gib_per_s(nbytes: int, seconds: float) -> float:
+    return round(nbytes / GIB / seconds, 4) if seconds > 0 else 0.0
+
+
+@dataclass
+class RankReport:
+    rank: int
+    local_rank: int
+    device: str
+    path: str
+    files: list[str]
+    num_tensors: int
+    nbytes: int
+    seconds: float
+    gib_per_s: float
+    digest: str | None = None
+    hostname: str = ""
+    # Bytes this process read from storage during the load (psutil read_bytes: page-cache hits
+    # do not count) and its peak resident memory so far; None where the OS does not say.
+    read_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    # Bytes of the new host tensors marked for transparent huge pages (advice to the kernel; see
+    # distload.loading.host_memory).
+    huge_page_marked_bytes: int = 0
+
+
+@dataclass
+class LoadReport:
+    world_size: int
+    load_format: str
+    source: str
+    ranks: list[RankReport] = field(default_factory=list)
+
+    @property
+    def total(self) -> dict[str, Any]:
+        nbytes = sum(r.nbytes for r in self.ranks)
+        seconds = max((r.seconds for r in self.ranks), default=0.0)
+        return {"nbytes": nbytes, "seconds": round(seconds, 6), "gib_per_s": gib_per_s(nbytes, seconds)}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "load_format": self.load_format,
+            "source": self.source,
+            "ranks": [asdict(r) for r in self.ranks],
+            "total": self.total,
+        }
+
+    def write(self, path: str) -> None:
+        """Write atomically: a reader never sees half a report."""
+        write_json_atomic(path, self.to_json(), indent=2)
+
+    def summary_lines(self) -> list[str]:
+        lines = [f"distload: {self.load_format} from {self.source} on {self.world_size} rank(s)"]
+        for r in self.ranks:
+            digest = r.digest[:16] if r.digest else "-"
+            lines.append(
+                f"  rank {r.rank} ({r.device}, {r.path}): {r.num_tensors} tensors, "
+                f"{r.nbytes / GIB:.3f} GiB in {r.seconds:.2f} s = {r.gib_per_s:.2f} GiB/s, "
+                f"digest {digest}"
+            )
+        total = self.total
+        lines.append(
+            f"  total: {total['nbytes'] / GIB:.3f} GiB, slowest rank {total['seconds']:.2f} s, "
+            f"{total['gib_per_s']:.2f} GiB/s"
+        )
+        return lines
+
+
+def storage_read_bytes() -> int | None:
+    """This process's bytes read from storage so far (None if the OS does not tell)."""
+    try:
+        import psutil
+
+        return psutil.Process().io_counters().read_bytes
+    except Exception:  # no /proc/self/io (some containers), or psutil refused
+        return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    From /proc/self/status (VmHWM) where there is one: getrusage's ru_maxrss survives exec, so a
+    process started from a big parent (a test runner, torchrun's agent) would report the
+    parent's peak as its own.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Progress:
+    """A byte-counting bar (GB/s) on one rank; silent when off or stderr is not a terminal."""
+
+    def __init__(self, total: int, enabled: bool, description: str = "Loading weights"):
+        self._bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
+                             desc=description, file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, nbytes: int) -> None:
+        if self._bar is not None:
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -1,0 +1,264 @@
+"""Where checkpoint files come from: a local file or folder, or an object-store file or prefix.
+
+A source is a string, never a ``pathlib.Path`` (a Path turns ``s3://b/k`` into ``s3:/b/k``).
+:func:`open_source` gives a :class:`LocalSource` or an :class:`ObjectSource`; both answer the same
+questions (what is in the folder, how big is a file, its header, a small JSON file), so the loader,
+``inspect`` and ``verify`` are written once. Object stores are listed one level deep, like a
+folder: ``s3://bucket/model`` holds the objects ``model/*`` (not ``model/sub/*``). A URI whose last
+segment ends in ``.safetensors`` names one object; any other URI is a prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Union
+
+from distload.loading.index import CheckpointIndex, FileInfo, read_local_header
+from distload.errors import CheckpointError, ConfigError
+
+OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
+INDEX_FILE = "model.safetensors.index.json"
+# Header reads in flight at once on an object store (each is one or two small ranged GETs).
+HEADER_READ_THREADS = 8
+
+
+def is_object_store(source: str) -> bool:
+    return source.startswith(OBJECT_STORE_SCHEMES)
+
+
+def check_source(source: str) -> str:
+    """Validate the source string; return it normalised (no trailing slash, user expanded).
+
+    Local paths must exist; object-store URIs are only parsed here (no request is made).
+    """
+    if not isinstance(source, str) or not source:
+        raise ConfigError(f"source must be a non-empty path or URI string, got {source!r}")
+    if is_object_store(source):
+        from distload.loading.stores import parse_uri
+
+        return str(parse_uri(source))
+    if "://" in source:
+        raise ConfigError(f"{source}: unknown URI scheme; use a local path, s3://, gs:// or az://")
+    path = os.path.expanduser(source)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{source}: no such file or directory")
+    return path.rstrip("/") or "/"
+
+
+def open_source(source: "str | Source") -> "Source":
+    if isinstance(source, (LocalSource, ObjectSource)):
+        return source
+    checked = check_source(source)
+    return ObjectSource(checked) if is_object_store(checked) else LocalSource(checked)
+
+
+def list_names(folder: str) -> list[str]:
+    """The names in a local folder, sorted (for listings and error messages)."""
+    try:
+        return sorted(os.listdir(folder))
+    except NotADirectoryError:
+        return [os.path.basename(folder)]
+    except PermissionError:
+        raise CheckpointError(f"{folder}: permission denied while listing it") from None
+
+
+def describe_names(names: list[str], limit: int = 12) -> str:
+    if not names:
+        return "it is empty"
+    shown = ", ".join(names[:limit])
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"it holds: {shown}{more}"
+
+
+class LocalSource:
+    """A local ``.safetensors`` file or a folder."""
+
+    remote = False
+
+    def __init__(self, path: str):
+        self.uri = path
+        self.is_file = not os.path.isdir(path)
+        self.folder = (os.path.dirname(path) or ".") if self.is_file else path
+
+    def names(self) -> list[str]:
+        return list_names(self.folder)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.folder, name)
+
+    def has_file(self, name: str) -> bool:
+        return os.path.isfile(self.path(name))
+
+    def file_size(self, name: str) -> int:
+        return os.path.getsize(self.path(name))
+
+    def read_bytes(self, name: str) -> bytes:
+        with open(self.path(name), "rb") as f:
+            return f.read()
+
+    def iter_chunks(self, name: str, block: int = 16 * 1024 * 1024) -> Iterator[bytes]:
+        with open(self.path(name), "rb") as f:
+            while chunk := f.read(block):
+                yield chunk
+
+    def read_headers(self, paths: list[str]) -> list[FileInfo]:
+        return [read_local_header(p) for p in paths]
+
+    def no_weights_message(self, names: list[str]) -> str:
+        return f"{self.uri}: no .safetensors files in this folder; {describe_names(names)}"
+
+
+class ObjectSource:
+    """An object in, or a prefix of, an S3 bucket, a GCS bucket or an Azure container.
+
+    The prefix is listed once (one level, names relative to it, sub-prefixes as ``name/``) and the
+    listing's sizes are used for every later question; no request is made before the first one.
+    """
+
+    remote = True
+
+    def __init__(self, uri: str):
+        from distload.loading.stores import get_store, parse_uri
+
+        self.uri = uri
+        self.location = parse_uri(uri)
+        self.store = get_store(self.location.scheme)
+        self.is_file = self.location.key.endswith(".safetensors")
+        if self.is_file:
+            parent = self.location.key.rpartition("/")[0]
+            self.folder_location = type(self.location)(self.location.scheme, self.location.bucket, parent)
+        else:
+            self.folder_location = self.location
+        self.folder = str(self.folder_location)
+        self._listing = None
+
+    def _list(self):
+        if self._listing is None:
+            self._listing = self.store.list(self.folder_location)
+        return self._listing
+
+    def names(self) -> list[str]:
+        return self._list().names()
+
+    def path(self, name: str) -> str:
+        return str(self.folder_location.child(name))
+
+    def has_file(self, name: str) -> bool:
+        return name in self._list().objects
+
+    def file_size(self, name: str) -> int:
+        listing = self._list()
+        if name in listing.objects:
+            return listing.objects[name]
+        return self.store.size(self.folder_location.child(name))
+
+    def read_bytes(self, name: str) -> bytes:
+        location = self.folder_location.child(name)
+        return self.store.read(location, 0, self.file_size(name))
+
+    def iter_chunks(self, name: str, block: int = 16 * 1024 * 1024) -> Iterator[bytes]:
+        location = self.folder_location.child(name)
+        size = self.file_size(name)
+        for start in range(0, size, block):
+            yield self.store.read(location, start, min(size, start + block))
+
+    def read_headers(self, paths: list[str]) -> list[FileInfo]:
+        # The listing already gave each object's size: no HEAD (or size probe) per header.
+        sizes = {self.path(name): size for name, size in self._list().objects.items()}
+
+        def one(path: str) -> FileInfo:
+            return self.store.read_header(path, sizes.get(path))
+
+        if len(paths) <= 1:
+            return [one(p) for p in paths]
+        with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(paths)), thread_name_prefix="distload-header") as pool:
+            return list(pool.map(one, paths))
+
+    def no_weights_message(self, names: list[str]) -> str:
+        if not names:
+            return (f"{self.uri}: no .safetensors objects under this prefix, and nothing else either: "
+                    f"nothing is stored under {self.folder_location.prefix or 'the bucket root'} "
+                    f"(check the bucket and the prefix)")
+        return f"{self.uri}: no .safetensors objects under this prefix; {describe_names(names)}"
+
+
+Source = Union[LocalSource, ObjectSource]
+
+
+def list_whole_checkpoint(path: str) -> list[str]:
+    """The safetensors files of a whole (not per-rank) checkpoint, in a stable order."""
+    return whole_checkpoint(path)[0]
+
+
+def whole_checkpoint(source: "str | LocalSource | ObjectSource") -> tuple[list[str], dict[str, str] | None]:
+    """The files of a whole checkpoint, and its index's weight map (None without an index).
+
+    A file is itself; a folder with ``model.safetensors.index.json`` gives exactly the files its
+    ``weight_map`` names; any other folder gives its ``*.safetensors`` (not recursive).
+    """
+    src = open_source(source)
+    if src.is_file:
+        return [src.uri], None
+    if src.has_file(INDEX_FILE):
+        index_path = src.path(INDEX_FILE)
+        weight_map = _read_weight_map(src, index_path)
+        return _files_from_index(src, index_path, weight_map), weight_map
+    names = src.names()
+    files = [src.path(n) for n in names if n.endswith(".safetensors")]
+    if not files:
+        raise CheckpointError(src.no_weights_message(names))
+    return files, None
+
+
+def check_weight_map(folder: str, weight_map: dict[str, str], index: CheckpointIndex) -> None:
+    """Every tensor the index names must be in the file it names (else the index is stale)."""
+    where = {t.name: t.file.rsplit("/", 1)[-1] for t in index.tensors}
+    wrong = [(name, file) for name, file in sorted(weight_map.items()) if where.get(name) != file]
+    if wrong:
+        shown = "; ".join(
+            f"{name!r} -> {file} but " + (f"it is in {where[name]}" if name in where else "no file has it")
+            for name, file in wrong[:5])
+        raise CheckpointError(
+            f"{folder.rstrip('/')}/{INDEX_FILE} does not match the files' headers "
+            f"({len(wrong)} tensor(s)): {shown}; regenerate the index or remove it"
+        )
+
+
+def _read_weight_map(src, index_path: str) -> dict[str, str]:
+    try:
+        index = json.loads(src.read_bytes(INDEX_FILE).decode("utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+        bad = [k for k, v in weight_map.items() if not isinstance(v, str) or not v]
+        if bad:
+            raise TypeError(f"weight_map values must be file names, but {bad[0]!r} maps to "
+                            f"{weight_map[bad[0]]!r}")
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(
+            f"{index_path}: not a valid safetensors index ({type(exc).__name__}: {exc}); it must be "
+            f"a JSON object with a 'weight_map' of tensor name -> file name"
+        ) from None
+    return weight_map
+
+
+def _files_from_index(src, index_path: str, weight_map: dict[str, str]) -> list[str]:
+    names = sorted(set(weight_map.values()))
+    missing = [n for n in names if not src.has_file(n)]
+    if missing:
+        raise CheckpointError(
+            f"{index_path} names files that are not in {src.folder}: {', '.join(missing)}"
+        )
+    return [src.path(n) for n in names]
+
+
+def read_header(path: str) -> FileInfo:
+    """The parsed header of a local file or an object (8 bytes, then the header, by range)."""
+    if is_object_store(path):
+        from distload.loading.stores import store_for
+
+        store, _ = store_for(path)
+        return store.read_header(path)
+    return read_local_header(path)

@@ -1,0 +1,68 @@
+"""``python -m distload inspect SOURCE``: what a checkpoint holds, from its headers alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from distload.loading.index import build_index
+from distload.config import DEFAULT_SHARD_PATTERN
+from distload.loading.manifest import read_manifest
+from distload.loading.layout import find_shard_layout
+from distload.loading.sources import open_source, whole_checkpoint
+
+
+def inspect_source(source: str, pattern: str | None = None) -> dict[str, Any]:
+    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks).
+
+    ``source`` is a local file or folder, or an object-store URI (headers by ranged reads).
+    """
+    src = open_source(source)
+    manifest = read_manifest(src) if not src.is_file else None
+    pattern = pattern or (manifest.pattern if manifest else DEFAULT_SHARD_PATTERN)
+    names = src.names() if not src.is_file else []
+    layout = find_shard_layout(names, pattern)
+    if layout.parts_by_rank:
+        files = [src.path(name) for rank in layout.ranks for _, name in layout.parts_by_rank[rank]]
+        infos = src.read_headers(files)
+        kind = {"layout": "sharded", "saved_world_size": manifest.world_size if manifest else layout.saved_world_size,
+                "ranks_found": layout.ranks, "pattern": pattern, "manifest": manifest is not None}
+        tensors = [t for info in infos for t in info.tensors]
+    else:
+        files, _ = whole_checkpoint(src)
+        index = build_index(src.read_headers(files))
+        infos = list(index.files)
+        kind = {"layout": "whole", "manifest": False}
+        tensors = index.tensors
+    dtypes = Counter()
+    dtype_bytes: Counter = Counter()
+    for t in tensors:
+        dtypes[t.dtype] += 1
+        dtype_bytes[t.dtype] += t.nbytes
+    return {
+        "source": source, **kind,
+        "files": [{"path": info.path, "size": info.size, "num_tensors": len(info.tensors),
+                   "nbytes": info.nbytes} for info in infos],
+        "num_tensors": len(tensors),
+        "nbytes": sum(t.nbytes for t in tensors),
+        "dtypes": {code: {"num_tensors": dtypes[code], "nbytes": dtype_bytes[code]} for code in sorted(dtypes)},
+        "largest_tensor": max(((t.name, t.nbytes) for t in tensors), key=lambda x: x[1], default=None),
+    }
+
+
+def summary_lines(info: dict[str, Any]) -> list[str]:
+    if info["layout"] == "sharded":
+        layout = (f"pre-sharded for {info['saved_world_size']} rank(s) (pattern {info['pattern']!r}, "
+                  f"{'with' if info['manifest'] else 'without'} a distload manifest)")
+    else:
+        layout = "whole (every rank needs every tensor)"
+    lines = [f"{info['source']}: {layout}",
+             f"  {len(info['files'])} file(s), {info['num_tensors']} tensors, {info['nbytes'] / 2**30:.3f} GiB"]
+    for code, d in info["dtypes"].items():
+        lines.append(f"  {code:8} {d['num_tensors']:6} tensors {d['nbytes'] / 2**30:10.3f} GiB")
+    if info["largest_tensor"]:
+        name, nbytes = info["largest_tensor"]
+        lines.append(f"  largest tensor: {name} ({nbytes / 2**20:.1f} MiB)")
+    for f in info["files"]:
+        lines.append(f"  {f['path']}: {f['num_tensors']} tensors, {f['size']} bytes")
+    return lines

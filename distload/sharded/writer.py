@@ -1,0 +1,108 @@
+"""A streaming safetensors writer: the header is fixed up front, tensor data follows one tensor at
+a time, so a save never holds more than the tensor being written.
+
+The file is written under a temporary name and renamed into place by :meth:`commit`, with its
+size and SHA-256 (hashed while writing: no second pass over the bytes). The header is padded to a
+multiple of 8 bytes as safetensors itself does, so every tensor starts 8-byte aligned.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from distload.loading.index import DTYPES
+from distload.errors import CheckpointError
+from distload.tensor_io import tensor_bytes
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def header_bytes(self, offset: int) -> int:
+        """This entry's share of the JSON header when its data starts at ``offset``."""
+        entry = {"dtype": self.dtype, "shape": list(self.shape), "data_offsets": [offset, offset + self.nbytes]}
+        return len(json.dumps({self.name: entry}, separators=(",", ":"))) - 1  # the braces become a comma
+
+
+# The 8-byte length, the header's braces, and up to 7 bytes of padding to an 8-byte boundary.
+HEADER_OVERHEAD_BYTES = 8 + 2 + 7
+
+
+def temporary_name(path: str) -> str:
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}.distload-tmp")
+
+
+class SafetensorsWriter:
+    def __init__(self, path: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None):
+        self.path = path
+        self._entries = list(entries)
+        self._next = 0
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(metadata)
+        offset = 0
+        for entry in self._entries:
+            header[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
+                                  "data_offsets": [offset, offset + entry.nbytes]}
+            offset += entry.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-(8 + len(raw)) % 8)
+        self._hash = hashlib.sha256()
+        self._size = 0
+        self._tmp = temporary_name(path)
+        self._file = open(self._tmp, "wb")
+        self._write(len(raw).to_bytes(8, "little") + raw)
+
+    def _write(self, data) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._size += len(data)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor; it must be the next entry of the header, in order."""
+        if self._next >= len(self._entries):
+            raise CheckpointError(f"{self.path}: tensor {name!r} written after the last header entry")
+        entry = self._entries[self._next]
+        if name != entry.name or tuple(tensor.shape) != entry.shape or DTYPES[entry.dtype] != tensor.dtype:
+            raise CheckpointError(
+                f"{self.path}: expected tensor {entry.name!r} {entry.dtype} {list(entry.shape)}, "
+                f"got {name!r} {tensor.dtype} {list(tensor.shape)}"
+            )
+        self._write(tensor_bytes(tensor))
+        self._next += 1
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._entries)
+
+    def commit(self) -> tuple[int, str]:
+        """Flush, fsync and rename into place; returns (size, sha256 hex)."""
+        if not self.done:
+            missing = [e.name for e in self._entries[self._next:]]
+            raise CheckpointError(f"{self.path}: closed before tensors {missing[:5]} were written")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        return self._size, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if os.path.exists(self._tmp):
+            os.unlink(self._tmp)
