@@ -42,8 +42,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from distload.loading.index import read_local_header  # noqa: E402
+from distload.loading.sources import read_local_header  # noqa: E402
 from distload.cli.demo import llama_shapes, write_demo_checkpoint  # noqa: E402
+from distload.loading.layout import detect_layout  # noqa: E402
 from distload.loading.report import peak_rss_bytes  # noqa: E402
 
 GIB = 2**30
@@ -56,16 +57,16 @@ FORMATS = [  # (label, layout, --load-format, extra config)
     ("runai_streamer_sharded", "sharded", "runai_streamer_sharded", None),
     ("auto (sharded)", "sharded", "auto", None),
     # The same reader with transparent huge pages forced on (auto decides per machine; see
-    # distload/host_memory.py): shows what 4 KiB page faults cost, and what huge pages cost here.
+    # distload/loading/host_memory.py): shows what 4 KiB page faults cost, and what huge pages cost here.
     ("auto (sharded), huge pages forced", "sharded", "auto", '{"huge_pages": true}'),
 ]
 
 
-def safetensors_files(folder: str, rank: int | None = None) -> list[str]:
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+def safetensors_files(folder: str, rank: int | None = None, world_size: int = 1) -> list[str]:
+    """A whole checkpoint's files, or (``rank`` given) that rank's shards, by distload's one rule."""
     if rank is not None:
-        names = [n for n in names if n.startswith(f"model-rank-{rank}-part-")]
-    return [os.path.join(folder, n) for n in names]
+        return detect_layout(folder).rank_paths(rank, world_size)
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
 
 
 def evict(folder: str) -> None:
@@ -284,7 +285,7 @@ def run_cases(args: argparse.Namespace, root: str) -> list[dict]:
                                     pass
 
             for layout in ("whole", "sharded"):
-                per_rank = [(safetensors_files(whole),) if layout == "whole" else (safetensors_files(sharded, r),)
+                per_rank = [(safetensors_files(whole),) if layout == "whole" else (safetensors_files(sharded, r, nproc),)
                             for r in range(nproc)]
                 reps = []
                 for _ in range(args.repeats):

@@ -39,7 +39,7 @@ def worker(args: argparse.Namespace) -> None:
             for tensor in state.values():
                 tensor.normal_()
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        sync = WeightSync([0], bucket_bytes=args.bucket_mib * 2**20, device=group.device)
+        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20)
         flat = torch.empty(nbytes, dtype=torch.uint8)
         results: dict[str, list[float]] = {"flat": [], "per-tensor": [], "distload": []}
         for _ in range(args.repeats):

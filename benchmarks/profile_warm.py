@@ -40,7 +40,7 @@ with distload.WorkerGroup(device="cpu") as group:
     if setting == "in place":
         destinations = {t.name: torch.ones(t.shape, dtype=t.torch_dtype) for t in plan.index.tensors}
     before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    kept = dict(loader.tensors(plan, destinations))
+    kept = dict(loader.stream(plan, destinations))
     seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
 print(json.dumps({"seconds": seconds, "nbytes": plan.index.nbytes,
                   "user": after.ru_utime - before.ru_utime, "system": after.ru_stime - before.ru_stime,
@@ -106,7 +106,7 @@ def main() -> int:
               f"faster. The cost is first-touch faults on new memory, not I/O and not Python. Huge pages "
               f"cut the faults {fresh['minor_faults'] / max(1, huge['minor_faults']):.0f}x (only the aligned "
               f"interiors of large tensors are marked), but on a VM whose balloon reports free pages to "
-              f"the host their speed depends on how recently the memory was freed (see host_memory.py)."]
+              f"the host their speed depends on how recently the memory was freed (see distload/loading/host_memory.py)."]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile_warm.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -5,9 +5,13 @@
         state = distload.load("/ckpt", "auto", group=group)
         for name, tensor in distload.iter_tensors("/ckpt", "sharded_state", group=group):
             ...
+
+Every function that works over ranks takes ``group=``: a :class:`WorkerGroup` (the whole job, a
+subgroup, or a wrapped ``torch.distributed`` group), or None for a group made from the
+environment for that call.
 """
 
-from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS, LoadConfig, make_load_config
+from distload.config import LoadConfig
 from distload.errors import (
     BackendUnavailableError,
     CheckpointError,
@@ -16,32 +20,39 @@ from distload.errors import (
     GroupError,
     ObjectStoreError,
     RankFailedError,
+    ReloadError,
     ShardLayoutError,
+    SyncError,
 )
 from distload.group import WorkerGroup
-from distload.loading.loader import Loader, iter_tensors, load
+from distload.live.reload import Destination, ReloadReport, reload_into
+from distload.live.sleep import WeightSleeper
+from distload.live.sync import SyncStats, WeightSync
+from distload.loading.formats import LOAD_FORMATS, make_load_config
+from distload.loading.layout import DEFAULT_SHARD_PATTERN, Layout, detect_layout
+from distload.loading.loader import Loader, LoadResult, LoadStream, iter_tensors, load
 from distload.loading.report import LoadReport, RankReport, state_digest
+from distload.sharded.inspection import inspect_source as inspect
+from distload.sharded.reshard import ReshardReport, reshard
+from distload.sharded.save import save_sharded
+from distload.sharded.verify import verify_folder as verify
+from distload.sharding import ShardingSpec, load_spec
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_SHARD_PATTERN",
-    "LOAD_FORMATS",
-    "BackendUnavailableError",
-    "CheckpointError",
-    "ConfigError",
-    "DistloadError",
-    "GroupError",
-    "LoadConfig",
-    "LoadReport",
-    "Loader",
-    "ObjectStoreError",
-    "RankFailedError",
-    "RankReport",
-    "ShardLayoutError",
+    # loading
+    "load", "iter_tensors", "Loader", "LoadResult", "LoadStream", "LoadConfig", "make_load_config",
+    "LOAD_FORMATS", "detect_layout", "Layout", "DEFAULT_SHARD_PATTERN",
+    # groups
     "WorkerGroup",
-    "iter_tensors",
-    "load",
-    "make_load_config",
-    "state_digest",
+    # reports
+    "LoadReport", "RankReport", "state_digest",
+    # sharded checkpoints
+    "save_sharded", "reshard", "ReshardReport", "inspect", "verify", "ShardingSpec", "load_spec",
+    # live updates
+    "reload_into", "Destination", "ReloadReport", "WeightSync", "SyncStats", "WeightSleeper",
+    # errors
+    "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
+    "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError",
 ]

@@ -11,8 +11,12 @@ class DistloadError(Exception):
     """Base of every error distload raises on purpose."""
 
 
-class ConfigError(DistloadError):
-    """A load format, extra-config key or value, device or environment setting is invalid."""
+class ConfigError(DistloadError, ValueError):
+    """A load format, extra-config key or value, device or environment setting is invalid.
+
+    Also a ValueError: vLLM raises ValueError for the same mistakes, and a caller's
+    ``except ValueError`` keeps working when it switches to distload.
+    """
 
 
 class CheckpointError(DistloadError):
@@ -39,6 +43,14 @@ class ObjectStoreError(CheckpointError):
 
     def __reduce__(self):  # picklable with its cause (errors travel between ranks)
         return (type(self), (str(self), self.cause))
+
+
+class ReloadError(DistloadError):
+    """An in-place reload was refused (the model and the checkpoint do not fit) or failed."""
+
+
+class SyncError(DistloadError):
+    """A weight-sync update was refused or failed; the receiver's version did not advance."""
 
 
 class BackendUnavailableError(DistloadError):

@@ -12,6 +12,7 @@ error, the others raise :class:`RankFailedError` naming it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -159,22 +160,34 @@ def _describe(exc: BaseException) -> str:
 
 
 class WorkerGroup:
-    """This rank's place in the job: rank, device, and the collectives to agree with the others.
+    """This rank's place in a group of ranks: rank, device, and the collectives to agree.
 
-    Use as a context manager (or call :meth:`close`): the process group is always torn down, on
-    failing paths too, because a gloo group still alive at interpreter exit can abort the process.
+    Made from the launcher's environment (``WorkerGroup()``: torchrun, Slurm or one process), it
+    stands for the whole job; made from a ``torch.distributed`` group the caller already has
+    (``WorkerGroup(process_group=tp_group)``), or by :meth:`subgroup`, it stands for those ranks
+    only: ``rank`` and ``world_size`` are then within the group, and its agreements and
+    cooperative reads involve only its members.
 
-    If ``torch.distributed`` is already initialised (a training job importing distload), the
-    existing default group is used and left alone on close.
+    Use as a context manager (or call :meth:`close`): the process groups distload made are always
+    torn down, on failing paths too, because a gloo group still alive at interpreter exit can
+    abort the process. A default group that existed before (a training job importing distload)
+    and a group the caller passed are used and left alone.
     """
 
     def __init__(self, device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
-                 environ: Mapping[str, str] = os.environ):
+                 environ: Mapping[str, str] = os.environ, *, process_group: Any = None):
         if not timeout_s or timeout_s <= 0:
             raise ConfigError(f"group timeout must be a positive number of seconds, got {timeout_s!r}")
         self.timeout = timedelta(seconds=timeout_s)
         self._owns_default_group = False
+        self._owned: list[Any] = []  # process groups distload made for this object
+        self._subgroups: list[WorkerGroup] = []  # made by subgroup(), closed with this one
         self._control: Any = None
+        self._data: Any = None
+        self._ranks: list[int] | None = None  # global ranks of a group smaller than the job
+        if process_group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("WorkerGroup(process_group=...) needs torch.distributed initialised; "
+                              "pass the group after init_process_group")
         if dist.is_available() and dist.is_initialized():
             self.launch = LaunchInfo(
                 "existing", dist.get_rank(), dist.get_world_size(),
@@ -183,28 +196,102 @@ class WorkerGroup:
         else:
             self.launch = detect_launch(environ)
         self.device = resolve_device(device, self.launch.local_rank)
-        if self.world_size > 1 and not dist.is_initialized():
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            kwargs: dict[str, Any] = {"backend": backend, "timeout": self.timeout}
-            if self.launch.init_method:
-                kwargs.update(init_method=self.launch.init_method, rank=self.rank, world_size=self.world_size)
-            if backend == "nccl":
-                kwargs["device_id"] = self.device
-            try:
-                dist.init_process_group(**kwargs)
-            except Exception as exc:  # a peer that never started, a port in use, a bad address
-                raise GroupError(self._rendezvous_failure(exc)) from exc
-            self._owns_default_group = True
-        if self.world_size > 1:
+        self.hostname = socket.gethostname()
+        if process_group is not None:
+            self._join(process_group)
+            return
+        if self.launch.world_size > 1 and not dist.is_initialized():
+            self._init_default_group()
+        if self.launch.world_size > 1:
+            self._data = dist.group.WORLD
             # Control messages (errors, file lists, reports) always travel over gloo so they work
             # the same next to NCCL, and never touch device memory.
             if dist.get_backend() == "gloo":
                 self._control = dist.group.WORLD
             else:
-                self._control = dist.new_group(backend="gloo", timeout=self.timeout)
-        self.hostname = socket.gethostname()
+                self._control = self._new_group(None, "gloo")
+
+    @classmethod
+    @contextlib.contextmanager
+    def for_call(cls, group: "WorkerGroup | None", device: str = "auto") -> Iterator["WorkerGroup"]:
+        """The group one API call runs over: the caller's (left open), or for None one made from
+        the environment (torchrun, Slurm or one process, on ``device``) and closed after the call.
+
+        This is the one convention of every ``group=`` argument in distload's API.
+        """
+        if group is not None:
+            if not isinstance(group, WorkerGroup):
+                raise ConfigError(f"group must be a distload.WorkerGroup (wrap a torch.distributed group "
+                                  f"with WorkerGroup(process_group=...)), got {type(group).__name__}")
+            yield group
+            return
+        with cls(device=device) as own:
+            yield own
+
+    def _init_default_group(self) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": self.timeout}
+        if self.launch.init_method:
+            kwargs.update(init_method=self.launch.init_method, rank=self.launch.rank,
+                          world_size=self.launch.world_size)
+        if backend == "nccl":
+            kwargs["device_id"] = self.device
+        try:
+            dist.init_process_group(**kwargs)
+        except Exception as exc:  # a peer that never started, a port in use, a bad address
+            raise GroupError(self._rendezvous_failure(exc)) from exc
+        self._owns_default_group = True
+
+    def _join(self, process_group: Any) -> None:
+        """Stand for the caller's group (this rank must be in it)."""
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
+            raise ConfigError(f"rank {self.launch.rank} is not a member of the process group it was given")
+        ranks = dist.get_process_group_ranks(process_group)
+        self._ranks = None if ranks == list(range(dist.get_world_size())) else list(ranks)
+        self._data = process_group
+        if dist.get_backend(process_group) == "gloo":
+            self._control = process_group
+            return
+        try:
+            # Only the members make it (the caller's group may exist on these ranks only).
+            self._control = self._new_group(ranks, "gloo", use_local_synchronization=True)
+        except ValueError:
+            # A gloo group over exactly these ranks was already made the same way (torch names
+            # such groups by their ranks): collectives then use the caller's group itself.
+            self._control = process_group
+
+    def _new_group(self, ranks: list[int] | None, backend: str, **kwargs: Any) -> Any:
+        group = dist.new_group(ranks, backend=backend, timeout=self.timeout, **kwargs)
+        self._owned.append(group)
+        return group
+
+    def subgroup(self, ranks: Sequence[int]) -> "WorkerGroup | None":
+        """A group of ``ranks`` (ranks of this group), with its own data and control groups.
+
+        Collective over the whole job, like ``torch.distributed.new_group``: every rank of the
+        default group calls it with the same ranks, in the same order. Returns None on ranks
+        outside it. Close it when done with it; closing this group closes it too.
+        """
+        members = sorted(set(ranks))
+        if not members or any(not 0 <= r < self.world_size for r in members):
+            raise ConfigError(f"subgroup ranks must be non-empty and within [0, {self.world_size}), got {list(ranks)}")
+        global_ranks = [self.ranks[r] for r in members]
+        data_backend = "nccl" if self.device.type == "cuda" else "gloo"
+        data = dist.new_group(global_ranks, backend=data_backend, timeout=self.timeout)
+        control = dist.new_group(global_ranks, backend="gloo", timeout=self.timeout) if data_backend != "gloo" else data
+        if self.launch.rank not in global_ranks:
+            return None
+        sub = object.__new__(WorkerGroup)
+        sub.timeout, sub.launch, sub.device, sub.hostname = self.timeout, self.launch, self.device, self.hostname
+        sub._owns_default_group = False
+        sub._owned = [data] if control is data else [data, control]
+        sub._subgroups = []
+        sub._data, sub._control = data, control
+        sub._ranks = None if global_ranks == list(range(self.launch.world_size)) else global_ranks
+        self._subgroups.append(sub)
+        return sub
 
     def _rendezvous_failure(self, exc: BaseException) -> str:
         where = self.launch.init_method or (
@@ -224,11 +311,23 @@ class WorkerGroup:
     # -- identity ---------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self.launch.rank
+        """This process's rank within the group."""
+        return self.launch.rank if self._ranks is None else self._ranks.index(self.launch.rank)
 
     @property
     def world_size(self) -> int:
-        return self.launch.world_size
+        """Ranks in the group."""
+        return self.launch.world_size if self._ranks is None else len(self._ranks)
+
+    @property
+    def ranks(self) -> list[int]:
+        """The job-wide (default group) rank of each member, in group-rank order."""
+        return list(range(self.launch.world_size)) if self._ranks is None else list(self._ranks)
+
+    @property
+    def is_world(self) -> bool:
+        """Whether the group is the whole job (libraries that use only the default group need it)."""
+        return self._ranks is None
 
     @property
     def local_rank(self) -> int:
@@ -236,17 +335,17 @@ class WorkerGroup:
 
     @property
     def local_world_size(self) -> int:
-        """Ranks on this node (the whole world where the launcher does not say)."""
+        """Ranks of the job on this node (the whole world where the launcher does not say)."""
         return self.launch.local_world_size
 
     @property
     def backend(self) -> str | None:
-        return dist.get_backend() if self.world_size > 1 else None
+        return dist.get_backend(self._data) if self.world_size > 1 else None
 
     @property
     def process_group(self) -> Any:
-        """The default (data) group, for backends that take a handle; None for one process."""
-        return dist.group.WORLD if self.world_size > 1 else None
+        """The data group, for backends and transfers that take a handle; None for one process."""
+        return self._data if self.world_size > 1 else None
 
     # -- collectives --------------------------------------------------------------------------
     def exchange(self, value: Any) -> list[Any]:
@@ -286,6 +385,20 @@ class WorkerGroup:
         except GroupError:
             pass  # the peers are already gone; the local error is what matters now
 
+    def broadcast(self, value: Any, src: int) -> Any:
+        """Group rank ``src``'s ``value`` on every rank (other ranks pass anything, e.g. None)."""
+        if self.world_size == 1:
+            return value
+        box = [value]
+        try:
+            dist.broadcast_object_list(box, src=self.ranks[src], group=self._control)
+        except Exception as exc:  # a peer died or the timeout passed
+            raise GroupError(
+                f"rank {self.rank}: lost contact with rank {src} while receiving its state "
+                f"(timeout {self.timeout.total_seconds():.0f}s): {exc}"
+            ) from exc
+        return box[0]
+
     def check_all_ok(self, step: str) -> None:
         """The success side of :meth:`report_failure`: raise if any other rank failed."""
         statuses = self.exchange((True, None))
@@ -294,9 +407,19 @@ class WorkerGroup:
             raise RankFailedError(step, failures)
 
     def close(self) -> None:
-        if self._control is not None and self._control is not dist.group.WORLD:
-            dist.destroy_process_group(self._control)
-        self._control = None
+        """Tear down the process groups distload made (idempotent); the group is unusable after."""
+        for sub in self._subgroups:
+            sub.close()
+        self._subgroups = []
+        for group in reversed(self._owned):
+            if group is dist.GroupMember.NON_GROUP_MEMBER or not dist.is_initialized():
+                continue
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # a group whose peer died may not tear down cleanly
+                pass
+        self._owned = []
+        self._control = self._data = None
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_default_group = False
@@ -308,5 +431,6 @@ class WorkerGroup:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"WorkerGroup(rank={self.rank}, world_size={self.world_size}, "
+        members = "" if self.is_world else f", ranks={self.ranks}"
+        return (f"WorkerGroup(rank={self.rank}, world_size={self.world_size}{members}, "
                 f"local_rank={self.local_rank}, device={self.device}, launcher={self.launch.launcher})")

@@ -1,12 +1,12 @@
-"""Sharding plans: which tensors are split across tensor-parallel ranks, along which dimension.
+"""Sharding specs: which tensors are split across tensor-parallel ranks, along which dimension.
 
-A plan is an ordered list of rules; the first rule whose glob matches a tensor's full name wins.
+A sharding spec is an ordered list of rules; the first rule whose glob matches a tensor's full name wins.
 A rule either replicates the tensor or splits it along ``dim`` (column-parallel layers split the
 output rows, dim 0; row-parallel layers split the input columns, dim 1). A *fused* tensor (one qkv
 or gate_up weight) is cut into its parts along ``dim`` first and each part is split separately,
 so rank r gets ``[q_r; k_r; v_r]`` rather than a slice straddling q and k.
 
-Plan file (JSON)::
+Spec file (JSON)::
 
     {"name": "my-model",
      "rules": [
@@ -18,7 +18,7 @@ Plan file (JSON)::
 
 ``fused`` is a list of part sizes along ``dim``, an int (that many equal parts), or ``"qkv"``
 (sizes from the source's config.json: heads x head_dim, kv_heads x head_dim twice).
-Pure: no I/O besides reading a plan file; no torch.distributed.
+Pure: no I/O besides reading a spec file; no torch.distributed.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class ShardingPlan:
+class ShardingSpec:
     name: str
     rules: tuple[Rule, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for "qkv"
@@ -116,7 +116,7 @@ def qkv_sizes(config: Mapping[str, Any], name: str) -> tuple[int, int, int]:
         raise ConfigError(
             f"tensor {name!r} is a fused qkv weight, but the source has no config.json with "
             f"num_attention_heads and hidden_size (or head_dim) to size q, k and v; give the sizes "
-            f"in a plan file: {{\"match\": \"*qkv_proj.weight\", \"split\": 0, \"fused\": [q, k, v]}}"
+            f"in a sharding spec file: {{\"match\": \"*qkv_proj.weight\", \"split\": 0, \"fused\": [q, k, v]}}"
         ) from None
     return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
 
@@ -136,41 +136,41 @@ def _decoder_rules() -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-BUILTIN_PLANS: dict[str, tuple[Rule, ...]] = {
+BUILTIN_SPECS: dict[str, tuple[Rule, ...]] = {
     # Llama, Mistral, Qwen2/3 and most Hugging Face decoders share these names.
     "decoder": _decoder_rules(),
     "replicate": (Rule("*", None),),
 }
-PLAN_ALIASES = {"llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder"}
+SPEC_ALIASES = {"llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder"}
 
 
-def load_plan(spec: str | None, config: Mapping[str, Any] | None = None) -> ShardingPlan:
-    """A built-in plan by name (default ``decoder``), or a JSON plan file by path."""
+def load_spec(spec: str | None, config: Mapping[str, Any] | None = None) -> ShardingSpec:
+    """A built-in sharding spec by name (default ``decoder``), or a JSON spec file by path."""
     config = dict(config or {})
     spec = spec or "decoder"
-    key = PLAN_ALIASES.get(spec.lower(), spec.lower())
-    if key in BUILTIN_PLANS:
-        return ShardingPlan(key, BUILTIN_PLANS[key], config)
+    key = SPEC_ALIASES.get(spec.lower(), spec.lower())
+    if key in BUILTIN_SPECS:
+        return ShardingSpec(key, BUILTIN_SPECS[key], config)
     if not os.path.isfile(spec):
         raise ConfigError(
-            f"--plan {spec!r} is neither a built-in plan ({', '.join(sorted(BUILTIN_PLANS))}, or "
-            f"{', '.join(sorted(PLAN_ALIASES))}) nor a plan file"
+            f"--sharding {spec!r} is neither a built-in sharding spec ({', '.join(sorted(BUILTIN_SPECS))}, "
+            f"or {', '.join(sorted(SPEC_ALIASES))}) nor a spec file"
         )
     try:
         with open(spec, encoding="utf-8") as f:
             raw = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"plan file {spec}: not valid JSON ({exc})") from None
-    return plan_from_json(raw, config, where=f"plan file {spec}")
+        raise ConfigError(f"sharding spec file {spec}: not valid JSON ({exc})") from None
+    return spec_from_json(raw, config, where=f"sharding spec file {spec}")
 
 
-def plan_from_json(raw: Any, config: Mapping[str, Any] | None = None, where: str = "plan") -> ShardingPlan:
+def spec_from_json(raw: Any, config: Mapping[str, Any] | None = None, where: str = "sharding spec") -> ShardingSpec:
     if not isinstance(raw, dict) or not isinstance(raw.get("rules"), list):
         raise ConfigError(f"{where}: expected an object with a 'rules' list")
     rules = []
     for i, item in enumerate(raw["rules"]):
         rules.append(_rule_from_json(item, f"{where}, rule {i}"))
-    return ShardingPlan(str(raw.get("name", "custom")), tuple(rules), dict(config or {}))
+    return ShardingSpec(str(raw.get("name", "custom")), tuple(rules), dict(config or {}))
 
 
 def _rule_from_json(item: Any, where: str) -> Rule:
@@ -206,7 +206,7 @@ def shard_shape(name: str, shape: Sequence[int], action: Action, world_size: int
     if dim >= len(shape):
         raise ConfigError(
             f"tensor {name!r} has shape {list(shape)}, so it has no dim {dim} to split "
-            f"(rule {action.rule!r}); fix the plan"
+            f"(rule {action.rule!r}); fix the sharding spec"
         )
     parts = action.parts or (shape[dim],)
     bad = [p for p in parts if p % world_size]

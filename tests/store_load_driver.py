@@ -28,9 +28,7 @@ def main(spec_path: str, out_path: str) -> int:
             os.environ.update(load.get("env", {}))
             try:
                 loader = distload.Loader(load["source"], load["format"], load.get("extra"), group=group)
-                state, report = loader.load_with_report()
-                del state
-                results.append(report.to_json())
+                results.append(loader.load(gather=True, digest=True).report.to_json())
             except DistloadError as exc:
                 results.append({"error": str(exc), "type": type(exc).__name__,
                                 "cause": getattr(exc, "cause", None)})

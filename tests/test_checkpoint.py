@@ -12,18 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 import distload
-from distload.loading.index import (
-    DTYPES,
-    build_index,
-    content_fingerprint,
-    dtype_code,
-    parse_header,
-    read_local_header,
-)
-from distload.config import make_load_config
+from distload.loading.formats import make_load_config
+from distload.loading.index import DTYPES, build_index, dtype_code, parse_header
+from distload.loading.sources import content_fingerprint, read_local_header
 from distload.errors import CheckpointError, ConfigError
 from distload.group import WorkerGroup
-from distload.loading.loader import plan_rank
+from distload.loading.planner import plan_rank
 from distload.loading.sources import INDEX_FILE, check_source, list_whole_checkpoint, read_header
 
 from conftest import ALL_DTYPES, every_dtype_state, plain_read, write_sharded, write_whole

@@ -1,4 +1,5 @@
-"""Unit tests for distload/config.py: formats, extra-config whitelist and values, environment."""
+"""Load formats and their extra-config keys (distload.loading.formats, the backends' checks),
+values (distload.config), and the environment a read applies (distload.runtime)."""
 
 from __future__ import annotations
 
@@ -6,21 +7,17 @@ import os
 
 import pytest
 
+import torch
+
 import distload
-from distload import config as config_mod
-from distload.config import (
-    ALLOWED_KEYS,
-    DEFAULT_SHARD_PATTERN,
-    INSTANTTENSOR_BACKENDS,
-    LOAD_FORMATS,
-    LoadConfig,
-    applied_environment,
-    endpoint_environment,
-    make_load_config,
-    parse_extra_config,
-    runai_environment,
-)
+from distload.config import LoadConfig, parse_extra_config
 from distload.errors import ConfigError
+from distload.loading.backends import BACKENDS, ReadRequest
+from distload.loading.backends.instanttensor import IO_BACKENDS as INSTANTTENSOR_BACKENDS
+from distload.loading.formats import FORMATS, LOAD_FORMATS, allowed_keys, make_load_config
+from distload.loading.index import CheckpointIndex
+from distload.loading.layout import DEFAULT_SHARD_PATTERN
+from distload.runtime import RUNTIME
 
 from conftest import every_dtype_state, write_whole
 
@@ -33,7 +30,7 @@ EXPECTED_FORMATS = {"auto", "safetensors", "runai_streamer", "instanttensor", "s
 def test_load_formats_are_the_documented_set():
     assert set(LOAD_FORMATS) == EXPECTED_FORMATS
     assert len(LOAD_FORMATS) == len(EXPECTED_FORMATS)
-    assert set(ALLOWED_KEYS) == EXPECTED_FORMATS
+    assert set(FORMATS) == EXPECTED_FORMATS
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPECTED_FORMATS))
@@ -42,7 +39,7 @@ def test_every_format_is_accepted(fmt):
     assert isinstance(config, LoadConfig)
     assert config.load_format == fmt
     assert dict(config.extra) == {}
-    assert config.pattern == DEFAULT_SHARD_PATTERN
+    assert config.pattern is None  # the checkpoint's own (manifest), else DEFAULT_SHARD_PATTERN
     assert config.distributed is False
 
 
@@ -75,7 +72,7 @@ def test_unknown_key_names_the_allowed_keys(fmt):
     message = str(info.value)
     assert "no_such_knob" in message
     assert repr(fmt) in message
-    allowed = sorted(ALLOWED_KEYS[fmt])
+    allowed = allowed_keys(fmt)
     if allowed:
         assert "allowed keys: " + ", ".join(allowed) in message
     else:
@@ -83,12 +80,12 @@ def test_unknown_key_names_the_allowed_keys(fmt):
 
 
 def test_allowed_keys_per_format():
-    assert set(ALLOWED_KEYS["runai_streamer"]) == {"distributed", "concurrency", "memory_limit"}
-    assert set(ALLOWED_KEYS["runai_streamer_sharded"]) == {"pattern", "concurrency", "memory_limit"}
-    assert set(ALLOWED_KEYS["sharded_state"]) == {"pattern", "huge_pages"}
-    assert set(ALLOWED_KEYS["auto"]) == {"pattern", "huge_pages", "concurrency"}
-    assert set(ALLOWED_KEYS["safetensors"]) == {"huge_pages"}
-    assert set(ALLOWED_KEYS["instanttensor"]) == {
+    assert set(allowed_keys("runai_streamer")) == {"distributed", "concurrency", "memory_limit"}
+    assert set(allowed_keys("runai_streamer_sharded")) == {"pattern", "concurrency", "memory_limit"}
+    assert set(allowed_keys("sharded_state")) == {"pattern", "huge_pages"}
+    assert set(allowed_keys("auto")) == {"pattern", "huge_pages", "concurrency"}
+    assert set(allowed_keys("safetensors")) == {"huge_pages"}
+    assert set(allowed_keys("instanttensor")) == {
         "buffer_size", "chunk_size", "concurrency", "io_depth", "max_free_mem_usage", "backend"}
 
 
@@ -301,6 +298,12 @@ def test_non_object_json_is_a_config_error(text, kind):
 
 # -- nothing half-applied --------------------------------------------------------------------
 
+def runai_environment(extra) -> dict[str, str]:
+    """What Run:ai's backend asks for, for a local read with this extra config."""
+    request = ReadRequest(CheckpointIndex(()), torch.device("cpu"), None, extra)
+    return BACKENDS["runai"].environment(request)
+
+
 def test_one_bad_value_raises_before_environment_is_computed(tmp_path, monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(key, raising=False)
@@ -311,10 +314,7 @@ def test_one_bad_value_raises_before_environment_is_computed(tmp_path, monkeypat
         calls.append((args, kwargs))
         return {}
 
-    import distload.loading.backends.runai as runai_backend
-
-    monkeypatch.setattr(config_mod, "runai_environment", spy)
-    monkeypatch.setattr(runai_backend, "runai_environment", spy)
+    monkeypatch.setattr(type(BACKENDS["runai"]), "environment", spy)
     folder = str(tmp_path / "ckpt")
     write_whole(folder, every_dtype_state(), num_files=1)
     before = dict(os.environ)
@@ -327,9 +327,7 @@ def test_one_bad_value_raises_before_environment_is_computed(tmp_path, monkeypat
     assert dict(os.environ) == before
 
 
-def test_runai_environment_from_config(monkeypatch):
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.delenv("RUNAI_STREAMER_S3_ENDPOINT", raising=False)
+def test_runai_environment_from_config():
     config = make_load_config("runai_streamer", {"concurrency": 4, "memory_limit": -1, "distributed": True})
     assert runai_environment(config.extra) == {
         "RUNAI_STREAMER_CONCURRENCY": "4", "RUNAI_STREAMER_MEMORY_LIMIT": "-1"}
@@ -337,63 +335,51 @@ def test_runai_environment_from_config(monkeypatch):
     assert runai_environment({"memory_limit": 0}) == {"RUNAI_STREAMER_MEMORY_LIMIT": "0"}
 
 
-def test_runai_environment_includes_endpoint_bridge():
-    env = runai_environment({"concurrency": 2}, environ={"AWS_ENDPOINT_URL": "http://minio:9000"})
-    assert env == {"RUNAI_STREAMER_CONCURRENCY": "2", "RUNAI_STREAMER_S3_ENDPOINT": "http://minio:9000"}
+# -- endpoint bridging (Run:ai's reader reads AWS_ENDPOINT_URL; older setups set the legacy name) ---
 
+def s3_bridge(monkeypatch, aws, legacy) -> dict[str, str]:
+    from distload.loading.stores.s3 import S3Store
 
-def test_runai_environment_reads_os_environ_by_default(monkeypatch):
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://legacy:9000")
-    assert runai_environment({}) == {"AWS_ENDPOINT_URL": "http://legacy:9000"}
+    for name, value in (("AWS_ENDPOINT_URL", aws), ("RUNAI_STREAMER_S3_ENDPOINT", legacy)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    env = S3Store().reader_environment()
+    return {k: v for k, v in env.items() if k in ("AWS_ENDPOINT_URL", "RUNAI_STREAMER_S3_ENDPOINT")}
 
-
-# -- endpoint bridging -----------------------------------------------------------------------
 
 def test_endpoint_only_aws(monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://minio:9000")
-    monkeypatch.delenv("RUNAI_STREAMER_S3_ENDPOINT", raising=False)
-    assert endpoint_environment() == {"RUNAI_STREAMER_S3_ENDPOINT": "http://minio:9000"}
+    assert s3_bridge(monkeypatch, "http://minio:9000", None) == {"RUNAI_STREAMER_S3_ENDPOINT": "http://minio:9000"}
 
 
 def test_endpoint_only_legacy(monkeypatch):
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://legacy:9000")
-    assert endpoint_environment() == {"AWS_ENDPOINT_URL": "http://legacy:9000"}
+    assert s3_bridge(monkeypatch, None, "http://legacy:9000") == {"AWS_ENDPOINT_URL": "http://legacy:9000"}
 
 
 def test_endpoint_both_set(monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://a:1")
-    monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://b:2")
-    assert endpoint_environment() == {}
+    assert s3_bridge(monkeypatch, "http://a:1", "http://b:2") == {}
 
 
 def test_endpoint_neither_set(monkeypatch):
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    monkeypatch.delenv("RUNAI_STREAMER_S3_ENDPOINT", raising=False)
-    assert endpoint_environment() == {}
+    assert s3_bridge(monkeypatch, None, None) == {}
 
 
-def test_endpoint_explicit_mapping():
-    assert endpoint_environment({"AWS_ENDPOINT_URL": "http://x"}) == {"RUNAI_STREAMER_S3_ENDPOINT": "http://x"}
-    assert endpoint_environment({"RUNAI_STREAMER_S3_ENDPOINT": "http://y"}) == {"AWS_ENDPOINT_URL": "http://y"}
-    assert endpoint_environment({}) == {}
-    # An empty value counts as unset.
-    assert endpoint_environment({"AWS_ENDPOINT_URL": "", "RUNAI_STREAMER_S3_ENDPOINT": "http://y"}) == {
-        "AWS_ENDPOINT_URL": "http://y"}
+def test_endpoint_empty_value_counts_as_unset(monkeypatch):
+    assert s3_bridge(monkeypatch, "", "http://y") == {"AWS_ENDPOINT_URL": "http://y"}
 
 
-# -- applied_environment ---------------------------------------------------------------------
+# -- the runtime's environment block ----------------------------------------------------------
 
 ADDED = "DISTLOAD_TEST_ADDED_VAR"
 CHANGED = "DISTLOAD_TEST_CHANGED_VAR"
 
 
-def test_applied_environment_sets_and_restores(monkeypatch):
+def test_runtime_environment_sets_and_restores(monkeypatch):
     monkeypatch.delenv(ADDED, raising=False)
     monkeypatch.setenv(CHANGED, "old")
     before = dict(os.environ)
-    with applied_environment({ADDED: "new", CHANGED: "changed"}):
+    with RUNTIME.environment({ADDED: "new", CHANGED: "changed"}):
         assert os.environ[ADDED] == "new"
         assert os.environ[CHANGED] == "changed"
     assert dict(os.environ) == before
@@ -401,29 +387,29 @@ def test_applied_environment_sets_and_restores(monkeypatch):
     assert os.environ[CHANGED] == "old"
 
 
-def test_applied_environment_restores_when_body_raises(monkeypatch):
+def test_runtime_environment_restores_when_body_raises(monkeypatch):
     monkeypatch.delenv(ADDED, raising=False)
     monkeypatch.setenv(CHANGED, "old")
     before = dict(os.environ)
     with pytest.raises(RuntimeError, match="boom"):
-        with applied_environment({ADDED: "new", CHANGED: "changed"}):
+        with RUNTIME.environment({ADDED: "new", CHANGED: "changed"}):
             assert os.environ[ADDED] == "new"
             raise RuntimeError("boom")
     assert dict(os.environ) == before
 
 
-def test_applied_environment_restores_after_body_touches_keys(monkeypatch):
+def test_runtime_environment_restores_after_body_touches_keys(monkeypatch):
     monkeypatch.delenv(ADDED, raising=False)
     monkeypatch.setenv(CHANGED, "old")
     before = dict(os.environ)
-    with applied_environment({ADDED: "new", CHANGED: "changed"}):
+    with RUNTIME.environment({ADDED: "new", CHANGED: "changed"}):
         del os.environ[ADDED]
         os.environ[CHANGED] = "body"
     assert dict(os.environ) == before
 
 
-def test_applied_environment_empty_changes_is_a_no_op():
+def test_runtime_environment_empty_changes_is_a_no_op():
     before = dict(os.environ)
-    with applied_environment({}):
+    with RUNTIME.environment({}):
         assert dict(os.environ) == before
     assert dict(os.environ) == before

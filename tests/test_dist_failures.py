@@ -407,20 +407,19 @@ import distload.loading.backends as backends
 from distload.errors import CheckpointError
 
 if os.environ["RANK"] == "1":  # an I/O error on rank 1 after two tensors, as a failing disk gives
-    real = backends.BACKENDS["runai"]
+    class Failing(type(backends.BACKENDS["runai"])):
+        def read(self, request):
+            run = super().read(request)
 
-    def failing(request):
-        run = real(request)
+            def tensors():
+                for i, item in enumerate(run.tensors()):
+                    if i == 2:
+                        raise CheckpointError(f"{request.index.files[0].path}: [Errno 5] Input/output error")
+                    yield item
 
-        def tensors():
-            for i, item in enumerate(run.tensors()):
-                if i == 2:
-                    raise CheckpointError(f"{request.index.files[0].path}: [Errno 5] Input/output error")
-                yield item
+            return backends.BackendRun(run.path).start(tensors())
 
-        return backends.BackendRun(run.path).start(tensors())
-
-    backends.BACKENDS["runai"] = failing
+    backends.BACKENDS["runai"] = Failing()
 
 from distload.cli.main import main
 sys.exit(main(sys.argv[1:]))

@@ -9,16 +9,18 @@ import torch
 from safetensors.torch import save_file
 
 import distload
-from distload.loading import host_memory
+from distload.runtime import RUNTIME
 from distload.errors import ConfigError
 from distload.loading.host_memory import (
-    HUGE_PAGE_BYTES,
+    huge_page_bytes,
     HostMemory,
     free_huge_page_bytes,
     free_page_reporting,
     thp_mode,
 )
 from distload.live.sleep import WeightSleeper
+
+HUGE_PAGE_BYTES = huge_page_bytes()
 
 from conftest import plain_read, write_whole
 
@@ -128,7 +130,7 @@ def test_auto_stays_within_the_free_blocks_shared_by_the_node_ranks():
 
 @needs_thp_kernel
 def test_the_process_marks_at_most_its_share_of_the_map_count(monkeypatch):
-    monkeypatch.setattr(host_memory, "_process_slots", 2)  # as if earlier loads had used the rest
+    monkeypatch.setattr(RUNTIME, "huge_page_slots", 2)  # as if earlier loads had used the rest
     memory = HostMemory(True, mode="madvise", reporting=None)
     first = memory.empty((8 * MIB,), torch.uint8)
     assert memory.marked_bytes == aligned_interior(first)
@@ -137,7 +139,7 @@ def test_the_process_marks_at_most_its_share_of_the_map_count(monkeypatch):
     second = other.empty((8 * MIB,), torch.uint8)
     other.empty((8 * MIB,), torch.uint8)
     assert other.marked_bytes == aligned_interior(second)
-    assert host_memory._process_slots == 0
+    assert RUNTIME.huge_page_slots == 0
 
 
 @pytest.mark.parametrize("setting, mode, reporting, why", [
@@ -163,16 +165,22 @@ def test_auto_without_free_huge_blocks_marks_nothing_and_says_why():
 @pytest.mark.parametrize("backend, used", [("pread", True), ("ranged", True), ("safetensors", True),
                                            ("runai", False), ("instanttensor", False), ("dummy", False)])
 def test_huge_pages_true_concerns_only_backends_that_create_host_tensors(monkeypatch, backend, used):
-    from distload.loading.loader import host_memory_for
-    from distload.loading.layout import ReadChoice
+    import distload.loading.host_memory as host_memory
+    from distload.loading.backends import BACKENDS
+    from distload.loading.choice import ReadChoice
+    from distload.loading.index import CheckpointIndex
+    from distload.loading.plan import RankPlan
 
+    assert BACKENDS[backend].creates_host_tensors is used
     monkeypatch.setattr(host_memory, "thp_mode", lambda: "never")  # a kernel with huge pages off
-    choice = ReadChoice(False, backend, False)
-    if used:
-        with pytest.raises(ConfigError, match="'huge_pages' is true"):
-            host_memory_for(choice, {"huge_pages": True}, 1)
-    else:
-        assert not host_memory_for(choice, {"huge_pages": True}, 1).enabled
+    plan = RankPlan("/ckpt", ReadChoice(False, backend, False), CheckpointIndex(()))
+    with distload.WorkerGroup(device="cpu") as group:
+        loader = distload.Loader("/ckpt", "auto", {"huge_pages": True}, group=group)
+        if used:
+            with pytest.raises(ConfigError, match="'huge_pages' is true"):
+                loader._request(plan, {})
+        else:
+            assert not loader._request(plan, {}).host_memory.enabled
 
 
 @needs_thp_kernel
@@ -204,18 +212,18 @@ def test_loads_on_huge_pages_are_bit_identical_and_reported(tmp_path, load_forma
         for part, path in enumerate(paths):
             save_file({n: state[n] for n in names[part::2]}, path)
     with distload.WorkerGroup(device="cpu") as group:
-        loaded, report = distload.Loader(folder, load_format, {"huge_pages": True},
-                                         group=group).load_with_report()
+        result = distload.Loader(folder, load_format, {"huge_pages": True}, group=group).load()
+        loaded, report = result.state, result.rank_report
     want = plain_read(paths)
     assert set(loaded) == set(want)
     for name in want:
         assert loaded[name].dtype == want[name].dtype and loaded[name].equal(want[name]), name
-    assert report.ranks[0].huge_page_marked_bytes >= 3 * 2 * MIB
+    assert report.huge_page_marked_bytes >= 3 * 2 * MIB
     WeightSleeper(loaded).sleep(2)  # storages stay resizable
 
 
 def test_huge_pages_setting_is_validated():
-    from distload.config import make_load_config
+    from distload.loading.formats import make_load_config
 
     with pytest.raises(ConfigError, match=r"'huge_pages' must be a bool"):
         make_load_config("auto", {"huge_pages": "yes"})

@@ -211,7 +211,8 @@ def test_iter_tensors_sharded(sharded_ckpt):
 def test_loader_report_digest_matches_plain_read(whole_ckpt):
     folder, state = whole_ckpt
     with distload.WorkerGroup() as group:
-        loaded, report = distload.Loader(folder, "safetensors", group=group).load_with_report()
+        result = distload.Loader(folder, "safetensors", group=group).load(gather=True, digest=True)
+        loaded, report = result.state, result.report
     assert_bit_equal(loaded, state)
     assert report.world_size == 1
     assert len(report.ranks) == 1
@@ -230,7 +231,7 @@ def test_instanttensor_gets_only_its_own_knobs():
     import types
 
     from distload.loading.backends.instanttensor import instanttensor_knobs
-    from distload.config import make_load_config
+    from distload.loading.formats import make_load_config
 
     fake = types.SimpleNamespace(Backend=enum.Enum("Backend", "URING AIO"),
                                  BackendPolicy=enum.Enum("BackendPolicy", "BUFFERED"))

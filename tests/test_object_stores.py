@@ -35,7 +35,7 @@ from distload.loading.backends import BACKENDS, ReadRequest
 from distload.loading.index import CheckpointIndex
 from distload.errors import BackendUnavailableError, CheckpointError, ObjectStoreError, ShardLayoutError
 from distload.sharded.inspection import inspect_source
-from distload.loading.manifest import verify_folder
+from distload.sharded.verify import verify_folder
 
 from conftest import every_dtype_state, plain_digest, run_distload, write_sharded, write_whole
 from object_store_servers import (
@@ -131,7 +131,7 @@ class Checkpoints:
         write_sharded(self.sharded2, world_size=2)
         # pre-sharded by distload (with its manifest), for 2 ranks
         self.saved2 = os.path.join(root, "saved2")
-        distload.sharded.save.reshard(self.whole, self.saved2, 2, plan="replicate")
+        distload.reshard(self.whole, self.saved2, 2, sharding="replicate")
         # 24 MiB in 3 files: large against the listing and header reads, for the byte counts
         self.big = os.path.join(root, "big")
         self.big_files = write_whole(self.big, big_state(7, 6), num_files=3)
@@ -157,8 +157,8 @@ def ckpts(store, tmp_path_factory):
 
 def load_report(uri: str, fmt: str, extra=None):
     with distload.WorkerGroup(device="cpu") as group:
-        state, report = distload.Loader(uri, fmt, extra, group=group).load_with_report()
-    return state, report.ranks[0]
+        result = distload.Loader(uri, fmt, extra, group=group).load(digest=True)
+    return result.state, result.rank_report
 
 
 def run_driver(loads: list[dict], tmp_path, env: dict, nproc: int | None, timeout: float = 240):
@@ -198,7 +198,7 @@ def test_scrub_removes_every_credential(monkeypatch):
 
 def test_endpoints_and_reader_environment(monkeypatch):
     from distload.loading.stores.azure import AzureStore
-    from distload.loading.stores.base import get_store
+    from distload.loading.stores import get_store
     from distload.loading.stores.gcs import GCSStore
     from distload.loading.stores.s3 import S3Store
 
@@ -209,10 +209,13 @@ def test_endpoints_and_reader_environment(monkeypatch):
     monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "http://minio.local:9000")
     s3 = S3Store()
     assert s3.endpoint().describe() == "http://minio.local:9000 (from RUNAI_STREAMER_S3_ENDPOINT)"
-    assert s3.reader_environment() == {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+    # The legacy name also gives Run:ai 0.17 its AWS_ENDPOINT_URL.
+    assert s3.reader_environment() == {"AWS_ENDPOINT_URL": "http://minio.local:9000",
+                                       "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
                                        "AWS_EC2_METADATA_DISABLED": "true"}
     monkeypatch.setenv("RUNAI_STREAMER_S3_ENDPOINT", "https://s3.eu-west-1.amazonaws.com")
-    assert S3Store().reader_environment() == {}  # AWS itself: virtual hosts and instance roles stay
+    # AWS itself: virtual hosts and instance roles stay.
+    assert S3Store().reader_environment() == {"AWS_ENDPOINT_URL": "https://s3.eu-west-1.amazonaws.com"}
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
     assert GCSStore().reader_environment() == {"CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:4443"}
     monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING",
@@ -413,14 +416,14 @@ def test_reader_checks_the_endpoint_before_run_ai(store, store_env, ckpts, monke
     """The endpoint dies between planning and reading: Run:ai's reader is not started (its GCS
     reader would retry for minutes); the backend's own check fails within seconds."""
     with distload.WorkerGroup(device="cpu") as group:
-        plan = distload.loading.loader.plan_rank(ckpts.uri["whole"], distload.make_load_config("runai_streamer"), group)
+        plan = distload.loading.planner.plan_rank(ckpts.uri["whole"], distload.make_load_config("runai_streamer"), group)
         port = closed_port()
         for key, value in store.env(port).items():
             monkeypatch.setenv(key, value)
         request = ReadRequest(CheckpointIndex(plan.index.files), group.device, group, {}, False)
         start = time.monotonic()
         with pytest.raises(ObjectStoreError) as info:
-            list(BACKENDS["runai"](request).tensors())
+            list(BACKENDS["runai"].read(request).tensors())
     MEASURED[f"{store.name} reader endpoint check s"] = round(time.monotonic() - start, 3)
     assert time.monotonic() - start < UNREACHABLE_DEADLINE_S
     assert info.value.cause == "unreachable" and f":{port}" in str(info.value)
@@ -469,10 +472,10 @@ from distload.loading.backends import BACKENDS, ReadRequest
 from object_store_servers import StoreServer
 server = StoreServer({store.name!r}, {store.scheme!r}, {store.bucket!r}, {store.port}, {store.workdir!r}, None, {store.extra!r})
 with distload.WorkerGroup(device="cpu") as group:
-    plan = distload.loading.loader.plan_rank({store.uri('whole-vanishing')!r}, distload.make_load_config("runai_streamer"), group)
+    plan = distload.loading.planner.plan_rank({store.uri('whole-vanishing')!r}, distload.make_load_config("runai_streamer"), group)
     server.delete("whole-vanishing/{victim}")
     try:
-        list(BACKENDS["runai"](ReadRequest(plan.index, group.device, group, {{}}, False)).tensors())
+        list(BACKENDS["runai"].read(ReadRequest(plan.index, group.device, group, {{}}, False)).tensors())
     except distload.DistloadError as exc:
         print("ERROR", type(exc).__name__, getattr(exc, "cause", None), exc)
 """
@@ -787,9 +790,9 @@ def test_malformed_endpoint_settings_name_the_setting(tmp_path, monkeypatch, var
 def test_run_ai_refusals_come_while_planning(store, store_env, ckpts, monkeypatch):
     """A refusal Run:ai would meet only once reading starts comes in the planning step, where every
     rank hears of it (inside Run:ai's distributed collectives the others would wait the timeout)."""
-    import distload.loading.backends.runai as runai_backend
+    from distload.runtime import RUNTIME
 
-    monkeypatch.setattr(runai_backend, "_runai_store_used", "az" if store.scheme != "az" else "s3")
+    monkeypatch.setattr(RUNTIME, "runai_store_scheme", "az" if store.scheme != "az" else "s3")
     with distload.WorkerGroup(device="cpu") as group:
         loader = distload.Loader(ckpts.uri["whole"], "runai_streamer", group=group)
         with pytest.raises(BackendUnavailableError, match="serves one object-store type per process"):

@@ -10,17 +10,18 @@ import torch
 import distload
 from distload.loading.backends import pread
 from distload.loading.backends.base import ReadRequest
-from distload.config import make_load_config
+from distload.loading.backends.pread import PreadBackend
+from distload.loading.formats import make_load_config
 from distload.errors import CheckpointError
-from distload.loading.loader import plan_rank
+from distload.loading.planner import plan_rank
 from distload.live.sleep import WeightSleeper
 
 from conftest import every_dtype_state, plain_read, write_whole
 
 
-def read_all(folder: str, group, **extra) -> dict[str, torch.Tensor]:
+def read_all(folder: str, group, backend: PreadBackend = PreadBackend(), **extra) -> dict[str, torch.Tensor]:
     plan = plan_rank(folder, make_load_config("auto"), group)
-    return dict(pread.read_pread(ReadRequest(plan.index, group.device, group, extra)).tensors())
+    return dict(backend.read(ReadRequest(plan.index, group.device, group, extra)).tensors())
 
 
 @pytest.fixture
@@ -35,14 +36,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("concurrency", [1, 3])
-def test_bit_identical_with_chunks_and_read_ahead(tmp_path, group, monkeypatch, concurrency):
+def test_bit_identical_with_chunks_and_read_ahead(tmp_path, group, concurrency):
     # Small chunks and window, so one tensor spans several chunks and the window fills.
-    monkeypatch.setattr(pread, "CHUNK_BYTES", 4096)
-    monkeypatch.setattr(pread, "READ_AHEAD_BYTES", 16384)
+    small = PreadBackend(chunk_bytes=4096, read_ahead_bytes=16384)
     state = every_dtype_state()
     state["big"] = torch.randn(100, 301)  # 120 KB: 30 chunks
     paths = write_whole(str(tmp_path / "ck"), state, num_files=3)
-    got = read_all(str(tmp_path / "ck"), group, concurrency=concurrency)
+    got = read_all(str(tmp_path / "ck"), group, small, concurrency=concurrency)
     want = plain_read(paths)
     assert set(got) == set(want)
     assert all(same_bytes(got[n], want[n]) for n in want)
@@ -69,16 +69,17 @@ def test_file_shrinking_after_planning_names_file_and_tensor(tmp_path, group):
     plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
     os.truncate(paths[0], os.path.getsize(paths[0]) - 100)  # a copy still in progress, say
     with pytest.raises(CheckpointError, match=r"ended while reading tensor 'b'") as info:
-        dict(pread.read_pread(ReadRequest(plan.index, group.device, group, {})).tensors())
+        dict(PreadBackend().read(ReadRequest(plan.index, group.device, group, {})).tensors())
     assert paths[0] in str(info.value)
 
 
 def test_auto_reports_the_pread_path(tmp_path, group):
     write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
-    state, report = distload.Loader(str(tmp_path / "ck"), "auto", group=group).load_with_report()
-    assert report.ranks[0].path == "pread"
-    assert report.ranks[0].nbytes == sum(t.numel() * t.element_size() for t in state.values())
-    assert report.ranks[0].peak_rss_bytes > 0
+    result = distload.Loader(str(tmp_path / "ck"), "auto", group=group).load()
+    state, report = result.state, result.rank_report
+    assert report.path == "pread"
+    assert report.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert report.peak_rss_bytes > 0
 
 
 def test_reads_straight_into_fitting_destinations(tmp_path, group):
@@ -87,7 +88,7 @@ def test_reads_straight_into_fitting_destinations(tmp_path, group):
     plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
     fits, misfit = torch.zeros(64, 8), torch.zeros(16, dtype=torch.float64)
     request = ReadRequest(plan.index, group.device, group, {}, destinations={"a": fits, "b": misfit})
-    got = dict(pread.read_pread(request).tensors())
+    got = dict(PreadBackend().read(request).tensors())
     want = plain_read(paths)
     assert got["a"] is fits and torch.equal(fits, want["a"])
     assert got["b"] is not misfit and torch.equal(got["b"], want["b"]) and not misfit.any()

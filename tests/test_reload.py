@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 import distload
 from distload.live.reload import Destination, ReloadError, check_fit, reload_into
-from distload.sharding import load_plan, take_shard
+from distload.sharding import load_spec, take_shard
 
 from conftest import plain_read, write_whole
 from dist_helpers import run_script, write_script
@@ -147,16 +147,16 @@ def test_fused_destination_must_fill_the_parameter(tmp_path, group):
 
 
 def test_check_fit_slicing_shapes():
-    plan = load_plan("decoder")
+    plan = load_spec("decoder")
     sources = [("model.layers.0.self_attn.q_proj.weight", "F32", (8, 4)),
                ("model.layers.0.self_attn.o_proj.weight", "F32", (4, 8))]
     targets = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4),
                "model.layers.0.self_attn.o_proj.weight": torch.zeros(4, 4)}
-    copies, _ = check_fit(sources, targets, name_map=None, plan=plan, tp_size=2, strict=True)
+    copies, _ = check_fit(sources, targets, name_map=None, sharding=plan, tp_size=2, strict=True)
     assert set(copies) == {s[0] for s in sources}
     targets["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(4, 8)
     with pytest.raises(ReloadError, match=r"o_proj.weight: the rank's slice \[4, 4\] in the checkpoint, \[4, 8\]"):
-        check_fit(sources, targets, name_map=None, plan=plan, tp_size=2, strict=True)
+        check_fit(sources, targets, name_map=None, sharding=plan, tp_size=2, strict=True)
 
 
 def test_dummy_then_real_in_place(tmp_path, group):
@@ -177,11 +177,12 @@ def test_plan_on_a_sharded_checkpoint_is_refused(tmp_path, group):
 
     write_sharded(str(tmp_path / "sh"), world_size=1)
     with pytest.raises(ReloadError, match="already sharded per rank"):
-        reload_into({}, str(tmp_path / "sh"), "sharded_state", group=group, plan="decoder")
+        reload_into({}, str(tmp_path / "sh"), "sharded_state", group=group, sharding="decoder")
 
 
 def test_bad_target_type(tmp_path, group):
-    with pytest.raises(ReloadError, match="nn.Module or a dict"):
+    # A wrong argument, not a misfit: the same ConfigError as WeightSleeper and WeightSync give.
+    with pytest.raises(distload.ConfigError, match="nn.Module or a dict"):
         reload_into([torch.zeros(1)], str(tmp_path), "safetensors", group=group)
 
 
@@ -204,7 +205,7 @@ def test_two_ranks_take_their_slice_and_fail_together(tmp_path):
                       "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 4),
                       "model.norm.weight": torch.zeros(4)}}
             try:
-                reload_into(model, {folder!r}, "safetensors", group=g, plan="decoder")
+                reload_into(model, {folder!r}, "safetensors", group=g, sharding="decoder")
             except distload.DistloadError as exc:
                 print(f"rank {{g.rank}} refused: {{type(exc).__name__}}: {{exc}}".replace("\\n", " "))
                 assert all(float(t.abs().sum()) == 0 for t in model.values()), "written despite a mismatch"
@@ -213,7 +214,7 @@ def test_two_ranks_take_their_slice_and_fail_together(tmp_path):
     """)
     ok = run_script(script, ["good"], nproc=2)
     assert ok.returncode == 0, ok.stderr[-3000:]
-    plan = load_plan("decoder")
+    plan = load_spec("decoder")
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         for name, tensor in whole.items():

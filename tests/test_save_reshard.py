@@ -23,11 +23,12 @@ from safetensors.torch import load_file, save_file
 
 import distload
 from distload.cli.main import main as cli_main
-from distload.loading.index import read_local_header
+from distload.loading.sources import read_local_header
 from distload.errors import CheckpointError, ConfigError, ShardLayoutError
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER
-from distload.sharded.save import reshard, save_sharded
-from distload.sharding import load_plan, plan_from_json, reassemble
+from distload.sharded.reshard import reshard
+from distload.sharded.save import save_sharded
+from distload.sharding import load_spec, spec_from_json, reassemble
 
 from conftest import plain_digest, plain_read, read_report, run_distload, write_sharded
 
@@ -199,7 +200,7 @@ def test_reshard_manifest_matches_files_on_disk(resharded, source, n):
     assert list(m)[:2] == ["format", "version"]
     assert m["format"] == "distload-sharded" and m["version"] == 1
     assert m["world_size"] == n and m["pattern"] == PATTERN
-    assert m["plan"] == load_plan("decoder").to_json()
+    assert m["sharding"] == load_spec("decoder").to_json()
     assert m["replicated_unmatched"] == sorted(UNMATCHED)
     assert m["source"] == source[0]
     # every file on disk is in the manifest and vice versa
@@ -235,7 +236,7 @@ def test_reshard_report(resharded, source):
     assert "model.layers.0.self_attn.o_proj.bias" not in report.split
     assert "model.norm.weight" not in report.split
     text = "\n".join(report.summary_lines())
-    assert "replicated because no rule of the plan matched them" in text
+    assert "replicated because no rule of the sharding spec matched them" in text
     for name in UNMATCHED:
         assert name in text
 
@@ -252,7 +253,7 @@ def test_reshard_files_hold_each_ranks_slice(resharded, source, n):
 def check_reassembly(out: str, state: dict[str, torch.Tensor], per_rank: list[dict[str, torch.Tensor]]) -> None:
     n = len(per_rank)
     with open(os.path.join(out, "config.json")) as f:
-        plan = plan_from_json(read_manifest_json(out)["plan"], json.load(f))
+        plan = spec_from_json(read_manifest_json(out)["sharding"], json.load(f))
     for r, got in enumerate(per_rank):
         assert sorted(got) == sorted(state), f"rank {r}"
     for name, want in state.items():
@@ -350,7 +351,7 @@ def test_part_splitting_at_max_file_size(tmp_path):
              "t5": torch.arange(100, dtype=f32)}
     save_file(state, str(src / "model.safetensors"))
     out = str(tmp_path / "out")
-    reshard(str(src), out, 2, plan="replicate", max_file_size=2500)
+    reshard(str(src), out, 2, sharding="replicate", max_file_size=2500)
     m = read_manifest_json(out)
     for rank in range(2):
         parts = [f["tensors"] for f in sorted((f for f in m["files"] if f["rank"] == rank),
@@ -400,7 +401,7 @@ def test_cli_save_sharded(source, resharded, tmp_path):
     result = run_distload(["save-sharded", src, out, "--tensor-parallel-size", "2",
                            "--max-file-size", str(16 * 1024)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "replicated because no rule of the plan matched them" in result.stdout
+    assert "replicated because no rule of the sharding spec matched them" in result.stdout
     for name in UNMATCHED:
         assert name in result.stdout
     assert "for 2 rank(s)" in result.stdout
@@ -421,11 +422,11 @@ def test_cli_save_sharded_with_plan_file_and_pattern(source, tmp_path):
     plan_path.write_text(json.dumps(plan))
     out = str(tmp_path / "out")
     pattern = "w_{part}_r{rank}.safetensors"
-    result = run_distload(["save-sharded", src, out, "-tp", "2", "--plan", str(plan_path),
+    result = run_distload(["save-sharded", src, out, "-tp", "2", "--sharding", str(plan_path),
                            "--file-pattern", pattern])
     assert result.returncode == 0, result.stdout + result.stderr
     m = read_manifest_json(out)
-    assert m["plan"] == plan and m["pattern"] == pattern and m["replicated_unmatched"] == []
+    assert m["sharding"] == plan and m["pattern"] == pattern and m["replicated_unmatched"] == []
     assert shard_names(out) == sorted(pattern.format(rank=r, part=0) for r in range(2))
     r1 = load_file(os.path.join(out, pattern.format(rank=1, part=0)))
     q = state["model.layers.2.self_attn.q_proj.weight"]
@@ -568,10 +569,10 @@ def test_missing_qkv_config_is_a_clear_error(tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-import distload.sharded.save as save
+import distload.sharded.reshard as reshard_module
 
 calls = [0]
-real = save.take_shard
+real = reshard_module.take_shard
 
 def take_shard(*args, **kwargs):
     calls[0] += 1
@@ -579,8 +580,8 @@ def take_shard(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*args, **kwargs)
 
-save.take_shard = take_shard
-save.reshard(sys.argv[1], sys.argv[2], 2, max_file_size=4096)
+reshard_module.take_shard = take_shard
+reshard_module.reshard(sys.argv[1], sys.argv[2], 2, max_file_size=4096)
 print("finished")
 """
 
@@ -871,7 +872,7 @@ def test_save_sharded_single_process(tmp_path, source):
     manifest = save_sharded(state, out, max_file_size=5000, metadata_from=source[0])
     assert manifest.world_size == 1
     m = read_manifest_json(out)
-    assert m["world_size"] == 1 and m["pattern"] == PATTERN and m["plan"] is None
+    assert m["world_size"] == 1 and m["pattern"] == PATTERN and m["sharding"] is None
     # tied: one of the two names is written, the other is an alias
     written = [t for f in m["files"] for t in f["tensors"]]
     on_disk = [t.name for n in shard_names(out) for t in read_local_header(os.path.join(out, n)).tensors]
@@ -975,7 +976,7 @@ def sample():
 
 thread = threading.Thread(target=sample, daemon=True)
 thread.start()
-report = distload.sharded.save.reshard(sys.argv[1], sys.argv[2], 2)
+report = distload.reshard(sys.argv[1], sys.argv[2], 2)
 done.set()
 thread.join()
 # VmHWM, not getrusage's ru_maxrss: ru_maxrss survives exec and would report the test runner's peak

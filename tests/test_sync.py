@@ -45,7 +45,7 @@ mode = sys.argv[1]
 out = sys.argv[2]
 with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
     senders = [0, 1] if mode == "two-senders" else [0]
-    sync = WeightSync(senders, bucket_bytes=4096, timeout_s=60)
+    sync = WeightSync(senders, group=g, bucket_bytes=4096)
     dtypes = [torch.bfloat16, torch.float32, torch.int8, torch.bool, torch.float8_e4m3fn]
     shapes = {f"layer{i}.w": ((17 + i, 9), dtypes[i % len(dtypes)]) for i in range(20)}
     shapes["big"] = ((64, 64), torch.float32)  # 16 KiB: bigger than a bucket
@@ -141,7 +141,7 @@ import torch.distributed as dist
 from distload.live.sync import WeightSync, SyncError
 out = sys.argv[1]
 with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
-    sync = WeightSync([0], bucket_bytes=1 << 16, timeout_s=30)
+    sync = WeightSync([0], group=g, bucket_bytes=1 << 16)
     state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(64)}  # 1 MiB in 16 buckets
     if g.rank == 0:
         sync.push(state, 1)

@@ -18,7 +18,7 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
-from distload.config import DEFAULT_SHARD_PATTERN
+from distload.loading.layout import DEFAULT_SHARD_PATTERN, detect_layout
 from distload.loading.report import state_digest
 
 # (name suffix, split dim for tensor parallelism or None for replicated)
@@ -50,6 +50,13 @@ def llama_shapes(hidden: int, layers: int, vocab: int) -> dict[str, tuple[tuple[
     return shapes
 
 
+def llama_layers(size_mib: int, hidden: int, vocab: int, minimum: int = 2) -> int:
+    """How many decoder layers of :func:`llama_shapes` make about ``size_mib`` MiB in bf16."""
+    inter = hidden * 8 // 3 // 64 * 64
+    per_layer = 2 * (4 * hidden * hidden // 2 + 3 * hidden * inter)
+    return max(minimum, (size_mib * 2**20 - 2 * 2 * vocab * hidden) // per_layer)
+
+
 def write_demo_checkpoint(root: str, world_size: int, size_mib: int = 64,
                           hidden: int = 512) -> tuple[str, str]:
     """Write ``root/whole`` (2 files + index + config) and ``root/sharded`` (per rank, 2 parts).
@@ -58,8 +65,7 @@ def write_demo_checkpoint(root: str, world_size: int, size_mib: int = 64,
     gives the tens-of-MiB tensors of real models (what benchmarks should see).
     """
     vocab = 8192
-    per_layer = 2 * (4 * hidden * hidden // 2 + 3 * hidden * (hidden * 8 // 3 // 64 * 64))
-    layers = max(2, (size_mib * 2**20 - 2 * 2 * vocab * hidden) // per_layer)
+    layers = llama_layers(size_mib, hidden, vocab)
     shapes = llama_shapes(hidden, layers, vocab)
     generator = torch.Generator().manual_seed(0)
     state = {name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
@@ -109,12 +115,8 @@ def expected_digests(folder: str, world_size: int, sharded: bool) -> list[str]:
     if not sharded:
         files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
         return [state_digest(read(files))] * world_size
-    digests = []
-    for rank in range(world_size):
-        prefix = DEFAULT_SHARD_PATTERN.split("{rank}")[0] + f"{rank}-"
-        files = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.startswith(prefix))
-        digests.append(state_digest(read(files)))
-    return digests
+    layout = detect_layout(folder)
+    return [state_digest(read(layout.rank_paths(rank, world_size))) for rank in range(world_size)]
 
 
 def demo_cases(world_size: int, cuda: bool) -> list[tuple[str, str, str | None]]:

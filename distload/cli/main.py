@@ -1,8 +1,12 @@
-"""Command line: ``python -m distload load|demo ...`` (under torchrun, srun, or alone).
+"""Command line: ``python -m distload COMMAND ...`` (under torchrun, srun, or alone).
 
     torchrun --nproc-per-node 2 -m distload load /ckpt --load-format runai_streamer \
         --model-loader-extra-config '{"distributed": true}' --report-json report.json
+    python -m distload save-sharded /ckpt /ckpt-tp2 --tensor-parallel-size 2
+    python -m distload verify /ckpt-tp2
+    python -m distload inspect /ckpt [--pattern P] [--json]
     python -m distload demo
+    torchrun --nproc-per-node 3 -m distload sync-demo
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ import argparse
 import logging
 import sys
 
-from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS, make_load_config
 from distload.errors import DistloadError
 from distload.group import DEFAULT_TIMEOUT_S, WorkerGroup, detect_launch
-from distload.sharded.save import DEFAULT_MAX_FILE_SIZE
+from distload.loading.formats import LOAD_FORMATS, make_load_config
+from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
+from distload.sharded.output import DEFAULT_MAX_FILE_SIZE
 
 log = logging.getLogger("distload")
 
@@ -46,15 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"default {DEFAULT_SHARD_PATTERN!r}")
     save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
                       help="start a new part past this many bytes (default 5 GiB)")
-    save.add_argument("--plan", default=None, metavar="PLAN",
-                      help="a built-in plan (decoder, alias llama/mistral/qwen2/qwen3; replicate) or a "
-                           "JSON plan file (default decoder)")
+    save.add_argument("--sharding", "--plan", dest="sharding", default=None, metavar="SPEC",
+                      help="the sharding spec: a built-in one (decoder, alias llama/mistral/qwen2/qwen3; "
+                           "replicate) or a JSON spec file (default decoder); --plan is its old name")
 
     verify = sub.add_parser("verify", help="check a sharded checkpoint's files against its manifest")
     verify.add_argument("folder")
 
     inspect = sub.add_parser("inspect", help="files, tensors, bytes, dtypes and layout of a checkpoint")
     inspect.add_argument("source")
+    inspect.add_argument("--pattern", default=None, metavar="P",
+                         help=f"the shard file-name pattern to look for (default: the manifest's, "
+                              f"else {DEFAULT_SHARD_PATTERN!r})")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a summary")
 
     sync_demo = sub.add_parser("sync-demo", help="rank 0 pushes weight versions, the other ranks "
@@ -92,8 +100,8 @@ def run_load(args: argparse.Namespace) -> int:
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:
         loader = Loader(args.source, args.load_format, args.model_loader_extra_config,
                         group=group, progress=not args.no_progress)
-        state, report = loader.load_with_report(digest=not args.no_digest)
-        del state
+        report = loader.load(gather=True, digest=not args.no_digest).report
+        assert report is not None
         if group.rank == 0:
             log.info("Loading weights took %.2f seconds", report.total["seconds"])
             for line in report.summary_lines():
@@ -105,17 +113,17 @@ def run_load(args: argparse.Namespace) -> int:
 
 
 def run_save_sharded(args: argparse.Namespace) -> int:
-    from distload.sharded.save import reshard
+    from distload.sharded.reshard import reshard
 
     report = reshard(args.source, args.output, args.tensor_parallel_size, pattern=args.file_pattern,
-                     max_file_size=args.max_file_size, plan=args.plan)
+                     max_file_size=args.max_file_size, sharding=args.sharding)
     for line in report.summary_lines():
         print(line, flush=True)
     return 0
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from distload.loading.manifest import verify_folder
+    from distload.sharded.verify import verify_folder
 
     manifest, problems = verify_folder(args.folder)
     if problems:
@@ -134,7 +142,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     from distload.sharded.inspection import inspect_source, summary_lines
 
-    info = inspect_source(args.source)
+    if args.pattern is not None:
+        check_pattern("--pattern", args.pattern)
+    info = inspect_source(args.source, args.pattern)
     print(json.dumps(info, indent=1) if args.json else "\n".join(summary_lines(info)), flush=True)
     return 0
 

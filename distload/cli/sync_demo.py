@@ -12,16 +12,15 @@ import argparse
 
 import torch
 
-from distload.cli.demo import llama_shapes
+from distload.cli.demo import llama_layers, llama_shapes
 from distload.group import WorkerGroup
-from distload.loading.report import state_digest
 from distload.live.sync import WeightSync
+from distload.loading.report import state_digest
 
 
 def _state(size_mib: int, device: torch.device) -> dict[str, torch.Tensor]:
     hidden, vocab = 512, 8192
-    per_layer = 2 * (4 * hidden * hidden // 2 + 3 * hidden * (hidden * 8 // 3 // 64 * 64))
-    layers = max(1, (size_mib * 2**20 - 2 * 2 * vocab * hidden) // per_layer)
+    layers = llama_layers(size_mib, hidden, vocab, minimum=1)
     return {name: torch.zeros(shape, dtype=torch.bfloat16, device=device)
             for name, (shape, _) in llama_shapes(hidden, layers, vocab).items()}
 
@@ -31,8 +30,7 @@ def run_sync_demo(args: argparse.Namespace) -> int:
         if group.world_size < 2:
             print("sync-demo needs at least 2 ranks: torchrun --nproc-per-node 3 -m distload sync-demo")
             return 2
-        sync = WeightSync([0], bucket_bytes=args.bucket_mib * 2**20, timeout_s=args.timeout,
-                          device=group.device)
+        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20)
         state = _state(args.size_mib, group.device)
         try:
             for version in range(1, args.steps + 1):

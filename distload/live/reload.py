@@ -6,9 +6,9 @@ and are copied and dropped.
 
 Order of calls (every rank of the group makes them):
 
-1. ``Loader.plan()``: list and read the headers of this rank's files (collective, see loader.py).
+1. ``Loader.plan()``: the rank plan (list, headers of this rank's files; collective, see loader.py).
 2. ``agree("checking the model against the checkpoint")``: every checkpoint tensor, after the
-   name map and the slicing plan, is matched to its destination and its shape and dtype compared;
+   name map and the sharding spec, is matched to its destination and its shape and dtype compared;
    every model tensor must be covered. Any mismatch on any rank stops every rank here, before a
    single byte is written, and says what differs.
 3. Stream and copy. An I/O failure here is reported with how many tensors were already written.
@@ -16,7 +16,7 @@ Order of calls (every rank of the group makes them):
 Name mapping (engine layouts): ``name_map(checkpoint_name)`` returns the model name, a
 :class:`Destination` (copy into a slice of a fused parameter, and/or take a slice of the
 checkpoint tensor), a list of them (one checkpoint tensor feeding several parameters), or None
-to ignore the tensor on purpose. Slicing: ``plan`` (a sharding plan name, file or object) gives
+to ignore the tensor on purpose. Slicing: ``sharding`` (a sharding spec name, file or object) gives
 each rank its part of a whole checkpoint's tensors, as ``save-sharded`` would.
 """
 
@@ -30,14 +30,12 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 
+from distload.errors import DistloadError, ReloadError
+from distload.group import WorkerGroup
+from distload.live.targets import model_tensors
 from distload.loading.index import DTYPES
-from distload.errors import DistloadError
 from distload.loading.loader import Loader
-from distload.sharding import Action, ShardingPlan, load_plan, shard_shape, take_shard
-
-
-class ReloadError(DistloadError):
-    """The model and the checkpoint do not fit together, or the copy failed."""
+from distload.sharding import Action, ShardingSpec, load_spec, shard_shape, take_shard
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,11 @@ class Destination:
     src_start: int = 0
     src_length: int | None = None
 
+    def source_length(self, shape: Sequence[int]) -> int:
+        """How much of the checkpoint tensor's ``src_dim`` (of ``shape``) is copied."""
+        assert self.src_dim is not None
+        return self.src_length if self.src_length is not None else shape[self.src_dim] - self.src_start
+
 
 NameMap = Callable[[str], Union[str, Destination, Sequence[Destination], None]]
 
@@ -70,20 +73,6 @@ class ReloadReport:
     skipped: list[str] = field(default_factory=list)  # unexpected checkpoint keys (strict=False)
     missing: list[str] = field(default_factory=list)  # model keys left untouched (strict=False)
     ignored: list[str] = field(default_factory=list)  # mapped to None by the name map
-
-
-def model_tensors(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Name -> tensor of a module's parameters and buffers (tied names included), or a dict."""
-    if isinstance(target, torch.nn.Module):
-        named = dict(target.named_parameters(remove_duplicate=False))
-        named.update(target.named_buffers(remove_duplicate=False))
-        return named
-    if isinstance(target, Mapping):
-        bad = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
-        if bad:
-            raise ReloadError(f"target entry {bad[0]!r} is not a tensor")
-        return dict(target)
-    raise ReloadError(f"reload target must be an nn.Module or a dict of tensors, got {type(target).__name__}")
 
 
 def _destinations(name: str, name_map: NameMap | None) -> list[Destination]:
@@ -103,22 +92,22 @@ def _destinations(name: str, name_map: NameMap | None) -> list[Destination]:
 @dataclass(frozen=True)
 class _Copy:
     dest: Destination
-    action: Action | None  # the slicing plan's action for the source tensor, None without a plan
+    action: Action | None  # the sharding spec's action for the source tensor, None without one
 
 
 def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapping[str, torch.Tensor], *,
-              name_map: NameMap | None, plan: ShardingPlan | None, tp_size: int,
+              name_map: NameMap | None, sharding: ShardingSpec | None, tp_size: int,
               strict: bool) -> tuple[dict[str, list[_Copy]], ReloadReport]:
     """Match every checkpoint tensor (name, dtype code, shape) to the model; pure, no copies.
 
-    Raises ReloadError listing every problem at once; returns the copy plan otherwise.
+    Raises ReloadError listing every problem at once; returns the copies to make otherwise.
     """
     report = ReloadReport()
     copies: dict[str, list[_Copy]] = {}
     problems: list[str] = []
     covered: dict[int, int] = {}  # id(target tensor) -> elements written
     for name, dtype, shape in sources:
-        action = plan.action(name, shape) if plan is not None else None
+        action = sharding.action(name, shape) if sharding is not None else None
         try:
             if action is not None:
                 shape = shard_shape(name, shape, action, tp_size)
@@ -143,8 +132,12 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
                 continue
             src_shape = list(shape)
             if dest.src_dim is not None:
-                length = dest.src_length if dest.src_length is not None else shape[dest.src_dim] - dest.src_start
-                if dest.src_dim >= len(shape) or dest.src_start + length > shape[dest.src_dim] or length < 0:
+                if dest.src_dim >= len(shape):
+                    problems.append(f"{where}: source slice dim {dest.src_dim} is outside the checkpoint "
+                                    f"shape {list(shape)}")
+                    continue
+                length = dest.source_length(shape)
+                if dest.src_start + length > shape[dest.src_dim] or length < 0:
                     problems.append(f"{where}: source slice dim {dest.src_dim} [{dest.src_start}, "
                                     f"{dest.src_start + length}) is outside the checkpoint shape {list(shape)}")
                     continue
@@ -190,30 +183,40 @@ def _is_whole_copy(copy: _Copy) -> bool:
 
 def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: str,
                 load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None, *,
-                group: Any, strict: bool = True, name_map: NameMap | None = None,
-                plan: str | ShardingPlan | None = None, tp_rank: int | None = None,
+                group: WorkerGroup | None = None, strict: bool = True, name_map: NameMap | None = None,
+                sharding: str | ShardingSpec | None = None, tp_rank: int | None = None,
                 tp_size: int | None = None, progress: bool = False) -> ReloadReport:
     """Load ``source`` into ``target``'s existing tensors, in place, all-or-nothing on mismatch.
 
-    Call on every rank of ``group``. With ``plan``, each rank copies its tensor-parallel slice
-    (rank ``tp_rank`` of ``tp_size``, default the group's rank and size) of a whole checkpoint.
+    Call on every rank of ``group`` (None: a group from the environment, for this call). With
+    ``sharding`` (a sharding spec: built-in name, JSON file or object), each rank copies its
+    tensor-parallel slice (rank ``tp_rank`` of ``tp_size``, default the group's rank and size) of
+    a whole checkpoint.
     """
+    with WorkerGroup.for_call(group) as g:
+        return _reload(target, Loader(source, load_format, extra_config, group=g, progress=progress),
+                       strict=strict, name_map=name_map, sharding=sharding,
+                       tp_rank=g.rank if tp_rank is None else tp_rank,
+                       tp_size=g.world_size if tp_size is None else tp_size)
+
+
+def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader, *, strict: bool,
+            name_map: NameMap | None, sharding: str | ShardingSpec | None, tp_rank: int,
+            tp_size: int) -> ReloadReport:
     start = time.perf_counter()
+    group = loader.group
     targets = model_tensors(target)
-    loader = Loader(source, load_format, extra_config, group=group, progress=progress)
     rank_plan = loader.plan()
-    tp_rank = group.rank if tp_rank is None else tp_rank
-    tp_size = group.world_size if tp_size is None else tp_size
     sources = [(t.name, t.dtype, t.shape) for t in rank_plan.index.tensors]
     by_name = {t.name: t for t in rank_plan.index.tensors}
     sources += [(alias, by_name[tgt].dtype, by_name[tgt].shape) for alias, tgt in rank_plan.aliases.items()
                 if tgt in by_name]
 
     def check() -> tuple[dict[str, list[_Copy]], ReloadReport]:
-        if plan is not None and rank_plan.choice.sharded:
-            raise ReloadError(f"{source} is already sharded per rank; reload it without a slicing plan")
-        sharding = plan if isinstance(plan, ShardingPlan) or plan is None else load_plan(plan)
-        return check_fit(sources, targets, name_map=name_map, plan=sharding, tp_size=tp_size, strict=strict)
+        if sharding is not None and rank_plan.choice.sharded:
+            raise ReloadError(f"{loader.source} is already sharded per rank; reload it without a sharding spec")
+        spec = sharding if isinstance(sharding, ShardingSpec) or sharding is None else load_spec(sharding)
+        return check_fit(sources, targets, name_map=name_map, sharding=spec, tp_size=tp_size, strict=strict)
 
     copies, report = group.agree("checking the model against the checkpoint", check)
     # A checkpoint tensor that lands whole in one model tensor may be read straight into it, unless
@@ -227,16 +230,15 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
     written = 0
     with torch.no_grad():
         try:
-            for name, tensor in loader.tensors(rank_plan, destinations=direct):
+            stream = loader.stream(rank_plan, destinations=direct)
+            for name, tensor in stream:
                 for copy in copies.get(name, ()):
                     src = tensor
                     if copy.action is not None:
                         src = take_shard(src, copy.action, tp_rank, tp_size)
                     dest = copy.dest
                     if dest.src_dim is not None:
-                        length = (dest.src_length if dest.src_length is not None
-                                  else src.shape[dest.src_dim] - dest.src_start)
-                        src = src.narrow(dest.src_dim, dest.src_start, length)
+                        src = src.narrow(dest.src_dim, dest.src_start, dest.source_length(src.shape))
                     dst = targets[dest.name].detach()
                     if dest.dim is not None:
                         dst = dst.narrow(dest.dim, dest.start, src.shape[dest.dim])
@@ -257,5 +259,5 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
             ) from exc
     report.num_tensors = written
     report.seconds = time.perf_counter() - start
-    report.path = loader.rank_report.path if loader.rank_report else ""
+    report.path = stream.rank_report.path
     return report

@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 
 from distload.errors import ConfigError, DistloadError
-from distload.live.reload import model_tensors
+from distload.live.targets import model_tensors
 from distload.tensor_io import host_view
 
 

@@ -1,10 +1,11 @@
 """Weight sync over a process group: trainer ranks push, inference ranks receive in place.
 
-Protocol of one update, per sender ``s`` (its group is ``s`` plus every receiver; all groups are
-made once, by the constructor, on every rank of the default group):
+Protocol of one update, per sender ``s`` (its channel is a subgroup of ``s`` plus every receiver,
+a :class:`~distload.group.WorkerGroup` with a data group and a gloo control group; all channels
+are made once, by the constructor, on every rank of the job):
 
 1. metadata: ``s`` broadcasts the version, every tensor's name, dtype and shape, and the bucket
-   layout (gloo control group);
+   layout (the channel's control group);
 2. agreement: each receiver checks every entry against its own tensors (name, dtype, shape) and
    all statuses are all-gathered: if any receiver refuses, every member raises and no byte moves;
 3. data: tensors travel packed into flat buckets (``bucket_bytes``, default 512 MiB; a tensor
@@ -22,22 +23,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from distload.errors import ConfigError, SyncError
+from distload.group import WorkerGroup
+from distload.live.targets import model_tensors
 from distload.loading.index import DTYPES, dtype_code
-from distload.errors import ConfigError, DistloadError
-from distload.live.reload import model_tensors
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _ALIGN = 64  # every tensor starts 64-byte aligned in a bucket, so a view as any dtype is legal
-
-
-class SyncError(DistloadError):
-    """An update was refused or failed; the receiver's version did not advance."""
 
 
 @dataclass(frozen=True)
@@ -101,34 +98,50 @@ def check_entries(entries: Sequence[_Entry], targets: Mapping[str, torch.Tensor]
     return problems
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Channel:
-    """One sender and the receivers: a data group and a gloo control group."""
+    """One sender and every receiver."""
 
-    src: int
-    ranks: list[int]
-    data: Any
-    control: Any
+    src: int  # the sender's rank in the sync's group
+    src_global: int  # and in the job
+    group: WorkerGroup | None  # None on ranks outside the channel
+
+    @property
+    def src_in_channel(self) -> int:
+        assert self.group is not None
+        return self.group.ranks.index(self.src_global)
 
 
 class WeightSync:
     """Push state dicts from sender ranks to receiver ranks, in place, versioned.
 
-    Construct on EVERY rank of the default process group (it creates subgroups), with the same
-    arguments. Then for each update every sender calls :meth:`push` and every receiver calls
-    :meth:`receive`. With several senders each pushes its own slice (disjoint names) and a
-    receiver takes all of them, in sender order, before its version advances.
+    ``senders`` and ``receivers`` are ranks of ``group`` (None: a group from the environment,
+    owned by this object and closed by :meth:`close`). Construct on EVERY rank of the job, with
+    the same arguments (it makes one subgroup per sender, a collective over the whole job). Then
+    for each update every sender calls :meth:`push` and every receiver calls :meth:`receive`.
+    With several senders each pushes its own slice (disjoint names) and a receiver takes all of
+    them, in sender order, before its version advances. Timeouts and devices are the group's.
     """
 
     def __init__(self, senders: Sequence[int], receivers: Sequence[int] | None = None, *,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 300.0,
-                 device: torch.device | str | None = None):
-        if not dist.is_initialized():
-            raise ConfigError("WeightSync needs torch.distributed: create a distload.WorkerGroup first")
+                 group: WorkerGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-        world = dist.get_world_size()
-        self.rank = dist.get_rank()
+        self._own_group = group is None
+        self.group = WorkerGroup() if group is None else group
+        try:
+            self._setup(senders, receivers, bucket_bytes)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, senders: Sequence[int], receivers: Sequence[int] | None, bucket_bytes: int) -> None:
+        group = self.group
+        world = group.world_size
+        if world < 2:
+            raise ConfigError("WeightSync needs at least two ranks (a sender and a receiver); start the "
+                              "job with torchrun or srun, or pass a WorkerGroup of several ranks")
+        self.rank = group.rank
         self.senders = sorted(set(senders))
         self.receivers = sorted(set(receivers) if receivers is not None
                                 else set(range(world)) - set(self.senders))
@@ -138,17 +151,11 @@ class WeightSync:
         if any(r < 0 or r >= world for r in self.senders + self.receivers):
             raise ConfigError(f"ranks must be in [0, {world}), got senders {self.senders}, receivers {self.receivers}")
         self.bucket_bytes = bucket_bytes
-        self.timeout = timedelta(seconds=timeout_s)
-        self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu"))
-        data_backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.timeout = group.timeout
+        self.device = group.device
         self._channels: list[_Channel] = []
         for src in self.senders:
-            ranks = sorted([src] + self.receivers)
-            # new_group is collective over the whole default group: every rank makes every group.
-            data = dist.new_group(ranks, backend=data_backend, timeout=self.timeout)
-            control = dist.new_group(ranks, backend="gloo", timeout=self.timeout)
-            self._channels.append(_Channel(src, ranks, data, control))
+            self._channels.append(_Channel(src, group.ranks[src], group.subgroup([src] + self.receivers)))
         self.version: int | None = None
         self.last_error: str | None = None
         self.consistent = True
@@ -164,9 +171,15 @@ class WeightSync:
         return self._buffers[index][:size]
 
     def _statuses(self, channel: _Channel, ok: bool, message: str | None) -> dict[int, str]:
-        gathered: list[Any] = [None] * len(channel.ranks)
-        dist.all_gather_object(gathered, (self.rank, ok, message), group=channel.control)
-        return {rank: msg for rank, good, msg in gathered if not good}
+        """Every channel member's status; the failed ones by their rank in the sync's group."""
+        assert channel.group is not None
+        statuses = channel.group.exchange((ok, message))
+        return {self.group.ranks.index(channel.group.ranks[i]): msg
+                for i, (good, msg) in enumerate(statuses) if not good}
+
+    def _broadcast(self, channel: _Channel, buffer: torch.Tensor) -> Any:
+        assert channel.group is not None
+        return dist.broadcast(buffer, src=channel.src_global, group=channel.group.process_group, async_op=True)
 
     def _my_channel(self) -> _Channel:
         return next(c for c in self._channels if c.src == self.rank)
@@ -178,12 +191,13 @@ class WeightSync:
             raise ConfigError(f"rank {self.rank} is not a sender ({self.senders})")
         start = time.perf_counter()
         channel = self._my_channel()
+        assert channel.group is not None
         entries = [_Entry(n, dtype_code(t.dtype), tuple(t.shape), t.numel() * t.element_size())
                    for n, t in state.items()]
         buckets = plan_buckets(entries, self.bucket_bytes)
-        meta = [{"version": version, "entries": entries, "buckets": buckets}]
+        meta = {"version": version, "entries": entries, "buckets": buckets}
         try:
-            dist.broadcast_object_list(meta, src=channel.src, group=channel.control)
+            channel.group.broadcast(meta, src=channel.src_in_channel)
             refused = self._statuses(channel, True, None)
             if refused:
                 raise SyncError(f"update to version {version} refused, nothing was sent: "
@@ -198,7 +212,7 @@ class WeightSync:
                 for index, offset in bucket.items:
                     entry = entries[index]
                     buffer[offset:offset + entry.nbytes].copy_(_as_bytes(tensors[index]))
-                in_flight[slot] = dist.broadcast(buffer, src=channel.src, group=channel.data, async_op=True)
+                in_flight[slot] = self._broadcast(channel, buffer)
             for work in in_flight:
                 if work is not None:
                     work.wait()
@@ -225,18 +239,17 @@ class WeightSync:
         if self.rank not in self.receivers:
             raise ConfigError(f"rank {self.rank} is not a receiver ({self.receivers})")
         targets = model_tensors(target)
-        nbytes = num_tensors = num_buckets = 0
-        seconds = 0.0
+        total = SyncStats(-1, 0, 0, 0, 0.0)
         version = None
         try:
             for channel in self._channels:
                 got = self._receive_from(channel, targets)
-                if version is not None and got[0] != version:
+                if version is not None and got.version != version:
                     raise SyncError(f"senders disagree on the version: {version} from rank "
-                                    f"{self._channels[0].src}, {got[0]} from rank {channel.src}")
-                version = got[0]
-                nbytes, num_tensors, num_buckets = nbytes + got[1], num_tensors + got[2], num_buckets + got[3]
-                seconds += got[4]
+                                    f"{self._channels[0].src}, {got.version} from rank {channel.src}")
+                version = got.version
+                total = SyncStats(version, total.nbytes + got.nbytes, total.num_tensors + got.num_tensors,
+                                  total.num_buckets + got.num_buckets, total.seconds + got.seconds)
         except Exception as exc:
             self.last_error = str(exc)
             if isinstance(exc, SyncError):
@@ -247,15 +260,14 @@ class WeightSync:
         self.version = version
         self.consistent = True
         self.last_error = None
-        return SyncStats(version, nbytes, num_tensors, num_buckets, seconds)
+        return total
 
-    def _receive_from(self, channel: _Channel,
-                      targets: Mapping[str, torch.Tensor]) -> tuple[int, int, int, int, float]:
+    def _receive_from(self, channel: _Channel, targets: Mapping[str, torch.Tensor]) -> SyncStats:
         """One sender's update; the time counts from the metadata's arrival (not the wait for it)."""
-        meta: list[Any] = [None]
-        dist.broadcast_object_list(meta, src=channel.src, group=channel.control)
+        assert channel.group is not None
+        meta = channel.group.broadcast(None, src=channel.src_in_channel)
         start = time.perf_counter()
-        version, entries, buckets = meta[0]["version"], meta[0]["entries"], meta[0]["buckets"]
+        version, entries, buckets = meta["version"], meta["entries"], meta["buckets"]
         problems = check_entries(entries, targets)
         refused = self._statuses(channel, not problems, "; ".join(problems[:10]) or None)
         if refused:
@@ -265,8 +277,7 @@ class WeightSync:
         works: list[Any] = [None, None]
 
         def post(i: int) -> None:
-            works[i % 2] = dist.broadcast(self._buffer(i % 2, buckets[i].size), src=channel.src,
-                                          group=channel.data, async_op=True)
+            works[i % 2] = self._broadcast(channel, self._buffer(i % 2, buckets[i].size))
 
         try:
             for i in range(min(2, len(buckets))):
@@ -291,15 +302,20 @@ class WeightSync:
         failed = self._statuses(channel, True, None)
         if failed:
             raise SyncError(f"version {version} failed on: " + "; ".join(f"rank {r}: {m}" for r, m in failed.items()))
-        return (version, sum(e.nbytes for e in entries), len(entries), len(buckets),
-                time.perf_counter() - start)
+        return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(buckets),
+                         time.perf_counter() - start)
 
     def close(self) -> None:
-        for channel in self._channels:
-            for group in (channel.data, channel.control):
-                try:
-                    dist.destroy_process_group(group)
-                except Exception:  # a group whose peer died may not tear down cleanly
-                    pass
+        for channel in getattr(self, "_channels", []):
+            if channel.group is not None:
+                channel.group.close()
         self._channels = []
         self._buffers = []
+        if self._own_group:
+            self.group.close()
+
+    def __enter__(self) -> "WeightSync":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -5,6 +5,7 @@
     layout       whole or pre-sharded (patterns, the manifest): which files are this rank's
     choice       the read choice: which backend, cooperative or not (pure)
     plan         the rank plan: source, choice, index and what the rank must end up with
+    planner      makes the rank plan (the steps above, on one rank) and asks the backend's preflight
     agreement    every rank planned the same read, and cooperative readers hold identical lists
     backends/    the readers (one object each), onto cuda:<local_rank> or cpu
     delivery     what the backend hands over is checked against the rank plan

@@ -9,7 +9,7 @@ with huge pages, right after memory was freed (see the first cost below).
 
 Most distributions run transparent huge pages in ``madvise`` mode: only ranges marked with
 ``madvise(MADV_HUGEPAGE)`` get them. We mark the 2 MiB-aligned interior of each new tensor of at
-least ``MIN_TENSOR_BYTES`` before distload writes to it. The tensor stays an ordinary
+least ``MIN_TENSOR_PAGES`` huge pages before distload writes to it. The tensor stays an ordinary
 ``torch.empty`` tensor (torch's allocator, a resizable storage that frees normally); only the
 kernel's backing changes. The mark is advice: memory that glibc hands out again from its heap
 (after a large free it raises its mmap threshold, up to 32 MiB) is already backed by 4 KiB pages,
@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from distload.errors import ConfigError
+from distload.runtime import RUNTIME
 
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _THP_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
@@ -52,11 +53,6 @@ _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
 
-# Tensors this process may still mark (see the module docstring); None until first needed.
-_process_slots: Optional[int] = None
-_process_lock = threading.Lock()
-
-
 def _read_int(path: str, default: int) -> int:
     try:
         with open(path) as f:
@@ -65,10 +61,13 @@ def _read_int(path: str, default: int) -> int:
         return default
 
 
-# 2 MiB with 4 KiB base pages (x86-64, most arm64 kernels); the kernel says what it really is.
-HUGE_PAGE_BYTES = _read_int(_THP_SIZE, 2 * 1024 * 1024)
-# Below this a tensor's aligned interior is at most one huge page (and often none).
-MIN_TENSOR_BYTES = 2 * HUGE_PAGE_BYTES
+def huge_page_bytes(path: str = _THP_SIZE) -> int:
+    """The kernel's huge page size: 2 MiB with 4 KiB base pages (x86-64, most arm64 kernels)."""
+    return _read_int(path, 2 * 1024 * 1024)
+
+
+# Below this many huge pages a tensor's aligned interior is at most one (and often none).
+MIN_TENSOR_PAGES = 2
 
 
 def thp_mode(path: str = _THP_ENABLED) -> Optional[str]:
@@ -91,7 +90,8 @@ def free_huge_page_bytes(path: str = _BUDDYINFO) -> int:
             lines = f.read().splitlines()
     except OSError:
         return 0
-    huge_order = (HUGE_PAGE_BYTES // os.sysconf("SC_PAGE_SIZE")).bit_length() - 1
+    page = huge_page_bytes()
+    huge_order = (page // os.sysconf("SC_PAGE_SIZE")).bit_length() - 1
     total = 0
     for line in lines:
         # "Node 0, zone   Normal  16988  23957 ..." : free block counts by order 0, 1, 2, ...
@@ -99,7 +99,7 @@ def free_huge_page_bytes(path: str = _BUDDYINFO) -> int:
         for order, count in enumerate(counts):
             if order >= huge_order:
                 total += int(count) << (order - huge_order)
-    return total * HUGE_PAGE_BYTES
+    return total * page
 
 
 def free_page_reporting(devices: str = _VIRTIO_DEVICES) -> Optional[str]:
@@ -144,6 +144,7 @@ class HostMemory:
                  reporting: Optional[str] = "detect"):
         # mode, free_bytes and reporting stand in for what the kernel says (tests).
         self.marked_bytes = 0  # bytes marked MADV_HUGEPAGE so far
+        self.huge_page_bytes = huge_page_bytes()
         self._lock = threading.Lock()
         self._required = bool(huge_pages)
         self._budget: Optional[int] = None  # bytes auto may still mark; None: no limit
@@ -178,7 +179,7 @@ class HostMemory:
                     f"slowly; 'huge_pages': true overrides")
         free = free_huge_page_bytes() if free_bytes is None else free_bytes
         self._budget = free // max(1, local_ranks)
-        if self._budget < HUGE_PAGE_BYTES:
+        if self._budget < self.huge_page_bytes:
             return "the kernel has no free huge-page-sized blocks (/proc/buddyinfo)"
         return None
 
@@ -191,11 +192,12 @@ class HostMemory:
 
     def _mark(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < MIN_TENSOR_BYTES:
+        page = self.huge_page_bytes
+        if nbytes < MIN_TENSOR_PAGES * page:
             return
         start = tensor.data_ptr()
-        first = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        last = (start + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+        first = -(-start // page) * page
+        last = (start + nbytes) // page * page
         length = last - first
         if length <= 0:
             return
@@ -222,11 +224,10 @@ class HostMemory:
 
 def _take_slot() -> bool:
     """Count one more marked tensor against this process's share of vm.max_map_count."""
-    global _process_slots
-    with _process_lock:
-        if _process_slots is None:
-            _process_slots = _read_int(_MAX_MAP_COUNT, 65530) // 8
-        if _process_slots <= 0:
+    with RUNTIME.lock:
+        if RUNTIME.huge_page_slots is None:
+            RUNTIME.huge_page_slots = _read_int(_MAX_MAP_COUNT, 65530) // 8
+        if RUNTIME.huge_page_slots <= 0:
             return False
-        _process_slots -= 1
+        RUNTIME.huge_page_slots -= 1
         return True

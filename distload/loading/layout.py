@@ -1,11 +1,10 @@
-"""Who reads what: pure functions over file names, with no I/O and no torch.distributed.
+"""What layout a checkpoint folder has, by one rule: whole, or pre-sharded per rank.
 
-A *read group* is the set of ranks that need exactly the same files:
-
-- whole checkpoint: every rank needs every tensor, so all ranks form one group and may read
-  cooperatively (Run:ai distributed, InstantTensor with the group's handle);
-- per-rank shards saved for the job's world size: each rank is its own group and reads only its
-  files, with no collective in the read path.
+A folder is *pre-sharded* when it holds a distload manifest, or files whose names match the shard
+pattern (``model-rank-{rank}-part-{part}.safetensors`` unless the user or the manifest says
+otherwise); anything else is a *whole* checkpoint that every rank needs all of.
+:func:`detect_layout` is the one place that rule is written: the loader, ``inspect``, both
+savers and the demo all ask it. The name functions below it are pure (no I/O).
 """
 
 from __future__ import annotations
@@ -13,8 +12,34 @@ from __future__ import annotations
 import re
 import string
 from dataclasses import dataclass
+from typing import Any
 
-from distload.errors import ShardLayoutError
+from distload.errors import ConfigError, ShardLayoutError
+from distload.loading.manifest import Manifest, manifest_files_for_rank, read_manifest
+from distload.loading.sources import Source, describe_names, open_source
+
+DEFAULT_SHARD_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+
+
+def check_pattern(key: str, value: Any) -> None:
+    """A shard file-name pattern: plain ``{rank}`` and ``{part}`` fields, each at least once."""
+    example = f"e.g. {DEFAULT_SHARD_PATTERN!r}"
+    label = key if key.startswith("--") else f"extra config '{key}'"
+    if not isinstance(value, str):
+        raise ConfigError(f"{label} must be a string, {example}; got {value!r}")
+    try:
+        fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(value)
+                  if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"{label} {value!r} is not a valid pattern ({exc}); {example}") from None
+    names = {name for name, _, _ in fields}
+    if names != {"rank", "part"} or any(spec or conv for _, spec, conv in fields):
+        raise ConfigError(
+            f"{label} must contain the fields {{rank}} and {{part}} and no other field, "
+            f"format spec or conversion (such as {{part:05d}}), {example}; got {value!r}"
+        )
+    if "/" in value:
+        raise ConfigError(f"{label} {value!r} must be a file name, not a path")
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -47,6 +72,10 @@ class ShardLayout:
     @property
     def saved_world_size(self) -> int:
         return max(self.parts_by_rank) + 1 if self.parts_by_rank else 0
+
+    def names(self) -> list[str]:
+        """Every matching file name, by rank then part."""
+        return [name for rank in self.ranks for _, name in self.parts_by_rank[rank]]
 
 
 def find_shard_layout(names: list[str], pattern: str) -> ShardLayout:
@@ -112,90 +141,47 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
     return [name for _, name in layout.parts_by_rank[rank]]
 
 
-def mismatched_ranks(signatures: list[list[tuple]]) -> dict[int, str]:
-    """Ranks whose file list differs from rank 0's, with what differs (for a clear error).
-
-    A signature lists ``(path, size)`` or ``(path, size, content fingerprint)`` per file.
-    """
-    def as_map(signature: list[tuple]) -> dict[str, tuple[int, str]]:
-        return {item[0]: (item[1], item[2] if len(item) > 2 else "") for item in signature}
-
-    reference = signatures[0]
-    differing: dict[int, str] = {}
-    for rank, signature in enumerate(signatures[1:], start=1):
-        if signature == reference:
-            continue
-        ref, own = as_map(reference), as_map(signature)
-        only_here = sorted(set(own) - set(ref))
-        only_ref = sorted(set(ref) - set(own))
-        common = set(own) & set(ref)
-        sizes = sorted(p for p in common if own[p][0] != ref[p][0])
-        contents = sorted(p for p in common if own[p][0] == ref[p][0] and own[p][1] != ref[p][1])
-        what = []
-        if only_here:
-            what.append(f"has {only_here} that rank 0 lacks")
-        if only_ref:
-            what.append(f"lacks {only_ref} that rank 0 has")
-        if sizes:
-            what.append(f"sees other sizes for {sizes}")
-        if contents:
-            what.append(f"sees other contents (same size, different bytes) for {contents}")
-        if not what:
-            what.append("lists the same files in another order")
-        differing[rank] = "; ".join(what)
-    return differing
-
-
 @dataclass(frozen=True)
-class ReadChoice:
-    """How one rank reads: which layout, which backend, and whether ranks read cooperatively."""
+class Layout:
+    """What a source holds, as :func:`detect_layout` found it."""
 
-    sharded: bool
-    backend: str  # a key of distload.loading.backends.BACKENDS
-    cooperative: bool
+    source: Source
+    pattern: str  # the shard pattern the folder was tested against
+    shards: ShardLayout  # the files matching it, by rank (empty for a whole checkpoint)
+    manifest: Manifest | None
+    names: tuple[str, ...]  # the folder's listing (empty for a single file)
+
+    @property
+    def sharded(self) -> bool:
+        return self.manifest is not None or bool(self.shards.parts_by_rank)
+
+    @property
+    def saved_world_size(self) -> int:
+        return self.manifest.world_size if self.manifest else self.shards.saved_world_size
+
+    def rank_files(self, rank: int, world_size: int) -> list[str]:
+        """The names of ``rank``'s files for a job of ``world_size`` ranks, or a
+        ShardLayoutError that says what is there and what to do."""
+        if self.manifest is not None:
+            return manifest_files_for_rank(self.manifest, self.source, self.pattern, rank, world_size)
+        return shard_files_for_rank(self.shards, self.source.folder, rank, world_size,
+                                    describe_names(list(self.names)))
+
+    def rank_paths(self, rank: int, world_size: int) -> list[str]:
+        return [self.source.path(name) for name in self.rank_files(rank, world_size)]
 
 
-# What `auto` picks on a CPU, from benchmarks/results/load.md: on local files distload's own
-# parallel-pread reader (no intermediate buffer, no memory map) beats safetensors (copied out of
-# its map) and Run:ai from disk in 3 of the 4 cold cases. From a warm page cache, on per-rank
-# shards, safetensors' memcpy is 20-25% faster, but a file truncated under a memory map kills the process with SIGBUS, where pread raises an error
-# naming the file and tensor: we keep pread. And with the page cache already sharing reads
-# between a node's ranks, each rank reading alone beats Run:ai's distributed mode over gloo, so
-# local loads never cooperate.
-# On an object store nothing shares the reads, so a whole checkpoint is read cooperatively.
-AUTO_CPU_BACKEND = "pread"
+def detect_layout(source: "str | Source", pattern: str | None = None) -> Layout:
+    """The layout of ``source`` (a local file or folder, or an object-store URI).
 
-
-def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: str, world_size: int,
-                distributed: bool, instanttensor_installed: bool, remote: bool = False) -> ReadChoice:
-    """Map a load format (already validated) to a read, for one rank; pure and deterministic.
-
-    Every rank of a job calls this with the same arguments and so takes the same decision,
-    which the cooperative backends rely on (the caller still cross-checks the file lists).
-    ``remote``: the source is an object store. safetensors' reader needs a local file, so there
-    the safetensors formats read the same tensors with ranged GETs (backend ``ranged``).
+    ``pattern``: the shard file-name pattern to look for; None takes the manifest's, else
+    :data:`DEFAULT_SHARD_PATTERN`. Raises CheckpointError for a folder a save did not finish.
     """
-    many = world_size > 1
-    plain = "ranged" if remote else "safetensors"
-    if load_format == "safetensors":
-        return ReadChoice(False, plain, False)
-    if load_format == "sharded_state":
-        return ReadChoice(True, plain, False)
-    if load_format == "runai_streamer":
-        return ReadChoice(False, "runai", distributed and many)
-    if load_format == "runai_streamer_sharded":
-        return ReadChoice(True, "runai", False)
-    if load_format == "instanttensor":
-        return ReadChoice(False, "instanttensor", many)
-    if load_format == "dummy":
-        return ReadChoice(sharded_layout_found, "dummy", False)
-    if load_format == "auto":
-        if device_type == "cuda" and not remote:
-            if instanttensor_installed and not sharded_layout_found:
-                return ReadChoice(False, "instanttensor", many)
-            # Run:ai over NCCL reads each byte once and broadcasts device to device.
-            return ReadChoice(sharded_layout_found, "runai", many and not sharded_layout_found)
-        if remote:
-            return ReadChoice(sharded_layout_found, "runai", many and not sharded_layout_found)
-        return ReadChoice(sharded_layout_found, AUTO_CPU_BACKEND, False)
-    raise AssertionError(f"unvalidated load format {load_format!r}")
+    src = open_source(source)
+    if src.is_file:
+        return Layout(src, pattern or DEFAULT_SHARD_PATTERN, ShardLayout(pattern or DEFAULT_SHARD_PATTERN, {}),
+                      None, ())
+    names = tuple(src.names())
+    manifest = read_manifest(src)
+    pattern = pattern or (manifest.pattern if manifest else DEFAULT_SHARD_PATTERN)
+    return Layout(src, pattern, find_shard_layout(list(names), pattern), manifest, names)

@@ -8,7 +8,6 @@ other tools (vLLM's sharded_state) have no manifest and still load; they just ge
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -39,7 +38,7 @@ class Manifest:
     world_size: int
     pattern: str
     files: list[ShardFile]
-    plan: dict[str, Any] | None = None
+    sharding: dict[str, Any] | None = None  # the sharding spec an offline reshard used
     # rank -> {alias name: name of the tensor it shares storage with}
     aliases: dict[int, dict[str, str]] = field(default_factory=dict)
     replicated_unmatched: list[str] = field(default_factory=list)
@@ -96,42 +95,13 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
         files = [ShardFile(**entry) for entry in raw["files"]]
         return Manifest(
             world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
-            plan=raw.get("plan"),
+            sharding=raw.get("sharding", raw.get("plan")),  # "plan" in manifests before 2026-12
             aliases={int(rank): dict(names) for rank, names in raw.get("aliases", {}).items()},
             replicated_unmatched=list(raw.get("replicated_unmatched", [])),
             source=raw.get("source"), created_by=raw.get("created_by", ""),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc})") from None
-
-
-def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:
-    """Check every file of the manifest (exists, size, SHA-256); return the problems found.
-
-    Works on a local folder and on an object-store prefix (objects are hashed from ranged reads).
-    """
-    src = open_source(folder)
-    manifest = read_manifest(src)
-    if manifest is None:
-        return None, [f"{src.folder}: no {MANIFEST_NAME}: not a checkpoint saved by distload, or its save "
-                      f"did not finish; nothing to verify against"]
-    problems = []
-    for entry in manifest.files:
-        if not src.has_file(entry.name):
-            problems.append(f"{entry.name} (rank {entry.rank}): missing")
-            continue
-        size = src.file_size(entry.name)
-        if size != entry.size:
-            problems.append(f"{entry.name} (rank {entry.rank}): {size} bytes, the manifest says {entry.size}")
-            continue
-        hasher = hashlib.sha256()
-        for chunk in src.iter_chunks(entry.name):
-            hasher.update(chunk)
-        digest = hasher.hexdigest()
-        if digest != entry.sha256:
-            problems.append(f"{entry.name} (rank {entry.rank}): SHA-256 {digest[:16]}... differs from the "
-                            f"manifest's {entry.sha256[:16]}...: the file was changed or corrupted")
-    return manifest, problems
 
 
 def manifest_files_for_rank(manifest: Manifest, folder: "str | Source", pattern: str, rank: int,

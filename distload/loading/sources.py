@@ -10,12 +10,14 @@ segment ends in ``.safetensors`` names one object; any other URI is a prefix.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Union
 
-from distload.loading.index import CheckpointIndex, FileInfo, read_local_header
+from distload.loading.index import MAX_HEADER_BYTES, CheckpointIndex, FileInfo, parse_header
 from distload.errors import CheckpointError, ConfigError
 
 OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
@@ -70,6 +72,54 @@ def describe_names(names: list[str], limit: int = 12) -> str:
     shown = ", ".join(names[:limit])
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return f"it holds: {shown}{more}"
+
+
+def read_local_header(path: str) -> FileInfo:
+    """Read and parse the header of a local safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) == 8:
+                (header_len,) = struct.unpack("<Q", head)
+                if 2 <= header_len <= MAX_HEADER_BYTES:
+                    head += f.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied") from None
+    return parse_header(path, head, size)
+
+
+FINGERPRINT_SAMPLE_BYTES = 64 * 1024
+
+
+def content_fingerprint(info: FileInfo) -> str:
+    """SHA-256 of a local file's header and three samples of its data (start, middle, end).
+
+    Two nodes can hold different versions of a checkpoint at the same path with the same sizes
+    (a fine-tune of the same model); cooperative readers would then silently mix them. Every
+    weight changes in a fine-tune, so a few sampled blocks tell the versions apart at the cost of
+    four small reads per file.
+    """
+    hasher = hashlib.sha256()
+    data_start = info.tensors[0].begin if info.tensors else info.size
+    samples = [(0, data_start)]
+    if info.size > data_start:
+        middle = data_start + (info.size - data_start) // 2
+        for offset in (data_start, middle, max(data_start, info.size - FINGERPRINT_SAMPLE_BYTES)):
+            samples.append((offset, min(FINGERPRINT_SAMPLE_BYTES, info.size - offset)))
+    try:
+        with open(info.path, "rb", buffering=0) as f:
+            for offset, size in samples:
+                hasher.update(os.pread(f.fileno(), size, offset))
+    except OSError as exc:
+        raise CheckpointError(f"{info.path}: cannot read it to compare its content across ranks "
+                              f"({exc.strerror or exc}): was it moved or deleted while planning?") from None
+    return hasher.hexdigest()
+
 
 
 class LocalSource:

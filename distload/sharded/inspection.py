@@ -6,10 +6,8 @@ from collections import Counter
 from typing import Any
 
 from distload.loading.index import build_index
-from distload.config import DEFAULT_SHARD_PATTERN
-from distload.loading.manifest import read_manifest
-from distload.loading.layout import find_shard_layout
-from distload.loading.sources import open_source, whole_checkpoint
+from distload.loading.layout import detect_layout
+from distload.loading.sources import whole_checkpoint
 
 
 def inspect_source(source: str, pattern: str | None = None) -> dict[str, Any]:
@@ -17,16 +15,14 @@ def inspect_source(source: str, pattern: str | None = None) -> dict[str, Any]:
 
     ``source`` is a local file or folder, or an object-store URI (headers by ranged reads).
     """
-    src = open_source(source)
-    manifest = read_manifest(src) if not src.is_file else None
-    pattern = pattern or (manifest.pattern if manifest else DEFAULT_SHARD_PATTERN)
-    names = src.names() if not src.is_file else []
-    layout = find_shard_layout(names, pattern)
-    if layout.parts_by_rank:
-        files = [src.path(name) for rank in layout.ranks for _, name in layout.parts_by_rank[rank]]
-        infos = src.read_headers(files)
-        kind = {"layout": "sharded", "saved_world_size": manifest.world_size if manifest else layout.saved_world_size,
-                "ranks_found": layout.ranks, "pattern": pattern, "manifest": manifest is not None}
+    layout = detect_layout(source, pattern)
+    src, manifest = layout.source, layout.manifest
+    if layout.sharded:
+        names = [f.name for f in manifest.files] if manifest else layout.shards.names()
+        infos = src.read_headers([src.path(name) for name in names])
+        ranks = sorted({f.rank for f in manifest.files}) if manifest else layout.shards.ranks
+        kind = {"layout": "sharded", "saved_world_size": layout.saved_world_size,
+                "ranks_found": ranks, "pattern": layout.pattern, "manifest": manifest is not None}
         tensors = [t for info in infos for t in info.tensors]
     else:
         files, _ = whole_checkpoint(src)

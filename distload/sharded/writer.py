@@ -17,8 +17,9 @@ from typing import Mapping, Sequence
 
 import torch
 
-from distload.loading.index import DTYPES
 from distload.errors import CheckpointError
+from distload.fileio import temporary_name
+from distload.loading.index import DTYPES
 from distload.tensor_io import tensor_bytes
 
 
@@ -40,11 +41,6 @@ class Entry:
 
 # The 8-byte length, the header's braces, and up to 7 bytes of padding to an 8-byte boundary.
 HEADER_OVERHEAD_BYTES = 8 + 2 + 7
-
-
-def temporary_name(path: str) -> str:
-    folder, name = os.path.split(path)
-    return os.path.join(folder, f".{name}.distload-tmp")
 
 
 class SafetensorsWriter:

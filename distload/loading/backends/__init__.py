@@ -1,32 +1,27 @@
-"""Readers, one module per product, registered by name.
+"""The readers, one module and one object per product, registered by name.
 
-Each backend is a callable ``read(request) -> BackendRun``. Optional packages are imported inside
-the backend, with an error that names the ``pip install`` extra, so that ``import distload``
-works without them.
+Optional packages are imported inside each backend, with an error that names the ``pip install``
+extra, so that ``import distload`` works without them. A new reader is one module here (a
+:class:`~distload.loading.backends.base.Backend` subclass) and one line in ``BACKENDS``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
+from distload.loading.backends.dummy import DummyBackend
+from distload.loading.backends.instanttensor import InstantTensorBackend
+from distload.loading.backends.pread import PreadBackend
+from distload.loading.backends.ranged import RangedBackend
+from distload.loading.backends.runai import RunaiBackend
+from distload.loading.backends.safetensors import SafetensorsBackend
 
-from distload.loading.backends.base import BackendRun, ReadRequest
-from distload.loading.backends.dummy import read_dummy
-from distload.loading.backends.instanttensor import read_instanttensor
-from distload.loading.backends.pread import read_pread
-from distload.loading.backends.ranged import read_ranged
-from distload.loading.backends.runai import read_runai
-from distload.loading.backends.safetensors import read_safetensors
+BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (
+    SafetensorsBackend(),
+    PreadBackend(),
+    RangedBackend(),
+    RunaiBackend(),
+    InstantTensorBackend(),
+    DummyBackend(),
+)}
 
-BACKENDS: dict[str, Callable[[ReadRequest], BackendRun]] = {
-    "safetensors": read_safetensors,
-    "runai": read_runai,
-    "instanttensor": read_instanttensor,
-    "dummy": read_dummy,
-    "ranged": read_ranged,
-    "pread": read_pread,
-}
-
-# The backends that create host tensors themselves, from ReadRequest.host_memory (huge pages).
-HOST_TENSOR_BACKENDS = frozenset({"pread", "ranged", "safetensors"})
-
-__all__ = ["BACKENDS", "HOST_TENSOR_BACKENDS", "BackendRun", "ReadRequest"]
+__all__ = ["BACKENDS", "Backend", "BackendRun", "ReadRequest"]

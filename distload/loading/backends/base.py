@@ -1,14 +1,32 @@
-"""What a backend is given and what it hands back."""
+"""What a backend is: one object per reader, what it is given, and what it hands back.
+
+The loader never asks for a backend by name beyond looking it up in the registry
+(``distload.loading.backends.BACKENDS``); everything it needs to know is a trait or a method of
+the object. Order of calls, on every rank of the group:
+
+1. ``preflight(plan, group)`` while planning, inside the group's agreement step: a refusal
+   there reaches every rank at once (inside a cooperative read the others would wait the timeout);
+2. ``read(request)``: a :class:`BackendRun` whose ``tensors()`` streams ``(name, tensor)`` onto
+   the request's device, with ``environment(request)`` applied while it streams.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 
-from distload.loading.index import CheckpointIndex
 from distload.loading.host_memory import HostMemory
+from distload.loading.index import CheckpointIndex
+
+if TYPE_CHECKING:
+    from distload.group import WorkerGroup
+    from distload.loading.plan import RankPlan
+
+# An extra-config value check: raises ConfigError naming the key.
+Check = Callable[[str, Any], None]
 
 
 @dataclass(frozen=True)
@@ -51,3 +69,39 @@ class BackendRun:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._tensors
+
+
+class Backend:
+    """One reader. Subclasses set the traits and implement :meth:`read`.
+
+    ``name``: the registry key and the read choice's ``backend``.
+    ``keys``: the extra-config keys this reader honours, each with its value check.
+    ``creates_host_tensors``: it allocates the host tensors it yields itself (from the request's
+        HostMemory), so the ``huge_pages`` setting concerns it.
+    ``reads_object_stores``: it can read ``s3://``/``gs://``/``az://`` sources.
+    ``package``: the optional module it needs (None: always there).
+    """
+
+    name: ClassVar[str] = ""
+    keys: ClassVar[Mapping[str, Check]] = {}
+    creates_host_tensors: ClassVar[bool] = False
+    reads_object_stores: ClassVar[bool] = True
+    package: ClassVar[str | None] = None
+
+    def available(self) -> bool:
+        """Whether this machine has what the reader needs to import (not whether it can run on
+        this rank's device: that is :meth:`preflight`'s question)."""
+        return self.package is None or importlib.util.find_spec(self.package) is not None
+
+    def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
+        """Raise what the read would otherwise meet only once it started."""
+
+    def environment(self, request: ReadRequest) -> dict[str, str]:
+        """Environment variables the reader needs while it streams (nothing is written here)."""
+        return {}
+
+    def read(self, request: ReadRequest) -> BackendRun:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"

@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 
 from distload.loading.index import TensorInfo
-from distload.loading.backends.base import BackendRun, ReadRequest
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 
 
 def name_seed(name: str) -> int:
@@ -38,8 +38,11 @@ def dummy_tensor(info: TensorInfo, device: torch.device) -> torch.Tensor:
     return torch.randint(low, 8, info.shape, generator=generator, device=device, dtype=torch.int64).to(dtype)
 
 
-def read_dummy(request: ReadRequest) -> BackendRun:
-    return BackendRun("dummy").start(_stream(request))
+class DummyBackend(Backend):
+    name = "dummy"
+
+    def read(self, request: ReadRequest) -> BackendRun:
+        return BackendRun("dummy").start(_stream(request))
 
 
 def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:

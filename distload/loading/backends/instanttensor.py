@@ -6,13 +6,30 @@ It cannot run without CUDA; distload says so at once instead of falling back to 
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
-from distload.config import ALLOWED_KEYS
-from distload.errors import BackendUnavailableError
-from distload.loading.backends.base import BackendRun, ReadRequest
+from distload.config import check_fraction, check_positive_int
+from distload.errors import BackendUnavailableError, ConfigError
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
+from distload.loading.sources import is_object_store
+
+if TYPE_CHECKING:
+    from distload.group import WorkerGroup
+    from distload.loading.plan import RankPlan
+
+# InstantTensor's I/O backends, as its `backend` knob names them (comma-separated: tried in order).
+IO_BACKENDS = ("URING", "AIO", "URING_BUFFERED", "AIO_BUFFERED", "CUFILE", "MMAP", "BUFFERED")
+
+
+def check_io_backends(key: str, value: Any) -> None:
+    names = value.split(",") if isinstance(value, str) else None
+    if not names or any(name.strip().upper() not in IO_BACKENDS for name in names):
+        raise ConfigError(
+            f"extra config '{key}' must be one or more of {', '.join(IO_BACKENDS)} "
+            f"(comma-separated), got {value!r}"
+        )
 
 
 def _import_instanttensor():
@@ -35,14 +52,36 @@ def check_instanttensor_device(device: torch.device) -> None:
         )
 
 
-def read_instanttensor(request: ReadRequest) -> BackendRun:
-    check_instanttensor_device(request.device)
-    module = _import_instanttensor()
-    group = request.group
-    process_group = group.process_group if (request.cooperative and group.world_size > 1) else None
-    knobs = instanttensor_knobs(request.extra, module)
-    path = "instanttensor-group" if process_group is not None else "instanttensor"
-    return BackendRun(path).start(_stream(module, request, process_group, knobs))
+class InstantTensorBackend(Backend):
+    name = "instanttensor"
+    keys = {
+        "buffer_size": check_positive_int,
+        "chunk_size": check_positive_int,
+        "concurrency": check_positive_int,
+        "io_depth": check_positive_int,
+        "max_free_mem_usage": check_fraction,
+        "backend": check_io_backends,
+    }
+    reads_object_stores = False
+    package = "instanttensor"
+
+    def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
+        if is_object_store(plan.source):
+            raise BackendUnavailableError(
+                f"{plan.source}: --load-format instanttensor reads local files only; load an "
+                f"object-store source with runai_streamer (extra config {{\"distributed\": true}} "
+                f"reads each byte once per node), or copy the checkpoint to local disk first"
+            )
+        check_instanttensor_device(group.device)
+
+    def read(self, request: ReadRequest) -> BackendRun:
+        check_instanttensor_device(request.device)
+        module = _import_instanttensor()
+        group = request.group
+        process_group = group.process_group if (request.cooperative and group.world_size > 1) else None
+        knobs = instanttensor_knobs(request.extra, module)
+        path = "instanttensor-group" if process_group is not None else "instanttensor"
+        return BackendRun(path).start(_stream(module, request, process_group, knobs))
 
 
 def instanttensor_knobs(extra: Mapping[str, Any], module) -> dict[str, Any]:
@@ -51,7 +90,7 @@ def instanttensor_knobs(extra: Mapping[str, Any], module) -> dict[str, Any]:
     Only its own keys: ``auto`` may bring others (``pattern``, ``huge_pages``) that are distload's
     and that ``safe_open`` would reject as unexpected keyword arguments.
     """
-    knobs = {key: value for key, value in extra.items() if key in ALLOWED_KEYS["instanttensor"]}
+    knobs = {key: value for key, value in extra.items() if key in InstantTensorBackend.keys}
     if "backend" in knobs:
         knobs["backend"] = [module.Backend[name.strip().upper()] if name.strip().upper() != "BUFFERED"
                             else module.BackendPolicy.BUFFERED

@@ -19,41 +19,66 @@ from typing import Iterator
 
 import torch
 
+from distload.config import check_bool, check_positive_int
+from distload.fileio import open_for_reading, read_exactly
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.index import TensorInfo
-from distload.errors import CheckpointError
 from distload.tensor_io import host_view
-from distload.loading.backends.base import BackendRun, ReadRequest
 
 CHUNK_BYTES = 8 * 1024 * 1024
 DEFAULT_CONCURRENCY = 8
 READ_AHEAD_BYTES = 256 * 1024 * 1024
 
 
-def read_pread(request: ReadRequest) -> BackendRun:
-    return BackendRun("pread").start(_stream(request))
+class PreadBackend(Backend):
+    name = "pread"
+    keys = {"huge_pages": check_bool, "concurrency": check_positive_int}  # concurrency: reader threads
+    creates_host_tensors = True
+    reads_object_stores = False
 
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES, read_ahead_bytes: int = READ_AHEAD_BYTES):
+        self.chunk_bytes = chunk_bytes  # one read's size: several reads per tensor are in flight
+        self.read_ahead_bytes = read_ahead_bytes  # bytes read ahead of what the caller took
 
-def read_exactly(fd: int, view: memoryview, offset: int, path: str, name: str) -> None:
-    """Fill ``view`` from ``fd`` at ``offset`` (tensor ``name`` of ``path``); short reads retried,
-    a file that ends early or fails is a CheckpointError naming both."""
-    done = 0
-    while done < len(view):
+    def read(self, request: ReadRequest) -> BackendRun:
+        return BackendRun("pread").start(self._stream(request))
+
+    def _stream(self, request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
+        concurrency = int(request.extra.get("concurrency", DEFAULT_CONCURRENCY))
+        tensors = [t for f in request.index.files for t in f.tensors]
+        fds: dict[str, int] = {}
+        pending: deque[tuple[TensorInfo, torch.Tensor, list[Future]]] = deque()
+        window = 0  # bytes submitted but not yet handed out
+        submitted = 0
         try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as exc:
-            raise CheckpointError(f"{path}: reading tensor {name!r} failed: {exc}") from None
-        if n == 0:
-            raise CheckpointError(f"{path}: ended while reading tensor {name!r}: the file is shorter "
-                                  f"than its header says (truncated while loading?)")
-        done += n
+            with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="distload-pread") as pool:
+                while submitted < len(tensors) or pending:
+                    # Read ahead until the window is full (always at least one tensor).
+                    while submitted < len(tensors) and (not pending or window < self.read_ahead_bytes):
+                        info = tensors[submitted]
+                        submitted += 1
+                        if info.file not in fds:
+                            fds[info.file] = open_for_reading(info.file)
+                        pending.append(self._submit(pool, fds[info.file], info, request))
+                        window += info.nbytes
+                    info, tensor, futures = pending.popleft()
+                    for future in futures:
+                        future.result()
+                    window -= info.nbytes
+                    yield info.name, tensor if request.device.type == "cpu" else tensor.to(request.device)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
-
-def _open(path: str) -> int:
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open it to read its tensors ({exc.strerror}): was it "
-                              f"moved or deleted after the load was planned?") from None
+    def _submit(self, pool: ThreadPoolExecutor, fd: int, info: TensorInfo,
+                request: ReadRequest) -> tuple[TensorInfo, torch.Tensor, list[Future]]:
+        """Start reading one tensor, in chunks, into its destination."""
+        tensor = _destination(request, info)
+        view = host_view(tensor)
+        futures = [pool.submit(read_exactly, fd, view[start:start + self.chunk_bytes], info.begin + start,
+                               info.file, info.name)
+                   for start in range(0, info.nbytes, self.chunk_bytes)]
+        return info, tensor, futures
 
 
 def _destination(request: ReadRequest, info: TensorInfo) -> torch.Tensor:
@@ -63,41 +88,3 @@ def _destination(request: ReadRequest, info: TensorInfo) -> torch.Tensor:
             and dest.is_contiguous() and dest.dtype == info.torch_dtype and tuple(dest.shape) == info.shape):
         return dest
     return request.host_memory.empty(info.shape, info.torch_dtype)
-
-
-def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
-    concurrency = int(request.extra.get("concurrency", DEFAULT_CONCURRENCY))
-    device = request.device
-    fds: dict[str, int] = {}
-    pending: deque[tuple[TensorInfo, torch.Tensor, list[Future]]] = deque()
-    window = 0
-    try:
-        with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="distload-pread") as pool:
-            queue = iter([t for f in request.index.files for t in f.tensors])
-            exhausted = False
-            while True:
-                # Keep reading ahead until the window is full (always at least one tensor).
-                while not exhausted and (not pending or window < READ_AHEAD_BYTES):
-                    info = next(queue, None)
-                    if info is None:
-                        exhausted = True
-                        break
-                    if info.file not in fds:
-                        fds[info.file] = _open(info.file)
-                    tensor = _destination(request, info)
-                    view = host_view(tensor)
-                    futures = [pool.submit(read_exactly, fds[info.file], view[start:start + CHUNK_BYTES],
-                                           info.begin + start, info.file, info.name)
-                               for start in range(0, info.nbytes, CHUNK_BYTES)]
-                    pending.append((info, tensor, futures))
-                    window += info.nbytes
-                if not pending:
-                    return
-                info, tensor, futures = pending.popleft()
-                for future in futures:
-                    future.result()
-                window -= info.nbytes
-                yield info.name, tensor if device.type == "cpu" else tensor.to(device)
-    finally:
-        for fd in fds.values():
-            os.close(fd)

@@ -15,9 +15,10 @@ from typing import Iterator
 
 import torch
 
+from distload.config import check_bool
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
-from distload.loading.backends.base import BackendRun, ReadRequest
 
 CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -35,8 +36,13 @@ def coalesce(tensors: tuple[TensorInfo, ...] | list[TensorInfo],
     return groups
 
 
-def read_ranged(request: ReadRequest) -> BackendRun:
-    return BackendRun("ranged-reads").start(_stream(request))
+class RangedBackend(Backend):
+    name = "ranged"
+    keys = {"huge_pages": check_bool}
+    creates_host_tensors = True
+
+    def read(self, request: ReadRequest) -> BackendRun:
+        return BackendRun("ranged-reads").start(_stream(request))
 
 
 def _tensor_from(data: bytes, offset: int, info: TensorInfo, request: ReadRequest) -> torch.Tensor:

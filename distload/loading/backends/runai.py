@@ -13,16 +13,29 @@ Distributed mode splits the chunks of ONE file list across the ranks of the defa
 from __future__ import annotations
 
 import logging
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from distload.config import applied_environment, runai_environment
-from distload.errors import BackendUnavailableError, CheckpointError, DistloadError, ObjectStoreError
+from distload.config import check_positive_int, is_int
+from distload.errors import BackendUnavailableError, CheckpointError, ConfigError, DistloadError, ObjectStoreError
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.sources import is_object_store
-from distload.loading.backends.base import BackendRun, ReadRequest
+from distload.runtime import RUNTIME
+
+if TYPE_CHECKING:
+    from distload.group import WorkerGroup
+    from distload.loading.plan import RankPlan
 
 log = logging.getLogger("distload")
+
+
+def check_memory_limit(key: str, value: Any) -> None:
+    if not is_int(value) or value < -1:
+        raise ConfigError(
+            f"extra config '{key}' must be an int >= -1 (-1: unlimited, 0: the largest tensor, "
+            f"N: bytes), got {value!r}"
+        )
 
 
 def _import_streamer():
@@ -36,31 +49,55 @@ def _import_streamer():
     return SafetensorsStreamer
 
 
-def read_runai(request: ReadRequest) -> BackendRun:
-    streamer_cls = _import_streamer()
-    group = request.group
-    distributed = request.cooperative and group.world_size > 1
-    paths = [info.path for info in request.index.files]
-    env = runai_environment(request.extra)
-    store = _object_store(paths)
-    if store is not None:
-        env.update(store.reader_environment())
-    if distributed:
-        # "auto" means NCCL only: on gloo the library would quietly stream alone on each rank.
-        env["RUNAI_STREAMER_DIST"] = "1"
-        env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(group.timeout.total_seconds())))
-    run = BackendRun("runai-distributed" if distributed else "runai")
-    return run.start(_stream(streamer_cls, request, paths, env, distributed, run, store))
+class RunaiBackend(Backend):
+    name = "runai"
+    keys = {"concurrency": check_positive_int, "memory_limit": check_memory_limit}
+    package = "runai_model_streamer"
+
+    def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
+        """The refusals Run:ai's reader would otherwise meet only once reading starts."""
+        if plan.choice.cooperative and not group.is_world:
+            raise BackendUnavailableError(
+                f"Run:ai's distributed mode runs only over the job's default process group, and this "
+                f"load runs over a subgroup of {group.world_size} of its ranks; load without "
+                f"cooperation (extra config distributed=false), or over the whole job"
+            )
+        paths = [info.path for info in plan.index.files]
+        store = _object_store(paths)
+        if store is not None and paths:
+            _preflight(store, paths[0])
+
+    def environment(self, request: ReadRequest) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if "concurrency" in request.extra:
+            env["RUNAI_STREAMER_CONCURRENCY"] = str(request.extra["concurrency"])
+        if "memory_limit" in request.extra:
+            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(request.extra["memory_limit"])
+        store = _object_store([info.path for info in request.index.files])
+        if store is not None:
+            env.update(store.reader_environment())
+        if _distributed(request):
+            # "auto" means NCCL only: on gloo the library would quietly stream alone on each rank.
+            env["RUNAI_STREAMER_DIST"] = "1"
+            env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(request.group.timeout.total_seconds())))
+        return env
+
+    def read(self, request: ReadRequest) -> BackendRun:
+        streamer_cls = _import_streamer()
+        paths = [info.path for info in request.index.files]
+        run = BackendRun("runai-distributed" if _distributed(request) else "runai")
+        return run.start(_stream(streamer_cls, request, paths, self.environment(request), run,
+                                 _object_store(paths)))
 
 
-# Run:ai 0.17 serves a single object-store type per process: after it read from s3://, a gs://
-# read fails with b'File access error', and the other way round (seen here with 0.17.1). Remember
-# the first type used, and refuse another with the reason instead.
-_runai_store_used: str | None = None
+def _distributed(request: ReadRequest) -> bool:
+    return request.cooperative and request.group.world_size > 1
 
 
 def _check_one_store_kind(scheme: str) -> None:
-    used = _runai_store_used
+    # Run:ai 0.17 serves a single object-store type per process: after it read from s3://, a gs://
+    # read fails with b'File access error', and the other way round (seen here with 0.17.1).
+    used = RUNTIME.runai_store_scheme
     if used is not None and used != scheme:
         raise BackendUnavailableError(
             f"Run:ai's reader serves one object-store type per process, and this process already read "
@@ -68,15 +105,6 @@ def _check_one_store_kind(scheme: str) -> None:
             f"Load {scheme}:// sources in another process, or with --load-format safetensors (ranged "
             f"reads) in this one"
         )
-
-
-def check_runai_source(paths: list[str]) -> None:
-    """The refusals Run:ai's reader would otherwise meet only once reading starts, for the planning
-    step: there every rank hears of one rank's failure at once, where inside Run:ai's distributed
-    collectives the others would wait for that rank until the group's timeout."""
-    store = _object_store(paths)
-    if store is not None and paths:
-        _preflight(store, paths[0])
 
 
 def _preflight(store, uri: str) -> None:
@@ -117,22 +145,22 @@ def _read_failure(paths: list[str], store, exc: BaseException) -> DistloadError:
         f"RUNAI_STREAMER_LOG_TO_STDERR=1 to see its own reason"))
 
 
-def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str, str], distributed: bool,
-            run: BackendRun, store) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str, str], run: BackendRun,
+            store) -> Iterator[tuple[str, torch.Tensor]]:
     if not paths:
         return
     if store is not None:
         # Again here: the endpoint may have gone away since planning.
         _preflight(store, paths[0])
-    with applied_environment(env), streamer_cls() as streamer:
+    distributed = _distributed(request)
+    with RUNTIME.environment(env), streamer_cls() as streamer:
         try:
             streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
         except ValueError as exc:
             # Run:ai reports every I/O fault as b'File access error'; find the real cause.
             raise _read_failure(paths, store, exc) from exc
-        global _runai_store_used
-        if store is not None and _runai_store_used is None:
-            _runai_store_used = store.scheme
+        if store is not None and RUNTIME.runai_store_scheme is None:
+            RUNTIME.runai_store_scheme = store.scheme
         took_distributed = bool(getattr(streamer.file_streamer, "is_distributed", False))
         run.path = "runai-distributed" if took_distributed else "runai"
         if distributed and not took_distributed:

@@ -14,12 +14,19 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from distload.config import check_bool
 from distload.errors import CheckpointError
-from distload.loading.backends.base import BackendRun, ReadRequest
+from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 
 
-def read_safetensors(request: ReadRequest) -> BackendRun:
-    return BackendRun("safetensors").start(_stream(request))
+class SafetensorsBackend(Backend):
+    name = "safetensors"
+    keys = {"huge_pages": check_bool}
+    creates_host_tensors = True
+    reads_object_stores = False  # safe_open needs a local file; object stores get `ranged`
+
+    def read(self, request: ReadRequest) -> BackendRun:
+        return BackendRun("safetensors").start(_stream(request))
 
 
 def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:

@@ -14,9 +14,7 @@ set, distload gives the reader its AccountName, AccountKey and EndpointSuffix.
 from __future__ import annotations
 
 import os
-import threading
 
-from distload.errors import BackendUnavailableError
 from distload.loading.stores.base import (
     CONNECT_TIMEOUT_S,
     READ_TIMEOUT_S,
@@ -54,15 +52,11 @@ class AzureStore(ObjectStore):
                 "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_ENDPOINT_SUFFIX", "AZURE_CLIENT_ID",
                 "AZURE_TENANT_ID", "REQUESTS_CA_BUNDLE")
 
+    needs = ("Run:ai's Azure reader and azure-storage-blob", "azure",
+             ("azure.storage.blob", "runai_model_streamer_azure"))
+
     def __init__(self) -> None:
-        try:
-            import azure.storage.blob  # noqa: F401
-            import runai_model_streamer_azure  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"az:// sources need Run:ai's Azure reader and azure-storage-blob: "
-                f"pip install 'distload[azure]' ({exc})"
-            ) from None
+        super().__init__()
         env = os.environ
         self._connection = parse_connection_string(env.get("AZURE_STORAGE_CONNECTION_STRING", ""))
         self._account = env.get("AZURE_STORAGE_ACCOUNT_NAME") or self._connection.get("AccountName", "")
@@ -70,35 +64,30 @@ class AzureStore(ObjectStore):
         if not suffix and self._connection.get("EndpointSuffix"):
             suffix = "blob." + self._connection["EndpointSuffix"]
         self._suffix = suffix or DEFAULT_SUFFIX
-        self._client_obj = None
-        self._lock = threading.Lock()
 
-    def _client(self):
-        with self._lock:
-            if self._client_obj is None:
-                from azure.storage.blob import BlobServiceClient
+    def _make_client(self):
+        from azure.storage.blob import BlobServiceClient
 
-                env = os.environ
-                kwargs = {"connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
-                          "retry_total": 2, "user_agent": "distload"}
-                account_url = f"https://{self._account}.{self._suffix}"
-                if env.get("AZURE_STORAGE_CONNECTION_STRING"):
-                    client = BlobServiceClient.from_connection_string(env["AZURE_STORAGE_CONNECTION_STRING"], **kwargs)
-                elif not self._account:
-                    raise _NoAzureCredentials(
-                        "neither AZURE_STORAGE_CONNECTION_STRING nor AZURE_STORAGE_ACCOUNT_NAME is set")
-                elif env.get("AZURE_STORAGE_SAS_TOKEN"):
-                    client = BlobServiceClient(account_url, credential=env["AZURE_STORAGE_SAS_TOKEN"].lstrip("?"),
-                                               **kwargs)
-                elif env.get("AZURE_STORAGE_ACCOUNT_KEY"):
-                    client = BlobServiceClient(account_url, credential={
-                        "account_name": self._account, "account_key": env["AZURE_STORAGE_ACCOUNT_KEY"]}, **kwargs)
-                else:
-                    from azure.identity import DefaultAzureCredential
+        env = os.environ
+        kwargs = {"connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                  "retry_total": 2, "user_agent": "distload"}
+        account_url = f"https://{self._account}.{self._suffix}"
+        if env.get("AZURE_STORAGE_CONNECTION_STRING"):
+            client = BlobServiceClient.from_connection_string(env["AZURE_STORAGE_CONNECTION_STRING"], **kwargs)
+        elif not self._account:
+            raise _NoAzureCredentials(
+                "neither AZURE_STORAGE_CONNECTION_STRING nor AZURE_STORAGE_ACCOUNT_NAME is set")
+        elif env.get("AZURE_STORAGE_SAS_TOKEN"):
+            client = BlobServiceClient(account_url, credential=env["AZURE_STORAGE_SAS_TOKEN"].lstrip("?"),
+                                       **kwargs)
+        elif env.get("AZURE_STORAGE_ACCOUNT_KEY"):
+            client = BlobServiceClient(account_url, credential={
+                "account_name": self._account, "account_key": env["AZURE_STORAGE_ACCOUNT_KEY"]}, **kwargs)
+        else:
+            from azure.identity import DefaultAzureCredential
 
-                    client = BlobServiceClient(account_url, credential=DefaultAzureCredential(), **kwargs)
-                self._client_obj = client
-            return self._client_obj
+            client = BlobServiceClient(account_url, credential=DefaultAzureCredential(), **kwargs)
+        return client
 
     def endpoint(self) -> Endpoint:
         if os.environ.get("AZURE_STORAGE_CONNECTION_STRING"):

@@ -12,6 +12,7 @@ credentials, endpoint unreachable) and the endpoint used, with every credential 
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import socket
@@ -24,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from distload.loading.index import MAX_HEADER_BYTES, FileInfo, parse_header
-from distload.errors import ConfigError, ObjectStoreError
+from distload.errors import BackendUnavailableError, ConfigError, ObjectStoreError
+from distload.runtime import RUNTIME
 
 T = TypeVar("T")
 
@@ -171,9 +173,8 @@ def _connect_address(host: str) -> str:
     return host
 
 
-_reachable_lock = threading.Lock()
-_reachable_until: dict[tuple[str, int], float] = {}
-_REACHABLE_CACHE_S = 30.0
+# How long an endpoint that answered is taken to be up (distload.runtime holds the times).
+REACHABLE_CACHE_S = 30.0
 
 
 def probe_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
@@ -181,8 +182,8 @@ def probe_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> st
     host, port = endpoint.host_port()
     target = _proxy_target(endpoint.url) or (host, port)
     now = time.monotonic()
-    with _reachable_lock:
-        if _reachable_until.get(target, 0) > now:
+    with RUNTIME.lock:
+        if RUNTIME.reachable_until.get(target, 0) > now:
             return None
     via = f" (through the proxy {target[0]}:{target[1]})" if target != (host, port) else ""
     try:
@@ -196,8 +197,8 @@ def probe_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> st
         return f"no answer from {target[0]}:{target[1]}{via} within {timeout:.0f} s"
     except OSError as exc:
         return f"cannot connect to {target[0]}:{target[1]}{via}: {exc.strerror or exc}"
-    with _reachable_lock:
-        _reachable_until[target] = time.monotonic() + _REACHABLE_CACHE_S
+    with RUNTIME.lock:
+        RUNTIME.reachable_until[target] = time.monotonic() + REACHABLE_CACHE_S
     return None
 
 
@@ -213,7 +214,31 @@ class ObjectStore:
     # Environment variables that configure this store: a change makes a new client.
     ENV_KEYS: tuple[str, ...] = ()
 
+    # What the store's SDK and Run:ai reader are, the pip extra that installs them, the modules.
+    needs: tuple[str, str, tuple[str, ...]] = ("", "", ())
+
+    def __init__(self) -> None:
+        what, extra, modules = self.needs
+        for module in modules:
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise BackendUnavailableError(
+                    f"{self.scheme}:// sources need {what}: pip install 'distload[{extra}]' ({exc})") from None
+        self._client_obj: Any = None
+        self._client_lock = threading.Lock()
+
+    def _client(self):
+        """The SDK client, made on first use (building one costs a credential lookup)."""
+        with self._client_lock:
+            if self._client_obj is None:
+                self._client_obj = self._make_client()
+            return self._client_obj
+
     # -- to implement --------------------------------------------------------------------------
+    def _make_client(self) -> Any:
+        raise NotImplementedError
+
     def endpoint(self) -> Endpoint:
         raise NotImplementedError
 
@@ -344,25 +369,3 @@ class ObjectStore:
             except ObjectStoreError as exc:
                 return exc
         return None
-
-
-_stores_lock = threading.Lock()
-_stores: dict[tuple, ObjectStore] = {}
-
-
-def get_store(scheme: str) -> ObjectStore:
-    """The store for ``scheme`` configured from the current environment (cached per setting)."""
-    from distload.loading.stores import azure, gcs, s3
-
-    cls: Any = {"s3": s3.S3Store, "gs": gcs.GCSStore, "az": azure.AzureStore}[scheme]
-    key = (scheme,) + tuple(os.environ.get(name) for name in cls.ENV_KEYS)
-    with _stores_lock:
-        store = _stores.get(key)
-        if store is None:
-            store = _stores[key] = cls()
-        return store
-
-
-def store_for(uri: str) -> tuple[ObjectStore, ObjectURI]:
-    location = parse_uri(uri)
-    return get_store(location.scheme), location

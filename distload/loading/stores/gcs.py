@@ -14,9 +14,7 @@ answers (one TCP connect) before planning and again before handing the file list
 from __future__ import annotations
 
 import os
-import threading
 
-from distload.errors import BackendUnavailableError
 from distload.loading.stores.base import (
     CONNECT_TIMEOUT_S,
     READ_TIMEOUT_S,
@@ -50,18 +48,12 @@ class GCSStore(ObjectStore):
                 "RUNAI_STREAMER_GCS_USE_ANONYMOUS_CREDENTIALS", "RUNAI_STREAMER_GCS_CREDENTIAL_FILE",
                 "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT")
 
+    needs = ("Run:ai's GCS reader and google-cloud-storage", "gcs",
+             ("google.cloud.storage", "runai_model_streamer_gcs.credentials.credentials"))
+
     def __init__(self) -> None:
-        try:
-            from google.cloud import storage  # noqa: F401
-            from runai_model_streamer_gcs.credentials import credentials  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"gs:// sources need Run:ai's GCS reader and google-cloud-storage: "
-                f"pip install 'distload[gcs]' ({exc})"
-            ) from None
+        super().__init__()
         self._endpoint_url, self._endpoint_origin = gcs_endpoint_setting()
-        self._client_obj = None
-        self._lock = threading.Lock()
 
     def _retry(self):
         from google.cloud.storage.retry import DEFAULT_RETRY
@@ -74,25 +66,22 @@ class GCSStore(ObjectStore):
     def _kw(self) -> dict:
         return {"timeout": (CONNECT_TIMEOUT_S, READ_TIMEOUT_S), "retry": self._retry()}
 
-    def _client(self):
-        with self._lock:
-            if self._client_obj is None:
-                import google.auth.exceptions
-                from google.auth.credentials import AnonymousCredentials
-                from google.cloud import storage
-                from runai_model_streamer_gcs.credentials.credentials import get_credentials
+    def _make_client(self):
+        import google.auth.exceptions
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+        from runai_model_streamer_gcs.credentials.credentials import get_credentials
 
-                try:
-                    credentials = get_credentials().gcp_credentials()
-                except google.auth.exceptions.DefaultCredentialsError:
-                    if not self._endpoint_url:
-                        raise
-                    credentials = AnonymousCredentials()  # an emulator takes no credentials
-                options = {"api_endpoint": self._endpoint_url} if self._endpoint_url else None
-                self._client_obj = storage.Client(
-                    project=os.environ.get("GOOGLE_CLOUD_PROJECT") or "distload",
-                    credentials=credentials, client_options=options)
-            return self._client_obj
+        try:
+            credentials = get_credentials().gcp_credentials()
+        except google.auth.exceptions.DefaultCredentialsError:
+            if not self._endpoint_url:
+                raise
+            credentials = AnonymousCredentials()  # an emulator takes no credentials
+        options = {"api_endpoint": self._endpoint_url} if self._endpoint_url else None
+        return storage.Client(
+            project=os.environ.get("GOOGLE_CLOUD_PROJECT") or "distload",
+            credentials=credentials, client_options=options)
 
     def endpoint(self) -> Endpoint:
         if self._endpoint_url:

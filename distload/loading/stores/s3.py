@@ -9,11 +9,8 @@ is not AWS and it is unset), ``RUNAI_STREAMER_S3_UNSIGNED=1`` for public buckets
 from __future__ import annotations
 
 import os
-import threading
 import urllib.parse
 
-from distload.config import applied_environment
-from distload.errors import BackendUnavailableError
 from distload.loading.stores.base import (
     CONNECT_TIMEOUT_S,
     READ_TIMEOUT_S,
@@ -56,17 +53,11 @@ class S3Store(ObjectStore):
                 "RUNAI_STREAMER_S3_UNSIGNED", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                 "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_CA_BUNDLE")
 
+    needs = ("boto3 and Run:ai's S3 reader", "s3", ("boto3", "botocore"))
+
     def __init__(self) -> None:
-        try:
-            import boto3  # noqa: F401
-            import botocore  # noqa: F401
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"s3:// sources need boto3 and Run:ai's S3 reader: pip install 'distload[s3]' ({exc})"
-            ) from None
+        super().__init__()
         self._endpoint_url, self._endpoint_origin = s3_endpoint_setting()
-        self._client_obj = None
-        self._lock = threading.Lock()
 
     # -- configuration -------------------------------------------------------------------------
     def _path_style(self) -> bool:
@@ -75,26 +66,25 @@ class S3Store(ObjectStore):
             return setting == "0"
         return is_custom_endpoint(self._endpoint_url)
 
-    def _client(self):
-        with self._lock:
-            if self._client_obj is None:
-                import boto3
-                from botocore import UNSIGNED
-                from botocore.config import Config
+    def _make_client(self):
+        import boto3
+        import botocore.session
+        from botocore import UNSIGNED
+        from botocore.config import Config
 
-                kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
-                          "retries": {"max_attempts": 3, "mode": "standard"}}
-                if self._path_style():
-                    kwargs["s3"] = {"addressing_style": "path"}
-                if os.environ.get("RUNAI_STREAMER_S3_UNSIGNED") == "1":
-                    kwargs["signature_version"] = UNSIGNED
-                # Credentials are resolved here; for a non-AWS endpoint, without the EC2 metadata
-                # probe (it would go to 169.254.169.254 and wait for a timeout).
-                quiet = {k: v for k, v in self.reader_environment().items() if k == "AWS_EC2_METADATA_DISABLED"}
-                with applied_environment(quiet):
-                    self._client_obj = boto3.session.Session().client(
-                        "s3", endpoint_url=self._endpoint_url, config=Config(**kwargs))
-            return self._client_obj
+        kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                  "retries": {"max_attempts": 3, "mode": "standard"}}
+        if self._path_style():
+            kwargs["s3"] = {"addressing_style": "path"}
+        if os.environ.get("RUNAI_STREAMER_S3_UNSIGNED") == "1":
+            kwargs["signature_version"] = UNSIGNED
+        core = botocore.session.Session()
+        if is_custom_endpoint(self._endpoint_url):
+            # No EC2 instance-metadata probe for a non-AWS endpoint: it would go to
+            # 169.254.169.254 and wait for a timeout.
+            core.get_component("credential_provider").remove("iam-role")
+        return boto3.session.Session(botocore_session=core).client(
+            "s3", endpoint_url=self._endpoint_url, config=Config(**kwargs))
 
     def endpoint(self) -> Endpoint:
         if self._endpoint_url:
@@ -106,6 +96,13 @@ class S3Store(ObjectStore):
 
     def reader_environment(self) -> dict[str, str]:
         env: dict[str, str] = {}
+        # Run:ai 0.17 reads only AWS_ENDPOINT_URL; older docs (and older vLLM) use
+        # RUNAI_STREAMER_S3_ENDPOINT. The one the user set gives the other its value.
+        if self._endpoint_url and self._endpoint_origin == "AWS_ENDPOINT_URL":
+            if not os.environ.get("RUNAI_STREAMER_S3_ENDPOINT"):
+                env["RUNAI_STREAMER_S3_ENDPOINT"] = self._endpoint_url
+        elif self._endpoint_url and not os.environ.get("AWS_ENDPOINT_URL"):
+            env["AWS_ENDPOINT_URL"] = self._endpoint_url
         if is_custom_endpoint(self._endpoint_url):
             # Run:ai's reader builds virtual-host URLs (bucket.host) unless told otherwise, which a
             # local or S3-compatible server does not answer; and the EC2 metadata probe is pointless.

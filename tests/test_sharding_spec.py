@@ -1,5 +1,5 @@
-"""Unit tests for distload/sharding.py: plans, plan files, fused parts, shard shapes, and
-take_shard/reassemble (pure: no torch.distributed, no I/O besides plan files in tmp_path)."""
+"""Unit tests for distload/sharding.py: specs, spec files, fused parts, shard shapes, and
+take_shard/reassemble (pure: no torch.distributed, no I/O besides spec files in tmp_path)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import torch
 
 from distload.errors import ConfigError
 from distload.sharding import (
-    BUILTIN_PLANS,
-    PLAN_ALIASES,
+    BUILTIN_SPECS,
+    SPEC_ALIASES,
     Action,
     Rule,
-    ShardingPlan,
-    load_plan,
-    plan_from_json,
+    ShardingSpec,
+    load_spec,
+    spec_from_json,
     qkv_sizes,
     reassemble,
     shard_shape,
@@ -66,24 +66,24 @@ def expected_dim(name: str):
     raise AssertionError(name)
 
 
-# -- built-in plans ---------------------------------------------------------------------------
+# -- built-in specs ---------------------------------------------------------------------------
 
 def test_decoder_plan_on_llama_names():
-    plan = load_plan(None, LLAMA_CONFIG)
-    assert plan.name == "decoder"
+    spec = load_spec(None, LLAMA_CONFIG)
+    assert spec.name == "decoder"
     for name, shape in llama_shapes().items():
-        action = plan.action(name, shape)
+        action = spec.action(name, shape)
         want = expected_dim(name)
         assert action.dim == want, name
         assert action.replicated == (want is None), name
         assert action.parts is None, name
-        assert action.rule is not None, f"{name} should be matched by a rule of the decoder plan"
+        assert action.rule is not None, f"{name} should be matched by a rule of the decoder spec"
 
 
 def test_decoder_plan_shard_shapes():
-    plan = load_plan("decoder", LLAMA_CONFIG)
+    spec = load_spec("decoder", LLAMA_CONFIG)
     shapes = llama_shapes()
-    got = {n: shard_shape(n, s, plan.action(n, s), 4) for n, s in shapes.items()}
+    got = {n: shard_shape(n, s, spec.action(n, s), 4) for n, s in shapes.items()}
     p = "model.layers.3"
     assert got[f"{p}.self_attn.q_proj.weight"] == (H // 4, H)
     assert got[f"{p}.self_attn.k_proj.weight"] == (KV_HEADS * HEAD_DIM // 4, H)
@@ -96,64 +96,64 @@ def test_decoder_plan_shard_shapes():
 
 
 def test_decoder_plan_other_families():
-    plan = load_plan("decoder", LLAMA_CONFIG)
+    spec = load_spec("decoder", LLAMA_CONFIG)
     # Mixtral experts, a nested lm_head, and names no rule knows.
-    assert plan.action("model.layers.0.block_sparse_moe.experts.3.w1.weight", (8, 4)).dim == 0
-    assert plan.action("model.layers.0.block_sparse_moe.experts.3.w3.weight", (8, 4)).dim == 0
-    assert plan.action("model.layers.0.block_sparse_moe.experts.3.w2.weight", (4, 8)).dim == 1
-    assert plan.action("language_model.lm_head.weight", (8, 4)).dim == 0
-    assert plan.action("model.rotary_emb.inv_freq", (4,)).replicated
-    unmatched = plan.action("model.layers.0.mlp.router.weight", (8, 4))
+    assert spec.action("model.layers.0.block_sparse_moe.experts.3.w1.weight", (8, 4)).dim == 0
+    assert spec.action("model.layers.0.block_sparse_moe.experts.3.w3.weight", (8, 4)).dim == 0
+    assert spec.action("model.layers.0.block_sparse_moe.experts.3.w2.weight", (4, 8)).dim == 1
+    assert spec.action("language_model.lm_head.weight", (8, 4)).dim == 0
+    assert spec.action("model.rotary_emb.inv_freq", (4,)).replicated
+    unmatched = spec.action("model.layers.0.mlp.router.weight", (8, 4))
     assert unmatched.replicated and unmatched.rule is None
     # A norm is matched (replicated by a rule), so it is not "unmatched".
-    assert plan.action("model.norm.weight", (4,)).rule is not None
+    assert spec.action("model.norm.weight", (4,)).rule is not None
 
 
 @pytest.mark.parametrize("alias", ["llama", "mistral", "qwen2", "qwen3", "LLAMA", "Qwen3"])
-def test_plan_aliases_are_the_decoder_plan(alias):
-    plan = load_plan(alias, LLAMA_CONFIG)
-    assert plan.name == "decoder"
-    assert plan.rules == BUILTIN_PLANS["decoder"]
-    assert set(PLAN_ALIASES) == {"llama", "mistral", "qwen2", "qwen3"}
+def test_spec_aliases_are_the_decoder_spec(alias):
+    spec = load_spec(alias, LLAMA_CONFIG)
+    assert spec.name == "decoder"
+    assert spec.rules == BUILTIN_SPECS["decoder"]
+    assert set(SPEC_ALIASES) == {"llama", "mistral", "qwen2", "qwen3"}
 
 
 def test_replicate_plan_replicates_everything():
-    plan = load_plan("replicate")
-    assert plan.name == "replicate"
+    spec = load_spec("replicate")
+    assert spec.name == "replicate"
     for name, shape in llama_shapes().items():
-        action = plan.action(name, shape)
+        action = spec.action(name, shape)
         assert action.replicated and action.rule == "*", name
         assert shard_shape(name, shape, action, 4) == shape
     t = torch.arange(12).reshape(3, 4)
-    a = plan.action("x", t.shape)
+    a = spec.action("x", t.shape)
     assert torch.equal(take_shard(t, a, 2, 4), t)
 
 
 def test_unknown_plan_name():
     with pytest.raises(ConfigError) as err:
-        load_plan("gpt-neox-not-a-file")
+        load_spec("gpt-neox-not-a-file")
     msg = str(err.value)
-    assert "gpt-neox-not-a-file" in msg and "decoder" in msg and "replicate" in msg and "plan file" in msg
+    assert "gpt-neox-not-a-file" in msg and "decoder" in msg and "replicate" in msg and "spec file" in msg
 
 
 def test_first_matching_rule_wins():
-    plan = plan_from_json({"rules": [{"match": "*.special.weight", "replicate": True},
+    spec = spec_from_json({"rules": [{"match": "*.special.weight", "replicate": True},
                                      {"match": "*.weight", "split": 1}]})
-    assert plan.action("a.special.weight", (4, 4)).replicated
-    assert plan.action("a.other.weight", (4, 4)).dim == 1
-    assert plan.action("a.other.bias", (4,)).rule is None
+    assert spec.action("a.special.weight", (4, 4)).replicated
+    assert spec.action("a.other.weight", (4, 4)).dim == 1
+    assert spec.action("a.other.bias", (4,)).rule is None
 
 
-# -- plan files -------------------------------------------------------------------------------
+# -- spec files -------------------------------------------------------------------------------
 
-def write_plan(tmp_path, value, name="plan.json") -> str:
+def write_spec(tmp_path, value, name="spec.json") -> str:
     path = str(tmp_path / name)
     with open(path, "w") as f:
         f.write(value if isinstance(value, str) else json.dumps(value))
     return path
 
 
-def test_plan_file_valid(tmp_path):
+def test_spec_file_valid(tmp_path):
     raw = {"name": "my-model", "rules": [
         {"match": "*.qkv_proj.weight", "split": 0, "fused": [32, 16, 16]},
         {"match": "*.gate_up_proj.weight", "split": 0, "fused": 2},
@@ -161,26 +161,26 @@ def test_plan_file_valid(tmp_path):
         {"match": "*.o_proj.weight", "split": 1},
         {"match": "*norm*", "replicate": True},
     ]}
-    plan = load_plan(write_plan(tmp_path, raw), {"hidden_size": 32, "num_attention_heads": 4,
+    spec = load_spec(write_spec(tmp_path, raw), {"hidden_size": 32, "num_attention_heads": 4,
                                                  "num_key_value_heads": 2})
-    assert plan.name == "my-model"
-    assert plan.rules == (
+    assert spec.name == "my-model"
+    assert spec.rules == (
         Rule("*.qkv_proj.weight", 0, (32, 16, 16)), Rule("*.gate_up_proj.weight", 0, 2),
         Rule("*.wqkv.weight", 0, "qkv"), Rule("*.o_proj.weight", 1), Rule("*norm*", None))
-    assert plan.action("l.qkv_proj.weight", (64, 8)) == Action(0, (32, 16, 16), "*.qkv_proj.weight")
-    assert plan.action("l.gate_up_proj.weight", (64, 8)).parts == (32, 32)
-    assert plan.action("l.wqkv.weight", (64, 8)).parts == (32, 16, 16)
-    assert plan.action("l.o_proj.weight", (8, 64)) == Action(1, None, "*.o_proj.weight")
-    assert plan.action("l.norm.weight", (8,)).replicated
-    # to_json gives back the file's rules, and reads back to the same plan
-    assert plan.to_json() == raw
-    assert plan_from_json(plan.to_json(), plan.config) == plan
+    assert spec.action("l.qkv_proj.weight", (64, 8)) == Action(0, (32, 16, 16), "*.qkv_proj.weight")
+    assert spec.action("l.gate_up_proj.weight", (64, 8)).parts == (32, 32)
+    assert spec.action("l.wqkv.weight", (64, 8)).parts == (32, 16, 16)
+    assert spec.action("l.o_proj.weight", (8, 64)) == Action(1, None, "*.o_proj.weight")
+    assert spec.action("l.norm.weight", (8,)).replicated
+    # to_json gives back the file's rules, and reads back to the same spec
+    assert spec.to_json() == raw
+    assert spec_from_json(spec.to_json(), spec.config) == spec
 
 
-def test_plan_file_without_name_is_custom(tmp_path):
-    plan = load_plan(write_plan(tmp_path, {"rules": []}))
-    assert plan.name == "custom" and plan.rules == ()
-    assert plan.action("anything", (2,)) == Action(None, None, None)
+def test_spec_file_without_name_is_custom(tmp_path):
+    spec = load_spec(write_spec(tmp_path, {"rules": []}))
+    assert spec.name == "custom" and spec.rules == ()
+    assert spec.action("anything", (2,)) == Action(None, None, None)
 
 
 BAD_RULES = [
@@ -207,11 +207,11 @@ BAD_RULES = [
 
 
 @pytest.mark.parametrize("bad,needle", BAD_RULES, ids=[str(i) for i in range(len(BAD_RULES))])
-def test_plan_file_bad_rule_names_file_and_index(tmp_path, bad, needle):
+def test_spec_file_bad_rule_names_file_and_index(tmp_path, bad, needle):
     good = {"match": "*norm*", "replicate": True}
-    path = write_plan(tmp_path, {"rules": [good, good, bad]})
+    path = write_spec(tmp_path, {"rules": [good, good, bad]})
     with pytest.raises(ConfigError) as err:
-        load_plan(path)
+        load_spec(path)
     msg = str(err.value)
     assert path in msg, msg
     assert "rule 2" in msg, msg
@@ -225,36 +225,36 @@ def test_plan_file_bad_rule_names_file_and_index(tmp_path, bad, needle):
     ('{"name": "x"}', "expected an object with a 'rules' list"),
     ('{"rules": {"match": "*"}}', "expected an object with a 'rules' list"),
 ])
-def test_plan_file_bad_top_level_names_file(tmp_path, content, needle):
-    path = write_plan(tmp_path, content)
+def test_spec_file_bad_top_level_names_file(tmp_path, content, needle):
+    path = write_spec(tmp_path, content)
     with pytest.raises(ConfigError) as err:
-        load_plan(path)
+        load_spec(path)
     assert path in str(err.value) and needle in str(err.value), str(err.value)
 
 
-def test_plan_file_path_that_does_not_exist(tmp_path):
+def test_spec_file_path_that_does_not_exist(tmp_path):
     missing = str(tmp_path / "nope.json")
-    with pytest.raises(ConfigError, match="neither a built-in plan"):
-        load_plan(missing)
+    with pytest.raises(ConfigError, match="neither a built-in sharding spec"):
+        load_spec(missing)
     assert not os.path.exists(missing)
 
 
 # -- fused parts ------------------------------------------------------------------------------
 
 def test_fused_list_sizes_must_add_up():
-    plan = plan_from_json({"rules": [{"match": "*qkv*", "split": 0, "fused": [32, 16, 16]}]})
-    assert plan.action("a.qkv.weight", (64, 8)).parts == (32, 16, 16)
+    spec = spec_from_json({"rules": [{"match": "*qkv*", "split": 0, "fused": [32, 16, 16]}]})
+    assert spec.action("a.qkv.weight", (64, 8)).parts == (32, 16, 16)
     with pytest.raises(ConfigError) as err:
-        plan.action("a.qkv.weight", (60, 8))
+        spec.action("a.qkv.weight", (60, 8))
     msg = str(err.value)
     assert "'a.qkv.weight'" in msg and "[60, 8]" in msg and "64" in msg and "60" in msg
 
 
 def test_fused_equal_parts():
-    plan = plan_from_json({"rules": [{"match": "*", "split": 1, "fused": 3}]})
-    assert plan.action("t", (2, 12)).parts == (4, 4, 4)
+    spec = spec_from_json({"rules": [{"match": "*", "split": 1, "fused": 3}]})
+    assert spec.action("t", (2, 12)).parts == (4, 4, 4)
     with pytest.raises(ConfigError) as err:
-        plan.action("t", (2, 10))
+        spec.action("t", (2, 10))
     assert "'t'" in str(err.value) and "3 equal fused parts" in str(err.value)
 
 
@@ -272,39 +272,39 @@ def test_qkv_sizes_from_config(config, expected):
 
 
 def test_decoder_qkv_and_gate_up_are_fused():
-    plan = load_plan("decoder", LLAMA_CONFIG)
-    qkv = plan.action("model.layers.0.self_attn.qkv_proj.weight", (H + 2 * KV_HEADS * HEAD_DIM, H))
+    spec = load_spec("decoder", LLAMA_CONFIG)
+    qkv = spec.action("model.layers.0.self_attn.qkv_proj.weight", (H + 2 * KV_HEADS * HEAD_DIM, H))
     assert qkv.dim == 0 and qkv.parts == (H, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
-    bias = plan.action("model.layers.0.self_attn.qkv_proj.bias", (H + 2 * KV_HEADS * HEAD_DIM,))
+    bias = spec.action("model.layers.0.self_attn.qkv_proj.bias", (H + 2 * KV_HEADS * HEAD_DIM,))
     assert bias.parts == qkv.parts
-    gate_up = plan.action("model.layers.0.mlp.gate_up_proj.weight", (2 * INTER, H))
+    gate_up = spec.action("model.layers.0.mlp.gate_up_proj.weight", (2 * INTER, H))
     assert gate_up.dim == 0 and gate_up.parts == (INTER, INTER)
 
 
 @pytest.mark.parametrize("config", [{}, {"hidden_size": 64}, {"num_attention_heads": 8},
                                     {"num_attention_heads": "eight", "hidden_size": 64}])
 def test_qkv_without_config_is_a_clear_error(config):
-    plan = load_plan("decoder", config)
+    spec = load_spec("decoder", config)
     with pytest.raises(ConfigError) as err:
-        plan.action("model.layers.0.self_attn.qkv_proj.weight", (96, 64))
+        spec.action("model.layers.0.self_attn.qkv_proj.weight", (96, 64))
     msg = str(err.value)
     assert "qkv_proj.weight" in msg and "config.json" in msg and "num_attention_heads" in msg
     assert '"fused": [q, k, v]' in msg  # says how to give the sizes instead
 
 
 def test_qkv_config_that_does_not_fit_the_tensor():
-    plan = load_plan("decoder", LLAMA_CONFIG)
+    spec = load_spec("decoder", LLAMA_CONFIG)
     with pytest.raises(ConfigError) as err:
-        plan.action("model.layers.0.self_attn.qkv_proj.weight", (H, H))  # should be H + 2 kv
+        spec.action("model.layers.0.self_attn.qkv_proj.weight", (H, H))  # should be H + 2 kv
     assert "add up to" in str(err.value) and f"[{H}, {H}]" in str(err.value)
 
 
 # -- shard_shape errors -----------------------------------------------------------------------
 
 def test_indivisible_dimension_names_tensor_shape_and_n():
-    plan = load_plan("decoder", LLAMA_CONFIG)
+    spec = load_spec("decoder", LLAMA_CONFIG)
     name = "model.layers.0.mlp.down_proj.weight"
-    action = plan.action(name, (64, 100))
+    action = spec.action(name, (64, 100))
     assert shard_shape(name, (64, 100), action, 4) == (64, 25)
     with pytest.raises(ConfigError) as err:
         shard_shape(name, (64, 100), action, 3)
@@ -313,9 +313,9 @@ def test_indivisible_dimension_names_tensor_shape_and_n():
 
 
 def test_indivisible_fused_part():
-    plan = load_plan("decoder", {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 1})
+    spec = load_spec("decoder", {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 1})
     name = "model.layers.0.self_attn.qkv_proj.weight"
-    action = plan.action(name, (80, 64))  # q 64, k 8, v 8
+    action = spec.action(name, (80, 64))  # q 64, k 8, v 8
     assert action.parts == (64, 8, 8)
     assert shard_shape(name, (80, 64), action, 8) == (10, 64)
     # 80 is divisible by 16 but the k and v parts (8) are not: each part must be.
@@ -327,8 +327,8 @@ def test_indivisible_fused_part():
 
 @pytest.mark.parametrize("shape", [(), (8,)])
 def test_split_dim_beyond_rank(shape):
-    plan = plan_from_json({"rules": [{"match": "*", "split": len(shape)}]})
-    action = plan.action("t.weight", shape)
+    spec = spec_from_json({"rules": [{"match": "*", "split": len(shape)}]})
+    action = spec.action("t.weight", shape)
     with pytest.raises(ConfigError) as err:
         shard_shape("t.weight", shape, action, 2)
     msg = str(err.value)
@@ -336,16 +336,16 @@ def test_split_dim_beyond_rank(shape):
 
 
 def test_fused_split_dim_beyond_rank():
-    plan = plan_from_json({"rules": [{"match": "*", "split": 1, "fused": [2, 2]}]})
-    action = plan.action("bias", (4,))
+    spec = spec_from_json({"rules": [{"match": "*", "split": 1, "fused": [2, 2]}]})
+    action = spec.action("bias", (4,))
     with pytest.raises(ConfigError, match="no dim 1"):
         shard_shape("bias", (4,), action, 2)
 
 
 def test_world_size_one_keeps_everything():
-    plan = load_plan("decoder", LLAMA_CONFIG)
+    spec = load_spec("decoder", LLAMA_CONFIG)
     for name, shape in llama_shapes().items():
-        assert shard_shape(name, shape, plan.action(name, shape), 1) == shape
+        assert shard_shape(name, shape, spec.action(name, shape), 1) == shape
 
 
 # -- take_shard / reassemble ------------------------------------------------------------------
@@ -417,6 +417,6 @@ def test_take_shard_non_contiguous_source():
 
 
 def test_shardingplan_is_pure_data():
-    plan = ShardingPlan("x", (Rule("*", 0),))
-    assert plan.config == {}
-    assert plan.to_json() == {"name": "x", "rules": [{"match": "*", "split": 0}]}
+    spec = ShardingSpec("x", (Rule("*", 0),))
+    assert spec.config == {}
+    assert spec.to_json() == {"name": "x", "rules": [{"match": "*", "split": 0}]}

@@ -1,4 +1,5 @@
-"""Unit tests for distload/plan.py (pure functions: no I/O, no torch.distributed)."""
+"""The pure parts of the load path: shard patterns and layouts (distload.loading.layout), the read
+choice (distload.loading.choice), and the file-list comparison (distload.loading.agreement)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import re
 
 import pytest
 
-from distload.config import DEFAULT_SHARD_PATTERN, LOAD_FORMATS
 from distload.errors import CheckpointError, ShardLayoutError
+from distload.loading.agreement import mismatched_ranks
+from distload.loading.choice import AUTO_CPU_BACKEND, ReadChoice, choose_read
+from distload.loading.formats import LOAD_FORMATS
 from distload.loading.layout import (
-    AUTO_CPU_BACKEND,
-    ReadChoice,
-    choose_read,
+    DEFAULT_SHARD_PATTERN,
     find_shard_layout,
-    mismatched_ranks,
     pattern_regex,
     rank_glob,
     shard_files_for_rank,

@@ -1,0 +1,23 @@
+"""The tensors a live update writes into: a module's parameters and buffers, or a dict."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from distload.errors import ConfigError
+
+
+def model_tensors(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Name -> tensor of a module's parameters and buffers (tied names included), or a dict's."""
+    if isinstance(target, torch.nn.Module):
+        named = dict(target.named_parameters(remove_duplicate=False))
+        named.update(target.named_buffers(remove_duplicate=False))
+        return named
+    if isinstance(target, Mapping):
+        bad = [k for k, v in target.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ConfigError(f"target entry {bad[0]!r} is a {type(target[bad[0]]).__name__}, not a tensor")
+        return dict(target)
+    raise ConfigError(f"the target must be an nn.Module or a dict of tensors, got {type(target).__name__}")

@@ -1,0 +1,72 @@
+"""What a backend delivers, checked against the rank plan on its way to the consumer.
+
+Each tensor must arrive once and be named by a header of this rank's files; at the end every
+indexed tensor must have arrived, the manifest's aliases (tied weights) are handed out as the
+very tensor they share storage with, and every key the manifest lists for the rank must be there.
+A backend that breaks any of these is a bug or a changed file, never a silent partial load.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from distload.errors import CheckpointError
+from distload.loading.plan import RankPlan
+from distload.loading.report import Progress
+
+
+def missing_keys_error(missing: set[str], why: str) -> CheckpointError:
+    shown = sorted(missing)
+    return CheckpointError(
+        f"Missing keys ({', '.join(shown[:10])}{' ...' if len(shown) > 10 else ''}) in loaded state! ({why})"
+    )
+
+
+class Delivery:
+    """Counts and checks one rank's tensors; ``nbytes`` and ``num_tensors`` for the report."""
+
+    def __init__(self, plan: RankPlan, backend: str, progress: Progress):
+        self.plan = plan
+        self.backend = backend
+        self.progress = progress
+        self.expected = {t.name for t in plan.index.tensors}
+        self.received: set[str] = set()
+        self.nbytes = 0
+        self._alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.received)
+
+    def accept(self, name: str, tensor: torch.Tensor) -> None:
+        """One tensor from the backend: named by a header, and the first time."""
+        if name in self.received or name not in self.expected:
+            raise CheckpointError(
+                f"{self.backend} returned tensor {name!r} "
+                f"{'twice' if name in self.received else 'that no header of this rank names'}"
+            )
+        self.received.add(name)
+        size = tensor.numel() * tensor.element_size()
+        self.nbytes += size
+        self.progress.update(size)
+        if name in self._alias_targets:
+            self._alias_targets[name] = tensor
+
+    def finish(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """After the backend's last tensor: check it delivered everything, then hand out the aliases."""
+        if self.received != self.expected:
+            raise missing_keys_error(self.expected - self.received, f"the {self.backend} reader delivered "
+                                     f"{len(self.received)} of {len(self.expected)} tensors")
+        for alias, target in self.plan.aliases.items():
+            tensor = self._alias_targets.get(target)
+            if tensor is None:
+                raise missing_keys_error({alias}, f"it shares storage with {target!r}, which is not in "
+                                         f"this rank's files")
+            self.received.add(alias)
+            yield alias, tensor  # the same tensor: tied weights stay tied
+        expected_keys = self.plan.expected_keys
+        if expected_keys is not None and not expected_keys <= self.received:
+            raise missing_keys_error(expected_keys - self.received,
+                                     "the manifest lists them for this rank but its files lack them")

@@ -1,0 +1,69 @@
+"""The planning step of a load, on one rank: list the source, detect its layout, take the read
+choice, read the headers of this rank's files, and let the backend refuse what it could not do.
+
+I/O on the source only, no collective: the loader runs it inside the group's agreement step, so a
+fault on one rank stops every rank before any data moves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from distload.config import LoadConfig
+from distload.errors import CheckpointError
+from distload.loading.backends import BACKENDS
+from distload.loading.choice import ReadChoice, choose_read
+from distload.loading.index import build_index
+from distload.loading.layout import Layout, detect_layout
+from distload.loading.plan import RankPlan
+from distload.loading.sources import check_weight_map, content_fingerprint, whole_checkpoint
+
+if TYPE_CHECKING:
+    from distload.group import WorkerGroup
+
+
+def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup") -> RankPlan:
+    """Plan this rank's read of ``source`` (the same on a local folder and an object-store prefix:
+    both go through a Source, one listing, headers by ranged reads on object stores)."""
+    layout = detect_layout(source, config.pattern)
+    src = layout.source
+    choice = choose_read(
+        config.load_format,
+        sharded_layout_found=layout.sharded,
+        device_type=group.device.type,
+        world_size=group.world_size,
+        distributed=config.distributed,
+        # InstantTensor reads local files only; `auto` takes Run:ai for an object store.
+        instanttensor_installed=not src.remote and BACKENDS["instanttensor"].available(),
+        remote=src.remote,
+    )
+    if not choice.sharded:
+        plan = _whole_plan(source, choice, layout)
+    elif src.is_file:
+        raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
+    else:
+        index = build_index(src.read_headers(layout.rank_paths(group.rank, group.world_size)))
+        manifest = layout.manifest
+        plan = RankPlan(source, choice, index,
+                        frozenset(manifest.keys_for_rank(group.rank)) if manifest else None,
+                        dict(manifest.aliases.get(group.rank, {})) if manifest else {})
+    BACKENDS[choice.backend].preflight(plan, group)
+    return plan
+
+
+def _whole_plan(source: str, choice: ReadChoice, layout: Layout) -> RankPlan:
+    src = layout.source
+    paths, weight_map = whole_checkpoint(src)
+    hint = ""
+    if layout.shards.parts_by_rank:
+        hint = (f"; {src.folder} looks like a pre-sharded checkpoint (files for ranks "
+                f"{layout.shards.ranks}): load it with --load-format sharded_state or "
+                f"runai_streamer_sharded")
+    index = build_index(src.read_headers(paths), hint=hint)
+    if weight_map is not None:
+        check_weight_map(src.folder, weight_map, index)
+    fingerprints: tuple[str, ...] = ()
+    if choice.cooperative and not src.remote:
+        # An object key names the same bytes for every rank; a local path may not.
+        fingerprints = tuple(content_fingerprint(info) for info in index.files)
+    return RankPlan(source, choice, index, fingerprints=fingerprints)

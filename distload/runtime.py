@@ -1,0 +1,74 @@
+"""What distload remembers for the life of a process, in one object, with a reset.
+
+Every piece of process-wide state lives here and nowhere else, each with the reason it must
+outlive one load:
+
+- ``stores``: object-store clients, one per store type and configuration (building a boto3 or
+  Azure client costs tens of milliseconds and a credential lookup);
+- ``reachable_until``: endpoints that answered a TCP connect, for a short while (one probe per
+  endpoint, not one per request);
+- ``huge_page_slots``: how many more tensors this process may mark for huge pages (each mark
+  splits a mapping, and the process's map count is capped by ``vm.max_map_count``, over all its
+  loads);
+- ``runai_store_scheme``: the object-store type Run:ai's reader served first (it serves only one
+  per process);
+- the environment: Run:ai reads its settings from ``os.environ``; :meth:`Runtime.environment` is
+  the only place distload writes it, for the length of one read, under a lock.
+
+Tests call :func:`reset` (or set a field) instead of patching module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Any, Iterator, Mapping
+
+
+class Runtime:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._environment_lock = threading.RLock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (a new process's state); for tests and long-lived hosts."""
+        with self.lock:
+            self.stores: dict[tuple, Any] = {}
+            self.reachable_until: dict[tuple[str, int], float] = {}
+            self.huge_page_slots: int | None = None
+            self.runai_store_scheme: str | None = None
+
+    @contextlib.contextmanager
+    def environment(self, changes: Mapping[str, str], restore_prefix: str = "RUNAI_STREAMER_") -> Iterator[None]:
+        """``changes`` in os.environ for the duration of the block, then what was there before.
+
+        Every variable starting with ``restore_prefix`` is restored too: Run:ai sets some itself
+        (RUNAI_STREAMER_PROCESS_GROUP_SIZE in distributed mode) and never removes them, and a
+        later read with another group would inherit them. Blocks nest (a re-entrant lock) but two
+        threads never change the environment at once.
+        """
+        with self._environment_lock:
+            def touched() -> set[str]:
+                return {key for key in os.environ if restore_prefix and key.startswith(restore_prefix)}
+
+            keys = set(changes) | touched()
+            saved = {key: os.environ.get(key) for key in keys}
+            os.environ.update(changes)
+            try:
+                yield
+            finally:
+                for key in keys | touched():
+                    old = saved.get(key)
+                    if old is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = old
+
+
+RUNTIME = Runtime()
+
+
+def reset() -> None:
+    RUNTIME.reset()

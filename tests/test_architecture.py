@@ -1,0 +1,186 @@
+"""The shape the code promises: one public API, one exception tree, one layout rule, backends as
+objects whose keys make the formats' keys, and no process-wide state outside distload.runtime."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import distload
+from distload.errors import DistloadError
+from distload.loading.backends import BACKENDS, Backend
+from distload.loading.formats import FORMATS, allowed_keys, make_load_config
+from distload.loading.layout import DEFAULT_SHARD_PATTERN, detect_layout
+from distload.loading.manifest import SAVING_MARKER
+from distload.runtime import RUNTIME, Runtime
+
+from conftest import every_dtype_state, plain_read, write_sharded, write_whole
+
+PACKAGE = pathlib.Path(distload.__file__).parent
+
+# What the README shows a user, by name: all of it importable from the top.
+README_API = ["load", "iter_tensors", "WorkerGroup", "reload_into", "Destination", "WeightSync",
+              "WeightSleeper", "save_sharded", "reshard", "inspect", "verify", "state_digest",
+              "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
+              "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError"]
+
+
+# -- one public API, one exception tree --------------------------------------------------------
+
+def test_the_public_api_is_all_there():
+    assert set(README_API) <= set(distload.__all__)
+    for name in distload.__all__:
+        assert getattr(distload, name) is not None, name
+    assert len(distload.__all__) == len(set(distload.__all__))
+
+
+def test_every_error_is_a_distload_error_and_config_errors_are_value_errors():
+    errors = [getattr(distload, name) for name in distload.__all__ if name.endswith("Error")]
+    assert all(issubclass(e, DistloadError) for e in errors)
+    assert issubclass(distload.ConfigError, ValueError)
+    with pytest.raises(ValueError, match="unknown load format"):  # a vLLM user's except ValueError
+        make_load_config("no-such-format")
+
+
+def test_group_argument_is_a_worker_group_or_none(tmp_path):
+    write_whole(str(tmp_path / "ck"), {"w": torch.ones(3)}, num_files=1)
+    with pytest.raises(distload.ConfigError, match="group must be a distload.WorkerGroup"):
+        distload.load(str(tmp_path / "ck"), group=object())
+    assert torch.equal(distload.load(str(tmp_path / "ck"), group=None, device="cpu")["w"], torch.ones(3))
+    # iter_tensors makes (and closes) its own group too.
+    assert [name for name, _ in distload.iter_tensors(str(tmp_path / "ck"), device="cpu")] == ["w"]
+
+
+# -- backends are objects; formats take their keys ---------------------------------------------
+
+def test_every_backend_is_an_object_with_its_traits():
+    assert set(BACKENDS) == {"safetensors", "pread", "ranged", "runai", "instanttensor", "dummy"}
+    for name, backend in BACKENDS.items():
+        assert isinstance(backend, Backend) and backend.name == name
+        assert isinstance(backend.available(), bool)
+    assert {n for n, b in BACKENDS.items() if b.creates_host_tensors} == {"pread", "ranged", "safetensors"}
+    assert {n for n, b in BACKENDS.items() if not b.reads_object_stores} == {"pread", "safetensors", "instanttensor"}
+
+
+def test_a_backend_key_becomes_a_key_of_every_format_that_reads_with_it(monkeypatch):
+    class WithKnob(type(BACKENDS["safetensors"])):
+        keys = {**type(BACKENDS["safetensors"]).keys, "knob": distload.config.check_bool}
+
+    monkeypatch.setitem(BACKENDS, "safetensors", WithKnob())
+    assert "knob" in allowed_keys("safetensors") and "knob" in allowed_keys("sharded_state")
+    assert "knob" not in allowed_keys("auto")  # auto takes only the keys it names
+    assert make_load_config("sharded_state", {"knob": True}).extra == {"knob": True}
+    with pytest.raises(distload.ConfigError, match="'knob' must be a bool"):
+        make_load_config("safetensors", {"knob": 1})
+
+
+def test_every_format_reads_with_registered_backends():
+    for fmt in FORMATS.values():
+        assert fmt.backends and all(b in BACKENDS for b in fmt.backends), fmt.name
+
+
+# -- one layout rule ---------------------------------------------------------------------------
+
+def test_detect_layout_whole_sharded_by_name_and_by_manifest(tmp_path):
+    write_whole(str(tmp_path / "whole"), every_dtype_state(), num_files=2)
+    whole = detect_layout(str(tmp_path / "whole"))
+    assert not whole.sharded and whole.pattern == DEFAULT_SHARD_PATTERN and whole.manifest is None
+    write_sharded(str(tmp_path / "sh"), world_size=2)
+    sharded = detect_layout(str(tmp_path / "sh"))
+    assert sharded.sharded and sharded.saved_world_size == 2 and sharded.shards.ranks == [0, 1]
+    assert sharded.rank_files(1, 2) == ["model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors"]
+    # Saved with another pattern: found from its manifest, and from the pattern when given.
+    custom = "shard-{part}-of-rank-{rank}.safetensors"
+    distload.reshard(str(tmp_path / "whole"), str(tmp_path / "custom"), 2, pattern=custom, sharding="replicate")
+    by_manifest = detect_layout(str(tmp_path / "custom"))
+    assert by_manifest.sharded and by_manifest.pattern == custom and by_manifest.manifest is not None
+    os.unlink(tmp_path / "custom" / "distload.json")
+    assert not detect_layout(str(tmp_path / "custom")).sharded  # the default pattern finds nothing
+    assert detect_layout(str(tmp_path / "custom"), custom).shards.ranks == [0, 1]
+
+
+def test_detect_layout_refuses_an_unfinished_save(tmp_path):
+    write_sharded(str(tmp_path / "sh"), world_size=1)
+    (tmp_path / "sh" / SAVING_MARKER).write_text("")
+    with pytest.raises(distload.CheckpointError, match="the checkpoint is incomplete"):
+        detect_layout(str(tmp_path / "sh"))
+
+
+def test_every_caller_uses_the_same_rule_for_a_custom_pattern(tmp_path, capsys):
+    """reshard refuses a sharded source saved with a custom pattern, inspect finds it, and loads
+    it; inspect --pattern finds one without a manifest."""
+    write_whole(str(tmp_path / "whole"), every_dtype_state(), num_files=2)
+    custom = "w-{rank}-{part}.safetensors"
+    distload.reshard(str(tmp_path / "whole"), str(tmp_path / "custom"), 1, pattern=custom, sharding="replicate")
+    with pytest.raises(distload.CheckpointError, match="already a per-rank sharded checkpoint"):
+        distload.reshard(str(tmp_path / "custom"), str(tmp_path / "again"), 2)
+    info = distload.inspect(str(tmp_path / "custom"))
+    assert info["layout"] == "sharded" and info["pattern"] == custom and info["manifest"]
+    os.unlink(tmp_path / "custom" / "distload.json")
+    from distload.cli.main import main
+
+    assert main(["inspect", str(tmp_path / "custom"), "--pattern", custom, "--json"]) == 0
+    assert '"layout": "sharded"' in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "custom"), "--pattern", "no-fields.safetensors"]) == 1
+    assert "--pattern must contain the fields {rank} and {part}" in capsys.readouterr().err
+    loaded = distload.load(str(tmp_path / "custom"), "sharded_state", {"pattern": custom}, device="cpu")
+    want = plain_read([str(tmp_path / "custom" / custom.format(rank=0, part=0))])
+    assert set(loaded) == set(want) and all(torch.equal(loaded[n], want[n]) for n in want)
+
+
+def test_save_into_a_folder_holding_shards_is_refused(tmp_path):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, str(folder / "model-rank-0-part-0.safetensors"))
+    with pytest.raises(distload.CheckpointError, match="already holds a sharded checkpoint"):
+        distload.save_sharded({"w": torch.ones(2)}, str(folder))
+
+
+# -- no process-wide state outside distload.runtime --------------------------------------------
+
+# Module-level names that are bound once at import and never rebound: registries and tables.
+CONSTANT_TABLES = {"BACKENDS", "FORMATS", "STORES", "RUNTIME", "LOAD_FORMATS", "DTYPES", "DTYPE_CODES",
+                   "BUILTIN_SPECS", "SPEC_ALIASES", "SECRET_VARIABLES", "_SECRET_PATTERNS", "_PATTERN",
+                   "__all__", "IO_BACKENDS", "WEIGHT_SUFFIXES", "WEIGHT_INDEXES", "OBJECT_STORE_SCHEMES",
+                   "SCHEMES", "_DENIED_CODES", "_LAYER_TENSORS", "log", "T"}
+
+
+def test_no_module_level_mutable_state_outside_the_runtime():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        where = path.relative_to(PACKAGE)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                offenders.append(f"{where}:{node.lineno}: global {', '.join(node.names)}")
+        for node in tree.body:
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = [t.id for t in node.targets if isinstance(t, ast.Name)]
+                value = node.value
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                targets, value = [node.target.id], node.value
+            else:
+                continue
+            # Constants, tuples, arithmetic and type aliases (Union[...], Callable[...]) are immutable.
+            literal = isinstance(value, (ast.Constant, ast.Tuple, ast.BinOp, ast.UnaryOp, ast.Attribute, ast.Subscript))
+            for name in targets:
+                if name not in CONSTANT_TABLES and not literal:
+                    offenders.append(f"{where}:{node.lineno}: {name}")
+    assert offenders == []
+
+
+def test_runtime_reset_forgets_everything():
+    runtime = Runtime()
+    runtime.stores[("s3",)] = object()
+    runtime.reachable_until[("h", 1)] = 1.0
+    runtime.huge_page_slots, runtime.runai_store_scheme = 3, "s3"
+    runtime.reset()
+    assert (runtime.stores, runtime.reachable_until, runtime.huge_page_slots, runtime.runai_store_scheme) == (
+        {}, {}, None, None)
+    assert isinstance(RUNTIME, Runtime)

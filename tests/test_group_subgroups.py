@@ -1,0 +1,81 @@
+"""A WorkerGroup that stands for some ranks only: made by ``subgroup``, or wrapping a
+``torch.distributed`` group the caller made. Loads over it agree with its members only, beside
+other loads on the other ranks; a failure inside it ends its members, not the others."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from conftest import every_dtype_state, plain_digest, write_whole
+from dist_helpers import FAILURE_ENV, run_script, write_script
+
+pytestmark = pytest.mark.dist
+
+DEADLINE_S = 90
+
+SCRIPT = r'''
+import json, os, sys
+import torch.distributed as dist
+import distload
+
+folder, out = sys.argv[1], sys.argv[2]
+result = {}
+with distload.WorkerGroup(device="cpu", timeout_s=30) as job:
+    inference = job.subgroup([1, 2])  # every rank makes every subgroup, in the same order
+    trainer = job.subgroup([0])
+    if job.rank == 0:
+        # A load of its own, over a group of one, while ranks 1 and 2 read real weights.
+        result["dummy"] = sorted(distload.load(folder, "dummy", group=trainer))
+        result["trainer"] = [trainer.rank, trainer.world_size, trainer.ranks, inference is None]
+    else:
+        loaded = distload.Loader(folder, "safetensors", group=inference).load(gather=True, digest=True)
+        result["digests"] = [r.digest for r in loaded.report.ranks]
+        result["inference"] = [inference.rank, inference.world_size, inference.ranks, trainer is None]
+    # The caller's own torch group (new_group is collective over the job), wrapped on its members.
+    caller_group = dist.new_group([1, 2], backend="gloo")
+    if job.rank != 0:
+        with distload.WorkerGroup(device="cpu", process_group=caller_group) as wrapped:
+            result["wrapped"] = [wrapped.rank, wrapped.world_size, wrapped.exchange(job.rank)]
+            try:
+                distload.load(folder, "runai_streamer", {"distributed": True}, group=wrapped)
+            except distload.DistloadError as exc:
+                result["runai"] = str(exc)
+            # Rank 2 fails a step: rank 1 hears of it by its rank in the group.
+            try:
+                wrapped.agree("a step", lambda: 1 / 0 if job.rank == 2 else None)
+            except distload.RankFailedError as exc:
+                result["failure"] = [exc.step, sorted(exc.failures)]
+            except ZeroDivisionError:
+                result["failure"] = "raised here"
+with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(result, f)
+'''
+
+
+def test_loads_over_subgroups_beside_each_other(tmp_path):
+    paths = write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
+    script = write_script(tmp_path, "subgroups.py", SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    start = time.monotonic()
+    result = run_script(script, [str(tmp_path / "ck"), str(out)], nproc=3, env=FAILURE_ENV,
+                        timeout=DEADLINE_S + 60)
+    assert time.monotonic() - start < DEADLINE_S, "a subgroup step waited for ranks outside it"
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+
+    assert ranks[0]["trainer"] == [0, 1, [0], True]
+    assert ranks[0]["dummy"] == sorted(every_dtype_state())
+    want = plain_digest(paths)
+    for rank in (1, 2):
+        got = ranks[rank]
+        assert got["inference"] == [rank - 1, 2, [1, 2], True]
+        assert got["digests"] == [want, want]
+        assert got["wrapped"] == [rank - 1, 2, [1, 2]]
+        assert "Run:ai's distributed mode runs only over the job's default process group" in got["runai"]
+    assert ranks[1]["failure"] == ["a step", [1]]  # rank 2 of the job is rank 1 of the group
+    assert ranks[2]["failure"] == "raised here"
