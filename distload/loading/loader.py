@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Generator, Iterator, Mapping
 
 import torch
 
@@ -63,9 +63,13 @@ class LoadStream:
     then ``close()``, or dropping it) tells the other ranks this one stopped.
     """
 
-    def __init__(self, loader: "Loader", plan: RankPlan | None, destinations: Mapping[str, torch.Tensor]):
+    def __init__(self, steps: Generator[tuple[str, torch.Tensor], None, RankReport]):
         self._report: RankReport | None = None
-        self._tensors = loader._stream(plan, destinations, self)
+        self._tensors = self._run(steps)
+
+    def _run(self, steps: Generator[tuple[str, torch.Tensor], None, RankReport]) -> Iterator[tuple[str, torch.Tensor]]:
+        # The steps hand out the tensors, then return the report; closing this closes them.
+        self._report = yield from steps
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._tensors
@@ -112,7 +116,7 @@ class Loader:
         ``destinations`` (checkpoint name -> existing tensor of the same dtype and shape): a
         backend that can may read straight into them (see ReadRequest).
         """
-        return LoadStream(self, plan, dict(destinations or {}))
+        return LoadStream(self._steps(plan, dict(destinations or {})))
 
     def load(self, *, gather: bool = False, digest: bool = False) -> LoadResult:
         """Every tensor of this rank in a dict. ``digest``: the rank report gets the state's digest;
@@ -129,8 +133,8 @@ class Loader:
         return LoadResult(state, rank_report, report)
 
     # -- the steps ---------------------------------------------------------------------------
-    def _stream(self, plan: RankPlan | None, destinations: Mapping[str, torch.Tensor],
-                out: LoadStream) -> Iterator[tuple[str, torch.Tensor]]:
+    def _steps(self, plan: RankPlan | None,
+               destinations: Mapping[str, torch.Tensor]) -> Generator[tuple[str, torch.Tensor], None, RankReport]:
         group = self.group
         start = time.perf_counter()
         read_before = storage_read_bytes()
@@ -161,7 +165,7 @@ class Loader:
             progress.close()
         seconds = time.perf_counter() - start
         group.check_all_ok("loading")
-        out._report = self._rank_report(plan, run, delivery, seconds, read_before, request.host_memory)
+        return self._rank_report(plan, run, delivery, seconds, read_before, request.host_memory)
 
     def _request(self, plan: RankPlan, destinations: Mapping[str, torch.Tensor]) -> ReadRequest:
         """What the backend is given, with the host-memory policy for the tensors it creates.
