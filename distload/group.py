@@ -277,20 +277,28 @@ class WorkerGroup:
         members = sorted(set(ranks))
         if not members or any(not 0 <= r < self.world_size for r in members):
             raise ConfigError(f"subgroup ranks must be non-empty and within [0, {self.world_size}), got {list(ranks)}")
+        if not self.is_world:
+            # torch numbers the groups it makes by a counter every rank of the job advances: a
+            # group made on some ranks only would give later groups different numbers on each.
+            raise ConfigError(f"subgroup() is called on the whole job's WorkerGroup (every rank of the job, "
+                              f"the same ranks in the same order); this one is a group of ranks {self.ranks}")
+        sub = object.__new__(WorkerGroup)
+        sub.timeout, sub.launch, sub.device, sub.hostname = self.timeout, self.launch, self.device, self.hostname
+        sub._owns_default_group, sub._owned, sub._subgroups = False, [], []
+        sub._data = sub._control = None
+        if self.launch.world_size == 1:  # one process, no torch.distributed: the group of rank 0
+            sub._ranks = None
+            return sub
         global_ranks = [self.ranks[r] for r in members]
         data_backend = "nccl" if self.device.type == "cuda" else "gloo"
         data = dist.new_group(global_ranks, backend=data_backend, timeout=self.timeout)
         control = dist.new_group(global_ranks, backend="gloo", timeout=self.timeout) if data_backend != "gloo" else data
         if self.launch.rank not in global_ranks:
             return None
-        sub = object.__new__(WorkerGroup)
-        sub.timeout, sub.launch, sub.device, sub.hostname = self.timeout, self.launch, self.device, self.hostname
-        sub._owns_default_group = False
         sub._owned = [data] if control is data else [data, control]
-        sub._subgroups = []
         sub._data, sub._control = data, control
         sub._ranks = None if global_ranks == list(range(self.launch.world_size)) else global_ranks
-        self._subgroups.append(sub)
+        self._subgroups = [s for s in self._subgroups if s._owned] + [sub]  # forget the closed ones
         return sub
 
     def _rendezvous_failure(self, exc: BaseException) -> str:

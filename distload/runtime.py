@@ -13,7 +13,7 @@ outlive one load:
 - ``runai_store_scheme``: the object-store type Run:ai's reader served first (it serves only one
   per process);
 - the environment: Run:ai reads its settings from ``os.environ``; :meth:`Runtime.environment` is
-  the only place distload writes it, for the length of one read, under a lock.
+  the only place distload writes it, for the length of one read.
 
 Tests call :func:`reset` (or set a field) instead of patching module globals.
 """
@@ -29,7 +29,7 @@ from typing import Any, Iterator, Mapping
 class Runtime:
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self._environment_lock = threading.RLock()
+        self._environment_lock = threading.Lock()
         self.reset()
 
     def reset(self) -> None:
@@ -46,19 +46,22 @@ class Runtime:
 
         Every variable starting with ``restore_prefix`` is restored too: Run:ai sets some itself
         (RUNAI_STREAMER_PROCESS_GROUP_SIZE in distributed mode) and never removes them, and a
-        later read with another group would inherit them. Blocks nest (a re-entrant lock) but two
-        threads never change the environment at once.
+        later read with another group would inherit them. The writes and the restore each happen
+        under a lock, but the block itself holds none (it may be a generator's, suspended across
+        yields and closed from another thread): reads in several threads of one process share one
+        environment, as the library that reads it does.
         """
-        with self._environment_lock:
-            def touched() -> set[str]:
-                return {key for key in os.environ if restore_prefix and key.startswith(restore_prefix)}
+        def touched() -> set[str]:
+            return {key for key in os.environ if restore_prefix and key.startswith(restore_prefix)}
 
+        with self._environment_lock:
             keys = set(changes) | touched()
             saved = {key: os.environ.get(key) for key in keys}
             os.environ.update(changes)
-            try:
-                yield
-            finally:
+        try:
+            yield
+        finally:
+            with self._environment_lock:
                 for key in keys | touched():
                     old = saved.get(key)
                     if old is None:

@@ -184,3 +184,114 @@ def test_runtime_reset_forgets_everything():
     assert (runtime.stores, runtime.reachable_until, runtime.huge_page_slots, runtime.runai_store_scheme) == (
         {}, {}, None, None)
     assert isinstance(RUNTIME, Runtime)
+
+
+# -- review fixes: what a refactor must not lose ------------------------------------------------
+
+def test_a_dropped_stream_closes_its_read_at_once(tmp_path, monkeypatch):
+    """No reference cycle keeps a stream alive: dropping it ends the read (and tells the other
+    ranks) now, not when the garbage collector happens to run."""
+    import gc
+
+    from distload.loading.backends import BackendRun
+
+    closed = []
+
+    class Recording(type(BACKENDS["pread"])):
+        def read(self, request):
+            run = super().read(request)
+
+            def tensors():
+                try:
+                    yield from run.tensors()
+                finally:
+                    closed.append(True)
+
+            return BackendRun(run.path).start(tensors())
+
+    monkeypatch.setitem(BACKENDS, "pread", Recording())
+    write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=1)
+    with distload.WorkerGroup(device="cpu") as group:
+        gc.disable()
+        try:
+            stream = distload.Loader(str(tmp_path / "ck"), "auto", group=group).stream()
+            next(stream)
+            del stream
+            assert closed == [True]
+        finally:
+            gc.enable()
+
+
+def test_subgroups_come_from_the_job_group():
+    with distload.WorkerGroup(device="cpu") as job:  # one process: the group of rank 0
+        sub = job.subgroup([0])
+        assert (sub.rank, sub.world_size, sub.ranks, sub.is_world) == (0, 1, [0], True)
+        with pytest.raises(distload.ConfigError, match=r"within \[0, 1\)"):
+            job.subgroup([1])
+
+
+def test_auto_on_a_subgroup_reads_alone_where_run_ai_cannot_cooperate():
+    from distload.loading.choice import choose_read
+
+    facts = dict(sharded_layout_found=False, device_type="cpu", world_size=2, distributed=False,
+                 instanttensor_installed=False, remote=True)
+    assert choose_read("auto", **facts).cooperative
+    assert not choose_read("auto", **facts, whole_job=False).cooperative
+    # An explicit request stays what it is (and Run:ai's preflight says why it cannot run).
+    assert choose_read("runai_streamer", **{**facts, "distributed": True}, whole_job=False).cooperative
+
+
+def test_instanttensor_refuses_an_object_store_before_any_request(monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on: any request would fail differently
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    start = time.monotonic()
+    with pytest.raises(distload.BackendUnavailableError, match="instanttensor reads local files only"):
+        distload.load("s3://bucket/model", "instanttensor", device="cpu")
+    assert time.monotonic() - start < 5
+
+
+def test_the_runtime_environment_is_not_locked_while_a_read_streams(monkeypatch):
+    import threading
+
+    monkeypatch.delenv("DISTLOAD_TEST_A", raising=False)
+    monkeypatch.delenv("DISTLOAD_TEST_B", raising=False)
+
+    def streaming():
+        with RUNTIME.environment({"DISTLOAD_TEST_A": "1"}):
+            yield os.environ.get("DISTLOAD_TEST_A")
+
+    suspended = streaming()
+    assert next(suspended) == "1"
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(_enter_and_read(RUNTIME, "DISTLOAD_TEST_B")))
+    other.start()
+    other.join(5)
+    assert seen == ["2"], "another thread's read waited for the suspended one"
+    closer = threading.Thread(target=suspended.close)  # a generator may be closed from any thread
+    closer.start()
+    closer.join(5)
+    assert "DISTLOAD_TEST_A" not in os.environ and "DISTLOAD_TEST_B" not in os.environ
+
+
+def _enter_and_read(runtime, name):
+    with runtime.environment({name: "2"}):
+        return os.environ.get(name)
+
+
+@pytest.mark.parametrize("setting, probes", [(None, False), ("false", True), ("true", True)])
+def test_s3_instance_metadata_follows_the_users_setting(monkeypatch, setting, probes):
+    from distload.loading.stores.s3 import S3Store
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")
+    if setting is None:
+        monkeypatch.delenv("AWS_EC2_METADATA_DISABLED", raising=False)
+    else:
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", setting)
+    chain = S3Store()._credential_session().get_component("credential_provider")
+    # With the user's own setting botocore decides ("true" disables the probe itself).
+    assert any(p.METHOD == "iam-role" for p in chain.providers) is probes

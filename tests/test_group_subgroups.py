@@ -35,6 +35,10 @@ with distload.WorkerGroup(device="cpu", timeout_s=30) as job:
         loaded = distload.Loader(folder, "safetensors", group=inference).load(gather=True, digest=True)
         result["digests"] = [r.digest for r in loaded.report.ranks]
         result["inference"] = [inference.rank, inference.world_size, inference.ranks, trainer is None]
+        try:  # only the job's group makes subgroups (torch numbers groups job-wide)
+            inference.subgroup([0])
+        except distload.ConfigError as exc:
+            result["nested"] = str(exc)
     # The caller's own torch group (new_group is collective over the job), wrapped on its members.
     caller_group = dist.new_group([1, 2], backend="gloo")
     if job.rank != 0:
@@ -77,5 +81,6 @@ def test_loads_over_subgroups_beside_each_other(tmp_path):
         assert got["digests"] == [want, want]
         assert got["wrapped"] == [rank - 1, 2, [1, 2]]
         assert "Run:ai's distributed mode runs only over the job's default process group" in got["runai"]
+        assert "is called on the whole job's WorkerGroup" in got["nested"]
     assert ranks[1]["failure"] == ["a step", [1]]  # rank 2 of the job is rank 1 of the group
     assert ranks[2]["failure"] == "raised here"

@@ -22,9 +22,10 @@ each rank its part of a whole checkpoint's tensors, as ``save-sharded`` would.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections import Counter
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
@@ -228,9 +229,9 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
               if len(c) == 1 and _is_whole_copy(c[0])
               and writes_per_storage[targets[c[0].dest.name].untyped_storage().data_ptr()] == 1}
     written = 0
-    with torch.no_grad():
+    stream = loader.stream(rank_plan, destinations=direct)
+    with torch.no_grad(), contextlib.closing(stream):  # a failed copy tells the other ranks at once
         try:
-            stream = loader.stream(rank_plan, destinations=direct)
             for name, tensor in stream:
                 for copy in copies.get(name, ()):
                     src = tensor

@@ -37,15 +37,20 @@ AUTO_CPU_BACKEND = "pread"
 
 
 def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: str, world_size: int,
-                distributed: bool, instanttensor_installed: bool, remote: bool = False) -> ReadChoice:
+                distributed: bool, instanttensor_installed: bool, remote: bool = False,
+                whole_job: bool = True) -> ReadChoice:
     """Map a load format (already validated) to a read, for one rank; pure and deterministic.
 
     Every rank of a job calls this with the same arguments and so takes the same decision,
     which the cooperative backends rely on (the caller still cross-checks the file lists).
     ``remote``: the source is an object store. safetensors' reader needs a local file, so there
     the safetensors formats read the same tensors with ranged GETs (backend ``ranged``).
+    ``whole_job``: the group is the job's default group. Run:ai's distributed mode runs only
+    there, so ``auto`` on a subgroup reads with Run:ai on each rank alone (an explicit
+    ``distributed: true`` on a subgroup stays cooperative, and Run:ai's preflight refuses it).
     """
     many = world_size > 1
+    runai_cooperative = many and not sharded_layout_found and whole_job
     plain = "ranged" if remote else "safetensors"
     if load_format == "safetensors":
         return ReadChoice(False, plain, False)
@@ -64,8 +69,8 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
             if instanttensor_installed and not sharded_layout_found:
                 return ReadChoice(False, "instanttensor", many)
             # Run:ai over NCCL reads each byte once and broadcasts device to device.
-            return ReadChoice(sharded_layout_found, "runai", many and not sharded_layout_found)
+            return ReadChoice(sharded_layout_found, "runai", runai_cooperative)
         if remote:
-            return ReadChoice(sharded_layout_found, "runai", many and not sharded_layout_found)
+            return ReadChoice(sharded_layout_found, "runai", runai_cooperative)
         return ReadChoice(sharded_layout_found, AUTO_CPU_BACKEND, False)
     raise AssertionError(f"unvalidated load format {load_format!r}")

@@ -59,17 +59,16 @@ class LoadResult:
 class LoadStream:
     """This rank's ``(name, tensor)`` pairs, one at a time; ``rank_report`` once they are all out.
 
-    Iterate it to the end on every rank (the last step is collective). Closing it early (``break``
-    then ``close()``, or dropping it) tells the other ranks this one stopped.
+    Iterate it to the end on every rank (the last step is collective). Closing it early
+    (``close()``, or dropping it: nothing else holds the steps) tells the other ranks this one
+    stopped.
     """
 
     def __init__(self, steps: Generator[tuple[str, torch.Tensor], None, RankReport]):
-        self._report: RankReport | None = None
-        self._tensors = self._run(steps)
-
-    def _run(self, steps: Generator[tuple[str, torch.Tensor], None, RankReport]) -> Iterator[tuple[str, torch.Tensor]]:
-        # The steps hand out the tensors, then return the report; closing this closes them.
-        self._report = yield from steps
+        self._outcome = _Outcome()
+        # Not a bound method: a generator holding this object would keep it alive in a cycle, and
+        # a dropped stream would tell the other ranks only when the garbage collector ran.
+        self._tensors = _hand_out(steps, self._outcome)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._tensors
@@ -82,9 +81,19 @@ class LoadStream:
 
     @property
     def rank_report(self) -> RankReport:
-        if self._report is None:
+        if self._outcome.report is None:
             raise DistloadError("the load has not finished: iterate every tensor before asking for its report")
-        return self._report
+        return self._outcome.report
+
+
+class _Outcome:
+    report: RankReport | None = None
+
+
+def _hand_out(steps: Generator[tuple[str, torch.Tensor], None, RankReport],
+              outcome: _Outcome) -> Iterator[tuple[str, torch.Tensor]]:
+    # The steps hand out the tensors, then return the report; closing this closes them.
+    outcome.report = yield from steps
 
 
 class Loader:

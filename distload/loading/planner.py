@@ -13,6 +13,7 @@ from distload.config import LoadConfig
 from distload.errors import CheckpointError
 from distload.loading.backends import BACKENDS
 from distload.loading.choice import ReadChoice, choose_read
+from distload.loading.formats import FORMATS
 from distload.loading.index import build_index
 from distload.loading.layout import Layout, detect_layout
 from distload.loading.plan import RankPlan
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
 def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup") -> RankPlan:
     """Plan this rank's read of ``source`` (the same on a local folder and an object-store prefix:
     both go through a Source, one listing, headers by ranged reads on object stores)."""
+    only = FORMATS[config.load_format].backends
+    if len(only) == 1:  # the format fixes the reader: refuse what it can never serve before listing
+        BACKENDS[only[0]].check_source(source, group)
     layout = detect_layout(source, config.pattern)
     src = layout.source
     choice = choose_read(
@@ -32,6 +36,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup") -> RankPlan
         sharded_layout_found=layout.sharded,
         device_type=group.device.type,
         world_size=group.world_size,
+        whole_job=group.is_world,
         distributed=config.distributed,
         # InstantTensor reads local files only; `auto` takes Run:ai for an object store.
         instanttensor_installed=not src.remote and BACKENDS["instanttensor"].available(),

@@ -4,8 +4,11 @@ The loader never asks for a backend by name beyond looking it up in the registry
 (``distload.loading.backends.BACKENDS``); everything it needs to know is a trait or a method of
 the object. Order of calls, on every rank of the group:
 
-1. ``preflight(plan, group)`` while planning, inside the group's agreement step: a refusal
-   there reaches every rank at once (inside a cooperative read the others would wait the timeout);
+1. ``check_source(source, group)`` first, when the load format reads with this backend only:
+   what it can refuse from the source's kind and the rank's device alone, before any request;
+   ``preflight(plan, group)`` at the end of planning. Both run inside the group's agreement
+   step: a refusal there reaches every rank at once (inside a cooperative read the others would
+   wait the timeout);
 2. ``read(request)``: a :class:`BackendRun` whose ``tensors()`` streams ``(name, tensor)`` onto
    the request's device, with ``environment(request)`` applied while it streams.
 """
@@ -93,8 +96,12 @@ class Backend:
         this rank's device: that is :meth:`preflight`'s question)."""
         return self.package is None or importlib.util.find_spec(self.package) is not None
 
+    def check_source(self, source: str, group: "WorkerGroup") -> None:
+        """Raise for a source or device this reader can never serve (no I/O)."""
+
     def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
         """Raise what the read would otherwise meet only once it started."""
+        self.check_source(plan.source, group)
 
     def environment(self, request: ReadRequest) -> dict[str, str]:
         """Environment variables the reader needs while it streams (nothing is written here)."""

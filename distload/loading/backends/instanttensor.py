@@ -17,7 +17,6 @@ from distload.loading.sources import is_object_store
 
 if TYPE_CHECKING:
     from distload.group import WorkerGroup
-    from distload.loading.plan import RankPlan
 
 # InstantTensor's I/O backends, as its `backend` knob names them (comma-separated: tried in order).
 IO_BACKENDS = ("URING", "AIO", "URING_BUFFERED", "AIO_BUFFERED", "CUFILE", "MMAP", "BUFFERED")
@@ -65,10 +64,10 @@ class InstantTensorBackend(Backend):
     reads_object_stores = False
     package = "instanttensor"
 
-    def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
-        if is_object_store(plan.source):
+    def check_source(self, source: str, group: "WorkerGroup") -> None:
+        if is_object_store(source):
             raise BackendUnavailableError(
-                f"{plan.source}: --load-format instanttensor reads local files only; load an "
+                f"{source}: --load-format instanttensor reads local files only; load an "
                 f"object-store source with runai_streamer (extra config {{\"distributed\": true}} "
                 f"reads each byte once per node), or copy the checkpoint to local disk first"
             )

@@ -56,6 +56,7 @@ class RunaiBackend(Backend):
 
     def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
         """The refusals Run:ai's reader would otherwise meet only once reading starts."""
+        super().preflight(plan, group)
         if plan.choice.cooperative and not group.is_world:
             raise BackendUnavailableError(
                 f"Run:ai's distributed mode runs only over the job's default process group, and this "

@@ -68,7 +68,6 @@ class S3Store(ObjectStore):
 
     def _make_client(self):
         import boto3
-        import botocore.session
         from botocore import UNSIGNED
         from botocore.config import Config
 
@@ -78,13 +77,20 @@ class S3Store(ObjectStore):
             kwargs["s3"] = {"addressing_style": "path"}
         if os.environ.get("RUNAI_STREAMER_S3_UNSIGNED") == "1":
             kwargs["signature_version"] = UNSIGNED
-        core = botocore.session.Session()
-        if is_custom_endpoint(self._endpoint_url):
-            # No EC2 instance-metadata probe for a non-AWS endpoint: it would go to
-            # 169.254.169.254 and wait for a timeout.
-            core.get_component("credential_provider").remove("iam-role")
-        return boto3.session.Session(botocore_session=core).client(
+        return boto3.session.Session(botocore_session=self._credential_session()).client(
             "s3", endpoint_url=self._endpoint_url, config=Config(**kwargs))
+
+    def _credential_session(self):
+        """botocore's session, whose credential chain the client resolves."""
+        import botocore.session
+
+        core = botocore.session.Session()
+        if is_custom_endpoint(self._endpoint_url) and "AWS_EC2_METADATA_DISABLED" not in os.environ:
+            # No EC2 instance-metadata probe for a non-AWS endpoint (it would go to
+            # 169.254.169.254 and wait for a timeout), unless the user said otherwise: the same
+            # rule as the reader's AWS_EC2_METADATA_DISABLED in reader_environment.
+            core.get_component("credential_provider").remove("iam-role")
+        return core
 
     def endpoint(self) -> Endpoint:
         if self._endpoint_url:
