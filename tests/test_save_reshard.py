@@ -500,7 +500,8 @@ def test_bad_file_pattern_cli(source, tmp_path, pattern):
     if pattern == "model-rank-{rank}.safetensors":  # one CLI run is enough
         result = run_distload(["save-sharded", src, out, "-tp", "2", "--file-pattern", pattern])
         assert result.returncode == 1
-        assert "error on rank 0" in result.stderr and "--file-pattern" in result.stderr
+        # An offline command names no rank (it runs in one process).
+        assert result.stderr.startswith("distload: error: ") and "--file-pattern" in result.stderr
         assert pattern in result.stderr
         assert not os.path.exists(out)
 
@@ -539,7 +540,8 @@ def test_indivisible_dimension_writes_nothing(source, tmp_path):
     out.mkdir()
     result = run_distload(["save-sharded", src, str(out), "--tensor-parallel-size", "6"])
     assert result.returncode == 1
-    assert "error on rank 0" in result.stderr and "cannot be split over 6 ranks" in result.stderr
+    assert "distload: error: " in result.stderr and "cannot be split over 6 ranks" in result.stderr
+    assert "on rank" not in result.stderr
     assert os.listdir(out) == []
 
 
@@ -711,7 +713,8 @@ def test_load_manifest_key_missing_from_files(resharded, tmp_path):
     for fmt in ("sharded_state", "runai_streamer_sharded"):
         with pytest.raises(CheckpointError) as err:
             distload.load(out, fmt)
-        assert str(err.value).startswith("Missing keys (model.layers.7.ghost.weight) in loaded state!"), str(err.value)
+        # vLLM's exact words first: a tuple of the keys.
+        assert str(err.value).startswith("Missing keys ('model.layers.7.ghost.weight',) in loaded state! ("), str(err.value)
 
 
 def test_load_without_manifest(resharded, source, tmp_path):

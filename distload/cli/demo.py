@@ -138,6 +138,14 @@ def demo_cases(world_size: int, cuda: bool) -> list[tuple[str, str, str | None]]
     return cases
 
 
+def shown_lines(output: str, reports_kept: bool) -> list[str]:
+    """The lines of one load's output the demo shows: distload's summary. The reports live in a
+    temporary folder removed at the end unless --dir keeps them: only then say where each one is."""
+    return [line for line in output.splitlines()
+            if line.startswith(("distload", "  ", "[distload rank 0]"))
+            and (reports_kept or "report written to" not in line)]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     cuda = torch.cuda.is_available()
     world_size = args.nproc_per_node or (torch.cuda.device_count() if cuda else 2)
@@ -163,8 +171,7 @@ def run_demo(args: argparse.Namespace) -> int:
         except subprocess.TimeoutExpired as exc:
             result = subprocess.CompletedProcess(cmd, 124, f"{exc.output or ''}\ntimed out after "
                                                            f"{args.case_timeout}s", None)
-        print("\n".join(line for line in result.stdout.splitlines()
-                        if line.startswith(("distload", "  ", "[distload rank 0]"))), flush=True)
+        print("\n".join(shown_lines(result.stdout, reports_kept=bool(args.dir))), flush=True)
         if result.returncode != 0:
             failed += 1
             print(result.stdout[-3000:], flush=True)

@@ -25,7 +25,10 @@ log = logging.getLogger("distload")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m distload", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m distload",
+        description="Load safetensors weights onto every rank of a distributed job (under torchrun, srun, "
+                    "or alone), and write, check and inspect per-rank checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     load = sub.add_parser("load", help="load a checkpoint onto every rank and report")
@@ -46,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     save = sub.add_parser("save-sharded", help="reshard a whole checkpoint into per-rank files, offline")
     save.add_argument("source", help="a whole safetensors checkpoint: a file or a folder (index.json honoured)")
     save.add_argument("output", help="a new or empty folder")
-    save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N")
+    save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N",
+                      help="the number of tensor-parallel ranks to write shards for (required)")
     save.add_argument("--file-pattern", default=DEFAULT_SHARD_PATTERN, metavar="P",
-                      help=f"default {DEFAULT_SHARD_PATTERN!r}")
+                      help=f"the shard file names, with {{rank}} and {{part}} (default {DEFAULT_SHARD_PATTERN!r})")
     save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
                       help="start a new part past this many bytes (default 5 GiB)")
     save.add_argument("--sharding", "--plan", dest="sharding", default=None, metavar="SPEC",
@@ -56,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "replicate) or a JSON spec file (default decoder); --plan is its old name")
 
     verify = sub.add_parser("verify", help="check a sharded checkpoint's files against its manifest")
-    verify.add_argument("folder")
+    verify.add_argument("folder", help="a sharded checkpoint saved by distload (a folder or an object-store prefix)")
 
     inspect = sub.add_parser("inspect", help="files, tensors, bytes, dtypes and layout of a checkpoint")
-    inspect.add_argument("source")
+    inspect.add_argument("source", help="a safetensors file, a folder, or an object-store URI")
     inspect.add_argument("--pattern", default=None, metavar="P",
                          help=f"the shard file-name pattern to look for (default: the manifest's, "
                               f"else {DEFAULT_SHARD_PATTERN!r})")
@@ -67,11 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sync_demo = sub.add_parser("sync-demo", help="rank 0 pushes weight versions, the other ranks "
                                                  "receive them in place (run under torchrun)")
-    sync_demo.add_argument("--steps", type=int, default=3)
-    sync_demo.add_argument("--size-mib", type=int, default=256)
-    sync_demo.add_argument("--bucket-mib", type=int, default=64)
-    sync_demo.add_argument("--device", default="auto")
-    sync_demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    sync_demo.add_argument("--steps", type=int, default=3, help="weight versions to push (default 3)")
+    sync_demo.add_argument("--size-mib", type=int, default=256, help="approximate model size (default 256)")
+    sync_demo.add_argument("--bucket-mib", type=int, default=64,
+                           help="the size of one transfer bucket (default 64)")
+    sync_demo.add_argument("--device", default="auto", help="auto (cuda:<local_rank> or cpu), cpu, cuda")
+    sync_demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                           help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
 
     demo = sub.add_parser("demo", help="write a small LLM-shaped checkpoint and load it with "
                                        "every format this machine supports")
@@ -149,6 +155,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+# Commands that run in one process, outside any group.
+OFFLINE_COMMANDS = ("save-sharded", "verify", "inspect")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank: int | str = "?"
@@ -173,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
     except DistloadError as exc:
         # One write per message: under torchrun the ranks share stderr, and print() writes the
-        # newline separately, so two ranks' lines would run together.
-        sys.stderr.write(f"distload: error on rank {rank}: {exc}\n")
+        # newline separately, so two ranks' lines would run together. The offline commands run in
+        # one process: no rank to name.
+        where = "" if args.command in OFFLINE_COMMANDS else f" on rank {rank}"
+        sys.stderr.write(f"distload: error{where}: {exc}\n")
         sys.stderr.flush()
         return 1
     except KeyboardInterrupt:

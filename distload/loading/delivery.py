@@ -18,10 +18,9 @@ from distload.loading.report import Progress
 
 
 def missing_keys_error(missing: set[str], why: str) -> CheckpointError:
-    shown = sorted(missing)
-    return CheckpointError(
-        f"Missing keys ({', '.join(shown[:10])}{' ...' if len(shown) > 10 else ''}) in loaded state! ({why})"
-    )
+    # vLLM's own words first (``Missing keys ('b2',) in loaded state!``, a tuple of every key), so
+    # that what users grep for and match on stays true; then why.
+    return CheckpointError(f"Missing keys {tuple(sorted(missing))} in loaded state! ({why})")
 
 
 class Delivery:

@@ -8,6 +8,7 @@ the keys that mean something whichever backend it picks.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -67,7 +68,9 @@ def make_load_config(load_format: str, extra_config: str | Mapping[str, Any] | N
         raise ConfigError(f"load format must be a string, got {load_format!r}")
     name = load_format.strip().lower()
     if name not in FORMATS:
-        raise ConfigError(f"unknown load format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+        close = difflib.get_close_matches(name.replace("-", "_"), LOAD_FORMATS, n=1, cutoff=0.6)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"unknown load format {load_format!r}; {guess}choose one of: {', '.join(LOAD_FORMATS)}")
     fmt = FORMATS[name]
     extra = parse_extra_config(extra_config)
     allowed = fmt.keys

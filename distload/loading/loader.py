@@ -19,6 +19,7 @@ gloo control group, with the group's timeout):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Generator, Iterator, Mapping
@@ -34,6 +35,7 @@ from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
 from distload.loading.planner import plan_rank
+from distload.loading.sources import source_string
 from distload.loading.report import (
     LoadReport,
     Progress,
@@ -104,11 +106,11 @@ class Loader:
     so every rank of the group must call the same method with the same arguments.
     """
 
-    def __init__(self, source: str, load_format: str = "auto",
+    def __init__(self, source: "str | os.PathLike[str]", load_format: str = "auto",
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup,
                  progress: bool = False):
         self.config = make_load_config(load_format, extra_config)
-        self.source = source
+        self.source = source_string(source)  # a pathlib.Path or S3:// works as it does in vLLM
         self.group = group
         self.progress = progress
 

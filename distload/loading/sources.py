@@ -30,13 +30,25 @@ def is_object_store(source: str) -> bool:
     return source.startswith(OBJECT_STORE_SCHEMES)
 
 
-def check_source(source: str) -> str:
-    """Validate the source string; return it normalised (no trailing slash, user expanded).
+def source_string(source: "str | os.PathLike[str]") -> str:
+    """A source as distload's string: a ``pathlib.Path`` (or any os.PathLike) as its path, an
+    object-store scheme in lower case (``S3://b/k`` -> ``s3://b/k``, as vLLM lower-cases it)."""
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
+    if not isinstance(source, str) or not source:
+        raise ConfigError(f"source must be a non-empty path, pathlib.Path or URI string, got {source!r}")
+    scheme, sep, rest = source.partition("://")
+    if sep and f"{scheme.lower()}://" in OBJECT_STORE_SCHEMES:
+        return f"{scheme.lower()}://{rest}"
+    return source
+
+
+def check_source(source: "str | os.PathLike[str]") -> str:
+    """Validate the source; return it normalised (no trailing slash, user expanded).
 
     Local paths must exist; object-store URIs are only parsed here (no request is made).
     """
-    if not isinstance(source, str) or not source:
-        raise ConfigError(f"source must be a non-empty path or URI string, got {source!r}")
+    source = source_string(source)
     if is_object_store(source):
         from distload.loading.stores import parse_uri
 
@@ -122,6 +134,20 @@ def content_fingerprint(info: FileInfo) -> str:
 
 
 
+# Weights in formats distload does not read (PyTorch pickles above all), for a message that says so.
+OTHER_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
+
+
+def other_weights_hint(names: list[str]) -> str:
+    others = [n for n in names if n.endswith(OTHER_WEIGHT_SUFFIXES)]
+    if not others:
+        return ""
+    return (f". distload reads safetensors only, and {others[0]} is not one: convert the weights "
+            f"first, e.g. with safetensors.torch.save_file(torch.load(PATH, weights_only=True), "
+            f"'model.safetensors') for a PyTorch file (or the Hugging Face Hub's convert tool, or "
+            f"`save_pretrained(..., safe_serialization=True)` in transformers)")
+
+
 class LocalSource:
     """A local ``.safetensors`` file or a folder."""
 
@@ -157,7 +183,7 @@ class LocalSource:
         return [read_local_header(p) for p in paths]
 
     def no_weights_message(self, names: list[str]) -> str:
-        return f"{self.uri}: no .safetensors files in this folder; {describe_names(names)}"
+        return f"{self.uri}: no .safetensors files in this folder; {describe_names(names)}{other_weights_hint(names)}"
 
 
 class ObjectSource:
@@ -231,7 +257,8 @@ class ObjectSource:
             return (f"{self.uri}: no .safetensors objects under this prefix, and nothing else either: "
                     f"nothing is stored under {self.folder_location.prefix or 'the bucket root'} "
                     f"(check the bucket and the prefix)")
-        return f"{self.uri}: no .safetensors objects under this prefix; {describe_names(names)}"
+        return (f"{self.uri}: no .safetensors objects under this prefix; {describe_names(names)}"
+                f"{other_weights_hint(names)}")
 
 
 Source = Union[LocalSource, ObjectSource]

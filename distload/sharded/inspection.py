@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
 from distload.loading.index import build_index
 from distload.loading.layout import detect_layout
-from distload.loading.sources import whole_checkpoint
+from distload.loading.sources import source_string, whole_checkpoint
 
 
-def inspect_source(source: str, pattern: str | None = None) -> dict[str, Any]:
+def inspect_source(source: "str | os.PathLike[str]", pattern: str | None = None) -> dict[str, Any]:
     """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks).
 
     ``source`` is a local file or folder, or an object-store URI (headers by ranged reads).
     """
+    source = source_string(source)
     layout = detect_layout(source, pattern)
     src, manifest = layout.source, layout.manifest
     if layout.sharded:
@@ -38,7 +40,7 @@ def inspect_source(source: str, pattern: str | None = None) -> dict[str, Any]:
     return {
         "source": source, **kind,
         "files": [{"path": info.path, "size": info.size, "num_tensors": len(info.tensors),
-                   "nbytes": info.nbytes} for info in infos],
+                   "nbytes": info.nbytes, "metadata": info.metadata} for info in infos],
         "num_tensors": len(tensors),
         "nbytes": sum(t.nbytes for t in tensors),
         "dtypes": {code: {"num_tensors": dtypes[code], "nbytes": dtype_bytes[code]} for code in sorted(dtypes)},
@@ -61,4 +63,6 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
         lines.append(f"  largest tensor: {name} ({nbytes / 2**20:.1f} MiB)")
     for f in info["files"]:
         lines.append(f"  {f['path']}: {f['num_tensors']} tensors, {f['size']} bytes")
+        if f["metadata"]:
+            lines.append(f"    metadata: {f['metadata']}")
     return lines

@@ -20,7 +20,7 @@ from distload.fileio import read_exactly
 from distload.loading.index import TensorInfo, build_index
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, detect_layout
 from distload.loading.manifest import Manifest, ShardFile, write_manifest
-from distload.loading.sources import check_source, is_object_store, read_header, whole_checkpoint
+from distload.loading.sources import check_source, is_object_store, read_header, source_string, whole_checkpoint
 from distload.sharded.output import (
     DEFAULT_MAX_FILE_SIZE,
     RankWriter,
@@ -137,7 +137,7 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
     all_files = [f for writer in writers for f in writer.files]
     write_manifest(output, Manifest(
         world_size=world_size, pattern=pattern, files=all_files, sharding=spec.to_json(),
-        replicated_unmatched=unmatched, source=source, created_by="distload save-sharded",
+        replicated_unmatched=unmatched, source=source_string(source), created_by="distload save-sharded",
     ))
     return ReshardReport(
         output=output, world_size=world_size, files=all_files, replicated_unmatched=unmatched,

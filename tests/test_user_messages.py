@@ -1,0 +1,134 @@
+"""What a user coming from vLLM meets: vLLM's own words where distload matches them, sources
+given as vLLM's users give them, and messages and help that say what to do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import distload
+from distload.cli.demo import shown_lines
+from distload.cli.main import build_parser, main
+from distload.loading.sources import check_source, source_string
+
+from conftest import every_dtype_state, plain_read, write_whole
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_pathlib_sources_load_and_report_as_strings(tmp_path):
+    paths = write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
+    with distload.WorkerGroup(device="cpu") as group:
+        result = distload.Loader(tmp_path / "ck", "auto", group=group).load(gather=True, digest=True)
+    want = plain_read(paths)
+    assert set(result.state) == set(want) and all(torch.equal(result.state[n], want[n]) for n in want)
+    assert result.report.source == str(tmp_path / "ck")
+    json.dumps(result.report.to_json())  # a Path would not serialise
+    assert distload.inspect(tmp_path / "ck")["source"] == str(tmp_path / "ck")
+    report = distload.reshard(tmp_path / "ck", str(tmp_path / "tp1"), 1)
+    assert len(report.files) == 1
+
+
+@pytest.mark.parametrize("given, want", [("S3://bucket/model", "s3://bucket/model"),
+                                         ("Gs://bucket/m", "gs://bucket/m"), ("AZ://c/m", "az://c/m"),
+                                         ("/local/Path", "/local/Path")])
+def test_object_store_schemes_in_any_case(given, want):
+    assert source_string(given) == want
+    if "://" in given:
+        assert check_source(given) == want
+
+
+def test_a_bad_source_type_says_what_a_source_is():
+    with pytest.raises(distload.ConfigError, match="non-empty path, pathlib.Path or URI string"):
+        check_source(42)
+
+
+def test_header_metadata_is_readable(tmp_path, capsys):
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"), metadata={"format": "pt", "step": "7"})
+    info = distload.inspect(str(tmp_path / "model.safetensors"))
+    assert info["files"][0]["metadata"] == {"format": "pt", "step": "7"}
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["files"][0]["metadata"] == {"format": "pt", "step": "7"}
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "metadata: {'format': 'pt', 'step': '7'}" in capsys.readouterr().out
+
+
+def test_a_folder_of_pytorch_weights_says_how_to_convert(tmp_path):
+    torch.save({"w": torch.ones(2)}, str(tmp_path / "pytorch_model.bin"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(distload.CheckpointError) as info:
+        distload.load(str(tmp_path), "safetensors", device="cpu")
+    message = str(info.value)
+    assert "no .safetensors files in this folder" in message
+    assert "distload reads safetensors only, and pytorch_model.bin is not one" in message
+    assert "safetensors.torch.save_file" in message
+
+
+def test_a_safetensors_folder_gets_no_conversion_hint(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(distload.CheckpointError) as info:
+        distload.load(str(tmp_path), "safetensors", device="cpu")
+    assert "convert" not in str(info.value)
+
+
+@pytest.mark.parametrize("typo, guess", [("runai-streamer", "runai_streamer"), ("sharded-state", "sharded_state"),
+                                         ("safetensor", "safetensors"), ("instant_tensor", "instanttensor")])
+def test_an_unknown_format_close_to_a_known_one(typo, guess):
+    with pytest.raises(distload.ConfigError, match=f"did you mean '{guess}'"):
+        distload.make_load_config(typo)
+
+
+def test_an_unknown_format_far_from_every_one_gets_no_guess():
+    with pytest.raises(distload.ConfigError) as info:
+        distload.make_load_config("gguf")
+    assert "did you mean" not in str(info.value) and "choose one of" in str(info.value)
+
+
+def test_offline_commands_name_no_rank(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("distload: error: ") and "rank" not in err
+    (tmp_path / "distload.saving").write_text("")  # an unfinished save: verify refuses it
+    assert main(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("distload: error: ") and "the checkpoint is incomplete" in err and "rank" not in err
+
+
+def _actions(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from ((name, a) for a in sub._actions if not isinstance(a, argparse._HelpAction))
+
+
+def test_every_option_and_positional_has_help_without_markup(capsys):
+    parser = build_parser()
+    missing = [f"{cmd} {a.dest}" for cmd, a in _actions(parser) if not a.help]
+    assert missing == []
+    for text in [parser.format_help()] + [sub.format_help() for sub in
+                                          next(a for a in parser._actions
+                                               if isinstance(a, argparse._SubParsersAction)).choices.values()]:
+        assert "``" not in text and ":func:" not in text, text
+
+
+def test_reshard_script_refuses_to_guess_the_tensor_parallel_size(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TENSOR_PARALLEL_SIZE"}
+    env["SLURM_JOB_ID"] = "1"  # as inside a job; it must stop before it runs anything
+    result = subprocess.run(["bash", str(REPO / "launch/slurm/reshard.sbatch"), "/ckpt", "/out"],
+                            capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 2
+    assert "give the tensor-parallel size" in result.stderr
+
+
+def test_the_demo_names_a_report_only_when_it_keeps_it():
+    output = "distload: auto from /x on 2 rank(s)\n[distload rank 0] report written to /tmp/r.json\nnoise"
+    assert shown_lines(output, reports_kept=True) == ["distload: auto from /x on 2 rank(s)",
+                                                      "[distload rank 0] report written to /tmp/r.json"]
+    assert shown_lines(output, reports_kept=False) == ["distload: auto from /x on 2 rank(s)"]
