@@ -797,3 +797,18 @@ def test_run_ai_refusals_come_while_planning(store, store_env, ckpts, monkeypatc
         loader = distload.Loader(ckpts.uri["whole"], "runai_streamer", group=group)
         with pytest.raises(BackendUnavailableError, match="serves one object-store type per process"):
             loader.plan()
+
+
+def test_every_safetensors_dtype_over_ranged_reads(store, store_env, tmp_path):
+    """F8_E8M0, F4 (4-bit values in the header, pairs in torch) and the FNUZ fp8s, by ranged GETs."""
+    from safetensors.torch import load_file, save_file
+
+    from test_dtypes import assert_same, new_dtype_state
+
+    folder = tmp_path / "dtypes"
+    folder.mkdir()
+    save_file(new_dtype_state(), str(folder / "model.safetensors"))
+    uri = store.upload_folder(str(folder), "dtypes")
+    state, rank = load_report(uri, "safetensors")
+    assert rank.path == "ranged-reads"
+    assert_same(state, load_file(str(folder / "model.safetensors")))

@@ -22,26 +22,53 @@ import torch
 
 from distload.errors import CheckpointError
 
-# safetensors dtype code -> (torch dtype, item size in bytes)
-DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
+# Every dtype safetensors (0.8) knows: its code -> the torch dtype's name. MXFP8 scales (F8_E8M0),
+# FP4 (F4: two 4-bit values per byte, torch.float4_e2m1fn_x2) and the FNUZ fp8 variants (AMD)
+# need a recent torch; DTYPES holds those the installed torch has.
+DTYPE_NAMES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16",
+    "F32": "float32", "F64": "float64", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
 }
+DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, name in DTYPE_NAMES.items()
+                                  if isinstance(getattr(torch, name, None), torch.dtype)}
 DTYPE_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
+
+# Header elements per torch element along the last dimension: a safetensors header counts F4 in
+# 4-bit values (shape [r, 2k], k bytes a row), torch holds it as k float4_e2m1fn_x2 per row.
+# Everything in distload past the parser uses torch's shape; the writer turns it back.
+PACKED: dict[str, int] = {"F4": 2}
+
+
+def torch_shape(code: str, header_shape: tuple[int, ...]) -> tuple[int, ...]:
+    pack = PACKED.get(code, 1)
+    return header_shape if pack == 1 else header_shape[:-1] + (header_shape[-1] // pack,)
+
+
+def header_shape(code: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape a safetensors header gives a tensor of torch ``shape`` and dtype ``code``."""
+    pack = PACKED.get(code, 1)
+    return shape if pack == 1 else shape[:-1] + (shape[-1] * pack,)
+
+
+def nbytes_of(code: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of torch ``shape``."""
+    return math.prod(shape) * DTYPES[code].itemsize
+
+
+def check_dtype(code: object, where: str) -> str:
+    """``code`` if the installed torch can hold it, else a CheckpointError that says why not."""
+    if code in DTYPES:
+        return code  # type: ignore[return-value]
+    if code in DTYPE_NAMES:
+        raise CheckpointError(
+            f"{where}: dtype {code} needs torch.{DTYPE_NAMES[code]}, which this torch "
+            f"({torch.__version__}) does not have; upgrade torch (2.7 or newer has every safetensors dtype)"
+        )
+    raise CheckpointError(f"{where}: unsupported dtype {code!r}; safetensors knows: {', '.join(DTYPE_NAMES)}")
+
 
 # A header larger than this is not a header: the first 8 bytes of some other file.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -51,7 +78,7 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 class TensorInfo:
     name: str
     dtype: str  # safetensors code, e.g. "BF16"
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as torch holds it (F4: half the header's last dimension)
     file: str
     begin: int  # absolute byte offset in the file
     end: int
@@ -153,15 +180,18 @@ def _parse_entry(path: str, name: str, entry: object, data_start: int, data_len:
     dtype = entry.get("dtype")
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
-    if dtype not in DTYPES:
-        raise CheckpointError(f"{where}: unsupported dtype {dtype!r}; supported: {', '.join(DTYPES)}")
+    dtype = check_dtype(dtype, where)
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
         raise CheckpointError(f"{where}: corrupt shape {shape!r}")
+    pack = PACKED.get(dtype, 1)
+    if pack > 1 and (not shape or shape[-1] % pack):
+        raise CheckpointError(f"{where}: a {dtype} tensor packs {pack} values a byte, so its last "
+                              f"dimension must be a multiple of {pack}; the header says {shape}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
         raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r}")
     begin, end = offsets
-    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    expected = nbytes_of(dtype, torch_shape(dtype, tuple(shape)))
     if end - begin != expected:
         raise CheckpointError(
             f"{where}: header says {end - begin} bytes but {dtype} {shape} needs {expected}"
@@ -172,7 +202,7 @@ def _parse_entry(path: str, name: str, entry: object, data_start: int, data_len:
             f"{end}, but the file holds only {data_len} data bytes; it was truncated "
             f"(re-download or re-save it)"
         )
-    return TensorInfo(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
+    return TensorInfo(name, dtype, torch_shape(dtype, tuple(shape)), path, data_start + begin, data_start + end)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -19,7 +18,7 @@ import torch
 
 from distload.errors import CheckpointError
 from distload.fileio import temporary_name
-from distload.loading.index import DTYPES
+from distload.loading.index import DTYPES, header_shape, nbytes_of
 from distload.tensor_io import tensor_bytes
 
 
@@ -27,15 +26,20 @@ from distload.tensor_io import tensor_bytes
 class Entry:
     name: str
     dtype: str  # safetensors code
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # as torch holds it
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+        return nbytes_of(self.dtype, self.shape)
+
+    def header(self, offset: int) -> dict[str, object]:
+        """The header entry when the data starts at ``offset`` (the shape as safetensors counts it)."""
+        return {"dtype": self.dtype, "shape": list(header_shape(self.dtype, self.shape)),
+                "data_offsets": [offset, offset + self.nbytes]}
 
     def header_bytes(self, offset: int) -> int:
         """This entry's share of the JSON header when its data starts at ``offset``."""
-        entry = {"dtype": self.dtype, "shape": list(self.shape), "data_offsets": [offset, offset + self.nbytes]}
+        entry = self.header(offset)
         return len(json.dumps({self.name: entry}, separators=(",", ":"))) - 1  # the braces become a comma
 
 
@@ -53,8 +57,7 @@ class SafetensorsWriter:
             header["__metadata__"] = dict(metadata)
         offset = 0
         for entry in self._entries:
-            header[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape),
-                                  "data_offsets": [offset, offset + entry.nbytes]}
+            header[entry.name] = entry.header(offset)
             offset += entry.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(8 + len(raw)) % 8)

@@ -2,7 +2,8 @@
 derived from the name, so every rank agrees without reading a byte of tensor data.
 
 Floats are drawn uniform in [-1e-3, 1e-3] (as vLLM's dummy loader) before rounding to the dtype
-(fp8 cannot hold values that small: its dummies are 0 or +-2^-9), integers small, bools random.
+(fp8 cannot hold values that small: its dummies are 0 or +-2^-9; E8M0 scales are powers of two
+near 2^-10), FP4 pairs are random bytes, integers small, bools random.
 Values are drawn by a generator on the rank's device: identical on every rank of the same
 device type; CPU and CUDA generators differ from each other.
 """
@@ -14,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from distload.loading.index import TensorInfo
+from distload.loading.index import PACKED, TensorInfo
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 
 
@@ -26,6 +27,11 @@ def dummy_tensor(info: TensorInfo, device: torch.device) -> torch.Tensor:
     generator = torch.Generator(device=device)
     generator.manual_seed(name_seed(info.name))
     dtype = info.torch_dtype
+    if info.dtype in PACKED:
+        # Packed values (FP4: two a byte) have no conversion from floats in torch: random bytes,
+        # every one of which is a valid pair of values.
+        raw = torch.randint(0, 256, info.shape, generator=generator, device=device, dtype=torch.int64)
+        return raw.to(torch.uint8).view(dtype)
     if dtype.is_complex:
         real = torch.empty(info.shape + (2,), dtype=torch.float32, device=device)
         return torch.view_as_complex(real.uniform_(-1e-3, 1e-3, generator=generator)).to(dtype)

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("distload")
 
 
+# Dtypes Run:ai 0.17.1 refuses while streaming (seen here); it streams F8_E8M0 and F4.
+UNSUPPORTED_DTYPES = frozenset({"F8_E4M3FNUZ", "F8_E5M2FNUZ"})
+
+
 def check_memory_limit(key: str, value: Any) -> None:
     if not is_int(value) or value < -1:
         raise ConfigError(
@@ -63,6 +67,15 @@ class RunaiBackend(Backend):
                 f"load runs over a subgroup of {group.world_size} of its ranks; load without "
                 f"cooperation (extra config distributed=false), or over the whole job"
             )
+        unreadable = [t for t in plan.index.tensors if t.dtype in UNSUPPORTED_DTYPES]
+        if unreadable:
+            shown = "; ".join(f"{t.file}: tensor {t.name!r} is {t.dtype}" for t in unreadable[:5])
+            more = f" (and {len(unreadable) - 5} more)" if len(unreadable) > 5 else ""
+            raise BackendUnavailableError(
+                f"{shown}{more}: Run:ai Model Streamer 0.17 cannot stream "
+                f"{' or '.join(sorted({t.dtype for t in unreadable}))} ('Unsupported dtype'); load this "
+                f"checkpoint with --load-format safetensors (or sharded_state for per-rank files), which "
+                f"reads every safetensors dtype")
         paths = [info.path for info in plan.index.files]
         store = _object_store(paths)
         if store is not None and paths:
