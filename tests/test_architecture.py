@@ -147,7 +147,8 @@ def test_save_into_a_folder_holding_shards_is_refused(tmp_path):
 CONSTANT_TABLES = {"BACKENDS", "FORMATS", "STORES", "RUNTIME", "LOAD_FORMATS", "DTYPES", "DTYPE_CODES",
                    "BUILTIN_SPECS", "SPEC_ALIASES", "SECRET_VARIABLES", "_SECRET_PATTERNS", "_PATTERN",
                    "__all__", "IO_BACKENDS", "WEIGHT_SUFFIXES", "WEIGHT_INDEXES", "OBJECT_STORE_SCHEMES",
-                   "SCHEMES", "_DENIED_CODES", "_LAYER_TENSORS", "log", "T"}
+                   "SCHEMES", "_DENIED_CODES", "_LAYER_TENSORS", "log", "T", "DTYPE_NAMES", "PACKED",
+                   "UNSUPPORTED_DTYPES"}
 
 
 def test_no_module_level_mutable_state_outside_the_runtime():

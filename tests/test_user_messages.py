@@ -57,7 +57,7 @@ def test_header_metadata_is_readable(tmp_path, capsys):
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["files"][0]["metadata"] == {"format": "pt", "step": "7"}
     assert main(["inspect", str(tmp_path)]) == 0
-    assert "metadata: {'format': 'pt', 'step': '7'}" in capsys.readouterr().out
+    assert "metadata: format=pt, step=7" in capsys.readouterr().out
 
 
 def test_a_folder_of_pytorch_weights_says_how_to_convert(tmp_path):

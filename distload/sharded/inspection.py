@@ -64,5 +64,5 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
     for f in info["files"]:
         lines.append(f"  {f['path']}: {f['num_tensors']} tensors, {f['size']} bytes")
         if f["metadata"]:
-            lines.append(f"    metadata: {f['metadata']}")
+            lines.append("    metadata: " + ", ".join(f"{k}={v}" for k, v in sorted(f["metadata"].items())))
     return lines
