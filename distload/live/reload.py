@@ -212,6 +212,7 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
     by_name = {t.name: t for t in rank_plan.index.tensors}
     sources += [(alias, by_name[tgt].dtype, by_name[tgt].shape) for alias, tgt in rank_plan.aliases.items()
                 if tgt in by_name]
+    sources += [(name, view.dtype, view.shape) for name, view in rank_plan.views.items()]
 
     def check() -> tuple[dict[str, list[_Copy]], ReloadReport]:
         if sharding is not None and rank_plan.choice.sharded:

@@ -2,7 +2,7 @@
 
 Each tensor must arrive once and be named by a header of this rank's files; at the end every
 indexed tensor must have arrived, the manifest's aliases (tied weights) are handed out as the
-very tensor they share storage with, and every key the manifest lists for the rank must be there.
+very tensor they share storage with, its views (tensors saved inside another) as views of it, and every key the manifest lists for the rank must be there.
 A backend that breaks any of these is a bug or a changed file, never a silent partial load.
 """
 
@@ -13,6 +13,8 @@ from typing import Iterator
 import torch
 
 from distload.errors import CheckpointError
+from distload.loading.index import DTYPES
+from distload.loading.manifest import View
 from distload.loading.plan import RankPlan
 from distload.loading.report import Progress
 
@@ -21,6 +23,18 @@ def missing_keys_error(missing: set[str], why: str) -> CheckpointError:
     # vLLM's own words first (``Missing keys ('b2',) in loaded state!``, a tuple of every key), so
     # that what users grep for and match on stays true; then why.
     return CheckpointError(f"Missing keys {tuple(sorted(missing))} in loaded state! ({why})")
+
+
+def view_of(base: torch.Tensor, view: View, name: str) -> torch.Tensor:
+    """``view`` of the loaded ``base``: the same memory, as in the model it was saved from."""
+    dtype = DTYPES[view.dtype]
+    start = base.storage_offset() * base.element_size() + view.offset
+    extent = sum((size - 1) * stride for size, stride in zip(view.shape, view.stride)) + 1 if all(view.shape) else 0
+    if start % dtype.itemsize or view.offset + extent * dtype.itemsize > base.numel() * base.element_size():
+        raise CheckpointError(f"tensor {name!r} does not lie inside {view.of!r} as the manifest says "
+                              f"(offset {view.offset}, shape {list(view.shape)}): the manifest is damaged")
+    return torch.empty(0, dtype=dtype, device=base.device).set_(
+        base.untyped_storage(), start // dtype.itemsize, view.shape, view.stride)
 
 
 class Delivery:
@@ -34,6 +48,7 @@ class Delivery:
         self.received: set[str] = set()
         self.nbytes = 0
         self._alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
+        self._alias_targets.update({view.of: None for view in plan.views.values()})
 
     @property
     def num_tensors(self) -> int:
@@ -65,6 +80,12 @@ class Delivery:
                                          f"this rank's files")
             self.received.add(alias)
             yield alias, tensor  # the same tensor: tied weights stay tied
+        for name, view in self.plan.views.items():
+            base = self._alias_targets.get(view.of)
+            if base is None:
+                raise missing_keys_error({name}, f"it lies inside {view.of!r}, which is not in this rank's files")
+            self.received.add(name)
+            yield name, view_of(base, view, name)
         expected_keys = self.plan.expected_keys
         if expected_keys is not None and not expected_keys <= self.received:
             raise missing_keys_error(expected_keys - self.received,

@@ -33,6 +33,20 @@ class ShardFile:
     tensors: list[str]
 
 
+@dataclass(frozen=True)
+class View:
+    """A tensor saved inside another one: vLLM's saver drops a tensor whose bytes lie within
+    another saved tensor (``_filter_subtensors``), and so does distload, recording here where it
+    lies so that a load gives it back as a view of that tensor (sharing its memory, as in the
+    model it came from)."""
+
+    of: str  # the saved tensor that holds its bytes
+    offset: int  # bytes from the start of that tensor
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # in elements, as torch counts them
+    dtype: str  # safetensors code
+
+
 @dataclass
 class Manifest:
     world_size: int
@@ -41,6 +55,8 @@ class Manifest:
     sharding: dict[str, Any] | None = None  # the sharding spec an offline reshard used
     # rank -> {alias name: name of the tensor it shares storage with}
     aliases: dict[int, dict[str, str]] = field(default_factory=dict)
+    # rank -> {name: where it lies in a saved tensor}
+    views: dict[int, dict[str, View]] = field(default_factory=dict)
     replicated_unmatched: list[str] = field(default_factory=list)
     source: str | None = None
     format: str = MANIFEST_FORMAT
@@ -52,11 +68,13 @@ class Manifest:
 
     def keys_for_rank(self, rank: int) -> set[str]:
         keys = {name for f in self.files_for_rank(rank) for name in f.tensors}
-        return keys | set(self.aliases.get(rank, {}))
+        return keys | set(self.aliases.get(rank, {})) | set(self.views.get(rank, {}))
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["aliases"] = {str(rank): names for rank, names in self.aliases.items()}
+        out["views"] = {str(rank): {name: asdict(view) for name, view in views.items()}
+                        for rank, views in self.views.items()}
         # format and version first, for a human reading the file
         return {"format": out.pop("format"), "version": out.pop("version"), **out}
 
@@ -97,6 +115,9 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
             world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
             sharding=raw.get("sharding", raw.get("plan")),  # "plan" in manifests before 2026-12
             aliases={int(rank): dict(names) for rank, names in raw.get("aliases", {}).items()},
+            views={int(rank): {name: View(v["of"], int(v["offset"]), tuple(v["shape"]), tuple(v["stride"]),
+                                          v["dtype"]) for name, v in views.items()}
+                   for rank, views in raw.get("views", {}).items()},
             replicated_unmatched=list(raw.get("replicated_unmatched", [])),
             source=raw.get("source"), created_by=raw.get("created_by", ""),
         )

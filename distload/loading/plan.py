@@ -8,6 +8,7 @@ from typing import Mapping
 
 from distload.loading.choice import ReadChoice
 from distload.loading.index import CheckpointIndex
+from distload.loading.manifest import View
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class RankPlan:
     # tensor's storage (tied embeddings; restored as the same tensor).
     expected_keys: frozenset[str] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
+    # From a distload manifest: tensors saved inside another one, handed out as views of it.
+    views: Mapping[str, View] = field(default_factory=dict)
     # For a cooperative read of local files: each file's content fingerprint, compared across ranks.
     fingerprints: tuple[str, ...] = ()
 

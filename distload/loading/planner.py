@@ -51,7 +51,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup") -> RankPlan
         manifest = layout.manifest
         plan = RankPlan(source, choice, index,
                         frozenset(manifest.keys_for_rank(group.rank)) if manifest else None,
-                        dict(manifest.aliases.get(group.rank, {})) if manifest else {})
+                        dict(manifest.aliases.get(group.rank, {})) if manifest else {},
+                        dict(manifest.views.get(group.rank, {})) if manifest else {})
     BACKENDS[choice.backend].preflight(plan, group)
     return plan
 

@@ -2,8 +2,8 @@
 
 Both savers (from a running job, :mod:`distload.sharded.save`; offline from a whole checkpoint,
 :mod:`distload.sharded.reshard`) write ``pattern.format(rank=r, part=p)`` files, a new part
-whenever the next tensor would push a part past ``max_file_size`` (a tensor larger than that gets
-a part of its own), then the source's non-weight files, and last the manifest
+whenever the next tensor would push a part's tensor bytes past ``max_file_size`` (vLLM's rule; a
+tensor larger than that gets a part of its own), then the source's non-weight files, and last the manifest
 (:mod:`distload.loading.manifest`), so a save that dies midway is never mistaken for a complete
 checkpoint.
 """
@@ -21,29 +21,27 @@ from distload.fileio import TEMPORARY_SUFFIX, copy_file_atomic
 from distload.loading.layout import check_pattern, detect_layout
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, ShardFile
 from distload.loading.sources import INDEX_FILE, list_names
-from distload.sharded.writer import HEADER_OVERHEAD_BYTES, Entry, SafetensorsWriter
+from distload.sharded.writer import Entry, SafetensorsWriter
 
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
 
 
 def split_into_parts(entries: Sequence[Entry], max_file_size: int) -> list[list[Entry]]:
-    """Group entries, in order, into parts whose files stay within ``max_file_size`` bytes.
-
-    A file's size counts its header too (exactly, padding at its widest), so a part never exceeds
-    the limit unless it holds a single tensor that does by itself. A rank with no tensors still
-    gets one (empty) part, so its loader finds a file.
+    """Group entries, in order, into parts by vLLM's rule (``ShardedStateLoader.save_model``): a new
+    part starts when the next tensor would push the part's tensor bytes past ``max_file_size``
+    (headers are not counted, so a file may exceed it by its header). A tensor larger than the
+    limit gets a part of its own; where vLLM would first write an empty part, distload does not.
+    A rank with no tensors still gets one (empty) part, so its loader finds a file.
     """
     parts: list[list[Entry]] = []
     current: list[Entry] = []
-    data = header = 0
+    size = 0
     for entry in entries:
-        grown = HEADER_OVERHEAD_BYTES + header + entry.header_bytes(data) + data + entry.nbytes
-        if current and grown > max_file_size:
+        if current and size + entry.nbytes > max_file_size:
             parts.append(current)
-            current, data, header = [], 0, 0
+            current, size = [], 0
         current.append(entry)
-        header += entry.header_bytes(data)
-        data += entry.nbytes
+        size += entry.nbytes
     parts.append(current)
     return parts
 

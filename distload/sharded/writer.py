@@ -37,14 +37,6 @@ class Entry:
         return {"dtype": self.dtype, "shape": list(header_shape(self.dtype, self.shape)),
                 "data_offsets": [offset, offset + self.nbytes]}
 
-    def header_bytes(self, offset: int) -> int:
-        """This entry's share of the JSON header when its data starts at ``offset``."""
-        entry = self.header(offset)
-        return len(json.dumps({self.name: entry}, separators=(",", ":"))) - 1  # the braces become a comma
-
-
-# The 8-byte length, the header's braces, and up to 7 bytes of padding to an 8-byte boundary.
-HEADER_OVERHEAD_BYTES = 8 + 2 + 7
 
 
 class SafetensorsWriter:
