@@ -169,19 +169,30 @@ def test_pattern_accepted(pattern):
 
 @pytest.mark.parametrize("pattern", [
     "model-{part}.safetensors",          # no rank
-    "model-rank-{rank}.safetensors",     # no part
     "model.safetensors",
     "",
     7,
     None,
 ])
-def test_pattern_needs_rank_and_part(pattern):
+def test_pattern_needs_rank(pattern):
     with pytest.raises(ConfigError) as info:
         make_load_config("sharded_state", {"pattern": pattern})
     message = str(info.value)
-    assert ("must contain the fields {rank} and {part}" in message
+    assert ("must contain the field {rank} (and {part} if it has parts)" in message
             or "must be a string" in message)
     assert DEFAULT_SHARD_PATTERN in message
+
+
+@pytest.mark.parametrize("pattern", ["model-rank-{rank}.safetensors", "rank{rank}/part-{part}.safetensors",
+                                     "tp/{rank}/model-{part}.safetensors"])
+def test_loading_takes_vllms_patterns_saving_needs_a_part_and_a_file_name(pattern, tmp_path):
+    """vLLM globs pattern.format(rank=r, part="*"): no {part}, or a subfolder, load; a save needs
+    {part} (vLLM's saver would write every part over one file) and a plain name."""
+    from distload.sharded.output import check_save_args
+
+    assert make_load_config("sharded_state", {"pattern": pattern}).pattern == pattern
+    with pytest.raises(ConfigError, match="--file-pattern"):
+        check_save_args(str(tmp_path / "out"), pattern, 1 << 20)
 
 
 @pytest.mark.parametrize("pattern", [
@@ -214,9 +225,9 @@ def test_pattern_escaped_braces_and_specs_rejected(pattern):
         make_load_config("sharded_state", {"pattern": pattern})
 
 
-@pytest.mark.parametrize("pattern", ["ranks/{rank}/part-{part}.safetensors", "/abs/{rank}-{part}"])
-def test_pattern_must_be_a_file_name(pattern):
-    with pytest.raises(ConfigError, match="must be a file name, not a path"):
+@pytest.mark.parametrize("pattern", ["/abs/{rank}-{part}", "../up/{rank}-{part}.safetensors"])
+def test_pattern_stays_inside_the_checkpoint(pattern):
+    with pytest.raises(ConfigError, match="must be a name inside the checkpoint folder"):
         make_load_config("sharded_state", {"pattern": pattern})
 
 

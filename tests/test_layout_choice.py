@@ -43,7 +43,9 @@ def test_pattern_regex_escapes_literals():
     regex = pattern_regex("w.{rank}+{part}(x).bin")
     assert regex.match("w.0+1(x).bin")
     assert regex.match("wa0+1(x).bin") is None
-    assert regex.match("w.0++1(x).bin") is None
+    # {part} is glob's *, as vLLM globs part="*": "+1" is a part name, a "/" never is.
+    assert regex.match("w.0++1(x).bin")["part"] == "+1"
+    assert regex.match("w.0+a/1(x).bin") is None
 
 
 def test_pattern_regex_fields_in_any_order_and_repeated():
@@ -65,7 +67,7 @@ def test_find_shard_layout_groups_by_rank_and_sorts_parts_numerically():
     layout = find_shard_layout(sorted(listing), P)
     assert layout.ranks == [0, 1]
     assert layout.saved_world_size == 2
-    assert [part for part, _ in layout.parts_by_rank[0]] == [0, 1, 2, 10]
+    assert [part for part, _ in layout.parts_by_rank[0]] == ["0", "1", "2", "10"]
     assert [name for _, name in layout.parts_by_rank[1]] == [
         "model-rank-1-part-0.safetensors", "model-rank-1-part-1.safetensors",
         "model-rank-1-part-2.safetensors", "model-rank-1-part-10.safetensors"]
@@ -77,9 +79,10 @@ def test_find_shard_layout_custom_pattern():
                "model-rank-0-part-0.safetensors", "tp2-shardX.safetensors"]
     layout = find_shard_layout(listing, pattern)
     assert layout.pattern == pattern
-    assert layout.ranks == [0, 1]
-    assert layout.parts_by_rank[0] == [(2, "tp0-shard2.safetensors"), (11, "tp0-shard11.safetensors")]
-    assert layout.parts_by_rank[1] == [(0, "tp1-shard0.safetensors")]
+    assert layout.ranks == [0, 1, 2]  # tp2-shardX is rank 2's, as vLLM's glob tp2-shard* says
+    assert layout.parts_by_rank[0] == [("2", "tp0-shard2.safetensors"), ("11", "tp0-shard11.safetensors")]
+    assert layout.parts_by_rank[1] == [("0", "tp1-shard0.safetensors")]
+    assert layout.parts_by_rank[2] == [("X", "tp2-shardX.safetensors")]
 
 
 def test_find_shard_layout_nothing_matches():
@@ -296,3 +299,29 @@ def test_auto_reads_an_object_store_cooperatively():
     # InstantTensor reads local files only; a GPU job on an object store streams with Run:ai.
     gpu = dict(common, device_type="cuda", instanttensor_installed=True)
     assert choose_read("auto", sharded_layout_found=False, world_size=2, **gpu) == ReadChoice(False, "runai", True)
+
+
+def test_a_rank_glob_matches_every_part_name_as_vllm_globs():
+    """vLLM reads every file of pattern.format(rank=r, part="*"): a part that is not a number is a
+    part too (read, after the numbered ones), never a file silently left out."""
+    names = ["model-rank-0-part-0.safetensors", "model-rank-0-part-final.safetensors",
+             "model-rank-0-part-1.safetensors", "model-rank-1-part-0.safetensors", "model-rank-0-part-0.safetensors.tmp"]
+    layout = find_shard_layout(names, P)
+    assert shard_files_for_rank(layout, "/ckpt", 0, 2, "") == [
+        "model-rank-0-part-0.safetensors", "model-rank-0-part-1.safetensors", "model-rank-0-part-final.safetensors"]
+
+
+def test_a_pattern_without_part_and_one_with_a_subfolder():
+    layout = find_shard_layout(["model-rank-0.safetensors", "model-rank-1.safetensors"], "model-rank-{rank}.safetensors")
+    assert layout.ranks == [0, 1] and shard_files_for_rank(layout, "/c", 1, 2, "") == ["model-rank-1.safetensors"]
+    layout = find_shard_layout(["rank0/part-0.safetensors", "rank0/part-1.safetensors", "rank1/part-0.safetensors",
+                                "rank0/sub/part-0.safetensors"], "rank{rank}/part-{part}.safetensors")
+    assert shard_files_for_rank(layout, "/c", 0, 2, "") == ["rank0/part-0.safetensors", "rank0/part-1.safetensors"]
+
+
+def test_any_depth_finds_shards_below_sub_prefixes():
+    names = ["sub/model-rank-0-part-0.safetensors", "sub/deeper/model-rank-1-part-0.safetensors", "x.json"]
+    assert find_shard_layout(names, P).ranks == []
+    assert find_shard_layout(names, P, any_depth=True).ranks == [0, 1]
+    # A name that merely ends like a shard is not one (vLLM's "*pattern" would take it).
+    assert find_shard_layout(["xmodel-rank-0-part-0.safetensors"], P, any_depth=True).ranks == []

@@ -240,3 +240,40 @@ def test_instanttensor_gets_only_its_own_knobs():
     extra = make_load_config("instanttensor", {"concurrency": 4, "backend": "uring,buffered"}).extra
     assert instanttensor_knobs(extra, fake) == {
         "concurrency": 4, "backend": [fake.Backend.URING, fake.BackendPolicy.BUFFERED]}
+
+
+# -- every file a rank's glob matches (vLLM's pattern.format(rank=r, part="*")) --------------------
+
+def _two_files(folder, first: str, second: str):
+    import os
+
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(os.path.join(folder, first)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.join(folder, second)), exist_ok=True)
+    a, b = {"a": torch.arange(4.0)}, {"b": torch.arange(3, dtype=torch.int32)}
+    save_file(a, os.path.join(folder, first))
+    save_file(b, os.path.join(folder, second))
+    return {**a, **b}
+
+
+@pytest.mark.parametrize("fmt", ["sharded_state", "runai_streamer_sharded", "auto"])
+def test_a_non_numbered_part_is_read_not_dropped(tmp_path, fmt):
+    state = _two_files(str(tmp_path), "model-rank-0-part-0.safetensors", "model-rank-0-part-final.safetensors")
+    assert_bit_equal(distload.load(str(tmp_path), fmt, device="cpu"), state)
+
+
+@pytest.mark.parametrize("pattern, first, second", [
+    ("rank{rank}/part-{part}.safetensors", "rank0/part-0.safetensors", "rank0/part-1.safetensors"),
+    ("model-rank-{rank}.safetensors", "model-rank-0.safetensors", None),
+])
+def test_vllm_patterns_without_part_or_with_a_subfolder_load(tmp_path, pattern, first, second):
+    from safetensors.torch import save_file
+
+    if second is None:
+        state = {"a": torch.arange(4.0)}
+        save_file(state, str(tmp_path / first))
+    else:
+        state = _two_files(str(tmp_path), first, second)
+    for fmt in ("sharded_state", "runai_streamer_sharded"):
+        assert_bit_equal(distload.load(str(tmp_path), fmt, {"pattern": pattern}, device="cpu"), state)

@@ -812,3 +812,12 @@ def test_every_safetensors_dtype_over_ranged_reads(store, store_env, tmp_path):
     state, rank = load_report(uri, "safetensors")
     assert rank.path == "ranged-reads"
     assert_same(state, load_file(str(folder / "model.safetensors")))
+
+
+def test_a_sharded_checkpoint_below_a_sub_prefix_is_found(store, store_env, ckpts):
+    """vLLM's s3_glob finds a rank's shards at any depth below the prefix; the prefix holds
+    nothing else, so only here is it listed recursively."""
+    store.upload_folder(ckpts.sharded1, "nested/sub")
+    state, rank = load_report(store.uri("nested"), "sharded_state")
+    assert rank.path == "ranged-reads" and all("/nested/sub/" in f for f in rank.files)
+    assert rank.digest == plain_digest(Checkpoints.rank_files(ckpts.sharded1, 0))

@@ -21,8 +21,14 @@ from distload.loading.sources import Source, describe_names, open_source
 DEFAULT_SHARD_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 
 
-def check_pattern(key: str, value: Any) -> None:
-    """A shard file-name pattern: plain ``{rank}`` and ``{part}`` fields, each at least once."""
+def check_pattern(key: str, value: Any, *, for_saving: bool = False) -> None:
+    """A shard file-name pattern: plain ``{rank}`` and optionally ``{part}`` fields, as vLLM takes
+    them (it globs a rank's files with ``pattern.format(rank=r, part="*")``).
+
+    Loading also takes a pattern with a subfolder (``rank{rank}/part-{part}.safetensors``) and one
+    without ``{part}`` (``model-rank-{rank}.safetensors``). Saving needs ``{part}`` (vLLM's saver
+    would write every part over the same file) and a plain file name.
+    """
     example = f"e.g. {DEFAULT_SHARD_PATTERN!r}"
     label = key if key.startswith("--") else f"extra config '{key}'"
     if not isinstance(value, str):
@@ -33,23 +39,31 @@ def check_pattern(key: str, value: Any) -> None:
     except ValueError as exc:
         raise ConfigError(f"{label} {value!r} is not a valid pattern ({exc}); {example}") from None
     names = {name for name, _, _ in fields}
-    if names != {"rank", "part"} or any(spec or conv for _, spec, conv in fields):
+    needed = {"rank", "part"} if for_saving else {"rank"}
+    if not needed <= names or not names <= {"rank", "part"} or any(spec or conv for _, spec, conv in fields):
+        what = "the fields {rank} and {part}" if for_saving else "the field {rank} (and {part} if it has parts)"
         raise ConfigError(
-            f"{label} must contain the fields {{rank}} and {{part}} and no other field, "
-            f"format spec or conversion (such as {{part:05d}}), {example}; got {value!r}"
+            f"{label} must contain {what} and no other field, format spec or conversion (such as "
+            f"{{part:05d}}), {example}; got {value!r}"
         )
-    if "/" in value:
+    if for_saving and "/" in value:
         raise ConfigError(f"{label} {value!r} must be a file name, not a path")
+    if value.startswith("/") or ".." in value.split("/"):
+        raise ConfigError(f"{label} {value!r} must be a name inside the checkpoint folder")
 
 
-def pattern_regex(pattern: str) -> re.Pattern[str]:
-    """A regex matching file names made from ``pattern``; groups ``rank`` and ``part``."""
-    regex = ""
+def pattern_regex(pattern: str, any_depth: bool = False) -> re.Pattern[str]:
+    """A regex matching the names ``pattern`` globs: ``{rank}`` a number (captured), ``{part}``
+    anything without a ``/`` (glob's ``*``, as vLLM's ``part="*"``); ``any_depth``: also below
+    sub-prefixes (``sub/...``), as vLLM's ``s3_glob`` finds them on object stores."""
+    regex = "(?:.+/)?" if any_depth else ""
     for literal, field, _spec, _conv in string.Formatter().parse(pattern):
         regex += re.escape(literal)
-        if field in ("rank", "part"):
+        if field == "rank":
             # A name may repeat a field; only the first occurrence is captured.
-            regex += rf"(?P<{field}>\d+)" if f"(?P<{field}>" not in regex else r"\d+"
+            regex += r"(?P<rank>\d+)" if "(?P<rank>" not in regex else r"\d+"
+        elif field == "part":
+            regex += r"(?P<part>[^/]*)" if "(?P<part>" not in regex else r"[^/]*"
     return re.compile(regex + r"\Z")
 
 
@@ -58,12 +72,17 @@ def rank_glob(pattern: str, rank: int) -> str:
     return pattern.format(rank=rank, part="*")
 
 
+def _part_order(part: str) -> tuple[int, int, str]:
+    # Numbered parts in number order (part-10 after part-9), any other name after them.
+    return (0, int(part), part) if part.isdigit() else (1, 0, part)
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """The ranks and parts found in a folder for one pattern."""
 
     pattern: str
-    parts_by_rank: dict[int, list[tuple[int, str]]]  # rank -> [(part, name)] sorted by part
+    parts_by_rank: dict[int, list[tuple[str, str]]]  # rank -> [(part, name)], numbered parts first
 
     @property
     def ranks(self) -> list[int]:
@@ -78,16 +97,17 @@ class ShardLayout:
         return [name for rank in self.ranks for _, name in self.parts_by_rank[rank]]
 
 
-def find_shard_layout(names: list[str], pattern: str) -> ShardLayout:
-    """Group the names that match ``pattern`` by rank."""
-    regex = pattern_regex(pattern)
-    parts_by_rank: dict[int, list[tuple[int, str]]] = {}
+def find_shard_layout(names: list[str], pattern: str, any_depth: bool = False) -> ShardLayout:
+    """Group the names that match ``pattern`` by rank: every name a rank's glob matches."""
+    regex = pattern_regex(pattern, any_depth)
+    parts_by_rank: dict[int, list[tuple[str, str]]] = {}
     for name in names:
         match = regex.match(name)
         if match:
-            parts_by_rank.setdefault(int(match["rank"]), []).append((int(match["part"]), name))
+            part = match.groupdict().get("part") or ""
+            parts_by_rank.setdefault(int(match["rank"]), []).append((part, name))
     for parts in parts_by_rank.values():
-        parts.sort()
+        parts.sort(key=lambda item: (_part_order(item[0]), item[1]))
     return ShardLayout(pattern, parts_by_rank)
 
 
@@ -132,8 +152,8 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
             f"{folder} holds shards for ranks {_ranges(layout.ranks)}{mismatch}; "
             f"the shards of ranks {_ranges(list(range(world_size, saved)))} would never be loaded."
         )
-    parts = [part for part, _ in layout.parts_by_rank[rank]]
-    if len(set(parts)) != len(parts):
+    numbers = [int(part) for part, _ in layout.parts_by_rank[rank] if part.isdigit()]
+    if len(set(numbers)) != len(numbers):
         raise ShardLayoutError(
             f"rank {rank} has two files for the same part number in {folder}: "
             f"{', '.join(name for _, name in layout.parts_by_rank[rank])}"
@@ -184,4 +204,14 @@ def detect_layout(source: "str | Source", pattern: str | None = None) -> Layout:
     names = tuple(src.names())
     manifest = read_manifest(src)
     pattern = pattern or (manifest.pattern if manifest else DEFAULT_SHARD_PATTERN)
-    return Layout(src, pattern, find_shard_layout(list(names), pattern), manifest, names)
+    if "/" in pattern:  # shards in subfolders: the names below the folder that the pattern globs
+        return Layout(src, pattern, find_shard_layout(src.glob(pattern.format(rank="*", part="*")), pattern),
+                      manifest, names)
+    shards = find_shard_layout(list(names), pattern)
+    if (src.remote and not shards.parts_by_rank and manifest is None
+            and not any(n.endswith(".safetensors") for n in names) and any(n.endswith("/") for n in names)):
+        # vLLM's s3_glob finds a rank's shards at any depth below the prefix. Listed recursively
+        # only here, where the prefix holds nothing else to load: a whole checkpoint's listing
+        # stays one level deep (a prefix of many models is never walked to load one of them).
+        shards = find_shard_layout(src.glob("*"), pattern, any_depth=True)
+    return Layout(src, pattern, shards, manifest, names)

@@ -1,15 +1,19 @@
 """Where checkpoint files come from: a local file or folder, or an object-store file or prefix.
 
-A source is a string, never a ``pathlib.Path`` (a Path turns ``s3://b/k`` into ``s3:/b/k``).
+Inside distload a source is a string, never a ``pathlib.Path`` (a Path turns ``s3://b/k`` into
+``s3:/b/k``); :func:`source_string` turns what a user passes (a Path, ``S3://``) into one.
 :func:`open_source` gives a :class:`LocalSource` or an :class:`ObjectSource`; both answer the same
 questions (what is in the folder, how big is a file, its header, a small JSON file), so the loader,
 ``inspect`` and ``verify`` are written once. Object stores are listed one level deep, like a
-folder: ``s3://bucket/model`` holds the objects ``model/*`` (not ``model/sub/*``). A URI whose last
-segment ends in ``.safetensors`` names one object; any other URI is a prefix.
+folder: ``s3://bucket/model`` holds the objects ``model/*`` (not ``model/sub/*``); ``glob`` lists
+below it (recursively, once) for the shard patterns that ask. A URI whose last segment ends in
+``.safetensors`` names one object; any other URI is a prefix.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import glob
 import hashlib
 import json
 import os
@@ -167,6 +171,11 @@ class LocalSource:
     def has_file(self, name: str) -> bool:
         return os.path.isfile(self.path(name))
 
+    def glob(self, pattern: str) -> list[str]:
+        """Names (relative, may hold ``/``) of the files below the folder matching a glob."""
+        found = glob.glob(os.path.join(glob.escape(self.folder), pattern))
+        return sorted(os.path.relpath(path, self.folder) for path in found if os.path.isfile(path))
+
     def file_size(self, name: str) -> int:
         return os.path.getsize(self.path(name))
 
@@ -209,6 +218,7 @@ class ObjectSource:
             self.folder_location = self.location
         self.folder = str(self.folder_location)
         self._listing = None
+        self._deep: dict[str, int] | None = None
 
     def _list(self):
         if self._listing is None:
@@ -222,12 +232,24 @@ class ObjectSource:
         return str(self.folder_location.child(name))
 
     def has_file(self, name: str) -> bool:
-        return name in self._list().objects
+        return name in self._list().objects or name in self._deep_objects()
+
+    def glob(self, pattern: str) -> list[str]:
+        """Names (relative, may hold ``/``) of the objects below the prefix matching a glob,
+        from one recursive listing (the folder's own listing stays one level deep)."""
+        return sorted(name for name in self._deep_objects() if fnmatch.fnmatchcase(name, pattern))
+
+    def _deep_objects(self) -> dict[str, int]:
+        if self._deep is None:
+            self._deep = self.store.list(self.folder_location, recursive=True).objects
+        return self._deep
 
     def file_size(self, name: str) -> int:
         listing = self._list()
         if name in listing.objects:
             return listing.objects[name]
+        if self._deep is not None and name in self._deep:
+            return self._deep[name]
         return self.store.size(self.folder_location.child(name))
 
     def read_bytes(self, name: str) -> bytes:
@@ -242,7 +264,7 @@ class ObjectSource:
 
     def read_headers(self, paths: list[str]) -> list[FileInfo]:
         # The listing already gave each object's size: no HEAD (or size probe) per header.
-        sizes = {self.path(name): size for name, size in self._list().objects.items()}
+        sizes = {self.path(name): size for name, size in {**(self._deep or {}), **self._list().objects}.items()}
 
         def one(path: str) -> FileInfo:
             return self.store.read_header(path, sizes.get(path))

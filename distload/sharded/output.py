@@ -49,7 +49,7 @@ def split_into_parts(entries: Sequence[Entry], max_file_size: int) -> list[list[
 def check_save_args(output: str, pattern: str, max_file_size: int, world_size: int | None = None) -> None:
     if not isinstance(output, str) or not output or "://" in output:
         raise ConfigError(f"output must be a local folder path, got {output!r}")
-    check_pattern("--file-pattern", pattern)
+    check_pattern("--file-pattern", pattern, for_saving=True)
     if isinstance(max_file_size, bool) or not isinstance(max_file_size, int) or max_file_size <= 0:
         raise ConfigError(f"--max-file-size must be a positive number of bytes, got {max_file_size!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)

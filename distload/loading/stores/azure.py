@@ -115,11 +115,13 @@ class AzureStore(ObjectStore):
             env["AZURE_STORAGE_ENDPOINT_SUFFIX"] = "blob." + self._connection["EndpointSuffix"]
         return env
 
-    def _list(self, location: ObjectURI) -> Listing:
+    def _list(self, location: ObjectURI, recursive: bool) -> Listing:
         listing = Listing()
         prefix = location.prefix
         container = self._client().get_container_client(location.bucket)
-        for item in container.walk_blobs(name_starts_with=prefix, delimiter="/", include=["metadata"]):
+        items = (container.list_blobs(name_starts_with=prefix, include=["metadata"]) if recursive
+                 else container.walk_blobs(name_starts_with=prefix, delimiter="/", include=["metadata"]))
+        for item in items:
             name = item.name[len(prefix):]
             if not name:
                 continue

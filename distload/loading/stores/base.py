@@ -250,7 +250,9 @@ class ObjectStore:
         """Variables Run:ai's reader needs that the user may have left unset (applied per load)."""
         return {}
 
-    def _list(self, location: ObjectURI) -> Listing:
+    def _list(self, location: ObjectURI, recursive: bool) -> Listing:
+        """One level below the prefix (sub-prefixes as folders), or with ``recursive`` every
+        object below it (names relative to the prefix, holding ``/``)."""
         raise NotImplementedError
 
     def _read(self, location: ObjectURI, start: int, end: int) -> bytes:
@@ -328,8 +330,8 @@ class ObjectStore:
         except Exception as exc:  # noqa: BLE001 - every SDK has its own tree; classify() sorts them
             raise self.error(exc, uri, object_level=object_level) from None
 
-    def list(self, location: ObjectURI) -> Listing:
-        return self.call(str(location), lambda: self._list(location), object_level=False)
+    def list(self, location: ObjectURI, recursive: bool = False) -> Listing:
+        return self.call(str(location), lambda: self._list(location, recursive), object_level=False)
 
     def read(self, location: ObjectURI, start: int, end: int) -> bytes:
         if end <= start:

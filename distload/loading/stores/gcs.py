@@ -96,10 +96,11 @@ class GCSStore(ObjectStore):
                     env[name] = self._endpoint_url
         return env
 
-    def _list(self, location: ObjectURI) -> Listing:
+    def _list(self, location: ObjectURI, recursive: bool) -> Listing:
         listing = Listing()
         prefix = location.prefix
-        blobs = self._client().list_blobs(location.bucket, prefix=prefix, delimiter="/", **self._kw)
+        blobs = self._client().list_blobs(location.bucket, prefix=prefix, delimiter=None if recursive else "/",
+                                          **self._kw)
         for blob in blobs:
             name = blob.name[len(prefix):]
             if name and not name.endswith("/"):

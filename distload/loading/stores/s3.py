@@ -119,11 +119,12 @@ class S3Store(ObjectStore):
         return env
 
     # -- requests ------------------------------------------------------------------------------
-    def _list(self, location: ObjectURI) -> Listing:
+    def _list(self, location: ObjectURI, recursive: bool) -> Listing:
         listing = Listing()
         prefix = location.prefix
         paginator = self._client().get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=location.bucket, Prefix=prefix, Delimiter="/"):
+        delimiter = {} if recursive else {"Delimiter": "/"}
+        for page in paginator.paginate(Bucket=location.bucket, Prefix=prefix, **delimiter):
             for obj in page.get("Contents", []):
                 name = obj["Key"][len(prefix):]
                 if name and not name.endswith("/"):
