@@ -821,3 +821,25 @@ def test_a_sharded_checkpoint_below_a_sub_prefix_is_found(store, store_env, ckpt
     state, rank = load_report(store.uri("nested"), "sharded_state")
     assert rank.path == "ranged-reads" and all("/nested/sub/" in f for f in rank.files)
     assert rank.digest == plain_digest(Checkpoints.rank_files(ckpts.sharded1, 0))
+
+
+def test_only_a_prefix_of_sub_prefixes_is_listed_recursively(store, store_env, ckpts, monkeypatch):
+    """A whole checkpoint (and a probe for a marker or an index) never walks the prefixes below:
+    one of them may hold many models."""
+    from distload.loading.stores import get_store
+
+    calls = []
+    cls = type(get_store(store.scheme))
+    real = cls._list
+
+    def spy(self, location, recursive):
+        calls.append(recursive)
+        return real(self, location, recursive)
+
+    monkeypatch.setattr(cls, "_list", spy)
+    load_report(ckpts.uri["whole"], "safetensors")
+    assert calls and not any(calls)
+    calls.clear()
+    store.upload_folder(ckpts.sharded1, "only-below/sub")
+    load_report(store.uri("only-below"), "sharded_state")
+    assert calls.count(True) == 1

@@ -232,7 +232,9 @@ class ObjectSource:
         return str(self.folder_location.child(name))
 
     def has_file(self, name: str) -> bool:
-        return name in self._list().objects or name in self._deep_objects()
+        # The recursive listing only where a glob already asked for it: a probe for a marker or
+        # an index must not walk every prefix below (a bucket of many models).
+        return name in self._list().objects or (self._deep is not None and name in self._deep)
 
     def glob(self, pattern: str) -> list[str]:
         """Names (relative, may hold ``/``) of the objects below the prefix matching a glob,
