@@ -1195,3 +1195,16 @@ def test_sub_tensors_follow_vllms_rule_and_come_back_as_views(tmp_path):
         assert raw(loaded[name]) == raw(want), name
     loaded["a.base"][5] = -1.0  # one memory, as in the model saved
     assert loaded["c.rows"][0, 1].item() == -1.0 and loaded["d.column"][1].item() == -1.0
+
+
+@pytest.mark.parametrize("damage", [{"shape": [-2]}, {"stride": [1, 1]}, {"dtype": "F2"}, {"offset": True},
+                                    {"of": None}])
+def test_a_damaged_view_is_a_corrupt_manifest(tmp_path, damage):
+    base = torch.arange(8.0)
+    out = tmp_path / "out"
+    distload.save_sharded({"base": base, "head": base[:2]}, str(out))
+    manifest = json.loads((out / "distload.json").read_text())
+    manifest["views"]["0"]["head"].update(damage)
+    (out / "distload.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"corrupt manifest .*view 'head' is malformed"):
+        distload.load(str(out), "sharded_state", device="cpu")

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from distload.fileio import write_json_atomic
+from distload.loading.index import DTYPES
 from distload.errors import CheckpointError, ShardLayoutError
 from distload.loading.sources import Source, open_source
 
@@ -79,6 +80,20 @@ class Manifest:
         return {"format": out.pop("format"), "version": out.pop("version"), **out}
 
 
+def _view_from_json(name: str, raw: Any) -> View:
+    """A view entry, checked: a damaged one is a corrupt manifest, not a torch error at load."""
+    def counts(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                               for x in value)
+
+    offset = raw.get("offset")
+    if (not isinstance(raw.get("of"), str) or isinstance(offset, bool) or not isinstance(offset, int)
+            or offset < 0 or not counts(raw.get("shape")) or not counts(raw.get("stride"))
+            or len(raw["shape"]) != len(raw["stride"]) or raw.get("dtype") not in DTYPES):
+        raise ValueError(f"view {name!r} is malformed: {raw!r}")
+    return View(raw["of"], offset, tuple(raw["shape"]), tuple(raw["stride"]), raw["dtype"])
+
+
 def write_manifest(folder: str, manifest: Manifest) -> None:
     """Write the manifest atomically, then remove the saving marker: the commit point of a save."""
     write_json_atomic(os.path.join(folder, MANIFEST_NAME), manifest.to_json())
@@ -115,8 +130,7 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
             world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
             sharding=raw.get("sharding", raw.get("plan")),  # "plan" in manifests before 2026-12
             aliases={int(rank): dict(names) for rank, names in raw.get("aliases", {}).items()},
-            views={int(rank): {name: View(v["of"], int(v["offset"]), tuple(v["shape"]), tuple(v["stride"]),
-                                          v["dtype"]) for name, v in views.items()}
+            views={int(rank): {name: _view_from_json(name, v) for name, v in views.items()}
                    for rank, views in raw.get("views", {}).items()},
             replicated_unmatched=list(raw.get("replicated_unmatched", [])),
             source=raw.get("source"), created_by=raw.get("created_by", ""),
