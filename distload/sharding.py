@@ -1,10 +1,19 @@
 """Sharding specs: which tensors are split across tensor-parallel ranks, along which dimension.
 
-A sharding spec is an ordered list of rules; the first rule whose glob matches a tensor's full name wins.
-A rule either replicates the tensor or splits it along ``dim`` (column-parallel layers split the
-output rows, dim 0; row-parallel layers split the input columns, dim 1). A *fused* tensor (one qkv
-or gate_up weight) is cut into its parts along ``dim`` first and each part is split separately,
-so rank r gets ``[q_r; k_r; v_r]`` rather than a slice straddling q and k.
+A sharding spec is an ordered list of rules; the first rule whose glob matches a tensor's full name
+wins. A rule either replicates the tensor or splits it along ``dim`` (column-parallel layers split
+the output rows, dim 0; row-parallel layers split the input columns, dim 1). What rank r then
+holds of a tensor (head boundaries, KV-head replication, vocabulary padding) is decided in one
+place, distload/slicing.py.
+
+Built-in specs:
+
+- ``decoder`` (aliases llama, mistral, qwen2, qwen3): vLLM's layout, shape for shape: q/k/v split
+  between heads, KV heads replicated when the tensor-parallel size exceeds them, embed_tokens and
+  lm_head padded to a multiple of 64 rows first. Heads come from the model's config.json.
+- ``plain``: the same tensors split evenly, ignoring heads and padding (for models that are not
+  served by vLLM, and for checkpoints saved before vLLM's layout was the default).
+- ``replicate``: every tensor whole on every rank.
 
 Spec file (JSON)::
 
@@ -12,12 +21,16 @@ Spec file (JSON)::
      "rules": [
        {"match": "*.qkv_proj.weight", "split": 0, "fused": [4096, 1024, 1024]},
        {"match": "*.gate_up_proj.weight", "split": 0, "fused": 2},
+       {"match": "*.k_proj.weight", "split": 0, "heads": "kv"},
+       {"match": "*embed_tokens.weight", "split": 0, "pad_to": 64},
        {"match": "*.o_proj.weight", "split": 1},
        {"match": "*norm*", "replicate": true}
      ]}
 
 ``fused`` is a list of part sizes along ``dim``, an int (that many equal parts), or ``"qkv"``
-(sizes from the source's config.json: heads x head_dim, kv_heads x head_dim twice).
+(q, k and v sized from config.json, each split between heads; with ``"heads": "none"`` each
+evenly). ``heads`` ("attention" or "kv") says the dimension is made of heads; ``pad_to`` pads it
+with zero rows before splitting.
 Pure: no I/O besides reading a spec file; no torch.distributed.
 """
 
@@ -29,9 +42,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-import torch
-
 from distload.errors import ConfigError
+from distload.slicing import Action, Part
+
+
+HEAD_KINDS = ("attention", "kv", "none")  # what a "heads" rule counts; "none": split evenly, ignore heads
+VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: embed_tokens and lm_head rows
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,8 @@ class Rule:
     match: str
     split: int | None = None  # None: replicate
     fused: tuple[int, ...] | int | str | None = None
+    heads: str | None = None  # "attention"/"kv": the split dim is made of heads, never cut; "none": even
+    pad_to: int | None = None  # pad the split dim with zero rows to a multiple of this first
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"match": self.match}
@@ -48,97 +66,184 @@ class Rule:
             out["split"] = self.split
         if self.fused is not None:
             out["fused"] = list(self.fused) if isinstance(self.fused, tuple) else self.fused
+        if self.heads is not None:
+            out["heads"] = self.heads
+        if self.pad_to is not None:
+            out["pad_to"] = self.pad_to
         return out
-
-
-@dataclass(frozen=True)
-class Action:
-    """What happens to one tensor: replicate, or split along ``dim`` (in ``parts`` if fused)."""
-
-    dim: int | None
-    parts: tuple[int, ...] | None = None  # sizes along dim of the fused parts
-    rule: str | None = None  # the glob that decided; None: no rule matched (replicated)
-
-    @property
-    def replicated(self) -> bool:
-        return self.dim is None
 
 
 @dataclass(frozen=True)
 class ShardingSpec:
     name: str
     rules: tuple[Rule, ...]
-    config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for "qkv"
+    config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for heads
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "rules": [r.to_json() for r in self.rules]}
+        out: dict[str, Any] = {"name": self.name, "rules": [r.to_json() for r in self.rules]}
+        dims = attention_dims(self.config)
+        if dims is not None and any(r.heads or r.fused == "qkv" for r in self.rules):
+            # What the head-aware rules were sized with, so the manifest alone says how to reassemble.
+            out["config"] = {"num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
+                             "head_dim": dims.head_dim}
+        return out
 
     def action(self, name: str, shape: Sequence[int]) -> Action:
         for rule in self.rules:
             if fnmatch.fnmatchcase(name, rule.match):
                 if rule.split is None:
                     return Action(None, None, rule.match)
-                return Action(rule.split, self._parts(rule, name, shape), rule.match)
+                if rule.split >= len(shape):  # shard_shape says so, naming the tensor
+                    return Action(rule.split, None, rule.match)
+                if rule.pad_to is not None:
+                    return Action(rule.split, None, rule.match, pad_to=rule.pad_to)
+                try:
+                    return Action(rule.split, self._parts(rule, name, shape), rule.match)
+                except _NeedsConfig as exc:  # only an error once the tensor is split (TP > 1)
+                    return Action(rule.split, None, rule.match, unresolved=str(exc))
         return Action(None, None, None)
 
-    def _parts(self, rule: Rule, name: str, shape: Sequence[int]) -> tuple[int, ...] | None:
-        if rule.fused is None:
-            return None
+    def _parts(self, rule: Rule, name: str, shape: Sequence[int]) -> tuple[Part, ...] | None:
         assert rule.split is not None
-        if rule.split >= len(shape):
-            return None  # checked (with a clear error) in shard_shape
         length = shape[rule.split]
-        if isinstance(rule.fused, int):
+        if rule.heads in ("attention", "kv"):
+            dims = self._dims(rule, name)
+            heads = dims.heads if rule.heads == "attention" else dims.kv_heads
+            parts: tuple[Part, ...] = (_heads_part(heads, dims.head_dim, rule.heads),)
+        elif rule.fused is None:
+            return None
+        elif isinstance(rule.fused, int):
             if length % rule.fused:
                 raise ConfigError(
                     f"tensor {name!r} shape {list(shape)}: dim {rule.split} ({length}) cannot be cut "
                     f"into {rule.fused} equal fused parts (rule {rule.match!r})"
                 )
-            return (length // rule.fused,) * rule.fused
-        if rule.fused == "qkv":
-            parts = qkv_sizes(self.config, name)
+            parts = (Part(length // rule.fused),) * rule.fused
+        elif rule.fused == "qkv" and rule.heads == "none":  # the plain spec: each part split evenly
+            dims = self._dims(rule, name)
+            parts = (Part(dims.heads * dims.head_dim),) + (Part(dims.kv_heads * dims.head_dim),) * 2
+        elif rule.fused == "qkv":
+            dims = self._dims(rule, name)
+            parts = (_heads_part(dims.heads, dims.head_dim, "attention"),
+                     _heads_part(dims.kv_heads, dims.head_dim, "kv"),
+                     _heads_part(dims.kv_heads, dims.head_dim, "kv"))
         else:
-            parts = tuple(rule.fused)
-        if sum(parts) != length:
+            parts = tuple(Part(size) for size in rule.fused)
+        total = sum(p.size for p in parts)
+        if total != length:
+            what = "the fused parts " + str([p.size for p in parts]) if len(parts) > 1 else \
+                f"{parts[0].units} {parts[0].what} of {parts[0].unit} rows (from config.json)"
             raise ConfigError(
-                f"tensor {name!r} shape {list(shape)}: the fused parts {list(parts)} of rule "
-                f"{rule.match!r} add up to {sum(parts)}, but dim {rule.split} is {length}"
+                f"tensor {name!r} shape {list(shape)}: {what} of rule {rule.match!r} add up to "
+                f"{total}, but dim {rule.split} is {length}; the config.json beside the weights does "
+                f"not describe this tensor, or the sharding spec does not fit the model"
             )
         return parts
 
+    def _dims(self, rule: Rule, name: str) -> "AttentionDims":
+        dims = attention_dims(self.config)
+        if dims is None:
+            # One message per rule, not per tensor: a 32-layer model must not print it 96 times.
+            raise _NeedsConfig(
+                f"sharding spec {self.name!r} splits the tensors matching {rule.match!r} (such as "
+                f"{_layer_free(name)!r}) between attention heads, as vLLM does, which needs the model's "
+                f"config.json beside the weights with num_attention_heads, num_key_value_heads and "
+                f"hidden_size (or head_dim); there is none. Put the model's config.json next to the "
+                f"weights, or choose --sharding plain for an even split that does not look at heads"
+            )
+        return dims
 
-def qkv_sizes(config: Mapping[str, Any], name: str) -> tuple[int, int, int]:
+
+class _NeedsConfig(ConfigError):
+    pass
+
+
+def _layer_free(name: str) -> str:
+    """``model.layers.7.self_attn.q_proj.weight`` -> ``model.layers.N.self_attn.q_proj.weight``."""
+    return ".".join("N" if part.isdigit() else part for part in name.split("."))
+
+
+def _heads_part(heads: int, head_dim: int, kind: str) -> Part:
+    if kind == "kv":
+        return Part(heads * head_dim, head_dim, replicable=True, what="KV heads")
+    return Part(heads * head_dim, head_dim, replicable=False, what="attention heads")
+
+
+@dataclass(frozen=True)
+class AttentionDims:
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def attention_dims(config: Mapping[str, Any]) -> AttentionDims | None:
+    """Heads, KV heads and head size from a Hugging Face config.json (None if it has not them).
+
+    As transformers and vLLM read them: ``num_key_value_heads`` defaults to the attention heads,
+    ``head_dim`` to hidden_size // heads; a multimodal model's text part is its ``text_config``.
+    """
+    if "num_attention_heads" not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
     try:
-        heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads", heads))
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        heads = _positive(config["num_attention_heads"])
+        kv_heads = _positive(config.get("num_key_value_heads") or heads)
+        head_dim = config.get("head_dim")
+        head_dim = _positive(head_dim) if head_dim else _positive(config["hidden_size"]) // heads
     except (KeyError, TypeError, ValueError):
-        raise ConfigError(
-            f"tensor {name!r} is a fused qkv weight, but the source has no config.json with "
-            f"num_attention_heads and hidden_size (or head_dim) to size q, k and v; give the sizes "
-            f"in a sharding spec file: {{\"match\": \"*qkv_proj.weight\", \"split\": 0, \"fused\": [q, k, v]}}"
-        ) from None
-    return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
+        return None
+    if head_dim < 1:
+        return None
+    return AttentionDims(heads, kv_heads, head_dim)
+
+
+def _positive(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(value)
+    return value
+
+
+_COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # MLP layers whose output rows are split
+_ROW = ("down_proj", "w2")  # MLP layers whose input columns are split
 
 
 def _decoder_rules() -> tuple[Rule, ...]:
-    column = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3"]
-    row = ["o_proj", "down_proj", "w2"]
-    rules = [Rule("*embed_tokens.weight", 0), Rule("lm_head.weight", 0), Rule("*.lm_head.weight", 0)]
-    rules += [Rule(f"*.{proj}.weight", 0) for proj in column]
-    rules += [Rule(f"*.{proj}.bias", 0) for proj in column]
-    rules += [Rule("*.qkv_proj.weight", 0, "qkv"), Rule("*.qkv_proj.bias", 0, "qkv"),
-              Rule("*.gate_up_proj.weight", 0, 2)]
-    rules += [Rule(f"*.{proj}.weight", 1) for proj in row]
-    # A row-parallel layer's bias is added once, after the all-reduce: every rank keeps it whole.
-    rules += [Rule(f"*.{proj}.bias", None) for proj in row]
-    rules += [Rule("*norm*", None), Rule("*rotary_emb*", None)]
+    """vLLM's tensor-parallel layout of a Hugging Face decoder, tensor for tensor."""
+    rules = [Rule("*embed_tokens.weight", 0, pad_to=VLLM_VOCAB_PADDING),
+             Rule("lm_head.weight", 0, pad_to=VLLM_VOCAB_PADDING),
+             Rule("*.lm_head.weight", 0, pad_to=VLLM_VOCAB_PADDING)]
+    for suffix in ("weight", "bias"):
+        rules += [Rule(f"*.q_proj.{suffix}", 0, heads="attention"),
+                  Rule(f"*.k_proj.{suffix}", 0, heads="kv"), Rule(f"*.v_proj.{suffix}", 0, heads="kv"),
+                  Rule(f"*.qkv_proj.{suffix}", 0, "qkv")]
+        rules += [Rule(f"*.{proj}.{suffix}", 0) for proj in _COLUMN]
+    rules += [Rule("*.gate_up_proj.weight", 0, 2), Rule("*.o_proj.weight", 1, heads="attention")]
+    rules += [Rule(f"*.{proj}.weight", 1) for proj in _ROW]
+    rules += _whole_rules()
     return tuple(rules)
+
+
+def _plain_rules() -> tuple[Rule, ...]:
+    """The same tensors split evenly over the ranks: no head boundaries, no vocabulary padding."""
+    column = ("q_proj", "k_proj", "v_proj") + _COLUMN
+    rules = [Rule("*embed_tokens.weight", 0), Rule("lm_head.weight", 0), Rule("*.lm_head.weight", 0)]
+    rules += [Rule(f"*.{proj}.{suffix}", 0) for suffix in ("weight", "bias") for proj in column]
+    rules += [Rule("*.qkv_proj.weight", 0, "qkv", heads="none"), Rule("*.qkv_proj.bias", 0, "qkv", heads="none"),
+              Rule("*.gate_up_proj.weight", 0, 2), Rule("*.o_proj.weight", 1)]
+    rules += [Rule(f"*.{proj}.weight", 1) for proj in _ROW]
+    rules += _whole_rules()
+    return tuple(rules)
+
+
+def _whole_rules() -> list[Rule]:
+    # A row-parallel layer's bias is added once, after the all-reduce: every rank keeps it whole.
+    return [Rule(f"*.{proj}.bias", None) for proj in ("o_proj",) + _ROW] + \
+        [Rule("*norm*", None), Rule("*rotary_emb*", None)]
 
 
 BUILTIN_SPECS: dict[str, tuple[Rule, ...]] = {
     # Llama, Mistral, Qwen2/3 and most Hugging Face decoders share these names.
     "decoder": _decoder_rules(),
+    "plain": _plain_rules(),
     "replicate": (Rule("*", None),),
 }
 SPEC_ALIASES = {"llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder"}
@@ -165,83 +270,54 @@ def load_spec(spec: str | None, config: Mapping[str, Any] | None = None) -> Shar
 
 
 def spec_from_json(raw: Any, config: Mapping[str, Any] | None = None, where: str = "sharding spec") -> ShardingSpec:
+    """A spec from its JSON form (a spec file, or the one a manifest recorded with its "config")."""
     if not isinstance(raw, dict) or not isinstance(raw.get("rules"), list):
         raise ConfigError(f"{where}: expected an object with a 'rules' list")
     rules = []
     for i, item in enumerate(raw["rules"]):
         rules.append(_rule_from_json(item, f"{where}, rule {i}"))
-    return ShardingSpec(str(raw.get("name", "custom")), tuple(rules), dict(config or {}))
+    recorded = raw.get("config")
+    if recorded is not None and not isinstance(recorded, dict):
+        raise ConfigError(f"{where}: 'config' must be an object (num_attention_heads, num_key_value_heads, head_dim)")
+    return ShardingSpec(str(raw.get("name", "custom")), tuple(rules), {**(recorded or {}), **(config or {})})
+
+
+_RULE_KEYS = ("match", "split", "replicate", "fused", "heads", "pad_to")
 
 
 def _rule_from_json(item: Any, where: str) -> Rule:
     if not isinstance(item, dict) or not isinstance(item.get("match"), str):
         raise ConfigError(f"{where}: each rule needs a 'match' glob string")
-    unknown = set(item) - {"match", "split", "replicate", "fused"}
+    unknown = set(item) - set(_RULE_KEYS)
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: match, split, replicate, fused")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}; allowed: {', '.join(_RULE_KEYS)}")
     if item.get("replicate") is True:
-        if "split" in item or "fused" in item:
+        if set(item) - {"match", "replicate"}:
             raise ConfigError(f"{where}: a rule either replicates or splits, not both")
         return Rule(item["match"], None)
     split = item.get("split")
     if isinstance(split, bool) or not isinstance(split, int) or split < 0:
         raise ConfigError(f"{where}: 'split' must be a dimension index >= 0 (or use \"replicate\": true)")
+    given = [key for key in ("fused", "heads", "pad_to") if item.get(key) is not None]
+    if len(given) > 1 and not (given == ["fused", "heads"] and item["fused"] == "qkv"):
+        raise ConfigError(f"{where}: a rule takes one of 'fused', 'heads' and 'pad_to', not {' and '.join(given)} "
+                          f"(only \"fused\": \"qkv\" takes \"heads\": \"none\")")
+    heads = item.get("heads")
+    if heads is not None and heads not in HEAD_KINDS:
+        raise ConfigError(f"{where}: 'heads' must be \"attention\", \"kv\" (KV heads, replicated "
+                          f"when there are fewer than ranks) or \"none\" (an even split)")
+    if item.get("fused") == "qkv" and heads not in (None, "none"):
+        raise ConfigError(f"{where}: \"fused\": \"qkv\" is split between heads already; \"heads\" may "
+                          f"only be \"none\" there (an even split of each part)")
+    pad_to = item.get("pad_to")
+    if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1):
+        raise ConfigError(f"{where}: 'pad_to' must be a whole number of rows >= 1 (vLLM pads vocabularies to 64)")
     fused = item.get("fused")
     if fused is None or fused == "qkv":
-        return Rule(item["match"], split, fused)
+        return Rule(item["match"], split, fused, heads=heads, pad_to=pad_to)
     if isinstance(fused, int) and not isinstance(fused, bool) and fused >= 1:
         return Rule(item["match"], split, fused)
     if (isinstance(fused, list) and fused
             and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in fused)):
         return Rule(item["match"], split, tuple(fused))
     raise ConfigError(f"{where}: 'fused' must be a list of part sizes, a number of equal parts, or \"qkv\"")
-
-
-def shard_shape(name: str, shape: Sequence[int], action: Action, world_size: int) -> tuple[int, ...]:
-    """The shape each rank holds; raises if the split dimension is not divisible."""
-    if action.replicated:
-        return tuple(shape)
-    dim = action.dim
-    assert dim is not None
-    if dim >= len(shape):
-        raise ConfigError(
-            f"tensor {name!r} has shape {list(shape)}, so it has no dim {dim} to split "
-            f"(rule {action.rule!r}); fix the sharding spec"
-        )
-    parts = action.parts or (shape[dim],)
-    bad = [p for p in parts if p % world_size]
-    if bad:
-        what = f"dim {dim} ({shape[dim]})" if action.parts is None else f"fused parts {list(parts)} of dim {dim}"
-        raise ConfigError(
-            f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: "
-            f"{what} is not divisible by {world_size} (rule {action.rule!r})"
-        )
-    out = list(shape)
-    out[dim] = shape[dim] // world_size
-    return tuple(out)
-
-
-def take_shard(tensor: torch.Tensor, action: Action, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous piece of ``tensor`` under ``action``."""
-    if action.replicated:
-        return tensor.contiguous()
-    dim = action.dim
-    assert dim is not None
-    parts = action.parts or (tensor.shape[dim],)
-    pieces = []
-    for part in torch.split(tensor, list(parts), dim=dim):
-        size = part.shape[dim] // world_size
-        pieces.append(part.narrow(dim, rank * size, size))
-    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
-
-
-def reassemble(shards: Sequence[torch.Tensor], action: Action) -> torch.Tensor:
-    """The inverse of take_shard over all ranks (for checks and tests)."""
-    if action.replicated:
-        return shards[0]
-    dim = action.dim
-    assert dim is not None
-    world_size = len(shards)
-    parts = action.parts or (sum(s.shape[dim] for s in shards),)
-    per_rank = [torch.split(s, [p // world_size for p in parts], dim=dim) for s in shards]
-    return torch.cat([torch.cat([pr[i] for pr in per_rank], dim=dim) for i in range(len(parts))], dim=dim)

@@ -8,6 +8,7 @@ exit code Slurm records for it.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -222,6 +223,8 @@ def test_reshard_script_then_srun_load(slurm, tmp_path):
     source = str(tmp_path / "whole")
     write_whole(source, {"model.layers.0.self_attn.q_proj.weight": q_proj, "model.norm.weight": norm},
                 num_files=2)
+    with open(os.path.join(source, "config.json"), "w") as f:  # 2 heads of 2 rows: the decoder spec needs them
+        json.dump({"num_attention_heads": 2, "head_dim": 2, "hidden_size": 6}, f)
     output_dir = str(tmp_path / "tp2")
     info, output = run_job(slurm, tmp_path, [RESHARD_SCRIPT, source, output_dir], [],
                            TENSOR_PARALLEL_SIZE="2")

@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 
 import distload
 from distload.live.reload import Destination, ReloadError, check_fit, reload_into
-from distload.sharding import load_spec, take_shard
+from distload.sharding import load_spec
+from distload.slicing import take_shard
 
 from conftest import plain_read, write_whole
 from dist_helpers import run_script, write_script
@@ -147,7 +148,7 @@ def test_fused_destination_must_fill_the_parameter(tmp_path, group):
 
 
 def test_check_fit_slicing_shapes():
-    plan = load_spec("decoder")
+    plan = load_spec("decoder", {"num_attention_heads": 2, "head_dim": 4, "hidden_size": 4})
     sources = [("model.layers.0.self_attn.q_proj.weight", "F32", (8, 4)),
                ("model.layers.0.self_attn.o_proj.weight", "F32", (4, 8))]
     targets = {"model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4),
@@ -157,6 +158,21 @@ def test_check_fit_slicing_shapes():
     targets["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(4, 8)
     with pytest.raises(ReloadError, match=r"o_proj.weight: the rank's slice \[4, 4\] in the checkpoint, \[4, 8\]"):
         check_fit(sources, targets, name_map=None, sharding=plan, tp_size=2, strict=True)
+
+
+def test_check_fit_without_model_config_names_the_rule_once():
+    """The decoder spec splits between heads; without config.json it refuses, one line per rule."""
+    sources = [(f"model.layers.{i}.self_attn.q_proj.weight", "F32", (8, 4)) for i in range(3)]
+    targets = {name: torch.zeros(4, 4) for name, _, _ in sources}
+    with pytest.raises(ReloadError) as info:
+        check_fit(sources, targets, name_map=None, sharding=load_spec("decoder"), tp_size=2, strict=True)
+    text = str(info.value)
+    assert text.count("config.json beside the weights") == 1 and "'*.q_proj.weight'" in text and "--sharding plain" in text
+    assert "model.layers.N.self_attn.q_proj.weight" in text
+    # The plain spec splits evenly, heads or not; at TP 1 nothing is split, so nothing is needed.
+    check_fit(sources, targets, name_map=None, sharding=load_spec("plain"), tp_size=2, strict=True)
+    whole = {name: torch.zeros(8, 4) for name, _, _ in sources}
+    check_fit(sources, whole, name_map=None, sharding=load_spec("decoder"), tp_size=1, strict=True)
 
 
 def test_dummy_then_real_in_place(tmp_path, group):

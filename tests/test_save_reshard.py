@@ -28,7 +28,8 @@ from distload.errors import CheckpointError, ConfigError, ShardLayoutError
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER
 from distload.sharded.reshard import reshard
 from distload.sharded.save import save_sharded
-from distload.sharding import load_spec, spec_from_json, reassemble
+from distload.sharding import load_spec, spec_from_json
+from distload.slicing import reassemble
 
 from conftest import plain_digest, plain_read, read_report, run_distload, write_sharded
 
@@ -38,7 +39,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "SLURM_LOCALID")
 
 # A small Llama-shaped model: GQA with 4 heads, 2 kv heads, head_dim 8 (every split size divisible by 4).
-H, HEADS, KV, HEAD_DIM, INTER, VOCAB = 32, 4, 2, 8, 64, 128
+H, HEADS, KV, HEAD_DIM, INTER, VOCAB = 32, 4, 2, 8, 64, 200  # vocab padded to 256 as vLLM does
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": H, "num_attention_heads": HEADS,
           "num_key_value_heads": KV, "intermediate_size": INTER, "vocab_size": VOCAB}
 LAYER_DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.int8]
@@ -200,7 +201,8 @@ def test_reshard_manifest_matches_files_on_disk(resharded, source, n):
     assert list(m)[:2] == ["format", "version"]
     assert m["format"] == "distload-sharded" and m["version"] == 1
     assert m["world_size"] == n and m["pattern"] == PATTERN
-    assert m["sharding"] == load_spec("decoder").to_json()
+    assert m["sharding"] == load_spec("decoder", CONFIG).to_json()
+    assert m["sharding"]["config"] == {"num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM}
     assert m["replicated_unmatched"] == sorted(UNMATCHED)
     assert m["source"] == source[0]
     # every file on disk is in the manifest and vice versa
@@ -264,10 +266,10 @@ def check_reassembly(out: str, state: dict[str, torch.Tensor], per_rank: list[di
             for r, s in enumerate(shards):
                 assert raw(s) == raw(want), f"{name}: rank {r} replica differs"
         else:
-            back = reassemble(shards, action)
+            back = reassemble(shards, action, want.shape)
             assert tuple(back.shape) == tuple(want.shape), name
             assert raw(back) == raw(want), f"{name}: reassembled tensor differs from the source"
-    # Independently of take_shard/reassemble: what rank r must hold, by hand.
+    # Independently of distload/slicing.py: what rank r must hold, by vLLM's rules written out.
     p = "model.layers.2.self_attn" if "model.layers.2.self_attn.q_proj.weight" in state else "model.layers.0.self_attn"
     for r in range(n):
         q, o = state[f"{p}.q_proj.weight"], state[f"{p}.o_proj.weight"]
@@ -276,13 +278,31 @@ def check_reassembly(out: str, state: dict[str, torch.Tensor], per_rank: list[di
         assert torch.equal(per_rank[r][f"{p}.o_proj.weight"], o[:, r * cols:(r + 1) * cols])
         assert torch.equal(per_rank[r][f"{p}.o_proj.bias"], state[f"{p}.o_proj.bias"])
         qkv = state[f"{p}.qkv_proj.weight"]
-        qs, ks = HEADS * HEAD_DIM // n, KV * HEAD_DIM // n
+        qs = HEADS * HEAD_DIM // n
+        k0, k1 = vllm_kv_rows(r, n)
         q_part, k_part, v_part = qkv.split([HEADS * HEAD_DIM, KV * HEAD_DIM, KV * HEAD_DIM])
-        want = torch.cat([q_part[r * qs:(r + 1) * qs], k_part[r * ks:(r + 1) * ks], v_part[r * ks:(r + 1) * ks]])
+        want = torch.cat([q_part[r * qs:(r + 1) * qs], k_part[k0:k1], v_part[k0:k1]])
         assert torch.equal(per_rank[r][f"{p}.qkv_proj.weight"], want), f"rank {r}: fused qkv slice"
+        k = state[f"{p}.k_proj.weight"] if f"{p}.k_proj.weight" in state else None
+        if k is not None:
+            assert torch.equal(per_rank[r][f"{p}.k_proj.weight"], k[k0:k1]), f"rank {r}: k_proj"
         emb = state["model.embed_tokens.weight"]
-        v = VOCAB // n
-        assert raw(per_rank[r]["model.embed_tokens.weight"]) == raw(emb[r * v:(r + 1) * v])
+        padded = -(-VOCAB // 64) * 64
+        per = padded // n
+        got = per_rank[r]["model.embed_tokens.weight"]
+        assert got.shape[0] == per, f"rank {r}: vLLM pads {VOCAB} rows to {padded}, {per} per rank"
+        real = emb[r * per:(r + 1) * per]
+        assert raw(got[:real.shape[0]]) == raw(real)
+        assert not got[real.shape[0]:].any(), f"rank {r}: vocabulary padding rows must be zero"
+
+
+def vllm_kv_rows(r: int, n: int) -> tuple[int, int]:
+    """The KV rows vLLM's QKVParallelLinear gives TP rank r of n: whole heads, replicated if n > KV."""
+    if n >= KV:
+        head = r // (n // KV)
+        return head * HEAD_DIM, (head + 1) * HEAD_DIM
+    per = KV * HEAD_DIM // n
+    return r * per, (r + 1) * per
 
 
 def test_reshard_copies_metadata_not_index(resharded, source):
@@ -688,12 +708,22 @@ def test_load_world_size_mismatch_single_process(resharded):
     assert "--tensor-parallel-size 1" in result.stderr
 
 
+def vllm_tp1(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What vLLM holds at TP 1: the source, with the vocabulary padded to a multiple of 64 rows."""
+    padded = -(-VOCAB // 64) * 64
+    out = dict(state)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t = state[name]
+        out[name] = torch.cat([t, torch.zeros((padded - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)])
+    return out
+
+
 def test_load_good_checkpoint_single_process(resharded, source):
     out = resharded[0][1]
     for fmt in ("sharded_state", "runai_streamer_sharded", "auto"):
         loaded = distload.load(out, fmt)
         assert sorted(loaded) == sorted(source[1])
-        for name, want in source[1].items():
+        for name, want in vllm_tp1(source[1]).items():
             assert raw(loaded[name]) == raw(want) and loaded[name].dtype == want.dtype, (fmt, name)
 
 
@@ -745,7 +775,7 @@ def test_load_without_manifest(resharded, source, tmp_path):
     os.unlink(os.path.join(out, MANIFEST_NAME))
     loaded = distload.load(out, "sharded_state")
     assert sorted(loaded) == sorted(source[1])
-    for name, want in source[1].items():
+    for name, want in vllm_tp1(source[1]).items():
         assert raw(loaded[name]) == raw(want), name
     # without a manifest the world size still comes from the file names
     out2 = copy_of(resharded[0][2], tmp_path, "copy2")
@@ -986,6 +1016,8 @@ for l in range(L):
 names = sorted(s)
 save_file({n: s[n] for n in names[: len(names) // 2]}, os.path.join(out, "model-00001-of-00002.safetensors"))
 save_file({n: s[n] for n in names[len(names) // 2:]}, os.path.join(out, "model-00002-of-00002.safetensors"))
+with open(os.path.join(out, "config.json"), "w") as f:  # 16 heads of 128, 4 KV heads
+    json.dump({"hidden_size": H, "num_attention_heads": 16, "num_key_value_heads": 4}, f)
 print(json.dumps({"total": sum(t.numel() * t.element_size() for t in s.values()),
                   "largest": max(t.numel() * t.element_size() for t in s.values())}))
 """

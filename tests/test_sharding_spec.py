@@ -10,19 +10,8 @@ import pytest
 import torch
 
 from distload.errors import ConfigError
-from distload.sharding import (
-    BUILTIN_SPECS,
-    SPEC_ALIASES,
-    Action,
-    Rule,
-    ShardingSpec,
-    load_spec,
-    spec_from_json,
-    qkv_sizes,
-    reassemble,
-    shard_shape,
-    take_shard,
-)
+from distload.sharding import BUILTIN_SPECS, SPEC_ALIASES, Rule, ShardingSpec, attention_dims, load_spec, spec_from_json
+from distload.slicing import Action, Part, rank_slice, reassemble, shard_shape, take_shard
 
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 8, 2, 128, 256
 HEAD_DIM = H // HEADS
@@ -76,7 +65,8 @@ def test_decoder_plan_on_llama_names():
         want = expected_dim(name)
         assert action.dim == want, name
         assert action.replicated == (want is None), name
-        assert action.parts is None, name
+        headed = any(p in name for p in ("q_proj", "k_proj", "v_proj", "o_proj.weight"))
+        assert (action.parts is not None) == headed, name  # split between heads, as vLLM does
         assert action.rule is not None, f"{name} should be matched by a rule of the decoder spec"
 
 
@@ -86,7 +76,8 @@ def test_decoder_plan_shard_shapes():
     got = {n: shard_shape(n, s, spec.action(n, s), 4) for n, s in shapes.items()}
     p = "model.layers.3"
     assert got[f"{p}.self_attn.q_proj.weight"] == (H // 4, H)
-    assert got[f"{p}.self_attn.k_proj.weight"] == (KV_HEADS * HEAD_DIM // 4, H)
+    # 2 KV heads on 4 ranks: each rank one whole head (vLLM replicates them), never half a head
+    assert got[f"{p}.self_attn.k_proj.weight"] == (HEAD_DIM, H)
     assert got[f"{p}.self_attn.o_proj.weight"] == (H, H // 4)
     assert got[f"{p}.mlp.down_proj.weight"] == (H, INTER // 4)
     assert got[f"{p}.self_attn.o_proj.bias"] == (H,)
@@ -168,13 +159,17 @@ def test_spec_file_valid(tmp_path):
         Rule("*.qkv_proj.weight", 0, (32, 16, 16)), Rule("*.gate_up_proj.weight", 0, 2),
         Rule("*.wqkv.weight", 0, "qkv"), Rule("*.o_proj.weight", 1), Rule("*norm*", None))
     assert spec.action("l.qkv_proj.weight", (64, 8)) == Action(0, (32, 16, 16), "*.qkv_proj.weight")
-    assert spec.action("l.gate_up_proj.weight", (64, 8)).parts == (32, 32)
-    assert spec.action("l.wqkv.weight", (64, 8)).parts == (32, 16, 16)
+    assert spec.action("l.gate_up_proj.weight", (64, 8)).part_sizes == (32, 32)
+    assert spec.action("l.wqkv.weight", (64, 8)).part_sizes == (32, 16, 16)
     assert spec.action("l.o_proj.weight", (8, 64)) == Action(1, None, "*.o_proj.weight")
     assert spec.action("l.norm.weight", (8,)).replicated
     # to_json gives back the file's rules, and reads back to the same spec
-    assert spec.to_json() == raw
-    assert spec_from_json(spec.to_json(), spec.config) == spec
+    recorded = spec.to_json()
+    assert recorded.pop("config") == {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    assert recorded == raw
+    # the recorded spec alone (as a manifest holds it) sizes the heads the same way
+    again = spec_from_json(spec.to_json())
+    assert again.rules == spec.rules and attention_dims(again.config) == attention_dims(spec.config)
 
 
 def test_spec_file_without_name_is_custom(tmp_path):
@@ -203,6 +198,11 @@ BAD_RULES = [
     ({"match": "*", "split": 0, "fused": [4, -4]}, "'fused' must be"),
     ({"match": "*", "split": 0, "fused": [4, 2.0]}, "'fused' must be"),
     ({"match": "*", "split": 0, "fused": "kqv"}, "'fused' must be"),
+    ({"match": "*", "split": 0, "heads": "query"}, "'heads' must be"),
+    ({"match": "*", "split": 0, "heads": "kv", "fused": 2}, "one of 'fused', 'heads' and 'pad_to'"),
+    ({"match": "*", "split": 0, "pad_to": 0}, "'pad_to' must be"),
+    ({"match": "*", "split": 0, "pad_to": True}, "'pad_to' must be"),
+    ({"match": "*", "replicate": True, "pad_to": 64}, "either replicates or splits"),
 ]
 
 
@@ -243,7 +243,7 @@ def test_spec_file_path_that_does_not_exist(tmp_path):
 
 def test_fused_list_sizes_must_add_up():
     spec = spec_from_json({"rules": [{"match": "*qkv*", "split": 0, "fused": [32, 16, 16]}]})
-    assert spec.action("a.qkv.weight", (64, 8)).parts == (32, 16, 16)
+    assert spec.action("a.qkv.weight", (64, 8)).part_sizes == (32, 16, 16)
     with pytest.raises(ConfigError) as err:
         spec.action("a.qkv.weight", (60, 8))
     msg = str(err.value)
@@ -252,7 +252,7 @@ def test_fused_list_sizes_must_add_up():
 
 def test_fused_equal_parts():
     spec = spec_from_json({"rules": [{"match": "*", "split": 1, "fused": 3}]})
-    assert spec.action("t", (2, 12)).parts == (4, 4, 4)
+    assert spec.action("t", (2, 12)).part_sizes == (4, 4, 4)
     with pytest.raises(ConfigError) as err:
         spec.action("t", (2, 10))
     assert "'t'" in str(err.value) and "3 equal fused parts" in str(err.value)
@@ -267,29 +267,36 @@ def test_fused_equal_parts():
     ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": None},
      (1024, 256, 256)),
 ])
-def test_qkv_sizes_from_config(config, expected):
-    assert qkv_sizes(config, "x.qkv_proj.weight") == expected
+def test_attention_dims_from_config(config, expected):
+    dims = attention_dims(config)
+    assert (dims.heads * dims.head_dim, dims.kv_heads * dims.head_dim, dims.kv_heads * dims.head_dim) == expected
+    # A multimodal model's text part is its text_config, as in transformers.
+    assert attention_dims({"text_config": config, "vision_config": {"num_attention_heads": 3}}) == dims
 
 
 def test_decoder_qkv_and_gate_up_are_fused():
     spec = load_spec("decoder", LLAMA_CONFIG)
     qkv = spec.action("model.layers.0.self_attn.qkv_proj.weight", (H + 2 * KV_HEADS * HEAD_DIM, H))
-    assert qkv.dim == 0 and qkv.parts == (H, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    assert qkv.dim == 0 and qkv.part_sizes == (H, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM)
+    assert [(p.unit, p.replicable) for p in qkv.parts] == [(HEAD_DIM, False), (HEAD_DIM, True), (HEAD_DIM, True)]
     bias = spec.action("model.layers.0.self_attn.qkv_proj.bias", (H + 2 * KV_HEADS * HEAD_DIM,))
     assert bias.parts == qkv.parts
     gate_up = spec.action("model.layers.0.mlp.gate_up_proj.weight", (2 * INTER, H))
-    assert gate_up.dim == 0 and gate_up.parts == (INTER, INTER)
+    assert gate_up.dim == 0 and gate_up.part_sizes == (INTER, INTER)
 
 
 @pytest.mark.parametrize("config", [{}, {"hidden_size": 64}, {"num_attention_heads": 8},
                                     {"num_attention_heads": "eight", "hidden_size": 64}])
-def test_qkv_without_config_is_a_clear_error(config):
+def test_heads_without_config_is_a_clear_error_once_split(config):
     spec = load_spec("decoder", config)
-    with pytest.raises(ConfigError) as err:
-        spec.action("model.layers.0.self_attn.qkv_proj.weight", (96, 64))
-    msg = str(err.value)
-    assert "qkv_proj.weight" in msg and "config.json" in msg and "num_attention_heads" in msg
-    assert '"fused": [q, k, v]' in msg  # says how to give the sizes instead
+    for name in ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        action = spec.action(name, (96, 64))
+        assert shard_shape(name, (96, 64), action, 1) == (96, 64)  # TP 1 splits nothing: no heads needed
+        with pytest.raises(ConfigError) as err:
+            shard_shape(name, (96, 64), action, 2)
+        msg = str(err.value)
+        assert name.replace(".0.", ".N.") in msg and "config.json" in msg and "num_attention_heads" in msg
+        assert "--sharding plain" in msg  # says what to do instead
 
 
 def test_qkv_config_that_does_not_fit_the_tensor():
@@ -315,14 +322,15 @@ def test_indivisible_dimension_names_tensor_shape_and_n():
 def test_indivisible_fused_part():
     spec = load_spec("decoder", {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 1})
     name = "model.layers.0.self_attn.qkv_proj.weight"
-    action = spec.action(name, (80, 64))  # q 64, k 8, v 8
-    assert action.parts == (64, 8, 8)
-    assert shard_shape(name, (80, 64), action, 8) == (10, 64)
-    # 80 is divisible by 16 but the k and v parts (8) are not: each part must be.
+    action = spec.action(name, (80, 64))  # q 64 (8 heads of 8), k 8, v 8 (one KV head)
+    assert action.part_sizes == (64, 8, 8)
+    # 8 ranks: one query head each, and the one KV head replicated on all of them (vLLM's rule)
+    assert shard_shape(name, (80, 64), action, 8) == (24, 64)
+    # 80 is divisible by 16, but 8 query heads are not: heads are never cut.
     with pytest.raises(ConfigError) as err:
         shard_shape(name, (80, 64), action, 16)
     msg = str(err.value)
-    assert repr(name) in msg and "[80, 64]" in msg and "16" in msg and "[64, 8, 8]" in msg
+    assert repr(name) in msg and "[80, 64]" in msg and "16 ranks" in msg and "8 attention heads" in msg
 
 
 @pytest.mark.parametrize("shape", [(), (8,)])
@@ -383,7 +391,7 @@ def test_take_shard_reassemble_inverse(dtype, world, action, shape):
     for shard in shards:
         assert tuple(shard.shape) == want
         assert shard.dtype == dtype and shard.is_contiguous()
-    back = reassemble(shards, action)
+    back = reassemble(shards, action, shape)
     assert back.dtype == dtype and tuple(back.shape) == tuple(shape)
     assert raw(back) == raw(tensor)
     if not action.replicated and world > 1:
@@ -413,7 +421,7 @@ def test_take_shard_non_contiguous_source():
     t = make((8, 12), torch.float32).t()  # (12, 8), non-contiguous
     shards = [take_shard(t, Action(0), r, 4) for r in range(4)]
     assert all(s.is_contiguous() for s in shards)
-    assert torch.equal(reassemble(shards, Action(0)), t)
+    assert torch.equal(reassemble(shards, Action(0), t.shape), t)
 
 
 def test_shardingplan_is_pure_data():

@@ -70,8 +70,10 @@ def write_demo_checkpoint(root: str, world_size: int, size_mib: int = 64,
     generator = torch.Generator().manual_seed(0)
     state = {name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
              for name, (shape, _) in shapes.items()}
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden,
-              "num_hidden_layers": layers, "vocab_size": vocab, "torch_dtype": "bfloat16"}
+    heads = hidden // 64  # heads of 64; k_proj/v_proj hold hidden // 4 rows: a quarter as many KV heads
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_attention_heads": heads,
+              "num_key_value_heads": heads // 4, "head_dim": 64, "num_hidden_layers": layers,
+              "vocab_size": vocab, "torch_dtype": "bfloat16"}
 
     whole = os.path.join(root, "whole")
     os.makedirs(whole, exist_ok=True)

@@ -36,7 +36,9 @@ from distload.group import WorkerGroup
 from distload.live.targets import model_tensors
 from distload.loading.index import DTYPES
 from distload.loading.loader import Loader
-from distload.sharding import Action, ShardingSpec, load_spec, shard_shape, take_shard
+from distload.loading.sources import model_config
+from distload.sharding import ShardingSpec, load_spec
+from distload.slicing import Action, shard_shape, take_shard
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,7 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
                         + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
     else:
         report.missing = missing
+    problems = list(dict.fromkeys(problems))  # one sharding-spec message covers many tensors
     if problems:
         raise ReloadError(
             f"the checkpoint does not fit the model ({len(problems)} problem(s)); nothing was written:\n  "
@@ -217,7 +220,8 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
     def check() -> tuple[dict[str, list[_Copy]], ReloadReport]:
         if sharding is not None and rank_plan.choice.sharded:
             raise ReloadError(f"{loader.source} is already sharded per rank; reload it without a sharding spec")
-        spec = sharding if isinstance(sharding, ShardingSpec) or sharding is None else load_spec(sharding)
+        spec = (sharding if isinstance(sharding, ShardingSpec) or sharding is None
+                else load_spec(sharding, model_config(loader.source)))  # heads from config.json
         return check_fit(sources, targets, name_map=name_map, sharding=spec, tp_size=tp_size, strict=strict)
 
     copies, report = group.agree("checking the model against the checkpoint", check)

@@ -288,6 +288,28 @@ class ObjectSource:
 Source = Union[LocalSource, ObjectSource]
 
 
+MODEL_CONFIG_FILE = "config.json"
+
+
+def model_config(source: "str | Source") -> dict:
+    """The Hugging Face ``config.json`` beside the weights ({} when there is none).
+
+    The sharding specs size attention heads from it. A config.json that is there but not a JSON
+    object is an error naming it: guessing the heads would give silently wrong slices.
+    """
+    src = open_source(source)
+    if not src.has_file(MODEL_CONFIG_FILE):
+        return {}
+    where = src.path(MODEL_CONFIG_FILE)
+    try:
+        value = json.loads(src.read_bytes(MODEL_CONFIG_FILE).decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where}: not valid JSON ({exc}); fix or remove it") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: expected a JSON object (a model config), got {type(value).__name__}")
+    return value
+
+
 def list_whole_checkpoint(path: str) -> list[str]:
     """The safetensors files of a whole (not per-rank) checkpoint, in a stable order."""
     return whole_checkpoint(path)[0]

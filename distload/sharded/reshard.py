@@ -7,11 +7,9 @@ memory is about the largest tensor, not the model.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -20,7 +18,8 @@ from distload.fileio import read_exactly
 from distload.loading.index import TensorInfo, build_index
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, detect_layout
 from distload.loading.manifest import Manifest, ShardFile, write_manifest
-from distload.loading.sources import check_source, is_object_store, read_header, source_string, whole_checkpoint
+from distload.loading.sources import (check_source, is_object_store, model_config, read_header, source_string,
+                                     whole_checkpoint)
 from distload.sharded.output import (
     DEFAULT_MAX_FILE_SIZE,
     RankWriter,
@@ -30,7 +29,8 @@ from distload.sharded.output import (
     split_into_parts,
 )
 from distload.sharded.writer import Entry
-from distload.sharding import ShardingSpec, load_spec, shard_shape, take_shard
+from distload.sharding import ShardingSpec, load_spec
+from distload.slicing import shard_shape, take_shard
 from distload.tensor_io import host_view
 
 
@@ -67,18 +67,6 @@ def _read_tensor(f, info: TensorInfo, buffer: torch.Tensor) -> torch.Tensor:
     return buffer[: info.nbytes].view(info.torch_dtype).reshape(info.shape)
 
 
-def _source_config(folder: str) -> dict[str, Any]:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-        return value if isinstance(value, dict) else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return {}
-
-
 def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT_SHARD_PATTERN,
             max_file_size: int = DEFAULT_MAX_FILE_SIZE, sharding: str | ShardingSpec | None = None) -> ReshardReport:
     """Turn a whole safetensors checkpoint into ``world_size`` per-rank shards, streaming.
@@ -104,7 +92,7 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
         raise ConfigError(f"output {output} must differ from the source folder")
     files, _ = whole_checkpoint(path)
     index = build_index(read_header(p) for p in files)
-    spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding, _source_config(folder))
+    spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding, model_config(path))
 
     actions = {}
     entries: list[Entry] = []

@@ -1,0 +1,200 @@
+"""What one tensor-parallel rank holds of one tensor: the ranges of its split dimension, its shape,
+its piece, and the way back to the whole tensor.
+
+A sharding spec (distload/sharding.py) decides an :class:`Action` per tensor; this module is the
+one place that turns an action into rank r's slice, so the offline reshard, ``reload_into`` and
+every later reader of slices agree to the row. The rules are vLLM's and Megatron's:
+
+- a split dimension may be cut into fused *parts* (q, k, v of one qkv weight; gate and up), and
+  each part is split on its own, so rank r holds ``[q_r; k_r; v_r]``;
+- a part made of attention heads is cut between heads only. When there are fewer KV heads than
+  ranks, each rank holds one whole KV head, rank r head ``r // (ranks // kv_heads)``, the heads
+  replicated over consecutive ranks (vLLM's ``QKVParallelLinear``);
+- a padded dimension (a vocabulary, vLLM's ``VocabParallelEmbedding``) is first padded with zero
+  rows to a multiple of ``pad_to``, then split evenly: the last ranks hold the zero rows.
+
+Pure: no I/O, no torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from distload.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Part:
+    """One fused part of a split dimension (or the whole dimension)."""
+
+    size: int
+    unit: int = 1  # rows never cut apart: one attention head (head_dim rows), else 1
+    replicable: bool = False  # fewer units than ranks: each rank holds one whole unit (KV heads)
+    what: str = "rows"  # for messages: "attention heads", "KV heads"
+
+    @property
+    def units(self) -> int:
+        return self.size // self.unit
+
+
+@dataclass(frozen=True)
+class Action:
+    """What happens to one tensor: replicate, or split along ``dim`` (part by part if fused)."""
+
+    dim: int | None
+    parts: tuple[Part, ...] | None = None  # None: the whole dimension is one plain part
+    rule: str | None = None  # the glob that decided; None: no rule matched (replicated)
+    pad_to: int | None = None  # pad ``dim`` with zero rows to a multiple of this before splitting
+    unresolved: str | None = None  # why the parts cannot be sized; raised once the tensor is split
+
+    def __post_init__(self) -> None:
+        if self.parts is not None:  # sizes may be given as plain ints: equal-footing plain parts
+            parts = tuple(p if isinstance(p, Part) else Part(int(p)) for p in self.parts)
+            object.__setattr__(self, "parts", parts)
+
+    @property
+    def replicated(self) -> bool:
+        return self.dim is None
+
+    @property
+    def part_sizes(self) -> tuple[int, ...] | None:
+        return None if self.parts is None else tuple(p.size for p in self.parts)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Rank r's piece of a split dimension: source ranges in the order the rank holds them."""
+
+    ranges: tuple[tuple[int, int], ...]  # [start, stop) along the split dim of the source tensor
+    padding: int = 0  # zero rows after the ranges (a padded vocabulary's last ranks)
+
+    @property
+    def length(self) -> int:
+        return sum(stop - start for start, stop in self.ranges) + self.padding
+
+
+def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world_size: int) -> Slice | None:
+    """Rank ``rank``'s ranges of the split dimension; None for a replicated tensor (it is whole).
+
+    Raises ConfigError naming the tensor when the split cannot be made on ``world_size`` ranks.
+    """
+    if action.replicated:
+        return None
+    dim = action.dim
+    assert dim is not None
+    if dim >= len(shape):
+        raise ConfigError(
+            f"tensor {name!r} has shape {list(shape)}, so it has no dim {dim} to split "
+            f"(rule {action.rule!r}); fix the sharding spec"
+        )
+    length = int(shape[dim])
+    if action.pad_to is not None:
+        return _padded_slice(name, shape, action, length, rank, world_size)
+    if world_size == 1:
+        return Slice(((0, length),))
+    if action.unresolved is not None:
+        raise ConfigError(action.unresolved)
+    parts = action.parts or (Part(length),)
+    ranges = []
+    offset = 0
+    for part in parts:
+        ranges.append(_part_range(name, shape, action, part, offset, rank, world_size))
+        offset += part.size
+    return Slice(tuple(ranges))
+
+
+def _part_range(name: str, shape: Sequence[int], action: Action, part: Part, offset: int,
+                rank: int, world_size: int) -> tuple[int, int]:
+    units = part.units
+    if units % world_size == 0:
+        per_rank = part.size // world_size
+        return offset + rank * per_rank, offset + (rank + 1) * per_rank
+    if part.replicable and world_size % units == 0:
+        unit = rank // (world_size // units)  # consecutive ranks share one head, as in vLLM
+        return offset + unit * part.unit, offset + (unit + 1) * part.unit
+    dim = action.dim
+    if part.what == "rows":
+        what = f"dim {dim} ({shape[dim]})" if action.parts is None else \
+            f"fused parts {[p.size for p in action.parts]} of dim {dim}"
+        raise ConfigError(
+            f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: "
+            f"{what} is not divisible by {world_size} (rule {action.rule!r})"
+        )
+    rule = (f"the number of ranks must divide the {units} {part.what} or be a multiple of it"
+            if part.replicable else f"the {units} {part.what} must be divisible by the number of ranks")
+    raise ConfigError(
+        f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: it holds "
+        f"{units} {part.what} of {part.unit} rows, and {rule}, as in vLLM (rule {action.rule!r}); "
+        f"choose another tensor-parallel size"
+    )
+
+
+def _padded_slice(name: str, shape: Sequence[int], action: Action, length: int, rank: int,
+                  world_size: int) -> Slice:
+    pad_to = action.pad_to
+    assert pad_to is not None
+    padded = -(-length // pad_to) * pad_to
+    if padded % world_size:
+        raise ConfigError(
+            f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: dim "
+            f"{action.dim} ({length}, padded to a multiple of {pad_to} as vLLM pads a vocabulary: "
+            f"{padded}) is not divisible by {world_size} (rule {action.rule!r})"
+        )
+    per_rank = padded // world_size
+    start = min(rank * per_rank, length)
+    stop = min(start + per_rank, length) if rank * per_rank < length else start
+    return Slice(((start, stop),), per_rank - (stop - start))
+
+
+def shard_shape(name: str, shape: Sequence[int], action: Action, world_size: int) -> tuple[int, ...]:
+    """The shape each rank holds (the same on every rank); raises if the split cannot be made."""
+    piece = rank_slice(name, shape, action, 0, world_size)
+    if piece is None:
+        return tuple(shape)
+    for rank in range(1, world_size):  # every rank's split is checked, not only rank 0's
+        rank_slice(name, shape, action, rank, world_size)
+    out = list(shape)
+    out[action.dim] = piece.length  # type: ignore[index]
+    return tuple(out)
+
+
+def take_shard(tensor: torch.Tensor, action: Action, rank: int, world_size: int,
+               name: str = "tensor") -> torch.Tensor:
+    """Rank ``rank``'s contiguous piece of ``tensor`` under ``action``."""
+    piece = rank_slice(name, tuple(tensor.shape), action, rank, world_size)
+    if piece is None:
+        return tensor.contiguous()
+    dim = action.dim
+    assert dim is not None
+    pieces = [tensor.narrow(dim, start, stop - start) for start, stop in piece.ranges]
+    if piece.padding:
+        pad_shape = list(tensor.shape)
+        pad_shape[dim] = piece.padding
+        pieces.append(torch.zeros(pad_shape, dtype=tensor.dtype, device=tensor.device))
+    return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
+
+
+def reassemble(shards: Sequence[torch.Tensor], action: Action, shape: Sequence[int],
+               name: str = "tensor") -> torch.Tensor:
+    """The whole tensor of ``shape`` back from every rank's piece (for checks and tests).
+
+    Each rank's ranges are placed where they came from; replicated KV heads are written by every
+    rank that holds them (the same bytes), and vocabulary padding is dropped.
+    """
+    if action.replicated:
+        return shards[0]
+    dim = action.dim
+    assert dim is not None
+    world_size = len(shards)
+    out = torch.empty(tuple(shape), dtype=shards[0].dtype, device=shards[0].device)
+    for rank, shard in enumerate(shards):
+        piece = rank_slice(name, shape, action, rank, world_size)
+        assert piece is not None
+        offset = 0
+        for start, stop in piece.ranges:
+            out.narrow(dim, start, stop - start).copy_(shard.narrow(dim, offset, stop - start))
+            offset += stop - start
+    return out
