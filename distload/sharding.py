@@ -144,12 +144,21 @@ class ShardingSpec:
         dims = attention_dims(self.config)
         if dims is None:
             # One message per rule, not per tensor: a 32-layer model must not print it 96 times.
+            needs = ("the model's config.json beside the weights with num_attention_heads, "
+                     "num_key_value_heads and hidden_size (or head_dim); there is none")
+            example = _layer_free(name)
+            if rule.heads == "none":  # an even split, but the fused parts still need their sizes
+                raise _NeedsConfig(
+                    f"sharding spec {self.name!r} cuts the fused tensors matching {rule.match!r} (such as "
+                    f"{example!r}) into q, k and v, sized from {needs}. Put the model's config.json next "
+                    f"to the weights, or give the sizes in a spec file: "
+                    f'{{"match": "{rule.match}", "split": 0, "fused": [q, k, v]}}'
+                )
             raise _NeedsConfig(
                 f"sharding spec {self.name!r} splits the tensors matching {rule.match!r} (such as "
-                f"{_layer_free(name)!r}) between attention heads, as vLLM does, which needs the model's "
-                f"config.json beside the weights with num_attention_heads, num_key_value_heads and "
-                f"hidden_size (or head_dim); there is none. Put the model's config.json next to the "
-                f"weights, or choose --sharding plain for an even split that does not look at heads"
+                f"{example!r}) between attention heads, as vLLM does, which needs {needs}. Put the "
+                f"model's config.json next to the weights, or choose --sharding plain for an even "
+                f"split that does not look at heads"
             )
         return dims
 

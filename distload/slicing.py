@@ -18,6 +18,7 @@ Pure: no I/O, no torch.distributed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -198,3 +199,59 @@ def reassemble(shards: Sequence[torch.Tensor], action: Action, shape: Sequence[i
             out.narrow(dim, start, stop - start).copy_(shard.narrow(dim, offset, stop - start))
             offset += stop - start
     return out
+
+
+@dataclass(frozen=True)
+class SliceBytes:
+    """Rank r's slice of one tensor as byte ranges: what a reader asks the source for.
+
+    ``extents``: ``(source offset, destination offset, length)`` relative to the start of the
+    tensor's data in its file and of the rank's piece; contiguous neighbours are merged, so a
+    slice along dim 0 is one extent per fused part and a slice along dim d > 0 one per row of
+    the dimensions before d. ``zeros``: ``(destination offset, length)`` of padding rows.
+    """
+
+    shape: tuple[int, ...]  # the rank's piece
+    extents: tuple[tuple[int, int, int], ...]
+    zeros: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, _, length in self.extents) + sum(length for _, length in self.zeros)
+
+    @property
+    def requested_bytes(self) -> int:
+        return sum(length for _, _, length in self.extents)
+
+
+def slice_bytes(name: str, shape: Sequence[int], itemsize: int, action: Action, rank: int,
+                world_size: int) -> SliceBytes | None:
+    """The byte ranges of rank ``rank``'s piece of a row-major tensor; None if it is whole."""
+    piece = rank_slice(name, shape, action, rank, world_size)
+    if piece is None:
+        return None
+    dim = action.dim
+    assert dim is not None
+    outer = math.prod(shape[:dim])
+    inner = math.prod(shape[dim + 1:]) * itemsize  # bytes of one index along dim
+    length = shape[dim]
+    extents: list[tuple[int, int, int]] = []
+    zeros: list[tuple[int, int]] = []
+    dst = 0
+    for o in range(outer):
+        for start, stop in piece.ranges:
+            n = (stop - start) * inner
+            if n:
+                src = (o * length + start) * inner
+                if extents and extents[-1][0] + extents[-1][2] == src and extents[-1][1] + extents[-1][2] == dst:
+                    prev = extents.pop()
+                    extents.append((prev[0], prev[1], prev[2] + n))
+                else:
+                    extents.append((src, dst, n))
+            dst += n
+        if piece.padding:
+            zeros.append((dst, piece.padding * inner))
+            dst += piece.padding * inner
+    out = list(shape)
+    out[dim] = piece.length
+    return SliceBytes(tuple(out), tuple(extents), tuple(zeros))

@@ -142,8 +142,16 @@ class Checkpoints:
             f.write("{}")
         save_file({"x": torch.ones(1)}, os.path.join(self.nothing, "sub", "model.safetensors"))
 
+        # a Llama-shaped whole checkpoint with its config.json, and its save-sharded TP 2 output
+        # (local: the reference for sliced loads)
+        from distload.cli.demo import write_demo_checkpoint
+        self.llama, _ = write_demo_checkpoint(os.path.join(root, "llama-src"), 1, size_mib=8)
+        self.llama_tp2 = os.path.join(root, "llama-tp2")
+        distload.reshard(self.llama, self.llama_tp2, 2)
+        shutil.copytree(self.llama, os.path.join(root, "llama"))
+
         self.uri = {name: store.upload_folder(os.path.join(root, name), name)
-                    for name in ("whole", "indexed", "sharded1", "sharded2", "saved2", "big", "nothing")}
+                    for name in ("whole", "indexed", "sharded1", "sharded2", "saved2", "big", "nothing", "llama")}
 
     @staticmethod
     def rank_files(folder: str, rank: int) -> list[str]:
@@ -228,14 +236,20 @@ def test_endpoints_and_reader_environment(monkeypatch):
 
 
 def test_ranged_reader_coalesces_requests():
-    from distload.loading.backends.ranged import coalesce
+    from distload.loading.backends.ranged import Piece, coalesce
     from distload.loading.index import TensorInfo
 
     tensors = [TensorInfo(f"t{i}", "U8", (size,), "f", begin, begin + size)
                for i, (begin, size) in enumerate([(100, 10), (110, 30), (140, 100), (240, 5)])]
-    assert [(s, e, [t.name for t in m]) for s, e, m in coalesce(tensors, chunk_bytes=50)] == [
+    pieces = [Piece(t, t.begin, 0, t.nbytes) for t in tensors]
+    assert [(s, e, [p.info.name for p in m]) for s, e, m in coalesce(pieces, chunk_bytes=50)] == [
         (100, 140, ["t0", "t1"]), (140, 240, ["t2"]), (240, 245, ["t3"])]
-    assert len(coalesce(tensors, chunk_bytes=1000)) == 1
+    assert len(coalesce(pieces, chunk_bytes=1000)) == 1
+    # A slice's rows: a short gap is fetched with its neighbours, a long one starts a new request.
+    rows = [Piece(tensors[0], start, i * 4, 4) for i, start in enumerate([0, 8, 16, 100, 108])]
+    assert [(s, e) for s, e, _ in coalesce(rows, chunk_bytes=1000, gap_bytes=4)] == [(0, 20), (100, 112)]
+    assert [(s, e) for s, e, _ in coalesce(rows, chunk_bytes=1000, gap_bytes=3)] == [
+        (0, 4), (8, 12), (16, 20), (100, 104), (108, 112)]
 
 
 # -- one rank, in this process: ranged reads, dummy, index, inspect, verify ---------------------
@@ -516,6 +530,45 @@ def test_two_ranks_cooperative_read_fetches_each_byte_once(store, ckpts, tmp_pat
     # served counts everything: both ranks' listings and header reads, HTTP (or TLS) framing
     assert served <= 1.05 * total, f"served {served} bytes for {total} bytes of objects"
     assert served >= total
+
+
+def test_tensor_parallel_ranks_fetch_their_slices(store, ckpts, tmp_path):
+    """TP 2 from a whole checkpoint in the store: each rank ends with save-sharded's files for its
+    TP rank, asks for well under the whole checkpoint (row-parallel rows are fetched with their
+    short gaps: one GET per row would cost more), and the server serves what they asked for."""
+    from distload.loading.sources import read_local_header
+    from distload.sharding import load_spec
+    from distload.slicing import slice_bytes
+
+    proxy = ByteCountingProxy(store.port)
+    report_path = str(tmp_path / "report.json")
+    try:
+        result = run_distload(["load", ckpts.uri["llama"], "--tensor-parallel-size", "2", "--report-json",
+                               report_path, "--no-progress"], nproc=2, env=store.env(proxy.port), timeout=240)
+    finally:
+        proxy.close()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    with open(report_path) as f:
+        report = json.load(f)
+    with open(os.path.join(ckpts.llama, "config.json")) as f:
+        spec = load_spec("decoder", json.load(f))
+    infos = [t for n in sorted(os.listdir(ckpts.llama)) if n.endswith(".safetensors")
+             for t in read_local_header(os.path.join(ckpts.llama, n)).tensors]
+    whole = sum(t.nbytes for t in infos)
+    asked = []
+    for r in report["ranks"]:
+        rank = r["rank"]
+        assert r["path"] == "ranged-reads" and r["tensor_parallel"] == [rank, 2]
+        assert r["digest"] == plain_digest(ckpts.rank_files(ckpts.llama_tp2, rank)), f"rank {rank}"
+        own = 0
+        for t in infos:
+            piece = slice_bytes(t.name, t.shape, t.torch_dtype.itemsize, spec.action(t.name, t.shape), rank, 2)
+            own += t.nbytes if piece is None else piece.requested_bytes
+        assert own <= r["requested_bytes"] < 0.8 * whole, (own, r["requested_bytes"], whole)
+        asked.append(r["requested_bytes"])
+    MEASURED[f"{store.name} TP 2 requested/whole per rank"] = [round(a / whole, 3) for a in asked]
+    # served: what they asked for, plus listings, headers and HTTP framing
+    assert sum(asked) <= proxy.served <= 1.1 * sum(asked) + 512 * 1024, (proxy.served, asked)
 
 
 def test_two_ranks_each_reading_alone_fetches_twice(store, ckpts, tmp_path):

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 import distload
 from distload.live.reload import Destination, ReloadError, check_fit, reload_into
+from distload.errors import ConfigError
 from distload.sharding import load_spec
 from distload.slicing import take_shard
 
@@ -192,7 +193,7 @@ def test_plan_on_a_sharded_checkpoint_is_refused(tmp_path, group):
     from conftest import write_sharded
 
     write_sharded(str(tmp_path / "sh"), world_size=1)
-    with pytest.raises(ReloadError, match="already sharded per rank"):
+    with pytest.raises(ConfigError, match="already sharded per rank .* load it without a sharding spec"):
         reload_into({}, str(tmp_path / "sh"), "sharded_state", group=group, sharding="decoder")
 
 
@@ -270,3 +271,41 @@ def test_tied_destinations_end_whole_not_torn(tmp_path, group):
         shared.zero_()
         reload_into({"embed": shared, "head": shared}, str(tmp_path / "m.safetensors"), "auto", group=group)
         assert torch.equal(shared, torch.ones(n)) or torch.equal(shared, torch.full((n,), 2.0))
+
+
+class _WithBuffers(torch.nn.Module):
+    """A Llama-like rotary buffer and a BERT-like position buffer, both non-persistent."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.rotary = torch.nn.Module()
+        self.rotary.register_buffer("inv_freq", torch.arange(2.0), persistent=False)
+        self.register_buffer("token_type_ids", torch.zeros(1, 5, dtype=torch.long), persistent=False)
+        self.register_buffer("scale", torch.ones(3))  # persistent: required
+
+
+def test_strict_reload_skips_non_persistent_buffers_like_torch(tmp_path, group):
+    model = _WithBuffers()
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()}  # what torch saves: no inv_freq
+    assert "rotary.inv_freq" not in state and "token_type_ids" not in state
+    folder = str(tmp_path / "ck")
+    write_whole(folder, state, num_files=1)
+    model.load_state_dict(state, strict=True)  # torch's own rule, for comparison
+    fresh = _WithBuffers()
+    report = reload_into(fresh, folder, group=group, strict=True)
+    assert torch.equal(fresh.lin.weight, state["lin.weight"]) and torch.equal(fresh.scale, state["scale"])
+    assert torch.equal(fresh.rotary.inv_freq, torch.arange(2.0))  # untouched, not an error
+    assert report.missing == []
+    # A persistent buffer is still required.
+    del state["scale"]
+    write_whole(str(tmp_path / "ck2"), state, num_files=1)
+    with pytest.raises(ReloadError, match="missing keys .*scale"):
+        reload_into(_WithBuffers(), str(tmp_path / "ck2"), group=group, strict=True)
+    # A checkpoint that has a non-persistent buffer still fills it (older Llama checkpoints do).
+    state["scale"] = torch.ones(3)
+    state["rotary.inv_freq"] = torch.tensor([5.0, 6.0])
+    write_whole(str(tmp_path / "ck3"), state, num_files=1)
+    fresh = _WithBuffers()
+    reload_into(fresh, str(tmp_path / "ck3"), group=group, strict=True)
+    assert torch.equal(fresh.rotary.inv_freq, torch.tensor([5.0, 6.0]))

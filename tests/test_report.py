@@ -124,7 +124,8 @@ def test_to_json_keys():
     assert len(data["ranks"]) == 2
     for entry in data["ranks"]:
         assert RANK_KEYS <= set(entry)
-        assert set(entry) - RANK_KEYS <= {"hostname", "read_bytes", "peak_rss_bytes", "huge_page_marked_bytes"}
+        assert set(entry) - RANK_KEYS <= {"hostname", "read_bytes", "peak_rss_bytes", "huge_page_marked_bytes",
+                                          "requested_bytes", "tensor_parallel"}
     assert data["ranks"][0]["digest"] == "ab" * 32
     assert data["ranks"][1]["digest"] is None
     assert data["ranks"][1]["rank"] == 1

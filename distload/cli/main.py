@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
                       help='a JSON object, e.g. \'{"distributed": true, "concurrency": 16}\'')
     load.add_argument("--device", default="auto", help="auto (cuda:<local_rank> or cpu), cpu, cuda")
+    load.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="T",
+                      help="each rank r keeps the slices of tensor-parallel rank r %% T of a whole "
+                           "checkpoint, reading only their bytes (auto); the job's ranks are a multiple "
+                           "of T (data-parallel replicas). A checkpoint pre-sharded for T: each replica "
+                           "reads its TP rank's files")
+    load.add_argument("--sharding", default=None, metavar="SPEC",
+                      help="the sharding spec for --tensor-parallel-size: decoder (vLLM's layout, default; "
+                           "alias llama/mistral/qwen2/qwen3), plain, replicate, or a JSON spec file")
     load.add_argument("--report-json", default=None, metavar="PATH",
                       help="rank 0 writes the load report here")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -105,7 +113,8 @@ def run_load(args: argparse.Namespace) -> int:
     make_load_config(args.load_format, args.model_loader_extra_config)
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:
         loader = Loader(args.source, args.load_format, args.model_loader_extra_config,
-                        group=group, progress=not args.no_progress)
+                        group=group, progress=not args.no_progress,
+                        tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding)
         report = loader.load(gather=True, digest=not args.no_digest).report
         assert report is not None
         if group.rank == 0:

@@ -33,12 +33,11 @@ import torch
 
 from distload.errors import DistloadError, ReloadError
 from distload.group import WorkerGroup
-from distload.live.targets import model_tensors
+from distload.live.targets import model_tensors, non_persistent_buffers
 from distload.loading.index import DTYPES
 from distload.loading.loader import Loader
-from distload.loading.sources import model_config
-from distload.sharding import ShardingSpec, load_spec
-from distload.slicing import Action, shard_shape, take_shard
+from distload.sharding import ShardingSpec
+from distload.slicing import Action, shard_shape
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ class _Copy:
 
 def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapping[str, torch.Tensor], *,
               name_map: NameMap | None, sharding: ShardingSpec | None, tp_size: int,
-              strict: bool) -> tuple[dict[str, list[_Copy]], ReloadReport]:
+              strict: bool, optional: frozenset[str] = frozenset()) -> tuple[dict[str, list[_Copy]], ReloadReport]:
     """Match every checkpoint tensor (name, dtype code, shape) to the model; pure, no copies.
 
     Raises ReloadError listing every problem at once; returns the copies to make otherwise.
@@ -163,6 +162,8 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
             covered[id(dst)] = covered.get(id(dst), 0) + math.prod(src_shape)
     untouched: dict[int, list[str]] = {}
     for model_name, tensor in targets.items():
+        if model_name in optional:  # a non-persistent buffer: never required
+            continue
         if covered.get(id(tensor), 0) < tensor.numel() or (tensor.numel() == 0 and id(tensor) not in covered):
             untouched.setdefault(id(tensor), []).append(model_name)
     missing = sorted(" = ".join(names) for names in untouched.values())
@@ -181,32 +182,39 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
 
 
 def _is_whole_copy(copy: _Copy) -> bool:
+    # A split tensor arrives as this rank's slice (the loader reads or cuts it), so only the name
+    # map's narrowing decides whether a copy fills its destination whole.
     dest = copy.dest
-    return (copy.action is None or copy.action.replicated) and dest.dim is None and dest.src_dim is None
+    return dest.dim is None and dest.src_dim is None
 
 
 def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: str,
                 load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None, *,
                 group: WorkerGroup | None = None, strict: bool = True, name_map: NameMap | None = None,
-                sharding: str | ShardingSpec | None = None, tp_rank: int | None = None,
-                tp_size: int | None = None, progress: bool = False) -> ReloadReport:
+                sharding: str | ShardingSpec | None = None, tensor_parallel_size: int | None = None,
+                tp_rank: int | None = None, tp_size: int | None = None,
+                progress: bool = False) -> ReloadReport:
     """Load ``source`` into ``target``'s existing tensors, in place, all-or-nothing on mismatch.
 
-    Call on every rank of ``group`` (None: a group from the environment, for this call). With
-    ``sharding`` (a sharding spec: built-in name, JSON file or object), each rank copies its
-    tensor-parallel slice (rank ``tp_rank`` of ``tp_size``, default the group's rank and size) of
-    a whole checkpoint.
+    Call on every rank of ``group`` (None: a group from the environment, for this call).
+    ``tensor_parallel_size`` T (or ``sharding``, a sharding spec: built-in name, JSON file or
+    object; default ``decoder``): each rank fills TP rank ``r % T``'s slices of a whole
+    checkpoint, reading only their bytes where the reader can (T defaults to the group's size
+    when only a spec is given). ``tp_rank``/``tp_size`` place the rank explicitly (a
+    tensor-parallel group that is not consecutive ranks). A checkpoint pre-sharded for T fills
+    every data-parallel replica with its TP rank's files.
     """
+    if tensor_parallel_size is not None and tp_size is not None and tensor_parallel_size != tp_size:
+        raise ReloadError(f"tensor_parallel_size={tensor_parallel_size} and tp_size={tp_size} disagree; pass one")
     with WorkerGroup.for_call(group) as g:
-        return _reload(target, Loader(source, load_format, extra_config, group=g, progress=progress),
-                       strict=strict, name_map=name_map, sharding=sharding,
-                       tp_rank=g.rank if tp_rank is None else tp_rank,
-                       tp_size=g.world_size if tp_size is None else tp_size)
+        loader = Loader(source, load_format, extra_config, group=g, progress=progress,
+                        tensor_parallel_size=tensor_parallel_size if tensor_parallel_size is not None else tp_size,
+                        sharding=sharding, tensor_parallel_rank=tp_rank)
+        return _reload(target, loader, strict=strict, name_map=name_map)
 
 
 def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader, *, strict: bool,
-            name_map: NameMap | None, sharding: str | ShardingSpec | None, tp_rank: int,
-            tp_size: int) -> ReloadReport:
+            name_map: NameMap | None) -> ReloadReport:
     start = time.perf_counter()
     group = loader.group
     targets = model_tensors(target)
@@ -216,13 +224,13 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
     sources += [(alias, by_name[tgt].dtype, by_name[tgt].shape) for alias, tgt in rank_plan.aliases.items()
                 if tgt in by_name]
     sources += [(name, view.dtype, view.shape) for name, view in rank_plan.views.items()]
+    tp = rank_plan.tensor_parallel
+    spec = rank_plan.slices.spec if rank_plan.slices is not None else None
 
     def check() -> tuple[dict[str, list[_Copy]], ReloadReport]:
-        if sharding is not None and rank_plan.choice.sharded:
-            raise ReloadError(f"{loader.source} is already sharded per rank; reload it without a sharding spec")
-        spec = (sharding if isinstance(sharding, ShardingSpec) or sharding is None
-                else load_spec(sharding, model_config(loader.source)))  # heads from config.json
-        return check_fit(sources, targets, name_map=name_map, sharding=spec, tp_size=tp_size, strict=strict)
+        return check_fit(sources, targets, name_map=name_map, sharding=spec,
+                         tp_size=tp.size if tp is not None else 1, strict=strict,
+                         optional=non_persistent_buffers(target))
 
     copies, report = group.agree("checking the model against the checkpoint", check)
     # A checkpoint tensor that lands whole in one model tensor may be read straight into it, unless
@@ -239,9 +247,7 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
         try:
             for name, tensor in stream:
                 for copy in copies.get(name, ()):
-                    src = tensor
-                    if copy.action is not None:
-                        src = take_shard(src, copy.action, tp_rank, tp_size)
+                    src = tensor  # already this rank's slice of a split tensor
                     dest = copy.dest
                     if dest.src_dim is not None:
                         src = src.narrow(dest.src_dim, dest.src_start, dest.source_length(src.shape))

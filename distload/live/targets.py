@@ -21,3 +21,16 @@ def model_tensors(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[
             raise ConfigError(f"target entry {bad[0]!r} is a {type(target[bad[0]]).__name__}, not a tensor")
         return dict(target)
     raise ConfigError(f"the target must be an nn.Module or a dict of tensors, got {type(target).__name__}")
+
+
+def non_persistent_buffers(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> frozenset[str]:
+    """Names of a module's non-persistent buffers (``rotary_emb.inv_freq``, BERT's
+    ``token_type_ids``): not in its state dict, so a strict load does not require them, as
+    ``nn.Module.load_state_dict(strict=True)`` does not. A checkpoint that has them still fills them."""
+    if not isinstance(target, torch.nn.Module):
+        return frozenset()
+    names = set()
+    for prefix, module in target.named_modules(remove_duplicate=False):
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            names.add(f"{prefix}.{name}" if prefix else name)
+    return frozenset(names)

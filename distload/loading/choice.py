@@ -38,7 +38,7 @@ AUTO_CPU_BACKEND = "pread"
 
 def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: str, world_size: int,
                 distributed: bool, instanttensor_installed: bool, remote: bool = False,
-                whole_job: bool = True) -> ReadChoice:
+                whole_job: bool = True, sliced: bool = False) -> ReadChoice:
     """Map a load format (already validated) to a read, for one rank; pure and deterministic.
 
     Every rank of a job calls this with the same arguments and so takes the same decision,
@@ -48,6 +48,9 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     ``whole_job``: the group is the job's default group. Run:ai's distributed mode runs only
     there, so ``auto`` on a subgroup reads with Run:ai on each rank alone (an explicit
     ``distributed: true`` on a subgroup stays cooperative, and Run:ai's preflight refuses it).
+    ``sliced``: each rank keeps only its tensor-parallel slices of a whole checkpoint. ``auto``
+    then reads with the readers that ask for those bytes only (pread, ranged GETs), on any device;
+    an explicit format reads whole tensors and the loader keeps the slice.
     """
     many = world_size > 1
     runai_cooperative = many and not sharded_layout_found and whole_job
@@ -65,6 +68,8 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     if load_format == "dummy":
         return ReadChoice(sharded_layout_found, "dummy", False)
     if load_format == "auto":
+        if sliced:
+            return ReadChoice(False, "ranged" if remote else AUTO_CPU_BACKEND, False)
         if device_type == "cuda" and not remote:
             if instanttensor_installed and not sharded_layout_found:
                 return ReadChoice(False, "instanttensor", many)

@@ -45,6 +45,9 @@ class Delivery:
         self.backend = backend
         self.progress = progress
         self.expected = {t.name for t in plan.index.tensors}
+        # A split tensor arrives in its slice's shape: a reader that delivered the whole tensor
+        # (or another rank's slice shape) would be a silently wrong load.
+        self.sliced_shapes = {name: piece.shape for name, piece in plan.slices.slices.items()} if plan.slices else {}
         self.received: set[str] = set()
         self.nbytes = 0
         self._alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
@@ -61,6 +64,10 @@ class Delivery:
                 f"{self.backend} returned tensor {name!r} "
                 f"{'twice' if name in self.received else 'that no header of this rank names'}"
             )
+        want = self.sliced_shapes.get(name)
+        if want is not None and tuple(tensor.shape) != want:
+            raise CheckpointError(f"{self.backend} returned tensor {name!r} with shape {list(tensor.shape)}, "
+                                  f"but this rank's slice is {list(want)}")
         self.received.add(name)
         size = tensor.numel() * tensor.element_size()
         self.nbytes += size

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distload.errors import ConfigError, ShardLayoutError
-from distload.loading.manifest import Manifest, manifest_files_for_rank, read_manifest
+from distload.loading.manifest import Manifest, manifest_files_for_rank, read_manifest, replicas_hint
 from distload.loading.sources import Source, describe_names, open_source
 
 DEFAULT_SHARD_PATTERN = "model-rank-{rank}-part-{part}.safetensors"
@@ -139,6 +139,7 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
         mismatch = (
             f": the checkpoint was saved for {saved} ranks, this job has {world_size}; start the "
             f"job with {saved} ranks or reshard the checkpoint for {world_size}"
+            f"{replicas_hint(saved, world_size)}"
         )
     if rank not in layout.parts_by_rank:
         raise ShardLayoutError(

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Generator, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Generator, Iterator, Mapping
 
 import torch
 
@@ -35,6 +35,7 @@ from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
 from distload.loading.planner import plan_rank
+from distload.loading.slices import TensorParallel
 from distload.loading.sources import source_string
 from distload.loading.report import (
     LoadReport,
@@ -45,6 +46,11 @@ from distload.loading.report import (
     state_digest,
     storage_read_bytes,
 )
+
+from distload.slicing import take_shard
+
+if TYPE_CHECKING:
+    from distload.sharding import ShardingSpec
 
 log = logging.getLogger("distload")
 
@@ -108,15 +114,19 @@ class Loader:
 
     def __init__(self, source: "str | os.PathLike[str]", load_format: str = "auto",
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup,
-                 progress: bool = False):
+                 progress: bool = False, tensor_parallel_size: int | None = None,
+                 sharding: "str | ShardingSpec | None" = None, tensor_parallel_rank: int | None = None):
         self.config = make_load_config(load_format, extra_config)
         self.source = source_string(source)  # a pathlib.Path or S3:// works as it does in vLLM
         self.group = group
         self.progress = progress
+        # With a size: rank r keeps TP rank r % size's slices (or, pre-sharded, its files).
+        self.tensor_parallel = TensorParallel.of(group, tensor_parallel_size, sharding, tensor_parallel_rank)
 
     def plan(self) -> RankPlan:
         """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves."""
-        plan = self.group.agree("planning the load", lambda: plan_rank(self.source, self.config, self.group))
+        plan = self.group.agree("planning the load",
+                                lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel))
         agree_on_read(self.group, plan)
         return plan
 
@@ -151,13 +161,20 @@ class Loader:
         read_before = storage_read_bytes()
         if plan is None:
             plan = self.plan()
-        progress = Progress(plan.index.nbytes, enabled=self.progress and group.rank == 0)
+        progress = Progress(plan.nbytes, enabled=self.progress and group.rank == 0)
         delivery = Delivery(plan, plan.choice.backend, progress)
         run: BackendRun | None = None
+        backend = BACKENDS[plan.choice.backend]
+        cut = plan.slices.actions if plan.slices is not None and not backend.reads_slices else {}
+        tp = plan.tensor_parallel
         try:
             request = self._request(plan, destinations)
-            run = BACKENDS[plan.choice.backend].read(request)
+            run = backend.read(request)
             for name, tensor in run.tensors():
+                action = cut.get(name)
+                if action is not None:  # a reader of whole tensors: keep this rank's slice
+                    assert tp is not None
+                    tensor = take_shard(tensor, action, tp.rank, tp.size, name)
                 delivery.accept(name, tensor)
                 yield name, tensor
             yield from delivery.finish()
@@ -190,18 +207,22 @@ class Loader:
         host_memory = HostMemory(setting, self.group.local_world_size)
         if host_memory.why_not:
             log.debug("not marking new host tensors for huge pages: %s", host_memory.why_not)
+        slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
         return ReadRequest(plan.index, self.group.device, self.group, self.config.extra,
-                           plan.choice.cooperative, destinations, host_memory)
+                           plan.choice.cooperative, destinations, host_memory, slices)
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
                      read_before: int | None, host_memory: HostMemory) -> RankReport:
         group = self.group
+        tp = plan.tensor_parallel
         return RankReport(
             rank=group.rank, local_rank=group.local_rank, device=str(group.device),
             path=run.path, files=[f.path for f in plan.index.files], num_tensors=delivery.num_tensors,
             nbytes=delivery.nbytes, seconds=round(seconds, 6), gib_per_s=gib_per_s(delivery.nbytes, seconds),
             hostname=group.hostname,
             read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
+            requested_bytes=plan.index.nbytes if run.requested_bytes is None else run.requested_bytes,
+            tensor_parallel=None if tp is None else [tp.rank, tp.size],
             peak_rss_bytes=peak_rss_bytes(),
             huge_page_marked_bytes=host_memory.marked_bytes,
         )
@@ -219,33 +240,41 @@ def _drain(run: BackendRun) -> None:
 
 
 def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None,
-         *, group: WorkerGroup | None = None, device: str = "auto",
-         progress: bool = False) -> dict[str, torch.Tensor]:
+         *, group: WorkerGroup | None = None, device: str = "auto", progress: bool = False,
+         tensor_parallel_size: int | None = None, sharding: "str | ShardingSpec | None" = None,
+         ) -> dict[str, torch.Tensor]:
     """Load ``source`` into a dict of tensors on this rank's device.
 
     ``group``: the WorkerGroup to load over; None makes one from the environment (torchrun,
     Slurm or one process, on ``device``) for this call and closes it after.
+    ``tensor_parallel_size`` T: rank r keeps TP rank ``r % T``'s slices of a whole checkpoint
+    (``sharding``: the sharding spec, default ``decoder``), reading only their bytes where the
+    reader can; a checkpoint pre-sharded for T gives each data-parallel replica its TP rank's files.
     """
     with WorkerGroup.for_call(group, device=device) as g:
-        return Loader(source, load_format, extra_config, group=g, progress=progress).load().state
+        return Loader(source, load_format, extra_config, group=g, progress=progress,
+                      tensor_parallel_size=tensor_parallel_size, sharding=sharding).load().state
 
 
 def iter_tensors(source: str, load_format: str = "auto",
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup | None = None,
-                 device: str = "auto", progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                 device: str = "auto", progress: bool = False, tensor_parallel_size: int | None = None,
+                 sharding: "str | ShardingSpec | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` on this rank's device without holding them all.
 
     ``group``: as for :func:`load`; a group made here lives until the iteration ends or the
     iterator is closed (``contextlib.closing`` makes that certain when breaking out early).
+    ``tensor_parallel_size``, ``sharding``: as for :func:`load`.
     """
     config = make_load_config(load_format, extra_config)  # a bad argument fails here, not at first next()
-    return _iter_tensors(source, config, group, device, progress)
+    return _iter_tensors(source, config, group, device, progress, tensor_parallel_size, sharding)
 
 
-def _iter_tensors(source: str, config, group: WorkerGroup | None, device: str,
-                  progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_tensors(source: str, config, group: WorkerGroup | None, device: str, progress: bool,
+                  tensor_parallel_size: int | None, sharding) -> Iterator[tuple[str, torch.Tensor]]:
     with WorkerGroup.for_call(group, device=device) as g:
-        stream = Loader(source, config.load_format, config.extra, group=g, progress=progress).stream()
+        stream = Loader(source, config.load_format, config.extra, group=g, progress=progress,
+                        tensor_parallel_size=tensor_parallel_size, sharding=sharding).stream()
         try:
             yield from stream
         finally:

@@ -154,7 +154,7 @@ def manifest_files_for_rank(manifest: Manifest, folder: "str | Source", pattern:
             f"{folder} was saved for {manifest.world_size} ranks, but this job has {world_size}: "
             f"start the job with {manifest.world_size} ranks, or reshard the whole checkpoint for "
             f"{world_size}: python -m distload save-sharded <whole checkpoint> <new folder> "
-            f"--tensor-parallel-size {world_size}"
+            f"--tensor-parallel-size {world_size}{replicas_hint(manifest.world_size, world_size)}"
         )
     entries = manifest.files_for_rank(rank)
     if not entries:
@@ -171,3 +171,11 @@ def manifest_files_for_rank(manifest: Manifest, folder: "str | Source", pattern:
             f"run `python -m distload verify {folder}` and re-copy or re-save the checkpoint"
         )
     return [entry.name for entry in entries]
+
+
+def replicas_hint(saved: int, world_size: int) -> str:
+    """What to say when a job is a whole multiple of the ranks a checkpoint was saved for."""
+    if world_size > saved and world_size % saved == 0:
+        return (f"; or load it as {world_size // saved} data-parallel replicas with "
+                f"--tensor-parallel-size {saved} (Python: tensor_parallel_size={saved})")
+    return ""

@@ -9,6 +9,7 @@ from typing import Mapping
 from distload.loading.choice import ReadChoice
 from distload.loading.index import CheckpointIndex
 from distload.loading.manifest import View
+from distload.loading.slices import RankSlices, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,22 @@ class RankPlan:
     views: Mapping[str, View] = field(default_factory=dict)
     # For a cooperative read of local files: each file's content fingerprint, compared across ranks.
     fingerprints: tuple[str, ...] = ()
+    # With a tensor-parallel size: where this rank sits, and (whole checkpoint) its slices.
+    tensor_parallel: TensorParallel | None = None
+    slices: RankSlices | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this rank ends up with (its slices' bytes for a split tensor)."""
+        if self.slices is None:
+            return self.index.nbytes
+        return sum(self.slices.slices[t.name].nbytes if t.name in self.slices.slices else t.nbytes
+                   for t in self.index.tensors)
+
+    def shape_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape tensor ``name`` (``shape`` in the checkpoint) has on this rank."""
+        piece = self.slices.slices.get(name) if self.slices is not None else None
+        return shape if piece is None else piece.shape
 
     def signature(self) -> list[tuple]:
         """What ranks compare before a cooperative read: path, size (and content) per file."""

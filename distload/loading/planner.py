@@ -7,30 +7,43 @@ fault on one rank stops every rank before any data moves.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from distload.config import LoadConfig
-from distload.errors import CheckpointError
+from distload.errors import CheckpointError, ConfigError
 from distload.loading.backends import BACKENDS
 from distload.loading.choice import ReadChoice, choose_read
 from distload.loading.formats import FORMATS
 from distload.loading.index import build_index
 from distload.loading.layout import Layout, detect_layout
 from distload.loading.plan import RankPlan
-from distload.loading.sources import check_weight_map, content_fingerprint, whole_checkpoint
+from distload.loading.slices import TensorParallel, plan_slices
+from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
 
 if TYPE_CHECKING:
     from distload.group import WorkerGroup
 
 
-def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup") -> RankPlan:
+def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
+              tensor_parallel: TensorParallel | None = None) -> RankPlan:
     """Plan this rank's read of ``source`` (the same on a local folder and an object-store prefix:
-    both go through a Source, one listing, headers by ranged reads on object stores)."""
+    both go through a Source, one listing, headers by ranged reads on object stores).
+
+    ``tensor_parallel``: a whole checkpoint is sliced for its TP rank; a pre-sharded one saved
+    for its TP size gives TP rank r's files to every data-parallel replica of r.
+    """
     only = FORMATS[config.load_format].backends
     if len(only) == 1:  # the format fixes the reader: refuse what it can never serve before listing
         BACKENDS[only[0]].check_source(source, group)
     layout = detect_layout(source, config.pattern)
     src = layout.source
+    tp = tensor_parallel
+    if tp is not None and layout.sharded and tp.sharding is not None:
+        raise ConfigError(
+            f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
+            f"without a sharding spec (--tensor-parallel-size alone gives each data-parallel replica "
+            f"its TP rank's files)")
     choice = choose_read(
         config.load_format,
         sharded_layout_found=layout.sharded,
@@ -41,18 +54,23 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup") -> RankPlan
         # InstantTensor reads local files only; `auto` takes Run:ai for an object store.
         instanttensor_installed=not src.remote and BACKENDS["instanttensor"].available(),
         remote=src.remote,
+        sliced=tp is not None and not layout.sharded,
     )
+    rank, world_size = (tp.rank, tp.size) if tp is not None else (group.rank, group.world_size)
     if not choice.sharded:
         plan = _whole_plan(source, choice, layout)
+        if tp is not None:
+            plan = replace(plan, tensor_parallel=tp, slices=plan_slices(plan.index, tp, model_config(src)))
     elif src.is_file:
         raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
     else:
-        index = build_index(src.read_headers(layout.rank_paths(group.rank, group.world_size)))
+        index = build_index(src.read_headers(layout.rank_paths(rank, world_size)))
         manifest = layout.manifest
         plan = RankPlan(source, choice, index,
-                        frozenset(manifest.keys_for_rank(group.rank)) if manifest else None,
-                        dict(manifest.aliases.get(group.rank, {})) if manifest else {},
-                        dict(manifest.views.get(group.rank, {})) if manifest else {})
+                        frozenset(manifest.keys_for_rank(rank)) if manifest else None,
+                        dict(manifest.aliases.get(rank, {})) if manifest else {},
+                        dict(manifest.views.get(rank, {})) if manifest else {},
+                        tensor_parallel=tp)
     BACKENDS[choice.backend].preflight(plan, group)
     return plan
 

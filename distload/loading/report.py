@@ -58,6 +58,10 @@ class RankReport:
     # Bytes of the new host tensors marked for transparent huge pages (advice to the kernel; see
     # distload.loading.host_memory).
     huge_page_marked_bytes: int = 0
+    # Bytes distload asked the source for (counted by distload's own readers; a library that
+    # reads whole tensors counts as their bytes), whatever the page cache then served.
+    requested_bytes: int | None = None
+    tensor_parallel: list[int] | None = None  # [TP rank, TP size] of a tensor-parallel load
 
 
 @dataclass
@@ -90,9 +94,12 @@ class LoadReport:
         lines = [f"distload: {self.load_format} from {self.source} on {self.world_size} rank(s)"]
         for r in self.ranks:
             digest = r.digest[:16] if r.digest else "-"
+            tp = f", TP rank {r.tensor_parallel[0]} of {r.tensor_parallel[1]}" if r.tensor_parallel else ""
+            asked = (f", requested {r.requested_bytes / GIB:.3f} GiB"
+                     if r.requested_bytes is not None and r.requested_bytes != r.nbytes else "")
             lines.append(
-                f"  rank {r.rank} ({r.device}, {r.path}): {r.num_tensors} tensors, "
-                f"{r.nbytes / GIB:.3f} GiB in {r.seconds:.2f} s = {r.gib_per_s:.2f} GiB/s, "
+                f"  rank {r.rank} ({r.device}, {r.path}{tp}): {r.num_tensors} tensors, "
+                f"{r.nbytes / GIB:.3f} GiB in {r.seconds:.2f} s = {r.gib_per_s:.2f} GiB/s{asked}, "
                 f"digest {digest}"
             )
         total = self.total

@@ -23,6 +23,7 @@ import torch
 
 from distload.loading.host_memory import HostMemory
 from distload.loading.index import CheckpointIndex
+from distload.slicing import SliceBytes
 
 if TYPE_CHECKING:
     from distload.group import WorkerGroup
@@ -43,6 +44,8 @@ class ReadRequest:
     cannot ignores them, and the caller copies.
     ``host_memory``: where a backend that allocates host tensors itself gets them (huge pages;
     the loader passes one per load, the default marks nothing).
+    ``slices``: only for a backend that reads slices; the others read whole tensors and the
+    loader cuts the rank's slice.
     """
 
     index: CheckpointIndex
@@ -52,6 +55,9 @@ class ReadRequest:
     cooperative: bool = False
     destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
     host_memory: HostMemory = field(default_factory=lambda: HostMemory(False))
+    # A tensor-parallel rank's slices (tensor name -> the byte extents of its piece), for a
+    # backend that ``reads_slices``; it yields those tensors in their slice's shape.
+    slices: Mapping[str, SliceBytes] = field(default_factory=dict)
 
 
 class BackendRun:
@@ -62,8 +68,11 @@ class BackendRun:
     from inside the generator; read it after the first tensor.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, requested_bytes: int | None = None):
         self.path = path
+        # Bytes the reader asked the source for, counted by the reader (None: a library read the
+        # whole tensors, and the loader counts their bytes).
+        self.requested_bytes = requested_bytes
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":
@@ -83,6 +92,7 @@ class Backend:
         HostMemory), so the ``huge_pages`` setting concerns it.
     ``reads_object_stores``: it can read ``s3://``/``gs://``/``az://`` sources.
     ``package``: the optional module it needs (None: always there).
+    ``reads_slices``: it reads only a tensor-parallel rank's byte ranges (``request.slices``).
     """
 
     name: ClassVar[str] = ""
@@ -90,6 +100,7 @@ class Backend:
     creates_host_tensors: ClassVar[bool] = False
     reads_object_stores: ClassVar[bool] = True
     package: ClassVar[str | None] = None
+    reads_slices: ClassVar[bool] = False
 
     def available(self) -> bool:
         """Whether this machine has what the reader needs to import (not whether it can run on

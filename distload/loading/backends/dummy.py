@@ -48,7 +48,7 @@ class DummyBackend(Backend):
     name = "dummy"
 
     def read(self, request: ReadRequest) -> BackendRun:
-        return BackendRun("dummy").start(_stream(request))
+        return BackendRun("dummy", requested_bytes=0).start(_stream(request))  # headers only
 
 
 def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:

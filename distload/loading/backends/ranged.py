@@ -1,16 +1,22 @@
 """Ranged reads from an object store: what ``safetensors`` and ``sharded_state`` do on ``s3://``,
-``gs://`` and ``az://`` (safetensors' own reader needs a local file).
+``gs://`` and ``az://`` (safetensors' own reader needs a local file), and how ``auto`` reads a
+tensor-parallel rank's slices there.
 
 Each file is read in order with ranged GETs through the store's SDK client (the one that listed it
-and read its headers), consecutive tensors coalesced into requests of up to ``CHUNK_BYTES`` (a
-tensor larger than that gets a request of its own), the next request in flight while the tensors
-of the current one are handed out. Host memory: about two requests' bytes plus one tensor.
-The report's path is ``ranged-reads``.
+and read its headers). The byte ranges a rank needs (whole tensors, or the extents of its slices)
+are coalesced into requests of up to ``CHUNK_BYTES``; a gap of at most ``GAP_BYTES`` between two
+ranges is fetched with them (one GET per row of a row-sliced tensor would cost more than its
+bytes), a longer gap starts a new request. A range larger than a request gets one of its own. The
+next request is in flight while the current one's tensors are handed out. Host memory: about
+two requests' bytes plus the tensors being assembled. The report's path is ``ranged-reads``;
+``requested_bytes`` counts every byte asked for, gaps included.
 """
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -21,51 +27,91 @@ from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
+GAP_BYTES = 1024 * 1024
 
 
-def coalesce(tensors: tuple[TensorInfo, ...] | list[TensorInfo],
-             chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int, list[TensorInfo]]]:
-    """Group tensors (sorted by offset) into byte ranges ``[start, end)`` of at most ``chunk_bytes``."""
-    groups: list[tuple[int, int, list[TensorInfo]]] = []
-    for info in sorted(tensors, key=lambda t: t.begin):
-        if groups and info.end - groups[-1][0] <= chunk_bytes and info.begin >= groups[-1][1]:
+@dataclass(frozen=True)
+class Piece:
+    """Bytes ``[start, start + length)`` of a file that go to ``offset`` in tensor ``info``'s piece."""
+
+    info: TensorInfo
+    start: int
+    offset: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def coalesce(pieces: list[Piece], chunk_bytes: int = CHUNK_BYTES,
+             gap_bytes: int = GAP_BYTES) -> list[tuple[int, int, list[Piece]]]:
+    """Group pieces (of one file) into requests ``[start, end)`` of at most ``chunk_bytes``."""
+    groups: list[tuple[int, int, list[Piece]]] = []
+    for piece in sorted(pieces, key=lambda p: p.start):
+        if (groups and piece.end - groups[-1][0] <= chunk_bytes
+                and groups[-1][1] <= piece.start <= groups[-1][1] + gap_bytes):
             start, _, members = groups[-1]
-            groups[-1] = (start, info.end, members + [info])
+            groups[-1] = (start, piece.end, members + [piece])
         else:
-            groups.append((info.begin, info.end, [info]))
+            groups.append((piece.start, piece.end, [piece]))
     return groups
+
+
+def pieces_of(info: TensorInfo, request: ReadRequest) -> list[Piece]:
+    piece = request.slices.get(info.name)
+    if piece is None:
+        return [Piece(info, info.begin, 0, info.nbytes)]
+    return [Piece(info, info.begin + src, dst, length) for src, dst, length in piece.extents]
 
 
 class RangedBackend(Backend):
     name = "ranged"
     keys = {"huge_pages": check_bool}
     creates_host_tensors = True
+    reads_slices = True
 
     def read(self, request: ReadRequest) -> BackendRun:
-        return BackendRun("ranged-reads").start(_stream(request))
+        run = BackendRun("ranged-reads", requested_bytes=0)
+        return run.start(_stream(request, run))
 
 
-def _tensor_from(data: bytes, offset: int, info: TensorInfo, request: ReadRequest) -> torch.Tensor:
-    device = request.device
-    out = request.host_memory.empty((info.nbytes,), torch.uint8)
-    if info.nbytes:
-        # Through ctypes, not numpy: a numpy view would make the storage non-resizable for good
-        # (see tensor_io), and WeightSleeper could not release it.
-        host_view(out)[:] = memoryview(data)[offset:offset + info.nbytes]
-    tensor = out.view(info.torch_dtype).reshape(info.shape)
-    return tensor if device.type == "cpu" else tensor.to(device)
+class _Assembly:
+    """A tensor (or slice) being filled from one or more requests."""
+
+    def __init__(self, info: TensorInfo, request: ReadRequest, pieces: int):
+        piece = request.slices.get(info.name)
+        shape = info.shape if piece is None else piece.shape
+        self.tensor = request.host_memory.empty(shape, info.torch_dtype)
+        self.view = host_view(self.tensor)
+        if piece is not None:
+            for offset, length in piece.zeros:  # vocabulary padding: zero rows, never fetched
+                ctypes.memset(self.tensor.data_ptr() + offset, 0, length)
+        self.missing = pieces
 
 
-def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
+def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.Tensor]]:
     from distload.loading.stores import store_for
 
     jobs = []
-    for info in request.index.files:
-        store, location = store_for(info.path)
-        for start, end, members in coalesce(info.tensors):
+    pieces_by_name: dict[str, int] = {}
+    empty: list[TensorInfo] = []
+    for file_info in request.index.files:
+        store, location = store_for(file_info.path)
+        pieces = []
+        for info in file_info.tensors:
+            own = [p for p in pieces_of(info, request) if p.length]
+            pieces_by_name[info.name] = len(own)
+            if not own:
+                empty.append(info)  # empty, or a slice that is all padding: complete at once
+            pieces += own
+        for start, end, members in coalesce(pieces):
             jobs.append((store, location, start, end, members))
+    for info in empty:
+        yield info.name, _on_device(_Assembly(info, request, 0).tensor, request)
     if not jobs:
         return
+    assemblies: dict[str, _Assembly] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="distload-ranged") as pool:
         def fetch(job):
             store, location, start, end, _ = job
@@ -74,9 +120,23 @@ def _stream(request: ReadRequest) -> Iterator[tuple[str, torch.Tensor]]:
         pending = pool.submit(fetch, jobs[0])
         for i, job in enumerate(jobs):
             data = pending.result()
+            run.requested_bytes += job[3] - job[2]
             if i + 1 < len(jobs):
                 pending = pool.submit(fetch, jobs[i + 1])
             start, members = job[2], job[4]
-            for info in members:
-                yield info.name, _tensor_from(data, info.begin - start, info, request)
+            for piece in members:
+                name = piece.info.name
+                assembly = assemblies.get(name)
+                if assembly is None:
+                    assembly = assemblies[name] = _Assembly(piece.info, request, pieces_by_name[name])
+                at = piece.start - start
+                assembly.view[piece.offset:piece.offset + piece.length] = memoryview(data)[at:at + piece.length]
+                assembly.missing -= 1
+                if assembly.missing == 0:
+                    del assemblies[name]
+                    yield name, _on_device(assembly.tensor, request)
             del data
+
+
+def _on_device(tensor: torch.Tensor, request: ReadRequest) -> torch.Tensor:
+    return tensor if request.device.type == "cpu" else tensor.to(request.device)
