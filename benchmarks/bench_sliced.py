@@ -50,7 +50,7 @@ import json, sys, time, torch, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, empty
 import distload
 from distload.loading.report import storage_read_bytes
 folder, out, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -64,8 +64,7 @@ state = {}
 for t in plan.index.tensors:
     action = spec.action(t.name, t.shape)
     placement = Replicate() if action.replicated else Shard(action.dim)
-    state[t.name] = distribute_tensor(torch.empty(t.shape, dtype=t.torch_dtype, device="meta").to_empty(device="cpu"),
-                                      mesh, [placement])
+    state[t.name] = empty(t.shape, dtype=t.torch_dtype, device_mesh=mesh, placements=[placement])
 read0 = storage_read_bytes()
 dist.barrier()
 start = time.perf_counter()

@@ -25,6 +25,7 @@ from distload.errors import (
     SyncError,
 )
 from distload.group import WorkerGroup
+from distload.live.dtensors import load_dtensors
 from distload.live.reload import Destination, ReloadReport, reload_into
 from distload.live.sleep import WeightSleeper
 from distload.live.sync import SyncStats, WeightSync
@@ -51,7 +52,7 @@ __all__ = [
     # sharded checkpoints
     "save_sharded", "reshard", "ReshardReport", "inspect", "verify", "ShardingSpec", "load_spec",
     # live updates
-    "reload_into", "Destination", "ReloadReport", "WeightSync", "SyncStats", "WeightSleeper",
+    "reload_into", "load_dtensors", "Destination", "ReloadReport", "WeightSync", "SyncStats", "WeightSleeper",
     # errors
     "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
     "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError",

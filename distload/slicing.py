@@ -18,6 +18,7 @@ Pure: no I/O, no torch.distributed.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -255,3 +256,37 @@ def slice_bytes(name: str, shape: Sequence[int], itemsize: int, action: Action, 
     out = list(shape)
     out[dim] = piece.length
     return SliceBytes(tuple(out), tuple(extents), tuple(zeros))
+
+
+def block_bytes(shape: Sequence[int], itemsize: int, offsets: Sequence[int], sizes: Sequence[int]) -> SliceBytes:
+    """The byte ranges of the block ``[offsets, offsets + sizes)`` of a row-major tensor.
+
+    A DTensor's local shard under ``Shard``/``Replicate`` placements is such a block (on a mesh
+    of any rank: FSDP x TP included). The trailing dimensions the block covers whole make one
+    run with the first dimension it cuts; every index of the dimensions before gives one extent.
+    """
+    ndim = len(shape)
+    if len(offsets) != ndim or len(sizes) != ndim:
+        raise ConfigError(f"a block of a {ndim}-d tensor needs {ndim} offsets and sizes, got {list(offsets)}, {list(sizes)}")
+    for dim in range(ndim):
+        if offsets[dim] < 0 or sizes[dim] < 0 or offsets[dim] + sizes[dim] > shape[dim]:
+            raise ConfigError(f"block offsets {list(offsets)} sizes {list(sizes)} do not lie inside shape {list(shape)}")
+    if ndim == 0:
+        return SliceBytes((), ((0, 0, itemsize),))
+    if 0 in sizes:
+        return SliceBytes(tuple(sizes), ())
+    strides = [itemsize] * ndim  # bytes per index, row-major
+    for dim in range(ndim - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    cut = ndim - 1  # the innermost dimension the block does not cover whole
+    while cut > 0 and offsets[cut] == 0 and sizes[cut] == shape[cut]:
+        cut -= 1
+    run = sizes[cut] * strides[cut]
+    base = sum(o * s for o, s in zip(offsets, strides))
+    extents = []
+    dst = 0
+    for index in itertools.product(*(range(n) for n in sizes[:cut])):
+        src = base + sum(i * s for i, s in zip(index, strides))
+        extents.append((src, dst, run))
+        dst += run
+    return SliceBytes(tuple(sizes), tuple(extents))

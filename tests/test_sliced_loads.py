@@ -167,6 +167,8 @@ def test_sliced_read_fills_existing_tensors_in_place(llama, tmp_path):
     for name, tensor in want.items():
         assert torch.equal(model[name].view(torch.uint8), tensor.view(torch.uint8)), name
     assert report.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+    state = llama_state()
+    assert report.requested_bytes == slice_request_bytes(state, 1, 2)
 
 
 def test_reload_into_a_model_shaped_for_another_layout_is_refused(llama):
@@ -291,3 +293,90 @@ def test_a_rank_whose_slice_read_fails_stops_every_rank(llama, tmp_path):
     found = re.search(r"rank 0 stopped after ([0-9.]+) s: loading failed on rank\(s\) 1", out)
     assert found, out[-3000:]
     assert float(found.group(1)) < 30
+
+
+# -- DTensor targets -------------------------------------------------------------------------------
+
+DTENSOR_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor, empty
+from safetensors.torch import load_file
+import distload
+
+folder, out, shape = sys.argv[1], sys.argv[2], tuple(int(x) for x in sys.argv[3].split("x"))
+with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
+    mesh = init_device_mesh("cpu", shape)
+    full = {}
+    for name in sorted(n for n in __import__("os").listdir(folder) if n.endswith(".safetensors")):
+        full.update(load_file(f"{folder}/{name}"))
+    two_d = len(shape) == 2
+
+    def placements(name):
+        if name.endswith("norm.weight"):
+            return [Replicate()] * len(shape)
+        if full[name].dim() == 1:  # FSDP x TP: a bias split on one mesh dimension only
+            return [Shard(0), Replicate()] if two_d else [Shard(0)]
+        if name.endswith("o_proj.weight"):  # row-parallel; on 2-d meshes both dims split
+            return [Shard(1), Shard(0)] if two_d else [Shard(1)]
+        return [Shard(0), Shard(1)] if two_d else [Shard(0)]
+
+    # A model of DTensors (as FSDP2 / torch's TP API make them), filled in place
+    model = {n: empty(t.shape, dtype=t.dtype, device_mesh=mesh, placements=placements(n)) for n, t in full.items()}
+    pointers = {n: t.to_local().data_ptr() for n, t in model.items()}
+    report = distload.reload_into(model, folder, group=group)
+    same_memory = all(model[n].to_local().data_ptr() == p for n, p in pointers.items())
+    exact = all(torch.equal(model[n].to_local(), distribute_tensor(t, mesh, placements(n)).to_local())
+                for n, t in full.items())
+    local_bytes = sum(t.to_local().numel() * t.to_local().element_size() for t in model.values())
+    # and the state dict made for a mesh and placements, from the headers alone
+    state = distload.load_dtensors(folder, mesh, placements, group=group)
+    made = all(torch.equal(state[n].to_local(), distribute_tensor(t, mesh, placements(n)).to_local())
+               and state[n].placements == tuple(placements(n)) for n, t in full.items())
+    results = group.exchange({"rank": group.rank, "exact": exact, "same_memory": same_memory, "made": made,
+                              "local_bytes": local_bytes, "nbytes": report.nbytes,
+                              "requested": report.requested_bytes})
+    if group.rank == 0:
+        json.dump(results, open(out, "w"))
+"""
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mesh", ["2", "2x2"])
+def test_dtensor_targets_get_their_local_shards(llama, tmp_path, mesh):
+    from dist_helpers import run_script, write_script
+
+    whole, _ = llama
+    script = write_script(tmp_path, "dtensor.py", DTENSOR_SCRIPT)
+    out = str(tmp_path / "out.json")
+    n = math.prod(int(x) for x in mesh.split("x"))
+    result = run_script(script, [whole, out, mesh], nproc=n, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    with open(out) as f:
+        ranks = json.load(f)
+    for r in ranks:
+        assert r["exact"], f"rank {r['rank']}: a local shard differs from distribute_tensor's"
+        assert r["same_memory"], f"rank {r['rank']}: the DTensors' local memory was replaced"
+        assert r["made"], f"rank {r['rank']}: load_dtensors differs from distribute_tensor"
+        assert r["nbytes"] == r["local_bytes"]
+        assert r["requested"] == r["local_bytes"], "a rank must read its local shards' bytes only"
+
+
+def test_block_bytes_of_a_2d_shard():
+    from distload.slicing import block_bytes
+
+    t = torch.arange(6 * 8, dtype=torch.int16).reshape(6, 8)
+    for offsets, sizes in [((0, 0), (6, 8)), ((3, 0), (3, 8)), ((0, 4), (6, 4)), ((2, 2), (3, 4)), ((0, 0), (0, 8))]:
+        piece = block_bytes(t.shape, 2, offsets, sizes)
+        out = torch.zeros(math.prod(sizes), dtype=torch.int16)
+        src, dst = t.reshape(-1).view(torch.uint8), out.view(torch.uint8)
+        for s, d, n in piece.extents:
+            dst[d:d + n] = src[s:s + n]
+        want = t[offsets[0]:offsets[0] + sizes[0], offsets[1]:offsets[1] + sizes[1]]
+        assert torch.equal(out.reshape(sizes), want), (offsets, sizes)
+    assert len(block_bytes(t.shape, 2, (3, 0), (3, 8)).extents) == 1  # whole rows: one range
+    assert len(block_bytes(t.shape, 2, (2, 2), (3, 4)).extents) == 3  # one per row
+    with pytest.raises(ConfigError, match="do not lie inside"):
+        block_bytes(t.shape, 2, (4, 0), (3, 8))

@@ -33,7 +33,7 @@ import torch
 
 from distload.errors import DistloadError, ReloadError
 from distload.group import WorkerGroup
-from distload.live.targets import model_tensors, non_persistent_buffers
+from distload.live.targets import dtensor_blocks, local_tensor, model_tensors, non_persistent_buffers
 from distload.loading.index import DTYPES
 from distload.loading.loader import Loader
 from distload.sharding import ShardingSpec
@@ -72,6 +72,7 @@ class ReloadReport:
     nbytes: int = 0  # bytes written into the model
     seconds: float = 0.0
     path: str = ""
+    requested_bytes: int | None = None  # bytes asked of the source (a rank's slices or shards only)
     skipped: list[str] = field(default_factory=list)  # unexpected checkpoint keys (strict=False)
     missing: list[str] = field(default_factory=list)  # model keys left untouched (strict=False)
     ignored: list[str] = field(default_factory=list)  # mapped to None by the name map
@@ -218,6 +219,15 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
     start = time.perf_counter()
     group = loader.group
     targets = model_tensors(target)
+    blocks = dtensor_blocks(targets)
+    if blocks:  # each rank reads its DTensors' local shards only
+        if name_map is not None:
+            raise ReloadError("a name map onto DTensor parameters is not supported: load with the model's own names")
+        if loader.tensor_parallel is not None:
+            raise ReloadError("the model's parameters are DTensors: their placements already say which shard "
+                              "each rank holds; drop tensor_parallel_size/sharding")
+        loader.blocks = blocks
+    local = {name: local_tensor(t) for name, t in targets.items()}  # what this rank writes
     rank_plan = loader.plan()
     sources = [(t.name, t.dtype, t.shape) for t in rank_plan.index.tensors]
     by_name = {t.name: t for t in rank_plan.index.tensors}
@@ -236,11 +246,11 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
     # A checkpoint tensor that lands whole in one model tensor may be read straight into it, unless
     # that memory is also written for another tensor (tied weights): the reader's threads would
     # write both at once, where copying in checkpoint order lets the last one win, as always.
-    writes_per_storage = Counter(targets[c.dest.name].untyped_storage().data_ptr()
+    writes_per_storage = Counter(local[c.dest.name].untyped_storage().data_ptr()
                                  for cs in copies.values() for c in cs)
-    direct = {name: targets[c[0].dest.name].detach() for name, c in copies.items()
+    direct = {name: local[c[0].dest.name].detach() for name, c in copies.items()
               if len(c) == 1 and _is_whole_copy(c[0])
-              and writes_per_storage[targets[c[0].dest.name].untyped_storage().data_ptr()] == 1}
+              and writes_per_storage[local[c[0].dest.name].untyped_storage().data_ptr()] == 1}
     written = 0
     stream = loader.stream(rank_plan, destinations=direct)
     with torch.no_grad(), contextlib.closing(stream):  # a failed copy tells the other ranks at once
@@ -251,7 +261,7 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
                     dest = copy.dest
                     if dest.src_dim is not None:
                         src = src.narrow(dest.src_dim, dest.src_start, dest.source_length(src.shape))
-                    dst = targets[dest.name].detach()
+                    dst = local[dest.name].detach()
                     if dest.dim is not None:
                         dst = dst.narrow(dest.dim, dest.start, src.shape[dest.dim])
                     if not (src.data_ptr() == dst.data_ptr() and src.shape == dst.shape):
@@ -272,4 +282,5 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader
     report.num_tensors = written
     report.seconds = time.perf_counter() - start
     report.path = stream.rank_report.path
+    report.requested_bytes = stream.rank_report.requested_bytes
     return report

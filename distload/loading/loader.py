@@ -35,7 +35,7 @@ from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
 from distload.loading.planner import plan_rank
-from distload.loading.slices import TensorParallel
+from distload.loading.slices import Block, TensorParallel
 from distload.loading.sources import source_string
 from distload.loading.report import (
     LoadReport,
@@ -46,8 +46,6 @@ from distload.loading.report import (
     state_digest,
     storage_read_bytes,
 )
-
-from distload.slicing import take_shard
 
 if TYPE_CHECKING:
     from distload.sharding import ShardingSpec
@@ -122,11 +120,14 @@ class Loader:
         self.progress = progress
         # With a size: rank r keeps TP rank r % size's slices (or, pre-sharded, its files).
         self.tensor_parallel = TensorParallel.of(group, tensor_parallel_size, sharding, tensor_parallel_rank)
+        # Set by reload_into for DTensor targets: tensor name -> (offsets, sizes) of its local shard.
+        self.blocks: dict[str, Block] = {}
 
     def plan(self) -> RankPlan:
         """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves."""
         plan = self.group.agree("planning the load",
-                                lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel))
+                                lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel,
+                                                  self.blocks))
         agree_on_read(self.group, plan)
         return plan
 
@@ -165,16 +166,15 @@ class Loader:
         delivery = Delivery(plan, plan.choice.backend, progress)
         run: BackendRun | None = None
         backend = BACKENDS[plan.choice.backend]
-        cut = plan.slices.actions if plan.slices is not None and not backend.reads_slices else {}
+        # A reader of whole tensors: the loader keeps this rank's piece.
+        cut = plan.slices if plan.slices is not None and not backend.reads_slices else None
         tp = plan.tensor_parallel
         try:
             request = self._request(plan, destinations)
             run = backend.read(request)
             for name, tensor in run.tensors():
-                action = cut.get(name)
-                if action is not None:  # a reader of whole tensors: keep this rank's slice
-                    assert tp is not None
-                    tensor = take_shard(tensor, action, tp.rank, tp.size, name)
+                if cut is not None:
+                    tensor = cut.cut(name, tensor, tp)
                 delivery.accept(name, tensor)
                 yield name, tensor
             yield from delivery.finish()

@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
+import torch
+
 from distload.config import is_int
 from distload.errors import ConfigError
 from distload.loading.index import CheckpointIndex
 from distload.sharding import ShardingSpec, load_spec
-from distload.slicing import Action, SliceBytes, shard_shape, slice_bytes
+from distload.slicing import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
 if TYPE_CHECKING:
     from distload.group import WorkerGroup
@@ -57,13 +59,46 @@ class TensorParallel:
         return f"TP rank {self.rank} of {self.size}"
 
 
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a DTensor's local shard
+
+
 @dataclass(frozen=True)
 class RankSlices:
-    """This rank's split tensors: the spec's action and the bytes to read, by tensor name."""
+    """This rank's split tensors and the bytes to read, by tensor name: from a sharding spec's
+    actions (tensor parallelism), or from the blocks of DTensor targets (their placements)."""
 
-    spec: ShardingSpec
+    spec: ShardingSpec | None
     actions: Mapping[str, Action] = field(default_factory=dict)
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
+    blocks: Mapping[str, Block] = field(default_factory=dict)
+
+    def cut(self, name: str, tensor: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+        """This rank's piece of a whole tensor a library reader delivered (the rest is dropped)."""
+        action = self.actions.get(name)
+        if action is not None:
+            assert tp is not None
+            return take_shard(tensor, action, tp.rank, tp.size, name)
+        block = self.blocks.get(name)
+        if block is not None:
+            for dim, (offset, size) in enumerate(zip(*block)):
+                tensor = tensor.narrow(dim, offset, size)
+            return tensor.contiguous()
+        return tensor
+
+
+def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, Block]) -> RankSlices:
+    """The byte ranges of each DTensor target's local shard (tensors without a block: whole)."""
+    slices = {}
+    for info in index.tensors:
+        block = blocks.get(info.name)
+        if block is None:
+            continue
+        offsets, sizes = block
+        if len(sizes) != len(info.shape) or any(o + n > d for o, n, d in zip(offsets, sizes, info.shape)):
+            raise ConfigError(f"tensor {info.name!r} has shape {list(info.shape)} in the checkpoint, but the "
+                              f"DTensor's local shard is sizes {list(sizes)} at {list(offsets)}")
+        slices[info.name] = block_bytes(info.shape, info.torch_dtype.itemsize, offsets, sizes)
+    return RankSlices(None, {}, slices, dict(blocks))
 
 
 def plan_slices(index: CheckpointIndex, tp: TensorParallel, model_config: Mapping) -> RankSlices:
