@@ -40,7 +40,7 @@ import fnmatch
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from distload.errors import ConfigError
 from distload.slicing import Action, Part
@@ -79,6 +79,11 @@ class ShardingSpec:
     rules: tuple[Rule, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for heads
 
+    @property
+    def needs_model_config(self) -> bool:
+        """Some rule sizes heads or fused q/k/v parts from the model's config.json."""
+        return any(r.heads in ("attention", "kv") or r.fused == "qkv" for r in self.rules)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "rules": [r.to_json() for r in self.rules]}
         dims = attention_dims(self.config)
@@ -88,7 +93,9 @@ class ShardingSpec:
                              "head_dim": dims.head_dim}
         return out
 
-    def action(self, name: str, shape: Sequence[int]) -> Action:
+    def action(self, name: str, shape: Sequence[int], packing: int = 1) -> Action:
+        """The action for tensor ``name`` of torch ``shape``. ``packing``: values per torch element
+        along the last dimension (2 for F4: rules count the header's values, torch holds pairs)."""
         for rule in self.rules:
             if fnmatch.fnmatchcase(name, rule.match):
                 if rule.split is None:
@@ -97,15 +104,17 @@ class ShardingSpec:
                     return Action(rule.split, None, rule.match)
                 if rule.pad_to is not None:
                     return Action(rule.split, None, rule.match, pad_to=rule.pad_to)
+                if packing > 1 and rule.split != len(shape) - 1:
+                    packing = 1  # only the last dimension is packed
                 try:
-                    return Action(rule.split, self._parts(rule, name, shape), rule.match)
-                except _NeedsConfig as exc:  # only an error once the tensor is split (TP > 1)
+                    return Action(rule.split, self._parts(rule, name, shape, packing), rule.match)
+                except _Deferred as exc:  # only an error once the tensor is split (TP > 1)
                     return Action(rule.split, None, rule.match, unresolved=str(exc))
         return Action(None, None, None)
 
-    def _parts(self, rule: Rule, name: str, shape: Sequence[int]) -> tuple[Part, ...] | None:
+    def _parts(self, rule: Rule, name: str, shape: Sequence[int], packing: int) -> tuple[Part, ...] | None:
         assert rule.split is not None
-        length = shape[rule.split]
+        length = shape[rule.split] * packing  # in the header's values, as the rules count
         if rule.heads in ("attention", "kv"):
             dims = self._dims(rule, name)
             heads = dims.heads if rule.heads == "attention" else dims.kv_heads
@@ -131,13 +140,22 @@ class ShardingSpec:
             parts = tuple(Part(size) for size in rule.fused)
         total = sum(p.size for p in parts)
         if total != length:
+            from_config = rule.heads in ("attention", "kv") or rule.fused == "qkv"
             what = "the fused parts " + str([p.size for p in parts]) if len(parts) > 1 else \
                 f"{parts[0].units} {parts[0].what} of {parts[0].unit} rows (from config.json)"
-            raise ConfigError(
+            # Sized from config.json, a mismatch may be a tensor the config does not describe (a
+            # vision tower's q_proj): an error only once it is split.
+            error = _Deferred if from_config else ConfigError
+            raise error(
                 f"tensor {name!r} shape {list(shape)}: {what} of rule {rule.match!r} add up to "
                 f"{total}, but dim {rule.split} is {length}; the config.json beside the weights does "
                 f"not describe this tensor, or the sharding spec does not fit the model"
             )
+        if packing > 1:
+            if any(p.size % packing or p.unit % packing and p.unit > 1 for p in parts):
+                raise ConfigError(f"tensor {name!r}: the parts {[p.size for p in parts]} of rule {rule.match!r} "
+                                  f"cut between the {packing} values packed in one element")
+            parts = tuple(Part(p.size // packing, max(1, p.unit // packing), p.replicable, p.what) for p in parts)
         return parts
 
     def _dims(self, rule: Rule, name: str) -> "AttentionDims":
@@ -163,7 +181,11 @@ class ShardingSpec:
         return dims
 
 
-class _NeedsConfig(ConfigError):
+class _Deferred(ConfigError):
+    """A problem that matters only once the tensor is split (at TP 1 every rank holds it whole)."""
+
+
+class _NeedsConfig(_Deferred):
     pass
 
 
@@ -258,6 +280,15 @@ BUILTIN_SPECS: dict[str, tuple[Rule, ...]] = {
 SPEC_ALIASES = {"llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder"}
 
 
+def spec_with_config(sharding: "str | ShardingSpec | None", read_config: Callable[[], Mapping[str, Any]]) -> ShardingSpec:
+    """The spec, sized with the model's config.json only when a rule needs heads (a checkpoint's
+    config.json is not read, and a broken one not refused, for a spec that never looks at it)."""
+    spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding)
+    if spec.config or not spec.needs_model_config:
+        return spec
+    return ShardingSpec(spec.name, spec.rules, dict(read_config()))
+
+
 def load_spec(spec: str | None, config: Mapping[str, Any] | None = None) -> ShardingSpec:
     """A built-in sharding spec by name (default ``decoder``), or a JSON spec file by path."""
     config = dict(config or {})
@@ -330,3 +361,38 @@ def _rule_from_json(item: Any, where: str) -> Rule:
             and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in fused)):
         return Rule(item["match"], split, tuple(fused))
     raise ConfigError(f"{where}: 'fused' must be a list of part sizes, a number of equal parts, or \"qkv\"")
+
+
+# Quantization tensors that belong to a weight: block scales (FP8 block-wise, MXFP4/NVFP4) have
+# one entry per block of the weight and would have to be split with it.
+_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".weight_zero_point",
+                   ".weight_global_scale", ".weight_packed_scale", ".scales", ".qzeros")
+
+
+def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
+    """Refuse a split weight whose block scale stays whole (a rank would get half a weight and all
+    its scales): the built-in specs do not split quantization scales. Per-tensor scales (one
+    value) are fine replicated."""
+    actions = {name: action for name, _, action in tensors}
+    for name, shape, action in tensors:
+        if not action.replicated or action.rule is not None:
+            continue  # a rule chose what happens to it
+        suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
+        if suffix is None or _numel(shape) <= 1:
+            continue
+        weight = name[: -len(suffix)] + ".weight"
+        split = actions.get(weight)
+        if split is not None and not split.replicated:
+            raise ConfigError(
+                f"tensor {name!r} (shape {list(shape)}) holds the quantization scales of {weight!r}, which "
+                f"the sharding spec splits along dim {split.dim}; the built-in specs do not split block "
+                f"scales, and a rank would get half a weight with all of its scales. Load this checkpoint "
+                f"without tensor parallelism, or give a rule for the scales in a sharding spec file"
+            )
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out

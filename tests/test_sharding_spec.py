@@ -301,9 +301,45 @@ def test_heads_without_config_is_a_clear_error_once_split(config):
 
 def test_qkv_config_that_does_not_fit_the_tensor():
     spec = load_spec("decoder", LLAMA_CONFIG)
-    with pytest.raises(ConfigError) as err:
-        spec.action("model.layers.0.self_attn.qkv_proj.weight", (H, H))  # should be H + 2 kv
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    action = spec.action(name, (H, H))  # should be H + 2 kv
+    # A tensor config.json does not describe (a vision tower's q_proj) loads whole at TP 1 ...
+    assert shard_shape(name, (H, H), action, 1) == (H, H)
+    with pytest.raises(ConfigError) as err:  # ... and is refused once it is split
+        shard_shape(name, (H, H), action, 2)
     assert "add up to" in str(err.value) and f"[{H}, {H}]" in str(err.value)
+
+
+def test_vision_tower_beside_a_text_config_loads_at_tp1():
+    spec = load_spec("decoder", {"text_config": {"num_attention_heads": 32, "num_key_value_heads": 8,
+                                                 "head_dim": 128, "hidden_size": 4096}})
+    vision_q = "vision_tower.encoder.layers.0.self_attn.q_proj.weight"
+    assert shard_shape(vision_q, (1024, 1024), spec.action(vision_q, (1024, 1024)), 1) == (1024, 1024)
+
+
+def test_packed_fp4_last_dim_split_counts_header_values():
+    """An NVFP4 o_proj: 32 heads of 128 header values along dim 1 = 2048 torch elements (pairs)."""
+    spec = load_spec("decoder", {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                 "hidden_size": 4096})
+    name = "model.layers.0.self_attn.o_proj.weight"
+    action = spec.action(name, (4096, 2048), packing=2)
+    assert action.part_sizes == (2048,) and action.parts[0].unit == 64
+    assert shard_shape(name, (4096, 2048), action, 4) == (4096, 512)
+    q = "model.layers.0.self_attn.q_proj.weight"  # split along dim 0: packing does not matter
+    assert shard_shape(q, (4096, 2048), spec.action(q, (4096, 2048), packing=2), 4) == (1024, 2048)
+
+
+def test_a_block_scale_beside_a_split_weight_is_refused():
+    from distload.sharding import check_scales
+
+    spec = load_spec("decoder", LLAMA_CONFIG)
+    w, s = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors = [(w, (H, INTER), spec.action(w, (H, INTER))), (s, (H // 8, INTER // 8), spec.action(s, (2, 16)))]
+    with pytest.raises(ConfigError) as err:
+        check_scales(tensors)
+    assert repr(s) in str(err.value) and repr(w) in str(err.value) and "without tensor parallelism" in str(err.value)
+    per_tensor = [(w, (H, INTER), spec.action(w, (H, INTER))), (s, (), spec.action(s, ()))]
+    check_scales(per_tensor)  # one value: fine replicated
 
 
 # -- shard_shape errors -----------------------------------------------------------------------

@@ -195,7 +195,7 @@ def test_bad_tensor_parallel_sizes(llama):
             with pytest.raises(ConfigError, match="whole number >= 1"):
                 distload.Loader(whole, group=group, tensor_parallel_size=bad)
         with pytest.raises(ConfigError, match="tensor-parallel rank 2 is not in 0..1"):
-            distload.Loader(whole, group=group, tensor_parallel_size=2, tensor_parallel_rank=2)
+            distload.Loader(whole, group=group, tensor_parallel_size=2, tensor_parallel_rank=2).plan()
 
 
 def test_tensor_parallel_size_one_is_the_vllm_tp1_layout(llama):

@@ -205,7 +205,7 @@ def test_padded_vocabulary_that_does_not_divide_is_refused():
 def test_a_config_that_does_not_describe_the_tensor_is_refused():
     spec = load_spec("decoder", config(4, 2, 16, 1000))
     k = "model.layers.0.self_attn.k_proj.weight"
-    with pytest.raises(ConfigError) as err:
-        spec.action(k, (48, 64))  # 3 heads of 16, but config.json says 2
+    with pytest.raises(ConfigError) as err:  # 3 heads of 16, but config.json says 2
+        shard_shape(k, (48, 64), spec.action(k, (48, 64)), 2)
     msg = str(err.value)
     assert repr(k) in msg and "2 KV heads of 16 rows" in msg and "48" in msg

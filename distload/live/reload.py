@@ -34,7 +34,7 @@ import torch
 from distload.errors import DistloadError, ReloadError
 from distload.group import WorkerGroup
 from distload.live.targets import dtensor_blocks, local_tensor, model_tensors, non_persistent_buffers
-from distload.loading.index import DTYPES
+from distload.loading.index import DTYPES, PACKED
 from distload.loading.loader import Loader
 from distload.sharding import ShardingSpec
 from distload.slicing import Action, shard_shape
@@ -110,7 +110,7 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
     problems: list[str] = []
     covered: dict[int, int] = {}  # id(target tensor) -> elements written
     for name, dtype, shape in sources:
-        action = sharding.action(name, shape) if sharding is not None else None
+        action = sharding.action(name, shape, PACKED.get(dtype, 1)) if sharding is not None else None
         try:
             if action is not None:
                 shape = shard_shape(name, shape, action, tp_size)

@@ -41,6 +41,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     layout = detect_layout(source, config.pattern)
     src = layout.source
     tp = tensor_parallel
+    if tp is not None:
+        tp.check()
     if tp is not None and layout.sharded and tp.sharding is not None:
         raise ConfigError(
             f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
@@ -65,7 +67,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     if not choice.sharded:
         plan = _whole_plan(source, choice, layout)
         if tp is not None:
-            plan = replace(plan, tensor_parallel=tp, slices=plan_slices(plan.index, tp, model_config(src)))
+            plan = replace(plan, tensor_parallel=tp, slices=plan_slices(plan.index, tp, lambda: model_config(src)))
         elif blocks:
             plan = replace(plan, slices=plan_blocks(plan.index, blocks))
     elif src.is_file:

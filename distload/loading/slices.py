@@ -11,14 +11,14 @@ slices only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 
 from distload.config import is_int
 from distload.errors import ConfigError
-from distload.loading.index import CheckpointIndex
-from distload.sharding import ShardingSpec, load_spec
+from distload.loading.index import PACKED, CheckpointIndex
+from distload.sharding import ShardingSpec, check_scales, spec_with_config
 from distload.slicing import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
 if TYPE_CHECKING:
@@ -50,9 +50,13 @@ class TensorParallel:
                     f"--tensor-parallel-size {size} does not divide the group's {group.world_size} ranks: "
                     f"a job holds whole tensor-parallel groups (N = k x T ranks, k data-parallel replicas)")
             rank = group.rank % size
-        elif not is_int(rank) or not 0 <= rank < size:
-            raise ConfigError(f"tensor-parallel rank {rank!r} is not in 0..{size - 1}")
-        return TensorParallel(int(size), int(rank), sharding)
+        # An explicit rank is checked by check(), inside the planning step: it may differ by rank,
+        # and a rank failing alone before any collective would leave the others waiting.
+        return TensorParallel(int(size), rank, sharding)
+
+    def check(self) -> None:
+        if not is_int(self.rank) or not 0 <= self.rank < self.size:
+            raise ConfigError(f"tensor-parallel rank {self.rank!r} is not in 0..{self.size - 1}")
 
     @property
     def describe(self) -> str:
@@ -101,16 +105,17 @@ def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, Block]) -> RankSlic
     return RankSlices(None, {}, slices, dict(blocks))
 
 
-def plan_slices(index: CheckpointIndex, tp: TensorParallel, model_config: Mapping) -> RankSlices:
+def plan_slices(index: CheckpointIndex, tp: TensorParallel, read_config: Callable[[], Mapping]) -> RankSlices:
     """Every split tensor's slice for this rank; raises naming the tensor when one cannot split.
 
     Every rank's split is checked (shard_shape checks them all), so all ranks fail alike.
     """
-    spec = tp.sharding if isinstance(tp.sharding, ShardingSpec) else load_spec(tp.sharding, model_config)
+    spec = spec_with_config(tp.sharding, read_config)
     actions: dict[str, Action] = {}
     slices: dict[str, SliceBytes] = {}
-    for info in index.tensors:
-        action = spec.action(info.name, info.shape)
+    every = [(info, spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))) for info in index.tensors]
+    check_scales([(info.name, info.shape, action) for info, action in every])
+    for info, action in every:
         if action.replicated:
             continue
         shard_shape(info.name, info.shape, action, tp.size)

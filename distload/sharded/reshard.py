@@ -15,7 +15,7 @@ import torch
 
 from distload.errors import CheckpointError, ConfigError
 from distload.fileio import read_exactly
-from distload.loading.index import TensorInfo, build_index
+from distload.loading.index import PACKED, TensorInfo, build_index
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, detect_layout
 from distload.loading.manifest import Manifest, ShardFile, write_manifest
 from distload.loading.sources import (check_source, is_object_store, model_config, read_header, source_string,
@@ -29,7 +29,7 @@ from distload.sharded.output import (
     split_into_parts,
 )
 from distload.sharded.writer import Entry
-from distload.sharding import ShardingSpec, load_spec
+from distload.sharding import ShardingSpec, check_scales, spec_with_config
 from distload.slicing import shard_shape, take_shard
 from distload.tensor_io import host_view
 
@@ -92,14 +92,15 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
         raise ConfigError(f"output {output} must differ from the source folder")
     files, _ = whole_checkpoint(path)
     index = build_index(read_header(p) for p in files)
-    spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding, model_config(path))
+    spec = spec_with_config(sharding, lambda: model_config(path))
 
     actions = {}
     entries: list[Entry] = []
     for info in index.tensors:
-        action = spec.action(info.name, info.shape)
+        action = spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))
         actions[info.name] = action
         entries.append(Entry(info.name, info.dtype, shard_shape(info.name, info.shape, action, world_size)))
+    check_scales([(info.name, info.shape, actions[info.name]) for info in index.tensors])
     parts = split_into_parts(entries, max_file_size)  # identical shapes, so identical parts per rank
 
     prepare_output(output, pattern)
