@@ -3,8 +3,10 @@ at all (a temporary name in the same folder, then a rename)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import shutil
 import tempfile
 from typing import Any
@@ -25,10 +27,15 @@ def temporary_name(path: str) -> str:
 def open_for_reading(path: str) -> int:
     """A read-only descriptor of a checkpoint file the load already planned to read."""
     try:
-        return os.open(path, os.O_RDONLY)
+        # O_NONBLOCK: a FIFO put in the file's place since planning must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot open it to read its tensors ({exc.strerror}): was it "
                               f"moved or deleted after the load was planned?") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: is no longer a regular file (it was replaced after the load was planned)")
+    return fd
 
 
 def read_exactly(fd: int, view: memoryview, offset: int, path: str, name: str) -> None:
@@ -52,6 +59,22 @@ def _umask() -> int:
     return mask
 
 
+def write_failed(path: str, exc: OSError, still_to_write: int | None = None) -> CheckpointError:
+    """A write of an output file failed: say which file, and for a full disk how much is needed
+    and how much is free, so the user can act (the save's marker keeps the folder refused)."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+        except OSError:
+            free = None
+        needed = f"{still_to_write} more bytes to write" if still_to_write is not None else "more space needed"
+        free_text = f"{free} bytes free there" if free is not None else "free space unknown"
+        what = "no space left on the device" if exc.errno == errno.ENOSPC else "the disk quota is exceeded"
+        return CheckpointError(f"{path}: {what} ({needed}, {free_text}); free space or write to another "
+                               f"folder, then run the save again (the unfinished folder is refused until then)")
+    return CheckpointError(f"{path}: writing it failed: {exc.strerror or exc}")
+
+
 def write_json_atomic(path: str, value: Any, indent: int = 1) -> None:
     """Write JSON under a temporary name, fsync, then rename: a reader never sees half a file.
 
@@ -70,9 +93,11 @@ def write_json_atomic(path: str, value: Any, indent: int = 1) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise write_failed(path, exc) from None
         raise
 
 
@@ -82,7 +107,9 @@ def copy_file_atomic(source: str, path: str) -> None:
     try:
         shutil.copyfile(source, tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise write_failed(path, exc, os.path.getsize(source)) from None
         raise

@@ -307,8 +307,11 @@ from safetensors.torch import load_file
 import distload
 
 folder, out, shape = sys.argv[1], sys.argv[2], tuple(int(x) for x in sys.argv[3].split("x"))
+# As a training job does: its own process group and mesh; distload's group wraps the default
+# group and leaves it alone on close; the job tears it down last, after its DTensors.
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", shape)
 with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
-    mesh = init_device_mesh("cpu", shape)
     full = {}
     for name in sorted(n for n in __import__("os").listdir(folder) if n.endswith(".safetensors")):
         full.update(load_file(f"{folder}/{name}"))
@@ -340,6 +343,9 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
                               "requested": report.requested_bytes})
     if group.rank == 0:
         json.dump(results, open(out, "w"))
+del model, state, mesh
+dist.barrier()
+dist.destroy_process_group()
 """
 
 

@@ -71,7 +71,13 @@ def check_dtype(code: object, where: str) -> str:
 
 
 # A header larger than this is not a header: the first 8 bytes of some other file.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# safetensors' own limits (its MAX_HEADER_SIZE; every size and offset a u64): one rule for every
+# format, dummy and inspect included.
+MAX_HEADER_BYTES = 100_000_000
+MAX_U64 = 2**64 - 1
+MAX_TORCH_DIM = 2**63 - 1  # torch sizes are signed 64-bit
+MAX_INT_DIGITS = 20  # the digits of 2**64 - 1: a longer integer cannot be a size or an offset
+MAX_NESTING = 3  # {tensor: {"shape": [...]}}: anything deeper is not a safetensors header
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,9 @@ class FileInfo:
     size: int
     tensors: tuple[TensorInfo, ...]
     metadata: dict[str, str] | None
+    # A local file's (device, inode, size, mtime in ns) when its header was read: a file changed
+    # or replaced before its read ended is an error, never a mix of two versions.
+    stamp: tuple[int, int, int, int] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -134,10 +143,16 @@ def parse_header(path: str, head: bytes, file_size: int) -> FileInfo:
     raw = head[8 : 8 + header_len]
     if len(raw) < header_len:
         raise CheckpointError(f"{path}: truncated header: could read {len(raw)} of {header_len} bytes")
+    text = _decode(path, raw)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: corrupt header: not valid UTF-8 JSON ({exc})") from None
+        header = json.loads(text, parse_int=_parse_int, parse_constant=_no_constant)
+    except _BadValue as exc:
+        raise CheckpointError(f"{path}: corrupt header: {exc}") from None
+    except RecursionError:  # nested far deeper than a header's 3 levels
+        raise CheckpointError(f"{path}: corrupt header: nested deeper than a safetensors header "
+                              f"({MAX_NESTING} levels)") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: corrupt header: not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}")
     data_start = 8 + header_len
@@ -145,12 +160,41 @@ def parse_header(path: str, head: bytes, file_size: int) -> FileInfo:
     metadata = header.pop("__metadata__", None)
     if metadata is not None and not isinstance(metadata, dict):
         raise CheckpointError(f"{path}: corrupt header: __metadata__ must be an object")
+    bad = [k for k, v in (metadata or {}).items() if not isinstance(v, str)]
+    if bad:  # safetensors: a map of strings to strings
+        raise CheckpointError(f"{path}: corrupt header: __metadata__ value {bad[0]!r} is a "
+                              f"{type(metadata[bad[0]]).__name__}, not a string (safetensors allows strings only)")
     tensors = []
     for name, entry in header.items():
         tensors.append(_parse_entry(path, name, entry, data_start, data_len))
     tensors.sort(key=lambda t: (t.begin, t.end))
     _check_coverage(path, tensors, data_start, data_len)
     return FileInfo(path=path, size=file_size, tensors=tuple(tensors), metadata=metadata)
+
+
+class _BadValue(ValueError):
+    pass
+
+
+def _decode(path: str, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path}: corrupt header: not valid UTF-8 ({exc})") from None
+
+
+def _parse_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise _BadValue(f"an integer of {len(digits)} digits cannot be a size or an offset")
+    return int(digits)
+
+
+def _no_constant(name: str) -> None:
+    raise _BadValue(f"{name} is not a value a safetensors header holds")
+
+
+def _is_u64(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_U64
 
 
 def _check_coverage(path: str, tensors: list[TensorInfo], data_start: int, data_len: int) -> None:
@@ -181,14 +225,22 @@ def _parse_entry(path: str, name: str, entry: object, data_start: int, data_len:
     shape = entry.get("shape")
     offsets = entry.get("data_offsets")
     dtype = check_dtype(dtype, where)
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: corrupt shape {shape!r}")
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise CheckpointError(f"{where}: corrupt shape {shape!r} (a list of whole numbers >= 0)")
+    if any(d > MAX_TORCH_DIM for d in shape):
+        raise CheckpointError(f"{where}: shape {shape} has a dimension over 2**63 - 1, which no 64-bit "
+                              f"torch size holds")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * 8 > MAX_U64:  # the widest dtype's bytes must fit 64 bits, as safetensors checks
+        raise CheckpointError(f"{where}: shape {shape} holds more elements than a file can (64-bit sizes)")
     pack = PACKED.get(dtype, 1)
     if pack > 1 and (not shape or shape[-1] % pack):
         raise CheckpointError(f"{where}: a {dtype} tensor packs {pack} values a byte, so its last "
                               f"dimension must be a multiple of {pack}; the header says {shape}")
     if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(isinstance(o, int) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+            or not all(_is_u64(o) for o in offsets) or offsets[0] > offsets[1]):
         raise CheckpointError(f"{where}: corrupt data_offsets {offsets!r}")
     begin, end = offsets
     expected = nbytes_of(dtype, torch_shape(dtype, tuple(shape)))

@@ -36,7 +36,7 @@ from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
 from distload.loading.planner import plan_rank
 from distload.loading.slices import Block, TensorParallel
-from distload.loading.sources import source_string
+from distload.loading.sources import check_unchanged, source_string
 from distload.loading.report import (
     LoadReport,
     Progress,
@@ -178,6 +178,7 @@ class Loader:
                 delivery.accept(name, tensor)
                 yield name, tensor
             yield from delivery.finish()
+            check_unchanged(plan.index.files)  # after the last byte: a file changed meanwhile fails here
             if group.device.type == "cuda":
                 torch.cuda.synchronize(group.device)
         except GeneratorExit:

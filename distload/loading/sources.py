@@ -12,14 +12,16 @@ below it (recursively, once) for the shard patterns that ask. A URI whose last s
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import glob
 import hashlib
 import json
 import os
+import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Union
+from typing import Iterable, Iterator, Union
 
 from distload.loading.index import MAX_HEADER_BYTES, CheckpointIndex, FileInfo, parse_header
 from distload.errors import CheckpointError, ConfigError
@@ -61,6 +63,8 @@ def check_source(source: "str | os.PathLike[str]") -> str:
         raise ConfigError(f"{source}: unknown URI scheme; use a local path, s3://, gs:// or az://")
     path = os.path.expanduser(source)
     if not os.path.exists(path):
+        if os.path.islink(path):
+            raise CheckpointError(f"{source}: a dangling symbolic link (to {os.readlink(path)}, which does not exist)")
         raise CheckpointError(f"{source}: no such file or directory")
     return path.rstrip("/") or "/"
 
@@ -90,11 +94,31 @@ def describe_names(names: list[str], limit: int = 12) -> str:
     return f"it holds: {shown}{more}"
 
 
+def check_regular_file(path: str) -> None:
+    """Refuse what is not a regular file before opening it: opening a FIFO blocks until a writer
+    comes (no timeout covers it), a device or a directory is never a checkpoint file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        what = "a dangling symbolic link" if os.path.islink(path) else "no such file"
+        raise CheckpointError(f"{path}: {what}") from None
+    except PermissionError:
+        raise CheckpointError(f"{path}: permission denied") from None
+    if stat.S_ISDIR(mode):
+        raise CheckpointError(f"{path}: is a directory, expected a .safetensors file")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise CheckpointError(f"{path}: is {kind}, not a regular file; distload reads checkpoint files "
+                              f"from regular files only (copy it to a file first)")
+
+
 def read_local_header(path: str) -> FileInfo:
     """Read and parse the header of a local safetensors file."""
+    check_regular_file(path)
     try:
         with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+            st = os.fstat(f.fileno())
+            size = st.st_size
             head = f.read(8)
             if len(head) == 8:
                 (header_len,) = struct.unpack("<Q", head)
@@ -106,7 +130,27 @@ def read_local_header(path: str) -> FileInfo:
         raise CheckpointError(f"{path}: is a directory, expected a .safetensors file") from None
     except PermissionError:
         raise CheckpointError(f"{path}: permission denied") from None
-    return parse_header(path, head, size)
+    return dataclasses.replace(parse_header(path, head, size), stamp=file_stamp(st))
+
+
+def file_stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_unchanged(files: "Iterable[FileInfo]") -> None:
+    """Raise if a local file was replaced, resized or rewritten since its header was read."""
+    for info in files:
+        if info.stamp is None:
+            continue
+        try:
+            now = file_stamp(os.stat(info.path))
+        except OSError:
+            raise CheckpointError(f"{info.path}: it disappeared while it was being loaded; load again") from None
+        if now != info.stamp:
+            what = ("replaced by another file" if now[:2] != info.stamp[:2] else
+                    f"resized from {info.stamp[2]} to {now[2]} bytes" if now[2] != info.stamp[2] else "rewritten")
+            raise CheckpointError(f"{info.path}: it was {what} while it was being loaded, so the tensors read "
+                                  f"from it may mix two versions; load again once it is no longer written")
 
 
 FINGERPRINT_SAMPLE_BYTES = 64 * 1024

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hashlib
 
+from distload.errors import CheckpointError
 from distload.loading.manifest import MANIFEST_NAME, Manifest, read_manifest
 from distload.loading.sources import Source, open_source
 
 
 def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:
-    """Check every file of the manifest (exists, size, SHA-256); return the problems found.
+    """Check every file of the manifest (exists, size, a header that loads and names the manifest's
+    tensors, SHA-256); return the problems found.
 
     Works on a local folder and on an object-store prefix (objects are hashed from ranged reads).
     """
@@ -26,6 +28,19 @@ def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:
         size = src.file_size(entry.name)
         if size != entry.size:
             problems.append(f"{entry.name} (rank {entry.rank}): {size} bytes, the manifest says {entry.size}")
+            continue
+        # OK must mean loadable: the header by the loader's own rules (every value, tensors back to
+        # back, covering the data), and the tensors the manifest lists for the file.
+        try:
+            info = src.read_headers([src.path(entry.name)])[0]
+        except CheckpointError as exc:
+            problems.append(f"{entry.name} (rank {entry.rank}): its header does not load: {exc}")
+            continue
+        names = sorted(t.name for t in info.tensors)
+        if entry.tensors and names != sorted(entry.tensors):
+            extra, lacking = sorted(set(names) - set(entry.tensors)), sorted(set(entry.tensors) - set(names))
+            problems.append(f"{entry.name} (rank {entry.rank}): its header names other tensors than the manifest "
+                            f"(not in the manifest: {extra[:5]}; missing from the file: {lacking[:5]})")
             continue
         hasher = hashlib.sha256()
         for chunk in src.iter_chunks(entry.name):

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 import torch
 
 from distload.errors import CheckpointError
-from distload.fileio import temporary_name
+from distload.fileio import temporary_name, write_failed
 from distload.loading.index import DTYPES, header_shape, nbytes_of
 from distload.tensor_io import tensor_bytes
 
@@ -55,12 +55,19 @@ class SafetensorsWriter:
         raw += b" " * (-(8 + len(raw)) % 8)
         self._hash = hashlib.sha256()
         self._size = 0
+        self._total = 8 + len(raw) + offset  # the file's size once written
         self._tmp = temporary_name(path)
-        self._file = open(self._tmp, "wb")
+        try:
+            self._file = open(self._tmp, "wb")
+        except OSError as exc:
+            raise write_failed(self.path, exc, self._total) from None
         self._write(len(raw).to_bytes(8, "little") + raw)
 
     def _write(self, data) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as exc:
+            raise write_failed(self.path, exc, self._total - self._size) from None
         self._hash.update(data)
         self._size += len(data)
 
@@ -86,10 +93,13 @@ class SafetensorsWriter:
         if not self.done:
             missing = [e.name for e in self._entries[self._next:]]
             raise CheckpointError(f"{self.path}: closed before tensors {missing[:5]} were written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self._tmp, self.path)
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())  # a full disk may only show here, on a filesystem that defers
+            self._file.close()
+            os.replace(self._tmp, self.path)
+        except OSError as exc:
+            raise write_failed(self.path, exc) from None
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:

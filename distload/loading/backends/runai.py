@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 
 from distload.config import check_positive_int, is_int
-from distload.errors import BackendUnavailableError, CheckpointError, ConfigError, DistloadError, ObjectStoreError
+from distload.errors import (BackendUnavailableError, CheckpointError, ConfigError, DistloadError, GroupError,
+                             ObjectStoreError)
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.sources import is_object_store
 from distload.runtime import RUNTIME
@@ -170,9 +171,8 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
     with RUNTIME.environment(env), streamer_cls() as streamer:
         try:
             streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
-        except ValueError as exc:
-            # Run:ai reports every I/O fault as b'File access error'; find the real cause.
-            raise _read_failure(paths, store, exc) from exc
+        except (ValueError, RuntimeError) as exc:
+            raise _wrapped(exc, paths, store, request, distributed) from exc
         if store is not None and RUNTIME.runai_store_scheme is None:
             RUNTIME.runai_store_scheme = store.scheme
         took_distributed = bool(getattr(streamer.file_streamer, "is_distributed", False))
@@ -185,7 +185,24 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
             )
         try:
             yield from streamer.get_tensors()
-        except ValueError as exc:
-            if "access error" not in str(exc):
-                raise
-            raise _read_failure(paths, store, exc) from exc
+        except (ValueError, RuntimeError) as exc:
+            raise _wrapped(exc, paths, store, request, distributed) from exc
+
+
+def _wrapped(exc: BaseException, paths: list[str], store, request: ReadRequest, distributed: bool) -> DistloadError:
+    """Every Run:ai failure as a DistloadError naming the files (and, in a distributed read, that a
+    peer stopped): never a raw libstreamer or gloo traceback."""
+    text = str(exc)
+    if "access error" in text:
+        # Run:ai reports every I/O fault as b'File access error'; find the real cause.
+        return _read_failure(paths, store, exc)
+    if distributed and isinstance(exc, RuntimeError):
+        # Run:ai's distributed mode exchanges chunks over the group: a peer that died or stalled
+        # shows here as gloo's "Connection closed by peer" or a timeout.
+        return GroupError(f"rank {request.group.rank}: Run:ai's distributed read of {', '.join(paths)} lost a "
+                          f"peer ({text.splitlines()[0] if text else type(exc).__name__}); another rank stopped "
+                          f"or stalled during the read, and every rank stops")
+    if "End of file" in text:
+        return CheckpointError(f"Run:ai could not read {', '.join(paths)}: a file ended before its header "
+                               f"says (truncated while loading?): {text}")
+    return CheckpointError(f"Run:ai could not read {', '.join(paths)}: {text}")

@@ -1,0 +1,115 @@
+"""Faults injected with real processes (issue 13): a disk that fills during save-sharded.
+
+The output folder is a 1 MiB tmpfs mounted inside a private user and mount namespace
+(``unshare -rm``, no root needed, the machine's mounts untouched).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import distload
+from distload.errors import CheckpointError
+
+from conftest import in_ci
+
+
+def unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def test_disk_full_during_save_sharded_names_the_file_and_leaves_the_folder_refused(tmp_path):
+    if not unshare_works():
+        if in_ci():
+            pytest.fail("unshare -rm (util-linux, user namespaces) is needed under CI")
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    whole = str(tmp_path / "whole")
+    os.makedirs(whole)
+    g = torch.Generator().manual_seed(0)
+    save_file({f"layers.{i}.weight": torch.randn(256, 1024, generator=g) for i in range(4)},  # 4 MiB
+              os.path.join(whole, "model.safetensors"))
+    mount = str(tmp_path / "small")
+    os.makedirs(mount)
+    out = os.path.join(mount, "tp1")
+    script = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(mount)} && "
+              f"{shlex.quote(sys.executable)} -m distload save-sharded {shlex.quote(whole)} {shlex.quote(out)} "
+              f"--tensor-parallel-size 1 --sharding replicate; echo exit=$?; ls -a {shlex.quote(out)}")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    text = result.stdout + result.stderr
+    assert "exit=1" in text, text[-3000:]
+    assert "Traceback" not in text and "Errno 28" not in text, text[-3000:]
+    assert "no space left on the device" in text and "bytes free there" in text, text[-3000:]
+    assert f"{out}/model-rank-0-part-" in text  # the file it could not write
+    assert "distload.saving" in text  # the marker stays: every later command refuses the folder
+
+
+def test_a_refused_unfinished_save_after_a_failed_write(tmp_path):
+    """What the marker means for a later load (the same folder state, made without a full disk)."""
+    from distload.sharded.output import SAVING_MARKER
+
+    folder = tmp_path / "unfinished"
+    folder.mkdir()
+    (folder / SAVING_MARKER).write_text("")
+    save_file({"a": torch.ones(2)}, str(folder / "model-rank-0-part-0.safetensors"))
+    with pytest.raises(CheckpointError, match="incomplete"):
+        distload.load(str(folder), "sharded_state")
+
+
+@pytest.mark.parametrize("fmt", ["auto", "safetensors", "runai_streamer"])
+@pytest.mark.parametrize("change", ["rewritten", "replaced", "resized"])
+def test_a_file_changed_between_planning_and_the_end_of_its_read_fails(tmp_path, fmt, change):
+    """Issue 13, item 7: never a silent mix of two versions of a file."""
+    from distload.group import WorkerGroup
+
+    folder = str(tmp_path / "ck")
+    os.makedirs(folder)
+    path = os.path.join(folder, "model.safetensors")
+    save_file({"a": torch.ones(64, 64), "b": torch.zeros(64)}, path)
+    with WorkerGroup(device="cpu") as group:
+        loader = distload.Loader(folder, fmt, group=group)
+        plan = loader.plan()
+        if change == "rewritten":  # same size and name, new bytes (an in-place overwrite)
+            save_file({"a": torch.full((64, 64), 2.0), "b": torch.zeros(64)}, path + ".new")
+            with open(path + ".new", "rb") as src, open(path, "r+b") as dst:
+                dst.write(src.read())
+            os.utime(path, ns=(plan.index.files[0].stamp[3] + 10**9,) * 2)  # coarse clocks: a later mtime
+            os.unlink(path + ".new")
+        elif change == "replaced":  # renamed over, as a download tool does
+            save_file({"a": torch.full((64, 64), 3.0), "b": torch.zeros(64)}, path + ".new")
+            os.replace(path + ".new", path)
+        else:
+            with open(path, "ab") as f:
+                f.write(b"\0" * 8)
+        with pytest.raises(CheckpointError) as err:
+            dict(loader.stream(plan))
+    assert path in str(err.value), str(err.value)
+    if change != "resized":  # a resize the readers may notice themselves, naming the file
+        assert f"was {change}" in str(err.value) and "load again" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("fmt", ["runai_streamer", "auto", "safetensors"])
+def test_a_file_truncated_after_planning_is_an_error_naming_it(tmp_path, fmt):
+    """Issue 13, item 4: Run:ai's 'End of file reached' (and every reader's) as a DistloadError."""
+    from distload.group import WorkerGroup
+
+    folder = str(tmp_path / "ck")
+    os.makedirs(folder)
+    path = os.path.join(folder, "model.safetensors")
+    save_file({"a": torch.ones(256, 256), "b": torch.zeros(256, 256)}, path)
+    with WorkerGroup(device="cpu") as group:
+        loader = distload.Loader(folder, fmt, group=group)
+        plan = loader.plan()
+        os.truncate(path, os.path.getsize(path) - 100_000)
+        with pytest.raises(distload.DistloadError) as err:
+            dict(loader.stream(plan))
+    assert path in str(err.value), str(err.value)
