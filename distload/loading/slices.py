@@ -58,10 +58,6 @@ class TensorParallel:
         if not is_int(self.rank) or not 0 <= self.rank < self.size:
             raise ConfigError(f"tensor-parallel rank {self.rank!r} is not in 0..{self.size - 1}")
 
-    @property
-    def describe(self) -> str:
-        return f"TP rank {self.rank} of {self.size}"
-
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a DTensor's local shard
 
