@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -378,7 +379,7 @@ def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
         if not action.replicated or action.rule is not None:
             continue  # a rule chose what happens to it
         suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
-        if suffix is None or _numel(shape) <= 1:
+        if suffix is None or math.prod(shape) <= 1:
             continue
         weight = name[: -len(suffix)] + ".weight"
         split = actions.get(weight)
@@ -389,10 +390,3 @@ def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
                 f"scales, and a rank would get half a weight with all of its scales. Load this checkpoint "
                 f"without tensor parallelism, or give a rule for the scales in a sharding spec file"
             )
-
-
-def _numel(shape: Sequence[int]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out

@@ -230,10 +230,7 @@ def _parse_entry(path: str, name: str, entry: object, data_start: int, data_len:
     if any(d > MAX_TORCH_DIM for d in shape):
         raise CheckpointError(f"{where}: shape {shape} has a dimension over 2**63 - 1, which no 64-bit "
                               f"torch size holds")
-    numel = 1
-    for d in shape:
-        numel *= d
-    if numel * 8 > MAX_U64:  # the widest dtype's bytes must fit 64 bits, as safetensors checks
+    if math.prod(shape) * 8 > MAX_U64:  # the widest dtype's bytes must fit 64 bits, as safetensors checks
         raise CheckpointError(f"{where}: shape {shape} holds more elements than a file can (64-bit sizes)")
     pack = PACKED.get(dtype, 1)
     if pack > 1 and (not shape or shape[-1] % pack):
