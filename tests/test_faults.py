@@ -113,3 +113,98 @@ def test_a_file_truncated_after_planning_is_an_error_naming_it(tmp_path, fmt):
         with pytest.raises(distload.DistloadError) as err:
             dict(loader.stream(plan))
     assert path in str(err.value), str(err.value)
+
+
+_TRUNCATE_DURING_READ = r"""
+import os, sys
+import distload
+from distload.group import WorkerGroup
+folder, fmt, path = sys.argv[1:4]
+with WorkerGroup(device="cpu") as group:
+    loader = distload.Loader(folder, fmt, group=group)
+    plan = loader.plan()
+    try:
+        for i, (name, tensor) in enumerate(loader.stream(plan)):
+            if i == 0:  # safetensors has mapped the file: cut it under the map
+                os.truncate(path, os.path.getsize(path) // 3)
+    except distload.DistloadError as exc:
+        print("ERROR:", exc)
+        sys.exit(3)
+print("NO ERROR")
+"""
+
+
+@pytest.mark.parametrize("fmt,name", [("safetensors", "model.safetensors"),
+                                      ("sharded_state", "model-rank-0-part-0.safetensors")])
+def test_a_file_truncated_under_safetensors_map_is_an_error_not_sigbus(tmp_path, fmt, name):
+    """Issue 13, item 5: touching a map beyond its file's end is SIGBUS; the copy out of the map
+    must end in an error naming the file and tensor instead."""
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    path = str(folder / name)
+    g = torch.Generator().manual_seed(0)
+    save_file({f"t{i}": torch.randn(512, 1024, generator=g) for i in range(6)}, path)  # 12 MiB
+    script = tmp_path / "truncate.py"
+    script.write_text(_TRUNCATE_DURING_READ)
+    result = subprocess.run([sys.executable, str(script), str(folder), fmt, path],
+                            capture_output=True, text=True, timeout=120)
+    text = result.stdout + result.stderr
+    assert result.returncode == 3, f"exit {result.returncode} (-7 is SIGBUS): {text[-3000:]}"
+    assert path in text and "truncated or replaced during the load" in text, text[-3000:]
+    assert "tensor 't" in text and "Traceback" not in text, text[-3000:]
+
+
+def test_safetensors_reads_by_pread_where_process_vm_readv_is_refused(tmp_path, monkeypatch):
+    """The fallback where a seccomp filter refuses process_vm_readv: the same bytes, the path
+    named in the report, and a truncated file still an error."""
+    from distload.loading import mapped
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(mapped, "safe_copy_available", lambda: False)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    path = str(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    save_file({"a": torch.randn(300, 70, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
+               "empty": torch.zeros(0, 4)}, path)
+    from distload.group import WorkerGroup
+
+    with WorkerGroup(device="cpu") as group:
+        result = distload.Loader(str(folder), "safetensors", group=group).load()
+    tensors = result.state
+    expected = load_file(path)
+    assert set(tensors) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(tensors[key].view(torch.uint8), value.view(torch.uint8)), key
+    assert result.rank_report.path == "safetensors-pread"
+
+
+def test_copy_from_map_is_bit_exact_and_short_copies_are_counted(tmp_path):
+    import mmap
+
+    from distload.loading import mapped
+
+    if not mapped.safe_copy_available():
+        if in_ci():
+            pytest.fail("process_vm_readv is refused on this CI machine")
+        pytest.skip("process_vm_readv is refused here")
+    path = tmp_path / "bytes"
+    data = os.urandom(3 * mapped.CHUNK_BYTES + 12345)
+    path.write_bytes(data)
+    with open(path, "rb") as f:
+        region = mmap.mmap(f.fileno(), len(data), prot=mmap.PROT_READ)
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns that the map is read-only
+            src = torch.frombuffer(region, dtype=torch.uint8)
+        dst = torch.empty(len(data), dtype=torch.uint8)
+        mapped.copy_from_map(dst, src)
+        assert bytes(dst.numpy()) == data
+        os.truncate(path, mapped.CHUNK_BYTES + 4096)
+        with pytest.raises(mapped.ShortCopy) as short:
+            mapped.copy_from_map(dst, src)
+        assert short.value.copied == mapped.CHUNK_BYTES + 4096 and short.value.wanted == len(data)
+        del src
+    finally:
+        region.close()

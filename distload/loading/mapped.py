@@ -1,0 +1,134 @@
+"""Copies out of a file's memory map that end in an error, never in SIGBUS.
+
+safetensors' reader hands out views of its memory map of the file. Touching a page of a map
+whose file was truncated under it raises SIGBUS, which kills the process: no message, and the
+other ranks learn nothing but a lost peer. So the copy out of the map is not a memcpy: it is
+``process_vm_readv(2)`` on this very process, where the kernel resolves the map's pages itself and
+stops at the first page beyond the file's end with a short count (or EFAULT) instead of a
+signal. A short copy becomes a CheckpointError naming the file and the tensor.
+
+Cost, measured on this project's 2-core VM (1 GiB from the page cache into new memory): one
+thread 1.8 GiB/s, chunks on two threads 3.0-3.3 GiB/s, against 3.9 for torch's copy out of the
+map and 3.3 for ``pread`` on two threads. Where a seccomp filter refuses the call (EPERM,
+ENOSYS), the bytes come from ``pread`` at the tensor's offset instead, just as safe; the
+caller reports which of the two ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+# A tensor of more than MIN_SPLIT_BYTES is copied in one piece per thread, each at most
+# CHUNK_BYTES (the copy releases the GIL).
+MIN_SPLIT_BYTES = 2 << 20
+CHUNK_BYTES = 16 << 20
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+class ShortCopy(Exception):
+    """The map ended before the bytes did (the file is shorter than when it was mapped)."""
+
+    def __init__(self, copied: int, wanted: int):
+        super().__init__(f"{copied} of {wanted} bytes")
+        self.copied = copied
+        self.wanted = wanted
+
+
+@functools.lru_cache(maxsize=1)
+def _process_vm_readv():
+    """libc's process_vm_readv, or None where this kernel or its seccomp filter refuses it."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    except (OSError, AttributeError):  # not Linux, or a libc without it
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
+                         ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    function.restype = ctypes.c_ssize_t
+    probe_src = ctypes.create_string_buffer(b"distload", 8)
+    probe_dst = ctypes.create_string_buffer(8)
+    got = function(os.getpid(), _IoVec(ctypes.addressof(probe_dst), 8), 1,
+                   _IoVec(ctypes.addressof(probe_src), 8), 1, 0)
+    if got != 8 or probe_dst.raw != b"distload":
+        return None
+    return function
+
+
+def safe_copy_available() -> bool:
+    return _process_vm_readv() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="distload-mapcopy")
+
+
+def _copy_range(function, pid: int, dst: int, src: int, nbytes: int) -> int:
+    """Copy up to ``nbytes``; return how many were copied before the map ended."""
+    done = 0
+    while done < nbytes:
+        got = function(pid, _IoVec(dst + done, nbytes - done), 1, _IoVec(src + done, nbytes - done), 1, 0)
+        if got < 0:
+            code = ctypes.get_errno()
+            if code == errno.EINTR:
+                continue
+            if code == errno.EFAULT:  # the first page is already beyond the file's end
+                return done
+            raise OSError(code, os.strerror(code))
+        if got == 0:
+            return done
+        done += got
+    return done
+
+
+def copy_from_map(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a contiguous host view ``src`` of a file map, raising ShortCopy
+    where the map's file ended before the tensor did. ``dst`` is contiguous, on the host, with
+    ``src``'s size in bytes."""
+    function = _process_vm_readv()
+    if function is None:
+        raise RuntimeError("process_vm_readv is not available here: check safe_copy_available() first")
+    nbytes = src.numel() * src.element_size()
+    if dst.numel() * dst.element_size() != nbytes or not (dst.is_contiguous() and src.is_contiguous()):
+        raise ValueError("copy_from_map needs two contiguous tensors of the same size in bytes")
+    if nbytes == 0:
+        return
+    pid = os.getpid()
+    dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
+    if nbytes <= MIN_SPLIT_BYTES or COPY_THREADS == 1:
+        chunk = nbytes
+    else:
+        chunk = min(CHUNK_BYTES, -(-nbytes // COPY_THREADS))
+    starts = range(0, nbytes, chunk)
+
+    def copy(start: int) -> int:
+        return _copy_range(function, pid, dst_ptr + start, src_ptr + start, min(chunk, nbytes - start))
+
+    copied = [copy(starts[0])] if len(starts) == 1 else list(_pool().map(copy, starts))
+    for start, got in zip(starts, copied):
+        if got < min(chunk, nbytes - start):
+            raise ShortCopy(start + got, nbytes)
+
+
+def pread_into(dst: torch.Tensor, fd: int, offset: int) -> None:
+    """Read ``dst``'s size in bytes from the open file ``fd`` at ``offset`` (the fallback to
+    copy_from_map), raising ShortCopy where the file ends first."""
+    nbytes = dst.numel() * dst.element_size()
+    if nbytes == 0:
+        return
+    view = memoryview(dst.view(torch.uint8).reshape(-1).numpy())
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise ShortCopy(done, nbytes)
+        done += got
