@@ -184,6 +184,46 @@ class ByteCountingProxy:
         self._sock.close()
 
 
+class StallingProxy(ByteCountingProxy):
+    """A ByteCountingProxy that, once ``stall()`` is called, stops passing the server's bytes on
+    (connections stay open): a server that hangs in the middle of a load; or, after ``kill()``,
+    drops every connection it moves bytes on and refuses new ones: a server that dies."""
+
+    def __init__(self, upstream_port: int):
+        self._stalled = threading.Event()
+        super().__init__(upstream_port)
+
+    def stall(self) -> None:
+        self._stalled.set()
+
+    def kill(self) -> None:
+        self.close()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, served: bool) -> None:
+        if not served:
+            return super()._pump(src, dst, served)
+        try:
+            while True:
+                data = src.recv(64 << 10)
+                if not data:
+                    break
+                while self._stalled.is_set() and not self._closed:
+                    time.sleep(0.1)  # hold the bytes: the client sees a silent server
+                if self._closed:
+                    break
+                dst.sendall(data)
+                with self._lock:
+                    self.served += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (dst, src):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
 class Forbidding403Server:
     """Answers every HTTP request 403 with a GCS-style JSON error: access denied, server side."""
 

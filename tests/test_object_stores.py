@@ -42,6 +42,7 @@ from object_store_servers import (
     AZURITE_KEY,
     CANARY_SECRET,
     ByteCountingProxy,
+    StallingProxy,
     closed_port,
     in_ci,
     make_test_certificates,
@@ -424,6 +425,126 @@ def test_endpoint_that_never_answers_fails_within_bound(store, ckpts, monkeypatc
     finally:
         hole.close()
     assert f"no answer from 127.0.0.1:{hole.port} within 5 s" in message
+
+
+class StalledServer:
+    """A loopback server that accepts every connection, reads what it is sent and never answers
+    (a hung or overloaded endpoint), until closed."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.server = socket.socket()
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(64)
+        self.port = self.server.getsockname()[1]
+        self.accepted = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted.append(connection)
+
+    def close(self):
+        for s in self.accepted + [self.server]:
+            s.close()
+
+
+@pytest.mark.parametrize("fmt", ["runai_streamer", "safetensors", "dummy", "auto"])
+def test_endpoint_that_accepts_and_never_answers_fails_within_seconds(store, ckpts, monkeypatch, fmt):
+    """Issue 13, item 10: a server that accepts connections and stalls ends the load in about
+    10 s (connect, then the first answer), not after the SDK's 4 x 60 s read timeouts."""
+    stalled = StalledServer()
+    try:
+        for key in LAUNCH_VARS + tuple(store.unset_keys()):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in store.env(stalled.port).items():
+            monkeypatch.setenv(key, value)
+        start = time.monotonic()
+        message = expect_store_error(ckpts.uri["whole"], fmt, cause="unreachable")
+        seconds = time.monotonic() - start
+        MEASURED[f"{store.name} stalled endpoint ({fmt}) s"] = round(seconds, 2)
+        assert stalled.accepted, "the probe never connected"
+    finally:
+        stalled.close()
+    assert f"127.0.0.1:{stalled.port} accepted the connection but sent no answer within 5 s" in message, message
+    assert seconds < 15, seconds
+
+
+def test_a_malformed_read_timeout_setting_is_named(store, store_env, ckpts, monkeypatch):
+    monkeypatch.setenv("DISTLOAD_STORE_READ_TIMEOUT", "soon")
+    with pytest.raises(distload.ConfigError, match="DISTLOAD_STORE_READ_TIMEOUT='soon'"):
+        load_report(ckpts.uri["whole"], "safetensors")
+
+
+_STALL_DURING_READ = r"""
+import sys, time
+import distload
+fmt, uri = sys.argv[1:3]
+with distload.WorkerGroup(device="cpu") as group:
+    loader = distload.Loader(uri, fmt, group=group)
+    plan = loader.plan()
+    print("PLANNED", flush=True)
+    sys.stdin.readline()
+    start = time.monotonic()
+    try:
+        dict(loader.stream(plan))
+        print("NO ERROR")
+    except distload.DistloadError as exc:
+        print(f"ERROR after {time.monotonic() - start:.1f} s: {type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+def _fault_mid_load(server, uri: str, fmt: str, fault: str, tmp_path) -> tuple[float, str]:
+    """Plan a load of ``uri`` through a proxy, make the server stall or die, then read: the
+    seconds the read took to fail and the error line (stderr must stay empty)."""
+    proxy = StallingProxy(server.port)
+    script = tmp_path / "fault.py"
+    script.write_text(_STALL_DURING_READ)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in server.unset_keys()}
+    env.update(server.env(proxy.port))
+    env["DISTLOAD_STORE_READ_TIMEOUT"] = "2"
+    process = subprocess.Popen([sys.executable, str(script), fmt, uri], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout.readline().strip() == "PLANNED", process.stderr.read()[-3000:]
+        proxy.stall() if fault == "stalls" else proxy.kill()
+        process.stdin.write("go\n")
+        process.stdin.flush()
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+        proxy.close()
+    assert_no_secret(out, err)
+    line = [x for x in out.splitlines() if x.startswith("ERROR")]
+    assert line, out[-2000:] + err[-3000:]
+    assert uri in line[0], line[0]
+    assert "Traceback" not in err and err.strip() == "", err[-3000:]  # no reader's log on screen
+    seconds = float(line[0].split()[2])
+    MEASURED[f"{server.name} server {fault} mid-load ({fmt}) s"] = seconds
+    return seconds, line[0]
+
+
+@pytest.mark.parametrize("fault", ["stalls", "dies"])
+def test_a_server_that_stalls_or_dies_mid_load_ends_distloads_reads_in_bounded_time(store, ckpts, tmp_path, fault):
+    """Issue 13, item 10: distload's own ranged reads are bounded by DISTLOAD_STORE_READ_TIMEOUT
+    (here 2 s: three tries)."""
+    seconds, line = _fault_mid_load(store, ckpts.uri["whole"], "safetensors", fault, tmp_path)
+    assert seconds < 20, line
+
+
+@pytest.mark.parametrize("fault", ["stalls", "dies"])
+def test_a_server_that_stalls_or_dies_mid_load_ends_run_ais_s3_reads_in_bounded_time(moto, moto_ckpt, tmp_path, fault):
+    """Run:ai's S3 reader gets the same setting as RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS and
+    retries each chunk itself (measured 42 s with its default retries and a 2 s timeout, 19 s
+    with RUNAI_STREAMER_S3_MAX_RETRIES=1). Its GCS reader has no such setting (README)."""
+    seconds, line = _fault_mid_load(moto, moto_ckpt[1], "runai_streamer", fault, tmp_path)
+    assert seconds < 80, line
 
 
 def test_reader_checks_the_endpoint_before_run_ai(store, store_env, ckpts, monkeypatch):

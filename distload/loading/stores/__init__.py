@@ -12,12 +12,14 @@ import os
 
 from distload.loading.stores.azure import AzureStore
 from distload.loading.stores.base import (
+    READ_TIMEOUT_VARIABLE,
     Endpoint,
     Listing,
     ObjectStore,
     ObjectURI,
     parse_uri,
     probe_endpoint,
+    read_timeout,
     scrub,
 )
 from distload.loading.stores.gcs import GCSStore
@@ -30,7 +32,8 @@ STORES: dict[str, type[ObjectStore]] = {cls.scheme: cls for cls in (S3Store, GCS
 def get_store(scheme: str) -> ObjectStore:
     """The store for ``scheme`` configured from the current environment (one client per setting)."""
     cls = STORES[scheme]
-    key = (scheme,) + tuple(os.environ.get(name) for name in cls.ENV_KEYS)
+    read_timeout()  # a malformed DISTLOAD_STORE_READ_TIMEOUT is a ConfigError before any request
+    key = (scheme,) + tuple(os.environ.get(name) for name in cls.ENV_KEYS + (READ_TIMEOUT_VARIABLE,))
     with RUNTIME.lock:
         store = RUNTIME.stores.get(key)
         if store is None:

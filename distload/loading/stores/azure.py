@@ -17,12 +17,12 @@ import os
 
 from distload.loading.stores.base import (
     CONNECT_TIMEOUT_S,
-    READ_TIMEOUT_S,
     Endpoint,
     Listing,
     ObjectStore,
     ObjectURI,
     first_line,
+    read_timeout,
 )
 
 DEFAULT_SUFFIX = "blob.core.windows.net"
@@ -69,7 +69,7 @@ class AzureStore(ObjectStore):
         from azure.storage.blob import BlobServiceClient
 
         env = os.environ
-        kwargs = {"connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+        kwargs = {"connection_timeout": CONNECT_TIMEOUT_S, "read_timeout": read_timeout(),
                   "retry_total": 2, "user_agent": "distload"}
         account_url = f"https://{self._account}.{self._suffix}"
         if env.get("AZURE_STORAGE_CONNECTION_STRING"):

@@ -16,6 +16,7 @@ import importlib
 import os
 import re
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -35,8 +36,15 @@ SCHEMES = ("s3", "gs", "az")
 # One TCP connect to the endpoint before the first request: an endpoint that is down or wrong
 # fails here in seconds, whatever the SDK's (or Run:ai's C++ reader's) own retry policy.
 CONNECT_TIMEOUT_S = 5.0
-# Per socket read, not per request: a large ranged read may take longer in total.
+# An endpoint that accepts connections must answer a first request (a TLS handshake and an
+# HTTP HEAD, or a proxy's CONNECT) within this: a stalled server fails in seconds, where the
+# SDKs' read timeouts and retries would wait minutes (4 x 60 s for boto3).
+ANSWER_TIMEOUT_S = 5.0
+# Per socket read, not per request: a large ranged read may take longer in total. The
+# DISTLOAD_STORE_READ_TIMEOUT variable (seconds) overrides it for distload's own requests and
+# for Run:ai's S3 reader (RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS, unless that is set).
 READ_TIMEOUT_S = 60.0
+READ_TIMEOUT_VARIABLE = "DISTLOAD_STORE_READ_TIMEOUT"
 # Total time an SDK may spend retrying one request.
 RETRY_DEADLINE_S = 20.0
 # The first read of a safetensors file: the 8-byte length and, for most checkpoints, the whole
@@ -177,18 +185,35 @@ def _connect_address(host: str) -> str:
 REACHABLE_CACHE_S = 30.0
 
 
-def probe_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> str | None:
-    """None if a TCP connection to the endpoint (or its proxy) opens within ``timeout``; else why not."""
+def read_timeout() -> float:
+    """The per-read timeout of data requests: DISTLOAD_STORE_READ_TIMEOUT, else READ_TIMEOUT_S."""
+    text = os.environ.get(READ_TIMEOUT_VARIABLE)
+    if text is None or not text.strip():
+        return READ_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value <= 86400):
+        raise ConfigError(f"{READ_TIMEOUT_VARIABLE}={text!r}: give the object-store read timeout in seconds, "
+                          "a number above 0 and at most 86400 (default 60)")
+    return value
+
+
+def probe_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S,
+                   answer_timeout: float = ANSWER_TIMEOUT_S) -> str | None:
+    """None if the endpoint (or its proxy) accepts a TCP connection within ``timeout`` and then
+    answers a first request within ``answer_timeout``; else why not."""
     host, port = endpoint.host_port()
-    target = _proxy_target(endpoint.url) or (host, port)
+    proxy = _proxy_target(endpoint.url)
+    target = proxy or (host, port)
     now = time.monotonic()
     with RUNTIME.lock:
         if RUNTIME.reachable_until.get(target, 0) > now:
             return None
-    via = f" (through the proxy {target[0]}:{target[1]})" if target != (host, port) else ""
+    via = f" (through the proxy {target[0]}:{target[1]})" if proxy else ""
     try:
-        with socket.create_connection((_connect_address(target[0]), target[1]), timeout=timeout):
-            pass
+        connection = socket.create_connection((_connect_address(target[0]), target[1]), timeout=timeout)
     except socket.gaierror as exc:
         return f"cannot resolve the host name {target[0]!r}{via} ({exc.strerror or exc})"
     except ConnectionRefusedError:
@@ -197,9 +222,40 @@ def probe_endpoint(endpoint: Endpoint, timeout: float = CONNECT_TIMEOUT_S) -> st
         return f"no answer from {target[0]}:{target[1]}{via} within {timeout:.0f} s"
     except OSError as exc:
         return f"cannot connect to {target[0]}:{target[1]}{via}: {exc.strerror or exc}"
+    with connection:
+        if not _answers(connection, endpoint, host, port, bool(proxy), answer_timeout):
+            return (f"{target[0]}:{target[1]}{via} accepted the connection but sent no answer within "
+                    f"{answer_timeout:.0f} s (a stalled or overloaded server, or not an HTTP endpoint)")
     with RUNTIME.lock:
         RUNTIME.reachable_until[target] = time.monotonic() + REACHABLE_CACHE_S
     return None
+
+
+def _answers(connection: socket.socket, endpoint: Endpoint, host: str, port: int, proxied: bool,
+             timeout: float) -> bool:
+    """Whether the server says anything within ``timeout`` to the first request a client makes.
+
+    Only silence counts against it: an HTTP error, a closed connection or a failed TLS handshake
+    are the SDK's to report, with their own words, on the real request.
+    """
+    connection.settimeout(timeout)
+    try:
+        if proxied:  # what an SDK sends a proxy first, for http and https targets alike
+            request = f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n"
+        else:
+            if endpoint.url.startswith("https://"):
+                context = ssl.create_default_context()
+                context.check_hostname = False  # nothing is sent but a HEAD; the SDK verifies
+                context.verify_mode = ssl.CERT_NONE
+                connection = context.wrap_socket(connection, server_hostname=host)
+            request = f"HEAD / HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+        connection.sendall(request.encode("ascii"))
+        connection.recv(1)
+    except (socket.timeout, TimeoutError):
+        return False
+    except (OSError, ssl.SSLError, UnicodeError):
+        return True
+    return True
 
 
 class ObjectStore:

@@ -17,13 +17,13 @@ import os
 
 from distload.loading.stores.base import (
     CONNECT_TIMEOUT_S,
-    READ_TIMEOUT_S,
     RETRY_DEADLINE_S,
     Endpoint,
     Listing,
     ObjectStore,
     ObjectURI,
     first_line,
+    read_timeout,
 )
 
 DEFAULT_GCS_ENDPOINT = "https://storage.googleapis.com"
@@ -64,7 +64,7 @@ class GCSStore(ObjectStore):
 
     @property
     def _kw(self) -> dict:
-        return {"timeout": (CONNECT_TIMEOUT_S, READ_TIMEOUT_S), "retry": self._retry()}
+        return {"timeout": (CONNECT_TIMEOUT_S, read_timeout()), "retry": self._retry()}
 
     def _make_client(self):
         import google.auth.exceptions

@@ -13,13 +13,14 @@ import urllib.parse
 
 from distload.loading.stores.base import (
     CONNECT_TIMEOUT_S,
-    READ_TIMEOUT_S,
     Endpoint,
     Listing,
     ObjectStore,
     ObjectURI,
+    READ_TIMEOUT_VARIABLE,
     first_line,
     is_aws_host,
+    read_timeout,
 )
 
 _DENIED_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
@@ -71,7 +72,7 @@ class S3Store(ObjectStore):
         from botocore import UNSIGNED
         from botocore.config import Config
 
-        kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+        kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": read_timeout(),
                   "retries": {"max_attempts": 3, "mode": "standard"}}
         if self._path_style():
             kwargs["s3"] = {"addressing_style": "path"}
@@ -109,6 +110,9 @@ class S3Store(ObjectStore):
                 env["RUNAI_STREAMER_S3_ENDPOINT"] = self._endpoint_url
         elif self._endpoint_url and not os.environ.get("AWS_ENDPOINT_URL"):
             env["AWS_ENDPOINT_URL"] = self._endpoint_url
+        if os.environ.get(READ_TIMEOUT_VARIABLE) and "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS" not in os.environ:
+            # Run:ai's stall timeout: a request that moves (almost) no bytes for this long fails.
+            env["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] = str(max(1, round(read_timeout() * 1000)))
         if is_custom_endpoint(self._endpoint_url):
             # Run:ai's reader builds virtual-host URLs (bucket.host) unless told otherwise, which a
             # local or S3-compatible server does not answer; and the EC2 metadata probe is pointless.
