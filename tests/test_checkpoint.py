@@ -544,3 +544,36 @@ def test_fingerprint_of_a_file_gone_since_its_header_was_read_names_it(tmp_path)
     with pytest.raises(CheckpointError, match="cannot read it to compare its content across ranks") as caught:
         content_fingerprint(info)
     assert path in str(caught.value)
+
+
+def test_fingerprint_sees_every_differing_run_longer_than_its_stride(tmp_path):
+    """Issue 13, item 8: one 4 KiB sample per 1 MiB of data; a copy that differs in any run of
+    more than 1 MiB + 4 KiB fingerprints differently. What it cannot see, and the README says so:
+    a difference that lies wholly between two samples."""
+    from distload.loading.sources import FINGERPRINT_SAMPLE_BYTES, FINGERPRINT_STRIDE_BYTES, fingerprint_samples
+
+    path = str(tmp_path / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(1024, 1024, generator=g), "b": torch.randn(2048, 1024, generator=g)}, path)  # 12 MiB
+    info = read_local_header(path)
+    original = content_fingerprint(info)
+    data_start = info.tensors[0].begin
+    samples = fingerprint_samples(info)
+    assert samples[0] == (0, data_start)  # the header, whole
+    assert all(b - a <= FINGERPRINT_STRIDE_BYTES for (a, _), (b, _) in zip(samples[1:], samples[2:]))
+    run = FINGERPRINT_STRIDE_BYTES + FINGERPRINT_SAMPLE_BYTES
+    with open(path, "rb") as f:
+        pristine = f.read()
+    for start in (data_start, data_start + 12345, info.size // 4 + 777, info.size - run):
+        with open(path, "r+b") as f:
+            f.seek(start)
+            f.write(bytes(b ^ 0xFF for b in pristine[start:start + run]))
+        assert content_fingerprint(info) != original, start
+        with open(path, "wb") as f:
+            f.write(pristine)
+    # the residual risk, exactly: 100 bytes between two samples go unseen
+    gap_start = samples[5][0] + FINGERPRINT_SAMPLE_BYTES + 10
+    with open(path, "r+b") as f:
+        f.seek(gap_start)
+        f.write(b"\0" * 100)
+    assert content_fingerprint(info) == original
