@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
+from distload.heartbeat import Heartbeat
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -185,6 +186,7 @@ class WorkerGroup:
         self._control: Any = None
         self._data: Any = None
         self._ranks: list[int] | None = None  # global ranks of a group smaller than the job
+        self._heartbeat: Heartbeat | None = None
         if process_group is not None and not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("WorkerGroup(process_group=...) needs torch.distributed initialised; "
                               "pass the group after init_process_group")
@@ -199,10 +201,12 @@ class WorkerGroup:
         self.hostname = socket.gethostname()
         if process_group is not None:
             self._join(process_group)
+            self._heartbeat = Heartbeat(dist.get_rank())
             return
         if self.launch.world_size > 1 and not dist.is_initialized():
             self._init_default_group()
         if self.launch.world_size > 1:
+            self._heartbeat = Heartbeat(dist.get_rank())
             self._data = dist.group.WORLD
             # Control messages (errors, file lists, reports) always travel over gloo so they work
             # the same next to NCCL, and never touch device memory.
@@ -286,6 +290,7 @@ class WorkerGroup:
         sub.timeout, sub.launch, sub.device, sub.hostname = self.timeout, self.launch, self.device, self.hostname
         sub._owns_default_group, sub._owned, sub._subgroups = False, [], []
         sub._data = sub._control = None
+        sub._heartbeat = None
         if self.launch.world_size == 1:  # one process, no torch.distributed: the group of rank 0
             sub._ranks = None
             return sub
@@ -297,6 +302,7 @@ class WorkerGroup:
             return None
         sub._owned = [data] if control is data else [data, control]
         sub._data, sub._control = data, control
+        sub._heartbeat = Heartbeat(self.launch.rank)
         sub._ranks = None if global_ranks == list(range(self.launch.world_size)) else global_ranks
         self._subgroups = [s for s in self._subgroups if s._owned] + [sub]  # forget the closed ones
         return sub
@@ -356,8 +362,11 @@ class WorkerGroup:
         return self._data if self.world_size > 1 else None
 
     # -- collectives --------------------------------------------------------------------------
-    def exchange(self, value: Any) -> list[Any]:
-        """Every rank's ``value``, in rank order (an all-gather of picklable objects)."""
+    def exchange(self, value: Any, *, explain: bool = True) -> list[Any]:
+        """Every rank's ``value``, in rank order (an all-gather of picklable objects).
+
+        Where a peer is lost, the error names the ranks that stopped answering (``explain``:
+        a few seconds spent watching their heartbeats)."""
         if self.world_size == 1:
             return [value]
         gathered: list[Any] = [None] * self.world_size
@@ -367,8 +376,16 @@ class WorkerGroup:
             raise GroupError(
                 f"rank {self.rank}: lost contact with the other ranks while exchanging state "
                 f"(timeout {self.timeout.total_seconds():.0f}s): {exc}"
+                f"{self.lost_peers() if explain else ''}"
             ) from exc
         return gathered
+
+    def lost_peers(self) -> str:
+        """After a failed collective: a clause naming the members that stopped answering (by
+        their heartbeat in the rendezvous store), or saying that it cannot tell."""
+        if self._heartbeat is None or self.world_size == 1:
+            return ""
+        return self._heartbeat.describe_silent(self.ranks, self.launch.rank)
 
     def agree(self, step: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it fails anywhere, raise on every rank.
@@ -389,7 +406,7 @@ class WorkerGroup:
         if self.world_size == 1:
             return
         try:
-            self.exchange((False, _describe(exc)))
+            self.exchange((False, _describe(exc)), explain=False)
         except GroupError:
             pass  # the peers are already gone; the local error is what matters now
 
@@ -403,7 +420,7 @@ class WorkerGroup:
         except Exception as exc:  # a peer died or the timeout passed
             raise GroupError(
                 f"rank {self.rank}: lost contact with rank {src} while receiving its state "
-                f"(timeout {self.timeout.total_seconds():.0f}s): {exc}"
+                f"(timeout {self.timeout.total_seconds():.0f}s): {exc}{self.lost_peers()}"
             ) from exc
         return box[0]
 
@@ -428,6 +445,9 @@ class WorkerGroup:
                 pass
         self._owned = []
         self._control = self._data = None
+        if self._heartbeat is not None:
+            self._heartbeat.release()
+            self._heartbeat = None
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_default_group = False

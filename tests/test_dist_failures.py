@@ -679,3 +679,55 @@ def test_failing_load_exits_1_without_abort(failing_sources, case):
             assert marker not in output, f"rank {r.rank}: {marker!r}\n{output[-4000:]}"
         assert "Traceback" not in output, output[-4000:]
         rank_error(output, r.rank)
+
+
+PEER_STOPS_SCRIPT = r'''
+import json, os, signal, sys, time
+import distload
+
+source, out, how = sys.argv[1], sys.argv[2], sys.argv[3]
+rank = int(os.environ["RANK"])
+start = time.monotonic()
+try:
+    with distload.WorkerGroup(device="cpu", timeout_s=20) as g:
+        loader = distload.Loader(source, "runai_streamer", {"distributed": True}, group=g)
+        for i, (name, tensor) in enumerate(loader.stream()):
+            if rank == 1 and i == 1:
+                os.kill(os.getpid(), signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        outcome = ["returned", None]
+except distload.DistloadError as exc:
+    outcome = ["raised", f"{type(exc).__name__}: {exc}"]
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(outcome + [time.monotonic() - start], f)
+os._exit(0)  # a peer is gone: no teardown handshake with it
+'''
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_peer_killed_or_stopped_during_a_distributed_read_is_named(tmp_path, how):
+    """Issue 13, item 4: a rank SIGKILLed or SIGSTOPped in the middle of Run:ai's distributed
+    read: the other ends with a GroupError (no gloo traceback) that names it, within the group's
+    timeout."""
+    folder = str(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(3)
+    write_whole(folder, {f"layers.{i}.weight": torch.randn(512, 1024, generator=g) for i in range(24)})  # 48 MiB
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "peer_stops.py", PEER_STOPS_SCRIPT)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, script, folder, str(out), how],
+                              env=clean_env({**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        _, err0 = procs[0].communicate(timeout=HANG_DEADLINE_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert (out / "rank0.json").exists(), err0[-4000:]
+    kind, message, seconds = json.loads((out / "rank0.json").read_text())
+    assert kind == "raised" and message.startswith("GroupError"), message
+    assert "rank 1 stopped answering" in message, message
+    assert "Traceback" not in err0, err0[-4000:]
+    assert seconds < 45, seconds

@@ -12,7 +12,9 @@ Distributed mode splits the chunks of ONE file list across the ranks of the defa
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -168,7 +170,7 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
         # Again here: the endpoint may have gone away since planning.
         _preflight(store, paths[0])
     distributed = _distributed(request)
-    with RUNTIME.environment(env), streamer_cls() as streamer:
+    with RUNTIME.environment(env), _quiet_python_log(), streamer_cls() as streamer:
         try:
             streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
         except (ValueError, RuntimeError) as exc:
@@ -189,6 +191,27 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
             raise _wrapped(exc, paths, store, request, distributed) from exc
 
 
+@contextlib.contextmanager
+def _quiet_python_log() -> Iterator[None]:
+    """Run:ai's Python side logs every failure with its traceback (``logger.exception``), which
+    Python's last-resort handler prints before distload's own message: keep it off the screen
+    while distload reads, unless its log was asked for (RUNAI_STREAMER_LOG_LEVEL or
+    RUNAI_STREAMER_LOG_TO_STDERR set, or a handler on the ``runai_model_streamer`` logger; Run:ai
+    sets that logger's level itself on import, so its level says nothing)."""
+    logger = logging.getLogger("runai_model_streamer")
+    asked = (os.environ.get("RUNAI_STREAMER_LOG_LEVEL") or os.environ.get("RUNAI_STREAMER_LOG_TO_STDERR") == "1"
+             or logger.handlers)
+    if asked:
+        yield
+        return
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _wrapped(exc: BaseException, paths: list[str], store, request: ReadRequest, distributed: bool) -> DistloadError:
     """Every Run:ai failure as a DistloadError naming the files (and, in a distributed read, that a
     peer stopped): never a raw libstreamer or gloo traceback."""
@@ -199,9 +222,10 @@ def _wrapped(exc: BaseException, paths: list[str], store, request: ReadRequest, 
     if distributed and isinstance(exc, RuntimeError):
         # Run:ai's distributed mode exchanges chunks over the group: a peer that died or stalled
         # shows here as gloo's "Connection closed by peer" or a timeout.
+        # gloo's text goes on with advice for its own developers: keep its first sentence.
+        reason = text.splitlines()[0].split(" This is typically caused")[0] if text else type(exc).__name__
         return GroupError(f"rank {request.group.rank}: Run:ai's distributed read of {', '.join(paths)} lost a "
-                          f"peer ({text.splitlines()[0] if text else type(exc).__name__}); another rank stopped "
-                          f"or stalled during the read, and every rank stops")
+                          f"peer ({reason}){request.group.lost_peers()}; every rank stops")
     if "End of file" in text:
         return CheckpointError(f"Run:ai could not read {', '.join(paths)}: a file ended before its header "
                                f"says (truncated while loading?): {text}")

@@ -1,0 +1,133 @@
+"""Each rank's sign of life in the job's rendezvous store, to name the rank that stopped.
+
+When a collective fails because a peer died or froze (killed, SIGSTOP, a hung device), gloo
+only says "Connection closed by peer" or "timed out", and NCCL less. So every process of a
+multi-rank job counts up a key of its own in the store torch.distributed rendezvoused with, once a
+second, from a daemon thread. A rank whose collective failed reads every counter twice, a few
+beats apart: the ranks whose counters stood still are the ones that stopped, and the error says so.
+
+Counters, not clocks: the nodes' clocks need not agree. A rank busy in a long call that holds the
+GIL could look silent; the messages therefore say "stopped answering", with the evidence.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+INTERVAL_S = 1.0
+# How long a checker watches the counters: beats missed over this span mean the rank stopped.
+WATCH_S = 3.0
+# A store that does not answer within this is reported as such (it may be the dead rank's).
+STORE_DEADLINE_S = 8.0
+
+_lock = threading.Lock()
+_beats: dict[int, "_Beat"] = {}  # id(store) -> the running beat on it
+
+
+def _key(rank: int) -> str:
+    return f"distload/heartbeat/{rank}"
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()  # the store init_process_group used
+    except Exception:  # noqa: BLE001 - no default group, or a torch without it: no heartbeat
+        return None
+
+
+class _Beat:
+    def __init__(self, store: Any, rank: int):
+        self.store = store
+        self.rank = rank
+        self.users = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distload-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(_key(self.rank), 1)
+            except Exception:  # noqa: BLE001 - the store went away with its group: stop beating
+                return
+            self._stop.wait(INTERVAL_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Heartbeat:
+    """This process's beat while a group uses it (``release()`` when the group closes)."""
+
+    def __init__(self, rank: int):
+        self.store = _default_store()
+        self._released = self.store is None
+        if self.store is None:
+            return
+        with _lock:
+            beat = _beats.get(id(self.store))
+            if beat is None or beat.store is not self.store:
+                beat = _beats[id(self.store)] = _Beat(self.store, rank)
+            beat.users += 1
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        with _lock:
+            beat = _beats.get(id(self.store))
+            if beat is not None and beat.store is self.store:
+                beat.users -= 1
+                if beat.users <= 0:
+                    beat.stop()
+                    del _beats[id(self.store)]
+
+    def silent_ranks(self, ranks: Sequence[int], watch_s: float = WATCH_S) -> list[int] | None:
+        """Of the global ``ranks``, those whose beat stood still for ``watch_s``; None where the
+        store does not answer (then it cannot tell)."""
+        if self.store is None:
+            return None
+        found: list[list[int] | None] = [None]
+
+        def watch() -> None:
+            keys = [_key(r) for r in ranks]
+            first = [self.store.add(k, 0) for k in keys]
+            threading.Event().wait(watch_s)
+            second = [self.store.add(k, 0) for k in keys]
+            found[0] = [r for r, a, b in zip(ranks, first, second) if a == b]
+
+        thread = threading.Thread(target=_quietly(watch), name="distload-heartbeat-watch", daemon=True)
+        thread.start()
+        thread.join(watch_s + STORE_DEADLINE_S)
+        return found[0]
+
+    def describe_silent(self, ranks: Sequence[int], me: int) -> str:
+        """A clause for an error message: which of ``ranks`` (global, without ``me``) stopped."""
+        others = [r for r in ranks if r != me]
+        if not others:
+            return ""
+        silent = self.silent_ranks(others)
+        if silent is None:
+            return ("; the job's rendezvous store does not answer either, so the rank that hosts it "
+                    "(rank 0 outside torchrun) is likely the one that stopped")
+        if not silent:
+            return f"; every other rank ({_ranks_text(others)}) still shows signs of life"
+        word = "rank" if len(silent) == 1 else "ranks"
+        return (f"; {word} {_ranks_text(silent)} stopped answering (no heartbeat for {WATCH_S:.0f} s: "
+                f"killed, stopped or hung)")
+
+
+def _quietly(fn):
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - an unreachable store leaves the answer None
+            pass
+    return run
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
