@@ -15,14 +15,13 @@ from __future__ import annotations
 import threading
 from typing import Any, Sequence
 
+from distload.runtime import RUNTIME
+
 INTERVAL_S = 1.0
 # How long a checker watches the counters: beats missed over this span mean the rank stopped.
 WATCH_S = 3.0
 # A store that does not answer within this is reported as such (it may be the dead rank's).
 STORE_DEADLINE_S = 8.0
-
-_lock = threading.Lock()
-_beats: dict[int, "_Beat"] = {}  # id(store) -> the running beat on it
 
 
 def _key(rank: int) -> str:
@@ -67,23 +66,23 @@ class Heartbeat:
         self._released = self.store is None
         if self.store is None:
             return
-        with _lock:
-            beat = _beats.get(id(self.store))
+        with RUNTIME.lock:
+            beat = RUNTIME.heartbeats.get(id(self.store))
             if beat is None or beat.store is not self.store:
-                beat = _beats[id(self.store)] = _Beat(self.store, rank)
+                beat = RUNTIME.heartbeats[id(self.store)] = _Beat(self.store, rank)
             beat.users += 1
 
     def release(self) -> None:
         if self._released:
             return
         self._released = True
-        with _lock:
-            beat = _beats.get(id(self.store))
+        with RUNTIME.lock:
+            beat = RUNTIME.heartbeats.get(id(self.store))
             if beat is not None and beat.store is self.store:
                 beat.users -= 1
                 if beat.users <= 0:
                     beat.stop()
-                    del _beats[id(self.store)]
+                    del RUNTIME.heartbeats[id(self.store)]
 
     def silent_ranks(self, ranks: Sequence[int], watch_s: float = WATCH_S) -> list[int] | None:
         """Of the global ``ranks``, those whose beat stood still for ``watch_s``; None where the

@@ -12,6 +12,8 @@ outlive one load:
   loads);
 - ``runai_store_scheme``: the object-store type Run:ai's reader served first (it serves only one
   per process);
+- ``heartbeats``: the thread that counts this process's heartbeat up in a rendezvous store,
+  one per store (``distload.heartbeat``), shared by every group on it;
 - the environment: Run:ai reads its settings from ``os.environ``; :meth:`Runtime.environment` is
   the only place distload writes it, for the length of one read.
 
@@ -39,6 +41,9 @@ class Runtime:
             self.reachable_until: dict[tuple[str, int], float] = {}
             self.huge_page_slots: int | None = None
             self.runai_store_scheme: str | None = None
+            for beat in getattr(self, "heartbeats", {}).values():
+                beat.stop()
+            self.heartbeats: dict[int, Any] = {}
 
     @contextlib.contextmanager
     def environment(self, changes: Mapping[str, str], restore_prefix: str = "RUNAI_STREAMER_") -> Iterator[None]:

@@ -179,7 +179,7 @@ def test_safetensors_reads_by_pread_where_process_vm_readv_is_refused(tmp_path, 
     assert result.rank_report.path == "safetensors-pread"
 
 
-def test_copy_from_map_is_bit_exact_and_short_copies_are_counted(tmp_path):
+def test_map_copies_are_bit_exact_and_short_copies_are_counted(tmp_path):
     import mmap
 
     from distload.loading import mapped
@@ -199,11 +199,12 @@ def test_copy_from_map_is_bit_exact_and_short_copies_are_counted(tmp_path):
             warnings.simplefilter("ignore")  # frombuffer warns that the map is read-only
             src = torch.frombuffer(region, dtype=torch.uint8)
         dst = torch.empty(len(data), dtype=torch.uint8)
-        mapped.copy_from_map(dst, src)
-        assert bytes(dst.numpy()) == data
-        os.truncate(path, mapped.CHUNK_BYTES + 4096)
-        with pytest.raises(mapped.ShortCopy) as short:
-            mapped.copy_from_map(dst, src)
+        with mapped.MapCopier() as copier:
+            copier.copy(dst, src)
+            assert bytes(dst.numpy()) == data
+            os.truncate(path, mapped.CHUNK_BYTES + 4096)
+            with pytest.raises(mapped.ShortCopy) as short:
+                copier.copy(dst, src)
         assert short.value.copied == mapped.CHUNK_BYTES + 4096 and short.value.wanted == len(data)
         del src
     finally:

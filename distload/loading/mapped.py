@@ -28,7 +28,11 @@ import torch
 # CHUNK_BYTES (the copy releases the GIL).
 MIN_SPLIT_BYTES = 2 << 20
 CHUNK_BYTES = 16 << 20
-COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+MAX_COPY_THREADS = 4
+
+
+def copy_threads() -> int:
+    return max(1, min(MAX_COPY_THREADS, os.cpu_count() or 1))
 
 
 class _IoVec(ctypes.Structure):
@@ -67,11 +71,6 @@ def safe_copy_available() -> bool:
     return _process_vm_readv() is not None
 
 
-@functools.lru_cache(maxsize=1)
-def _pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="distload-mapcopy")
-
-
 def _copy_range(function, pid: int, dst: int, src: int, nbytes: int) -> int:
     """Copy up to ``nbytes``; return how many were copied before the map ended."""
     done = 0
@@ -90,38 +89,49 @@ def _copy_range(function, pid: int, dst: int, src: int, nbytes: int) -> int:
     return done
 
 
-def copy_from_map(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a contiguous host view ``src`` of a file map, raising ShortCopy
-    where the map's file ended before the tensor did. ``dst`` is contiguous, on the host, with
-    ``src``'s size in bytes."""
-    function = _process_vm_readv()
-    if function is None:
-        raise RuntimeError("process_vm_readv is not available here: check safe_copy_available() first")
-    nbytes = src.numel() * src.element_size()
-    if dst.numel() * dst.element_size() != nbytes or not (dst.is_contiguous() and src.is_contiguous()):
-        raise ValueError("copy_from_map needs two contiguous tensors of the same size in bytes")
-    if nbytes == 0:
-        return
-    pid = os.getpid()
-    dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
-    if nbytes <= MIN_SPLIT_BYTES or COPY_THREADS == 1:
-        chunk = nbytes
-    else:
-        chunk = min(CHUNK_BYTES, -(-nbytes // COPY_THREADS))
-    starts = range(0, nbytes, chunk)
+class MapCopier:
+    """Copies of one read, sharing its threads; use as a context manager (the threads end with it)."""
 
-    def copy(start: int) -> int:
-        return _copy_range(function, pid, dst_ptr + start, src_ptr + start, min(chunk, nbytes - start))
+    def __init__(self) -> None:
+        function = _process_vm_readv()
+        if function is None:
+            raise RuntimeError("process_vm_readv is not available here: check safe_copy_available() first")
+        self._function = function
+        self.threads = copy_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="distload-mapcopy")
 
-    copied = [copy(starts[0])] if len(starts) == 1 else list(_pool().map(copy, starts))
-    for start, got in zip(starts, copied):
-        if got < min(chunk, nbytes - start):
-            raise ShortCopy(start + got, nbytes)
+    def __enter__(self) -> "MapCopier":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._pool.shutdown()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` for a contiguous host view ``src`` of a file map, raising ShortCopy
+        where the map's file ended before the tensor did. ``dst`` is contiguous, on the host, with
+        ``src``'s size in bytes; a large tensor is copied in one piece per thread."""
+        nbytes = src.numel() * src.element_size()
+        if dst.numel() * dst.element_size() != nbytes or not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("MapCopier.copy needs two contiguous tensors of the same size in bytes")
+        if nbytes == 0:
+            return
+        pid = os.getpid()
+        dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
+        chunk = nbytes if nbytes <= MIN_SPLIT_BYTES or self.threads == 1 else min(CHUNK_BYTES, -(-nbytes // self.threads))
+        starts = range(0, nbytes, chunk)
+
+        def copy(start: int) -> int:
+            return _copy_range(self._function, pid, dst_ptr + start, src_ptr + start, min(chunk, nbytes - start))
+
+        copied = [copy(starts[0])] if len(starts) == 1 else list(self._pool.map(copy, starts))
+        for start, got in zip(starts, copied):
+            if got < min(chunk, nbytes - start):
+                raise ShortCopy(start + got, nbytes)
 
 
 def pread_into(dst: torch.Tensor, fd: int, offset: int) -> None:
     """Read ``dst``'s size in bytes from the open file ``fd`` at ``offset`` (the fallback to
-    copy_from_map), raising ShortCopy where the file ends first."""
+    MapCopier), raising ShortCopy where the file ends first."""
     nbytes = dst.numel() * dst.element_size()
     if nbytes == 0:
         return

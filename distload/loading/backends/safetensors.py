@@ -39,13 +39,21 @@ class SafetensorsBackend(Backend):
 
 
 def _stream(request: ReadRequest, by_pread: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    if by_pread:
+        yield from _stream_files(request, None)
+        return
+    with mapped.MapCopier() as copier:
+        yield from _stream_files(request, copier)
+
+
+def _stream_files(request: ReadRequest, copier: "mapped.MapCopier | None") -> Iterator[tuple[str, torch.Tensor]]:
     device = request.device
     for info in request.index.files:
         try:
             handle = safe_open(info.path, framework="pt", device="cpu")
         except Exception as exc:  # SafetensorError, OSError: name the file
             raise CheckpointError(f"{info.path}: safetensors could not open it: {exc}") from exc
-        fd = os.open(info.path, os.O_RDONLY | os.O_CLOEXEC) if by_pread else -1
+        fd = os.open(info.path, os.O_RDONLY | os.O_CLOEXEC) if copier is None else -1
         try:
             with handle:
                 for tensor in info.tensors:  # in file order: sequential reads
@@ -55,7 +63,7 @@ def _stream(request: ReadRequest, by_pread: bool = False) -> Iterator[tuple[str,
                         raise CheckpointError(f"{info.path}: safetensors could not read tensor "
                                               f"{tensor.name!r}: {exc}") from exc
                     loaded = request.host_memory.empty(tuple(view.shape), view.dtype)
-                    _copy(loaded, view, fd, info, tensor)
+                    _copy(loaded, view, fd, info, tensor, copier)
                     del view  # no reference into the map outlives the file's handle
                     if device.type != "cpu":
                         loaded = loaded.to(device)
@@ -65,12 +73,13 @@ def _stream(request: ReadRequest, by_pread: bool = False) -> Iterator[tuple[str,
                 os.close(fd)
 
 
-def _copy(dst: torch.Tensor, view: torch.Tensor, fd: int, info: FileInfo, tensor: TensorInfo) -> None:
+def _copy(dst: torch.Tensor, view: torch.Tensor, fd: int, info: FileInfo, tensor: TensorInfo,
+          copier: "mapped.MapCopier | None") -> None:
     try:
-        if fd >= 0:
+        if copier is None:
             mapped.pread_into(dst, fd, tensor.begin)
         else:
-            mapped.copy_from_map(dst, view)
+            copier.copy(dst, view)
     except mapped.ShortCopy as short:
         size = _size_now(info.path)
         raise CheckpointError(
