@@ -376,15 +376,21 @@ class WorkerGroup:
             raise GroupError(
                 f"rank {self.rank}: lost contact with the other ranks while exchanging state "
                 f"(timeout {self.timeout.total_seconds():.0f}s): {exc}"
-                f"{self.lost_peers() if explain else ''}"
+                f"{self.lost_peers(exc) if explain else ''}"
             ) from exc
         return gathered
 
-    def lost_peers(self) -> str:
-        """After a failed collective: a clause naming the members that stopped answering (by
-        their heartbeat in the rendezvous store), or saying that it cannot tell."""
+    def lost_peers(self, exc: BaseException | None = None) -> str:
+        """After a failed collective (``exc``): a clause naming the members that stopped
+        answering (by their heartbeat in the rendezvous store), or saying that it cannot tell.
+
+        Under torchrun a peer whose process ended (a closed connection, not a timeout) is named
+        by torchrun's own summary, and its agent ends this process within a second or so: the
+        1.5 s watch would only lose that race and leave this rank without any message."""
         if self._heartbeat is None or self.world_size == 1:
             return ""
+        if os.environ.get("TORCHELASTIC_RUN_ID") and exc is not None and "time" not in str(exc).lower():
+            return "; a peer's process ended (torchrun's failure summary names its rank)"
         return self._heartbeat.describe_silent(self.ranks, self.launch.rank)
 
     def agree(self, step: str, fn: Callable[[], T]) -> T:
@@ -420,7 +426,7 @@ class WorkerGroup:
         except Exception as exc:  # a peer died or the timeout passed
             raise GroupError(
                 f"rank {self.rank}: lost contact with rank {src} while receiving its state "
-                f"(timeout {self.timeout.total_seconds():.0f}s): {exc}{self.lost_peers()}"
+                f"(timeout {self.timeout.total_seconds():.0f}s): {exc}{self.lost_peers(exc)}"
             ) from exc
         return box[0]
 

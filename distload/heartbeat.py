@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 from distload.runtime import RUNTIME
 
-INTERVAL_S = 1.0
+INTERVAL_S = 0.5
 # How long a checker watches the counters: beats missed over this span mean the rank stopped.
-WATCH_S = 3.0
+WATCH_S = 1.5
 # A store that does not answer within this is reported as such (it may be the dead rank's).
 STORE_DEADLINE_S = 8.0
 
@@ -115,7 +115,7 @@ class Heartbeat:
         if not silent:
             return f"; every other rank ({_ranks_text(others)}) still shows signs of life"
         word = "rank" if len(silent) == 1 else "ranks"
-        return (f"; {word} {_ranks_text(silent)} stopped answering (no heartbeat for {WATCH_S:.0f} s: "
+        return (f"; {word} {_ranks_text(silent)} stopped answering (no heartbeat for {WATCH_S:g} s: "
                 f"killed, stopped or hung)")
 
 

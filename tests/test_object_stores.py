@@ -533,9 +533,12 @@ def _fault_mid_load(server, uri: str, fmt: str, fault: str, tmp_path) -> tuple[f
 @pytest.mark.parametrize("fault", ["stalls", "dies"])
 def test_a_server_that_stalls_or_dies_mid_load_ends_distloads_reads_in_bounded_time(store, ckpts, tmp_path, fault):
     """Issue 13, item 10: distload's own ranged reads are bounded by DISTLOAD_STORE_READ_TIMEOUT
-    (here 2 s: three tries)."""
+    (here 2 s: three tries; GCS's client retries within RETRY_DEADLINE_S), then the endpoint
+    probe: measured 8 s (S3), 18 s (GCS), 10 s (Azure) on a quiet machine."""
+    from distload.loading.stores.base import RETRY_DEADLINE_S
+
     seconds, line = _fault_mid_load(store, ckpts.uri["whole"], "safetensors", fault, tmp_path)
-    assert seconds < 20, line
+    assert seconds < RETRY_DEADLINE_S + 20, line
 
 
 @pytest.mark.parametrize("fault", ["stalls", "dies"])

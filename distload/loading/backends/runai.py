@@ -225,7 +225,7 @@ def _wrapped(exc: BaseException, paths: list[str], store, request: ReadRequest, 
         # gloo's text goes on with advice for its own developers: keep its first sentence.
         reason = text.splitlines()[0].split(" This is typically caused")[0] if text else type(exc).__name__
         return GroupError(f"rank {request.group.rank}: Run:ai's distributed read of {', '.join(paths)} lost a "
-                          f"peer ({reason}){request.group.lost_peers()}; every rank stops")
+                          f"peer ({reason}){request.group.lost_peers(exc)}; every rank stops")
     if "End of file" in text:
         return CheckpointError(f"Run:ai could not read {', '.join(paths)}: a file ended before its header "
                                f"says (truncated while loading?): {text}")
