@@ -11,6 +11,10 @@ Built-in specs:
 - ``decoder`` (aliases llama, mistral, qwen2, qwen3): vLLM's layout, shape for shape: q/k/v split
   between heads, KV heads replicated when the tensor-parallel size exceeds them, embed_tokens and
   lm_head padded to a multiple of 64 rows first. Heads come from the model's config.json.
+- ``vllm``: the ``decoder`` slices under the names vLLM's engine holds (fused ``qkv_proj`` and
+  ``gate_up_proj``, the attention layers' 0-d scales, tied embeddings as ``lm_head``), so that
+  vLLM's ``sharded_state`` loaders read a save; the default of ``save-sharded``. For the
+  architectures distload/vllm_names.py names.
 - ``plain``: the same tensors split evenly, ignoring heads and padding (for models that are not
   served by vLLM, and for checkpoints saved before vLLM's layout was the default).
 - ``replicate``: every tensor whole on every rank.
@@ -79,6 +83,9 @@ class ShardingSpec:
     name: str
     rules: tuple[Rule, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for heads
+    # Whose state-dict names a save writes: None, the checkpoint's own; "vllm", vLLM's engine's
+    # (fused q/k/v and gate/up, its attention scales, tied embeddings: distload/vllm_names.py).
+    engine: str | None = None
 
     @property
     def needs_model_config(self) -> bool:
@@ -87,6 +94,8 @@ class ShardingSpec:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "rules": [r.to_json() for r in self.rules]}
+        if self.engine is not None:
+            out["engine"] = self.engine
         dims = attention_dims(self.config)
         if dims is not None and any(r.heads or r.fused == "qkv" for r in self.rules):
             # What the head-aware rules were sized with, so the manifest alone says how to reassemble.
@@ -275,10 +284,12 @@ def _whole_rules() -> list[Rule]:
 BUILTIN_SPECS: dict[str, tuple[Rule, ...]] = {
     # Llama, Mistral, Qwen2/3 and most Hugging Face decoders share these names.
     "decoder": _decoder_rules(),
+    "vllm": _decoder_rules(),  # the decoder's slices under vLLM's engine names (ENGINES)
     "plain": _plain_rules(),
     "replicate": (Rule("*", None),),
 }
 SPEC_ALIASES = {"llama": "decoder", "mistral": "decoder", "qwen2": "decoder", "qwen3": "decoder"}
+ENGINES = {"vllm": "vllm"}  # built-in spec -> the engine whose names its saves write
 
 
 def spec_with_config(sharding: "str | ShardingSpec | None", read_config: Callable[[], Mapping[str, Any]]) -> ShardingSpec:
@@ -287,7 +298,7 @@ def spec_with_config(sharding: "str | ShardingSpec | None", read_config: Callabl
     spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding)
     if spec.config or not spec.needs_model_config:
         return spec
-    return ShardingSpec(spec.name, spec.rules, dict(read_config()))
+    return ShardingSpec(spec.name, spec.rules, dict(read_config()), spec.engine)
 
 
 def load_spec(spec: str | None, config: Mapping[str, Any] | None = None) -> ShardingSpec:
@@ -296,7 +307,7 @@ def load_spec(spec: str | None, config: Mapping[str, Any] | None = None) -> Shar
     spec = spec or "decoder"
     key = SPEC_ALIASES.get(spec.lower(), spec.lower())
     if key in BUILTIN_SPECS:
-        return ShardingSpec(key, BUILTIN_SPECS[key], config)
+        return ShardingSpec(key, BUILTIN_SPECS[key], config, ENGINES.get(key))
     if not os.path.isfile(spec):
         raise ConfigError(
             f"--sharding {spec!r} is neither a built-in sharding spec ({', '.join(sorted(BUILTIN_SPECS))}, "
@@ -320,7 +331,11 @@ def spec_from_json(raw: Any, config: Mapping[str, Any] | None = None, where: str
     recorded = raw.get("config")
     if recorded is not None and not isinstance(recorded, dict):
         raise ConfigError(f"{where}: 'config' must be an object (num_attention_heads, num_key_value_heads, head_dim)")
-    return ShardingSpec(str(raw.get("name", "custom")), tuple(rules), {**(recorded or {}), **(config or {})})
+    engine = raw.get("engine")
+    if engine is not None and engine not in set(ENGINES.values()):
+        raise ConfigError(f"{where}: 'engine' must be one of {sorted(set(ENGINES.values()))} (whose state-dict "
+                          f"names a save writes), or absent for the checkpoint's own names")
+    return ShardingSpec(str(raw.get("name", "custom")), tuple(rules), {**(recorded or {}), **(config or {})}, engine)
 
 
 _RULE_KEYS = ("match", "split", "replicate", "fused", "heads", "pad_to")

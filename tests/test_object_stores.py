@@ -148,7 +148,7 @@ class Checkpoints:
         from distload.cli.demo import write_demo_checkpoint
         self.llama, _ = write_demo_checkpoint(os.path.join(root, "llama-src"), 1, size_mib=8)
         self.llama_tp2 = os.path.join(root, "llama-tp2")
-        distload.reshard(self.llama, self.llama_tp2, 2)
+        distload.reshard(self.llama, self.llama_tp2, 2, sharding="decoder")
         shutil.copytree(self.llama, os.path.join(root, "llama"))
 
         self.uri = {name: store.upload_folder(os.path.join(root, name), name)

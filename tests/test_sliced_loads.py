@@ -67,7 +67,7 @@ def llama(tmp_path_factory):
     saved = {}
     for t in (1, 2, 4):
         saved[t] = os.path.join(root, f"tp{t}")
-        distload.reshard(whole, saved[t], t)
+        distload.reshard(whole, saved[t], t, sharding="decoder")
     return whole, saved
 
 

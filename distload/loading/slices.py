@@ -107,6 +107,10 @@ def plan_slices(index: CheckpointIndex, tp: TensorParallel, read_config: Callabl
     Every rank's split is checked (shard_shape checks them all), so all ranks fail alike.
     """
     spec = spec_with_config(tp.sharding, read_config)
+    if spec.engine is not None:
+        raise ConfigError(
+            f"--sharding {spec.name} gives a save vLLM's engine names (fused qkv_proj and gate_up_proj); "
+            f"a load or reload keeps the checkpoint's names: use --sharding decoder, the same slices")
     actions: dict[str, Action] = {}
     slices: dict[str, SliceBytes] = {}
     every = [(info, spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))) for info in index.tensors]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch
 
@@ -30,6 +31,7 @@ from distload.sharded.output import (
 )
 from distload.sharded.writer import Entry
 from distload.sharding import ShardingSpec, check_scales, spec_with_config
+from distload.vllm_names import EngineTensor, vllm_state
 from distload.slicing import shard_shape, take_shard
 from distload.tensor_io import host_view
 
@@ -44,6 +46,8 @@ class ReshardReport:
     nbytes_read: int
     seconds: float
     split: dict[str, int] = field(default_factory=dict)  # tensor -> dim
+    spec: str = ""
+    engine_note: str = ""  # whose names the files hold, and who can load them
 
     def summary_lines(self) -> list[str]:
         written = sum(f.size for f in self.files)
@@ -52,6 +56,8 @@ class ReshardReport:
             f"{written / 2**30:.3f} GiB from {self.nbytes_read / 2**30:.3f} GiB read in {self.seconds:.2f} s",
             f"  split: {len(self.split)} tensor(s); copied: {', '.join(self.copied) or 'nothing'}",
         ]
+        if self.spec:
+            lines.append(f"  sharding spec {self.spec}: {self.engine_note}")
         if self.replicated_unmatched:
             shown = ", ".join(self.replicated_unmatched[:20])
             more = f" and {len(self.replicated_unmatched) - 20} more" if len(self.replicated_unmatched) > 20 else ""
@@ -92,35 +98,54 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
         raise ConfigError(f"output {output} must differ from the source folder")
     files, _ = whole_checkpoint(path)
     index = build_index(read_header(p) for p in files)
-    spec = spec_with_config(sharding, lambda: model_config(path))
+    config = model_config(path)
+    default_reason = ""
+    if sharding is None:
+        sharding, default_reason = default_save_spec(config, [t.name for t in index.tensors], source)
+    spec = spec_with_config(sharding, lambda: config)
 
     actions = {}
-    entries: list[Entry] = []
     for info in index.tensors:
-        action = spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))
-        actions[info.name] = action
-        entries.append(Entry(info.name, info.dtype, shard_shape(info.name, info.shape, action, world_size)))
+        actions[info.name] = spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))
     check_scales([(info.name, info.shape, actions[info.name]) for info in index.tensors])
+    outputs = _output_tensors(index, spec, config, source)
+    tensors = {info.name: info for info in index.tensors}
+    entries = [_entry(out, tensors, actions, world_size) for out in outputs]
     parts = split_into_parts(entries, max_file_size)  # identical shapes, so identical parts per rank
 
     prepare_output(output, pattern)
     writers: list[RankWriter] = []
     nbytes_read = 0
-    buffer = torch.empty(max((t.nbytes for t in index.tensors), default=0), dtype=torch.uint8)
+    # One buffer per part of the largest output tensor (q, k and v of a fused qkv_proj), reused.
+    widest = max((len(out.parts) for out in outputs), default=0)
+    biggest = max((t.nbytes for t in index.tensors), default=0)
+    buffers = [torch.empty(biggest, dtype=torch.uint8) for _ in range(widest)]
+    handles: dict[str, Any] = {}
     try:
         writers = [RankWriter(output, pattern, rank, parts) for rank in range(world_size)]
-        for file_info in index.files:
-            with open(file_info.path, "rb", buffering=0) as f:
-                for info in file_info.tensors:
-                    tensor = _read_tensor(f, info, buffer)
-                    nbytes_read += info.nbytes
-                    for rank, writer in enumerate(writers):
-                        writer.write(info.name, take_shard(tensor, actions[info.name], rank, world_size))
-                    del tensor
+        for out in outputs:  # in the files' order, so reads mostly move forward
+            if out.constant is not None:
+                for writer in writers:
+                    writer.write(out.name, torch.tensor(out.constant, dtype=torch.float32))
+                continue
+            read = []
+            for name, buffer in zip(out.parts, buffers):
+                info = tensors[name]
+                if info.file not in handles:
+                    handles[info.file] = open(info.file, "rb", buffering=0)
+                read.append(_read_tensor(handles[info.file], info, buffer))
+                nbytes_read += info.nbytes
+            for rank, writer in enumerate(writers):
+                shards = [take_shard(t, actions[n], rank, world_size, n) for n, t in zip(out.parts, read)]
+                writer.write(out.name, shards[0] if len(shards) == 1 else torch.cat(shards, dim=0))
+            del read
     except BaseException:
         for writer in writers:
             writer.abort()
         raise
+    finally:
+        for handle in handles.values():
+            handle.close()
     copied = copy_metadata_files(folder, output)
     unmatched = sorted(name for name, action in actions.items() if action.rule is None)
     all_files = [f for writer in writers for f in writer.files]
@@ -132,4 +157,45 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
         output=output, world_size=world_size, files=all_files, replicated_unmatched=unmatched,
         copied=copied, nbytes_read=nbytes_read, seconds=time.perf_counter() - start,
         split={name: a.dim for name, a in actions.items() if a.dim is not None},
+        spec=spec.name, engine_note=_engine_note(spec, default_reason),
     )
+
+
+def default_save_spec(config: Mapping[str, Any], names: list[str], source: str) -> tuple[str, str]:
+    """The spec a save without ``--sharding`` uses: ``vllm`` where vLLM's engine names are known
+    for this checkpoint (its save then loads in vLLM's sharded_state loaders), else ``decoder``
+    with the reason, which the summary prints."""
+    try:
+        vllm_state(names, config, source)
+    except ConfigError as exc:
+        return "decoder", str(exc)
+    return "vllm", ""
+
+
+def _engine_note(spec: ShardingSpec, default_reason: str) -> str:
+    if spec.engine == "vllm":
+        return "vLLM's engine names (fused qkv_proj and gate_up_proj, attention scales): loads with vLLM's sharded_state"
+    note = "the checkpoint's own names: distload's loaders read this save, vLLM's sharded_state loader does not"
+    return f"{note} (not the vllm layout, because {default_reason})" if default_reason else note
+
+
+def _output_tensors(index, spec: ShardingSpec, config: Mapping[str, Any], source: str) -> list[EngineTensor]:
+    names = [info.name for info in index.tensors]
+    if spec.engine == "vllm":
+        return vllm_state(names, config, source)
+    return [EngineTensor(name, (name,)) for name in names]
+
+
+def _entry(out: EngineTensor, tensors: Mapping[str, TensorInfo], actions, world_size: int) -> Entry:
+    """The header entry of one output tensor: a part's shard shape, or the parts' shards stacked."""
+    if out.constant is not None:
+        return Entry(out.name, "F32", ())
+    shapes = [shard_shape(n, tensors[n].shape, actions[n], world_size) for n in out.parts]
+    dtypes = {tensors[n].dtype for n in out.parts}
+    if len(out.parts) == 1:
+        return Entry(out.name, dtypes.pop(), shapes[0])
+    if len(dtypes) > 1 or any(not s or len(s) != len(shapes[0]) or s[1:] != shapes[0][1:] for s in shapes):
+        described = ", ".join(f"{n} {tensors[n].dtype} {list(tensors[n].shape)}" for n in out.parts)
+        raise CheckpointError(f"{out.name}: its parts cannot be stacked into one tensor ({described}): "
+                              f"they need one dtype and equal trailing dimensions")
+    return Entry(out.name, dtypes.pop(), (sum(s[0] for s in shapes),) + tuple(shapes[0][1:]))
