@@ -64,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
                       help="start a new part past this many bytes (default 5 GiB)")
     save.add_argument("--sharding", "--plan", dest="sharding", default=None, metavar="SPEC",
-                      help="the sharding spec: a built-in one (decoder, alias llama/mistral/qwen2/qwen3; "
-                           "replicate) or a JSON spec file (default decoder); --plan is its old name")
+                      help="the sharding spec: a built-in one (vllm: vLLM's engine names, which its "
+                           "sharded_state loaders read; decoder, alias llama/mistral/qwen2/qwen3: the same slices "
+                           "under the checkpoint's names; plain; replicate) or a JSON spec file (default vllm "
+                           "where the engine's names are known, else decoder); --plan is its old name")
 
     verify = sub.add_parser("verify", help="check a sharded checkpoint's files against its manifest")
     verify.add_argument("folder", help="a sharded checkpoint saved by distload (a folder or an object-store prefix)")

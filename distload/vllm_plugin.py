@@ -1,0 +1,207 @@
+"""``--load-format distload`` for vLLM: the engine's weights read by distload.
+
+Registered from the ``vllm.general_plugins`` entry point (setup.cfg), which vLLM runs in every one
+of its processes; nothing here is imported unless vLLM is there. In each worker the loader:
+
+1. validates its extra config at engine start: ``reader`` (a distload load format, default
+   ``auto``) and that format's own keys, checked as ``distload load`` checks them;
+2. loads over vLLM's tensor-parallel group (its gloo ``cpu_group``: distload's agreement runs
+   there) with ``tensor_parallel_size`` = vLLM's: a checkpoint pre-sharded for that size gives each
+   TP rank its own files, a whole one each rank only the bytes of its slices (the ``decoder``
+   spec, vLLM's layout);
+3. writes each tensor into the engine parameter vLLM names it by (``distload.vllm_names``: slices
+   of q/k/v and gate/up concatenated into ``qkv_proj``/``gate_up_proj``; a save of the ``vllm``
+   layout already has those names), narrowed where vLLM pads, as vLLM's sharded_state loader
+   does, and fails naming every parameter left without a tensor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+from typing import Any, Mapping
+
+import torch
+
+from distload.errors import ConfigError, DistloadError
+
+LOAD_FORMAT = "distload"
+
+
+def register() -> None:
+    """The entry point: request AMX for this process, then register the load format."""
+    _request_amx()
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+def _request_amx() -> None:
+    """On x86 Linux CPUs with AMX, ask the kernel for AMX tile state for this process now.
+
+    The kernel grants AMX per process, on request (arch_prctl ARCH_REQ_XCOMP_PERM); a thread that
+    runs an AMX instruction before anyone asked dies of SIGILL. vLLM's CPU workers raced into that
+    here (workers "died unexpectedly (exit code: -4)" in about one start of three, TP 1 and 2
+    alike; never after this request). Harmless where AMX is absent or already granted.
+    """
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return
+    try:
+        with open("/proc/cpuinfo") as f:
+            if " amx_tile" not in f.read():
+                return
+        ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18)  # arch_prctl(REQ_XCOMP_PERM, XTILEDATA)
+    except OSError:
+        return
+
+
+def reader_config(extra: Mapping[str, Any] | None):
+    """distload's LoadConfig from vLLM's ``--model-loader-extra-config`` (ConfigError naming the key)."""
+    from distload.loading.formats import LOAD_FORMATS, make_load_config
+
+    extra = dict(extra or {})
+    reader = extra.pop("reader", "auto")
+    if not isinstance(reader, str) or reader.strip().lower() not in LOAD_FORMATS or reader == LOAD_FORMAT:
+        choices = ", ".join(f for f in LOAD_FORMATS if f != "dummy")
+        raise ConfigError(f"--model-loader-extra-config 'reader': {reader!r} is not a distload reader; choose "
+                          f"one of {choices} (default auto)")
+    if reader.strip().lower() == "dummy":
+        raise ConfigError("--model-loader-extra-config 'reader': dummy weights come from vLLM's own "
+                          "--load-format dummy")
+    return make_load_config(reader, extra)
+
+
+def _loader_class():
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class DistloadModelLoader(BaseModelLoader):
+        """vLLM's model weights, read by distload (see distload/vllm_plugin.py)."""
+
+        def __init__(self, load_config):
+            super().__init__(load_config)
+            self.reader = reader_config(load_config.model_loader_extra_config)
+
+        def download_model(self, model_config) -> None:
+            """distload reads local folders and s3://, gs://, az:// itself: nothing to fetch."""
+
+        def load_weights(self, model, model_config) -> None:
+            source = getattr(model_config, "model_weights", None) or model_config.model
+            load_into_engine(model, source, self.reader)
+
+        def get_all_weights(self, model_config, model):
+            """Checkpoint tensors whole, for vLLM's in-place ``reload_weights`` (its weight
+            loaders cut each rank's part)."""
+            source = getattr(model_config, "model_weights", None) or model_config.model
+            return checkpoint_weights(source, self.reader, str(next(model.parameters()).device))
+
+    return DistloadModelLoader
+
+
+def checkpoint_weights(source: str, reader, device: str):
+    """``(name, tensor)`` of a whole checkpoint, every tensor whole, read by distload over vLLM's
+    tensor-parallel group: what vLLM's ``model.load_weights`` takes."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from distload.group import WorkerGroup
+    from distload.loading.loader import Loader
+
+    tp = get_tp_group()
+    group = WorkerGroup(device=device, process_group=tp.cpu_group) if tp.world_size > 1 else None
+    try:
+        with WorkerGroup.for_call(group, device=device) as g:
+            yield from Loader(source, reader.load_format, reader.extra, group=g).stream()
+    finally:
+        if group is not None:
+            group.close()
+
+
+WORKER_EXTENSION = "distload.vllm_plugin.WorkerExtension"
+
+
+class WorkerExtension:
+    """What vLLM adds to each of its workers when an engine is started with
+    ``worker_extension_cls="distload.vllm_plugin.WorkerExtension"`` (vLLM's way to call code on
+    every worker by name, without pickled functions)."""
+
+    def distload_reload(self, source: str, extra: dict) -> None:
+        reader = reader_config(extra)
+        runner = self.model_runner  # type: ignore[attr-defined]
+        device = str(next(runner.get_model().parameters()).device)
+        runner.reload_weights(weights_iterator=checkpoint_weights(source, reader, device), is_checkpoint_format=True)
+
+
+def reload_engine(llm, source: str, extra_config: Mapping[str, Any] | None = None) -> None:
+    """Replace a running vLLM engine's weights in place with ``source``'s, read by distload on
+    every worker (``extra_config``: ``reader`` and its keys, as ``--load-format distload``).
+
+    The engine must have been started with ``worker_extension_cls=WORKER_EXTENSION``. One started
+    with ``load_format="dummy"`` thus switches to the real weights without a restart; vLLM's own
+    ``reload_weights`` re-applies its kernel formats after the copy."""
+    reader_config(extra_config)  # a bad setting fails here, before any worker is asked
+    configured = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "parallel_config", None)
+    extension = getattr(configured, "worker_extension_cls", None)
+    if configured is not None and extension != WORKER_EXTENSION:
+        raise ConfigError(f"reload_engine: start the engine with worker_extension_cls={WORKER_EXTENSION!r} "
+                          f"(it has {extension!r}): that is how distload's reload reaches every worker")
+    llm.collective_rpc("distload_reload", args=(source, dict(extra_config or {})))
+
+
+def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:
+    """Fill ``model`` (a vLLM model on this worker) from ``source`` with distload."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+    from distload.group import WorkerGroup
+    from distload.loading.layout import detect_layout
+    from distload.loading.loader import Loader
+    from distload.loading.sources import model_config
+    from distload.vllm_names import vllm_state
+
+    if get_pp_group().world_size > 1:
+        raise ConfigError("--load-format distload: pipeline parallelism is not supported yet; run with "
+                          "--pipeline-parallel-size 1")
+    tp = get_tp_group()
+    params = ShardedStateLoader._filter_subtensors(model.state_dict())  # one name per storage, as vLLM's
+    device = next(iter(params.values())).device
+    group = WorkerGroup(device=str(device), process_group=tp.cpu_group) if tp.world_size > 1 else None
+    try:
+        with WorkerGroup.for_call(group, device=str(device)) as g:
+            loader = Loader(source, reader.load_format, reader.extra, group=g,
+                            tensor_parallel_size=tp.world_size, tensor_parallel_rank=tp.rank_in_group)
+            state = loader.load().state
+    finally:
+        if group is not None:
+            group.close()
+    if detect_layout(source).sharded:
+        engine = {name: tensor for name, tensor in state.items()}
+    else:
+        engine = {}
+        for out in vllm_state(list(state), model_config(source), source):
+            if out.constant is not None:
+                engine[out.name] = torch.tensor(out.constant, dtype=torch.float32)
+            else:
+                parts = [state[name] for name in out.parts]
+                engine[out.name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    _copy_into(params, engine, source)
+
+
+def _copy_into(params: Mapping[str, torch.Tensor], engine: Mapping[str, torch.Tensor], source: str) -> None:
+    unknown = sorted(set(engine) - set(params))
+    missing = sorted(set(params) - set(engine))
+    if unknown or missing:
+        raise DistloadError(
+            f"{source}: the checkpoint does not match the engine's parameters: "
+            + (f"no parameter for {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; " if unknown else "")
+            + (f"no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "")
+            + "; a save for vLLM needs distload save-sharded --sharding vllm")
+    for name, tensor in engine.items():
+        param = params[name].data
+        if tensor.dim() != param.dim() or any(t > p for t, p in zip(tensor.shape, param.shape)):
+            raise DistloadError(f"{source}: {name} is {list(tensor.shape)} but the engine's parameter is "
+                                f"{list(param.shape)}")
+        target = param
+        for dim, size in enumerate(tensor.shape):
+            if size < param.shape[dim]:  # vLLM pads (vocabulary rows): fill what the checkpoint has
+                target = target.narrow(dim, 0, size)
+        target.copy_(tensor)

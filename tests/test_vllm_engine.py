@@ -1,0 +1,158 @@
+"""A real vLLM engine (vLLM's CPU build, 0.32) against distload (issue 17): distload's saves load in
+vLLM's own sharded_state loaders, vLLM loads through ``--load-format distload``, and a dummy
+engine switches to the real weights in place, each token for token equal to vLLM's own loading
+of the original Hugging Face checkpoint, on 1 and 2 tensor-parallel ranks.
+
+vLLM runs in its own virtual environment (``.vllm-venv``, which ``bash .ci/run`` makes; or
+DISTLOAD_VLLM_PYTHON), with distload installed in it. Engines start one after the other inside one
+driver process per tensor-parallel size (tests/vllm_driver.py); the tests read its results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import distload
+
+from conftest import in_ci
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(ROOT, "tests", "vllm_driver.py")
+
+# Tiny random models saved by transformers itself, as a user's Hugging Face checkpoint is.
+MAKE_MODELS = r"""
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+llama, qwen = sys.argv[1:3]
+shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(**shape)).to(torch.bfloat16).save_pretrained(llama, safe_serialization=True)
+torch.manual_seed(1)  # Qwen2: q/k/v biases and tied embeddings
+Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True)).to(torch.bfloat16).save_pretrained(
+    qwen, safe_serialization=True)
+"""
+
+
+def vllm_python() -> str:
+    path = os.environ.get("DISTLOAD_VLLM_PYTHON") or os.path.join(ROOT, ".vllm-venv", "bin", "python")
+    problem = None
+    if not os.path.exists(path):
+        problem = f"no vLLM environment at {path}"
+    else:
+        check = subprocess.run([path, "-c", "import vllm, distload.vllm_plugin"], capture_output=True, text=True,
+                               timeout=300)
+        if check.returncode != 0:
+            problem = f"{path} cannot import vllm and distload: {check.stderr.strip().splitlines()[-1:]}"
+    if problem:
+        message = f"{problem}; bash .ci/run installs vLLM's CPU build there (or set DISTLOAD_VLLM_PYTHON)"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm-models")
+    paths = {"llama": str(root / "llama"), "qwen": str(root / "qwen2-tied")}
+    made = subprocess.run([python, "-c", MAKE_MODELS, paths["llama"], paths["qwen"]], capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    for tp in (1, 2):
+        paths[f"llama-tp{tp}"] = str(root / f"llama-tp{tp}")
+        assert distload.reshard(paths["llama"], paths[f"llama-tp{tp}"], tp).spec == "vllm"
+    paths["qwen-tp2"] = str(root / "qwen2-tied-tp2")
+    distload.reshard(paths["qwen"], paths["qwen-tp2"], 2)
+    return python, paths
+
+
+def _drive(python: str, tp: int, cases: list[dict]) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                           "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    result = subprocess.run([python, DRIVER, str(tp), json.dumps(cases)], capture_output=True, text=True,
+                            timeout=840, env=env)
+    lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
+    assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-6000:]
+    out = json.loads(lines[0][len("RESULT "):])
+    out["_output"] = result.stdout + result.stderr  # vLLM logs its workers' errors to stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoints):
+    python, p = checkpoints
+    return _drive(python, 1, [
+        {"name": "reference", "model": p["llama"], "format": "auto"},
+        {"name": "saved", "model": p["llama-tp1"], "format": "sharded_state"},
+        {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
+        {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
+        {"name": "bad reader", "model": p["llama"], "format": "distload", "extra": {"reader": "fastest"}},
+    ])
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoints):
+    python, p = checkpoints
+    return _drive(python, 2, [
+        {"name": "reference", "model": p["llama"], "format": "auto"},
+        {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
+        {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
+        {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
+        {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
+        {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
+        {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
+        {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
+        {"name": "qwen plugin", "model": p["qwen"], "format": "distload", "extra": {"reader": "auto"}},
+    ])
+
+
+def _tokens(results: dict, name: str) -> list:
+    assert "tokens" in results[name], f"{name}: {results[name]}"
+    return results[name]["tokens"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_save_sharded_output_loads_in_vllms_sharded_state_loader(tp, request):
+    results = request.getfixturevalue(f"tp{tp}")
+    assert _tokens(results, "saved") == _tokens(results, "reference")
+
+
+def test_save_sharded_output_loads_in_vllms_run_ai_sharded_loader(tp2):
+    assert _tokens(tp2, "saved runai") == _tokens(tp2, "reference")
+
+
+def test_tied_embeddings_and_biases_load_in_vllm(tp2):
+    assert _tokens(tp2, "qwen saved") == _tokens(tp2, "qwen reference")
+    assert _tokens(tp2, "qwen plugin") == _tokens(tp2, "qwen reference")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_loads_a_whole_checkpoint_through_distload(tp, request):
+    results = request.getfixturevalue(f"tp{tp}")
+    assert _tokens(results, "plugin") == _tokens(results, "reference")
+
+
+def test_vllm_loads_a_pre_sharded_save_through_distload(tp2):
+    assert _tokens(tp2, "plugin saved") == _tokens(tp2, "reference")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_dummy_engine_switches_to_the_real_weights_in_place(tp, request):
+    results = request.getfixturevalue(f"tp{tp}")
+    dummy = results["dummy"]
+    assert dummy["tokens"] != _tokens(results, "reference")  # random weights generate other tokens
+    assert dummy["reloaded"] == _tokens(results, "reference")
+
+
+def test_a_bad_reader_setting_stops_the_engine_naming_it(tp1):
+    assert "error" in tp1["bad reader"], tp1["bad reader"]
+    assert "'reader': 'fastest' is not a distload reader" in tp1["_output"]
