@@ -158,11 +158,15 @@ class ByteCountingProxy:
                 thread.start()
                 self._threads.append(thread)
 
+    def _pass_on(self, served: bool) -> bool:
+        """Called before each chunk is passed on; False drops the connection (subclasses)."""
+        return True
+
     def _pump(self, src: socket.socket, dst: socket.socket, served: bool) -> None:
         try:
             while True:
                 data = src.recv(1 << 20)
-                if not data:
+                if not data or not self._pass_on(served):
                     break
                 dst.sendall(data)
                 with self._lock:
@@ -199,29 +203,10 @@ class StallingProxy(ByteCountingProxy):
     def kill(self) -> None:
         self.close()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, served: bool) -> None:
-        if not served:
-            return super()._pump(src, dst, served)
-        try:
-            while True:
-                data = src.recv(64 << 10)
-                if not data:
-                    break
-                while self._stalled.is_set() and not self._closed:
-                    time.sleep(0.1)  # hold the bytes: the client sees a silent server
-                if self._closed:
-                    break
-                dst.sendall(data)
-                with self._lock:
-                    self.served += len(data)
-        except OSError:
-            pass
-        finally:
-            for s in (dst, src):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def _pass_on(self, served: bool) -> bool:
+        while served and self._stalled.is_set() and not self._closed:
+            time.sleep(0.1)  # hold the server's bytes: the client sees a silent server
+        return not self._closed
 
 
 class Forbidding403Server:

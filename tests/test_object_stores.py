@@ -455,25 +455,28 @@ class StalledServer:
             s.close()
 
 
-@pytest.mark.parametrize("fmt", ["runai_streamer", "safetensors", "dummy", "auto"])
-def test_endpoint_that_accepts_and_never_answers_fails_within_seconds(store, ckpts, monkeypatch, fmt):
+def test_endpoint_that_accepts_and_never_answers_fails_within_seconds(store, ckpts, monkeypatch):
     """Issue 13, item 10: a server that accepts connections and stalls ends the load in about
-    10 s (connect, then the first answer), not after the SDK's 4 x 60 s read timeouts."""
-    stalled = StalledServer()
-    try:
-        for key in LAUNCH_VARS + tuple(store.unset_keys()):
-            monkeypatch.delenv(key, raising=False)
-        for key, value in store.env(stalled.port).items():
-            monkeypatch.setenv(key, value)
-        start = time.monotonic()
-        message = expect_store_error(ckpts.uri["whole"], fmt, cause="unreachable")
-        seconds = time.monotonic() - start
-        MEASURED[f"{store.name} stalled endpoint ({fmt}) s"] = round(seconds, 2)
-        assert stalled.accepted, "the probe never connected"
-    finally:
-        stalled.close()
-    assert f"127.0.0.1:{stalled.port} accepted the connection but sent no answer within 5 s" in message, message
-    assert seconds < 15, seconds
+    10 s (connect, then the first answer), not after the SDK's 4 x 60 s read timeouts. Every
+    format on S3 (the probe is the same code for every store); on the others the one format
+    whose reader (Run:ai) would otherwise retry longest, over HTTPS for Azure."""
+    formats = ["runai_streamer", "safetensors", "dummy", "auto"] if store.scheme == "s3" else ["runai_streamer"]
+    for key in LAUNCH_VARS + tuple(store.unset_keys()):
+        monkeypatch.delenv(key, raising=False)
+    for fmt in formats:
+        stalled = StalledServer()
+        try:
+            for key, value in store.env(stalled.port).items():
+                monkeypatch.setenv(key, value)
+            start = time.monotonic()
+            message = expect_store_error(ckpts.uri["whole"], fmt, cause="unreachable")
+            seconds = time.monotonic() - start
+            MEASURED[f"{store.name} stalled endpoint ({fmt}) s"] = round(seconds, 2)
+            assert stalled.accepted, "the probe never connected"
+        finally:
+            stalled.close()
+        assert f"127.0.0.1:{stalled.port} accepted the connection but sent no answer within 5 s" in message, message
+        assert seconds < 15, (fmt, seconds)
 
 
 def test_a_malformed_read_timeout_setting_is_named(store, store_env, ckpts, monkeypatch):
@@ -509,6 +512,7 @@ def _fault_mid_load(server, uri: str, fmt: str, fault: str, tmp_path) -> tuple[f
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k not in server.unset_keys()}
     env.update(server.env(proxy.port))
     env["DISTLOAD_STORE_READ_TIMEOUT"] = "2"
+    env["RUNAI_STREAMER_S3_MAX_RETRIES"] = "1"  # Run:ai's own retries would triple the wait
     process = subprocess.Popen([sys.executable, str(script), fmt, uri], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -545,9 +549,10 @@ def test_a_server_that_stalls_or_dies_mid_load_ends_distloads_reads_in_bounded_t
 def test_a_server_that_stalls_or_dies_mid_load_ends_run_ais_s3_reads_in_bounded_time(moto, moto_ckpt, tmp_path, fault):
     """Run:ai's S3 reader gets the same setting as RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS and
     retries each chunk itself (measured 42 s with its default retries and a 2 s timeout, 19 s
-    with RUNAI_STREAMER_S3_MAX_RETRIES=1). Its GCS reader has no such setting (README)."""
+    with RUNAI_STREAMER_S3_MAX_RETRIES=1, which these runs set). Its GCS reader has no such
+    setting (README)."""
     seconds, line = _fault_mid_load(moto, moto_ckpt[1], "runai_streamer", fault, tmp_path)
-    assert seconds < 80, line
+    assert seconds < 45, line
 
 
 def test_reader_checks_the_endpoint_before_run_ai(store, store_env, ckpts, monkeypatch):
