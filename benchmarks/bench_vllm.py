@@ -8,13 +8,15 @@ A random Llama (bf16) saved by transformers, and its ``distload save-sharded`` o
 TP size. In ONE run, each case an engine start (``LLM(...)``) with the model's files evicted from
 the page cache first (posix_fadvise DONTNEED, no root):
 
-- **dummy**: ``load_format="dummy"``: the engine start without reading weights (the baseline
-  every other case subtracts);
+- **dummy**: ``load_format="dummy"``: the engine start without reading weights (for scale: it
+  fills the weights with random values, which is not free either);
 - **vLLM default**: ``load_format="auto"`` on the whole checkpoint;
 - **distload**: ``load_format="distload"`` on the whole checkpoint (each TP rank its slices' bytes);
 - **vLLM sharded_state** and **distload, pre-sharded**: the save-sharded output.
 
-Load seconds = engine start - dummy's (medians of ``--repeats``); ratios against vLLM default.
+Load seconds: what each loader logs as "Loading weights took" in its worker (vLLM's default and
+sharded_state loaders, and distload's, the same line); medians of ``--repeats``; ratios against
+vLLM default.
 Results: benchmarks/results/vllm.json and vllm.md.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -66,12 +69,32 @@ def main():
             llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                       max_model_len=128, max_num_seqs=4, tensor_parallel_size=tp, load_format=fmt)
             seconds.setdefault(name, []).append(time.perf_counter() - start)
+            print("CASE", name, flush=True)
             del llm
             gc.collect()
     print("RESULT", json.dumps(seconds))
 if __name__ == "__main__":
     main()
 """
+
+
+def _loading_seconds(output: str) -> dict[str, list[float]]:
+    """Each case's "Loading weights took X seconds" (vLLM's loaders and distload's log it from the
+    worker, before the driver prints the case's name)."""
+    found: dict[str, list[float]] = {}
+    pending: list[float] = []
+    for line in output.splitlines():
+        match = re.search(r"Loading weights took ([0-9.]+) seconds", line)
+        if match:
+            pending.append(float(match.group(1)))
+        elif line.startswith("CASE "):
+            name = line[len("CASE "):]
+            if name != "dummy":
+                if not pending:
+                    sys.exit(f"no 'Loading weights took' line for case {name}")
+                found.setdefault(name, []).append(max(pending))  # the slowest TP rank
+            pending = []
+    return found
 
 
 def main() -> None:
@@ -101,8 +124,9 @@ def main() -> None:
         if run.returncode != 0 or not lines:
             sys.exit(run.stdout[-3000:] + run.stderr[-6000:])
         seconds = json.loads(lines[0][len("RESULT "):])
+        loading = _loading_seconds(run.stdout + run.stderr)
     medians = {name: statistics.median(values) for name, values in seconds.items()}
-    load = {name: medians[name] - medians["dummy"] for name in medians if name != "dummy"}
+    load = {name: statistics.median(values) for name, values in loading.items()}
     result = {"machine": machine(), "checkpoint_bytes": size, "tp": args.tp, "repeats": args.repeats,
               "engine_start_s": seconds, "load_s": load}
     os.makedirs(args.out, exist_ok=True)
@@ -110,8 +134,9 @@ def main() -> None:
         json.dump(result, f, indent=2)
     base = load["vLLM default"]
     lines = [f"# vLLM load time, {size / 2**30:.2f} GiB Llama (bf16), TP {args.tp}, cold", "",
-             f"Machine: {result['machine']}. Engine starts, medians of {args.repeats}; load = start - dummy's "
-             f"start ({medians['dummy']:.1f} s).", "",
+             f"Machine: {result['machine']}. Medians of {args.repeats}. Load: the workers' own \"Loading "
+             f"weights took\" (the slowest TP rank); engine start: LLM(...) in all (dummy: "
+             f"{medians['dummy']:.1f} s, random weights).", "",
              "| loader | engine start s | load s | vs vLLM default |", "|---|---|---|---|"]
     for name in ("vLLM default", "distload", "vLLM sharded_state", "distload, pre-sharded"):
         ratio = base / load[name] if load[name] > 0 else float("inf")
