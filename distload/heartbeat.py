@@ -37,7 +37,9 @@ def _default_store() -> Any:
         return None
 
 
-class _Beat:
+class Beat:
+    """Counts ``rank``'s key up in ``store`` every INTERVAL_S from a daemon thread, until stop()."""
+
     def __init__(self, store: Any, rank: int):
         self.store = store
         self.rank = rank
@@ -69,7 +71,7 @@ class Heartbeat:
         with RUNTIME.lock:
             beat = RUNTIME.heartbeats.get(id(self.store))
             if beat is None or beat.store is not self.store:
-                beat = RUNTIME.heartbeats[id(self.store)] = _Beat(self.store, rank)
+                beat = RUNTIME.heartbeats[id(self.store)] = Beat(self.store, rank)
             beat.users += 1
 
     def release(self) -> None:
@@ -117,6 +119,34 @@ class Heartbeat:
         word = "rank" if len(silent) == 1 else "ranks"
         return (f"; {word} {_ranks_text(silent)} stopped answering (no heartbeat for {WATCH_S:g} s: "
                 f"killed, stopped or hung)")
+
+
+class PeerWatch:
+    """Continuous watch over peers' beats in one store, for a caller that polls anyway: each
+    :meth:`silent` call reads the counters it has not read for INTERVAL_S, and names the peers
+    whose counter has not moved for ``dead_after_s``."""
+
+    def __init__(self, store: Any, ranks: Sequence[int], dead_after_s: float):
+        self.store = store
+        self.dead_after_s = dead_after_s
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._ranks = list(ranks)
+        self._last_read = 0.0
+
+    def silent(self, now: float) -> list[int]:
+        """The watched ranks silent for ``dead_after_s`` at monotonic time ``now``."""
+        if now - self._last_read < INTERVAL_S:
+            return []
+        self._last_read = now
+        silent = []
+        for rank in self._ranks:
+            count = self.store.add(_key(rank), 0)
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != count:
+                self._seen[rank] = (count, now)
+            elif now - seen[1] >= self.dead_after_s:
+                silent.append(rank)
+        return silent
 
 
 def _quietly(fn):

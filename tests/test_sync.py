@@ -10,32 +10,39 @@ import time
 import pytest
 import torch
 
-from distload.live.sync import _ALIGN, _Entry, check_entries, plan_buckets
+from distload.live.transfer import ALIGN, Entry, Piece, check_pieces, group_entries, layouts, View
 
 from dist_helpers import clean_env, free_port, run_script, write_script
 
 
-def entries(*sizes: int) -> list[_Entry]:
-    return [_Entry(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+def entries(*sizes: int) -> list[Entry]:
+    return [Entry(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
 
 
 def test_buckets_pack_in_order_aligned_and_a_big_tensor_alone():
-    buckets = plan_buckets(entries(10, 20, 100, 5, 300, 7), bucket_bytes=128)
-    layout = [[(i, off) for i, off in b.items] for b in buckets]
-    assert layout == [[(0, 0), (1, 64)], [(2, 0)], [(3, 0)], [(4, 0)], [(5, 0)]]
+    sent = entries(10, 20, 100, 5, 300, 7)
+    groups = group_entries(sent, bucket_bytes=128)
+    assert groups == [(0, 1), (2,), (3,), (4,), (5,)]
+    buckets = layouts(sent, groups, View(), verify=False)
+    assert [[off for _, off in b.items] for b in buckets] == [[0, 64], [0], [0], [0], [0]]
     assert buckets[3].size == 300  # bigger than a bucket: travels alone
-    for bucket in buckets:
-        assert all(off % _ALIGN == 0 for _, off in bucket.items)
-    assert plan_buckets([], 128) == []
+    assert all(off % ALIGN == 0 for b in buckets for _, off in b.items)
+    verified = layouts(sent, groups, View(), verify=True)
+    assert [b.size for b in verified] == [84 + 4 + 16, 100 + 4 + 16, 8 + 16, 304 + 16, 8 + 16]
+    assert group_entries([], 128) == []
 
 
-def test_check_entries_names_every_problem():
-    targets = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
-    sent = [_Entry("a", "F32", (3, 2), 24), _Entry("b", "F32", (4,), 16), _Entry("c", "F32", (1,), 4)]
-    problems = check_entries(sent, targets)
+def test_check_pieces_names_every_problem():
+    targets = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16), "d": torch.zeros(8)}
+    targets["d"].untyped_storage().resize_(0)  # what WeightSleeper leaves behind
+    sent = [Entry("a", "F32", (3, 2), 24), Entry("b", "F32", (4,), 16), Entry("c", "F32", (1,), 4),
+            Entry("d", "F32", (8,), 32)]
+    pieces = [Piece(i, e.shape, e.nbytes, None) for i, e in enumerate(sent)]
+    problems = check_pieces(sent, pieces, targets)
     assert problems == ["a: sent F32 [3, 2], here torch.float32 [2, 3]",
-                        "b: sent F32 [4], here torch.bfloat16 [4]", "c: no such tensor here"]
-    assert check_entries(sent[:0], targets) == []
+                        "b: sent F32 [4], here torch.bfloat16 [4]", "c: no such tensor here",
+                        "d: asleep (its storage holds 0 bytes): wake() the model before receiving into it"]
+    assert check_pieces(sent, [], targets) == []
 
 
 _SYNC = """
@@ -129,15 +136,15 @@ def test_a_refused_update_moves_no_byte_anywhere(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     sender, r1, r2 = _results(tmp_path, 3)
     assert "update to version 2 refused, nothing was sent" in sender["refused"]
-    assert "rank 2: layer3.w: sent" in sender["refused"]
+    assert "rank 2: 1 tensor does not fit: layer3.w: sent" in sender["refused"]
     for r in (r1, r2):
-        assert "refused (nothing was written; still at version None)" in r["error"], r
+        assert "update to version 2 refused, nothing was sent" in r["error"], r
         assert r["unchanged"] and r["consistent"] and r["version"] is None, r
 
 
 _KILLED = """
 import json, os, signal, sys, time, torch, distload
-import torch.distributed as dist
+import distload.live.channel as channel
 from distload.live.sync import WeightSync, SyncError
 out = sys.argv[1]
 with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
@@ -145,14 +152,14 @@ with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
     state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(64)}  # 1 MiB in 16 buckets
     if g.rank == 0:
         sync.push(state, 1)
-        real = dist.broadcast
-        sent = []
+        real = channel.pack
+        packed = []
         def dying(*args, **kwargs):
-            sent.append(1)
-            if len(sent) == 4:  # a few buckets of version 2 are out: die like an OOM-killed trainer
+            packed.append(1)
+            if len(packed) == 8:  # a few buckets of version 2 are out: die like an OOM-killed trainer
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(*args, **kwargs)
-        dist.broadcast = dying
+        channel.pack = dying
         sync.push({n: t + 100 for n, t in state.items()}, 2)
     else:
         target = {n: torch.zeros_like(t) for n, t in state.items()}

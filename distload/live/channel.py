@@ -1,0 +1,586 @@
+"""The weight-sync channel: trainer ranks push versions, inference ranks receive them in place.
+
+The two sides may be separately launched jobs (each its own torchrun or srun, its own world, its
+own loads) that meet at a TCP rendezvous address, or ranks of one job (:class:`~distload.live.
+sync.WeightSync` runs this channel over the job's own store). Neither job's default group is used.
+
+Control goes through the store, data through the session's process group (distload/live/
+rendezvous.py forms both). One update, numbered within its session:
+
+1. *metadata*: each trainer rank posts its version, tensors (name, dtype, whole shape) and bucket
+   grouping;
+2. *agreement*: each member posts what stops it (an inference rank: tensors that do not fit its
+   slices, a model asleep; every member: versions that disagree, a name two trainers send) and
+   every member reads every answer: if any member refused, every member raises, and no byte moved;
+3. *data*: each trainer rank sends each inference rank exactly the bytes it keeps (its
+   tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
+   receiver checks each bucket's checksum first when the update is verified and then copies it
+   into its tensors in place. Point-to-point, so a lost receiver stalls only its own stream;
+4. *done*: every member posts that its part finished and waits for all the others: only then
+   does a receiver's ``version`` advance.
+
+Any failure (a checksum, a peer that died or stopped, a deadline) is posted as the update's abort
+reason: every member raises it within its timeout, receivers keep their old ``version``
+(``consistent`` False once data moved), and the session is over: the next push or receive forms a
+new one (a restarted trainer rejoins the same address). While data moves a supervisor thread
+watches the abort key and every member's heartbeat, because a gloo wait with a timeout closes its
+connection, and a gloo wait cannot be interrupted.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from distload.errors import ConfigError, SyncError
+from distload.group import DEFAULT_TIMEOUT_S, detect_launch, resolve_device
+from distload.heartbeat import Beat, PeerWatch
+from distload.live import rendezvous
+from distload.live.rendezvous import ROLES, SessionRecord, describe
+from distload.live.targets import model_tensors
+from distload.live.transfer import (Entry, Layout, View, check_pieces, group_entries, intact, layouts, pack,
+                                    seal, unpack)
+from distload.loading.index import dtype_code
+from distload.sharding import ShardingSpec, load_spec, spec_from_json
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
+_SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
+
+
+@dataclass
+class SyncStats:
+    """One update as this rank saw it."""
+
+    version: int
+    nbytes: int  # bytes of tensors this rank sent (a trainer) or received into its tensors
+    num_tensors: int
+    num_buckets: int
+    seconds: float
+    wire_bytes: int = 0  # bytes that crossed the transport (alignment and checksums included)
+    verified: bool = False
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Session:
+    record: SessionRecord
+    store: Any  # the session's part of the rendezvous store
+    group: Any  # its process group
+    backend: str
+    me: int  # this member's rank in the session
+    beat: Beat
+    watch: PeerWatch
+    seq: int = 0  # the next update's number
+
+
+class SyncChannel:
+    """One member of a weight-sync channel.
+
+    ``rendezvous``: ``tcp://HOST:PORT``; rank 0 of the ``host`` side (``trainer`` by default)
+    serves it. ``role``: ``trainer`` (calls :meth:`push`) or ``inference`` (calls
+    :meth:`receive`). ``rank``/``size``: this process's place in its own side, by default its
+    job's (torchrun's or Slurm's environment); no process group is made for it. An inference
+    side declares ``tensor_parallel_size`` T and ``sharding`` (the specs ``save-sharded`` takes,
+    default ``decoder``; ``model_config``, the model's config.json as a dict or path, sizes the
+    head-aware rules): rank r keeps TP rank ``r % T``'s slices, the tensors ``save-sharded
+    --tensor-parallel-size T`` writes for it, and receives only those bytes. ``verify``: check a
+    checksum of every bucket (either side may ask). Every wait is bounded by ``timeout_s``.
+    """
+
+    def __init__(self, rendezvous_address: str | None = None, role: str = "inference", *,
+                 rank: int | None = None, size: int | None = None, host: str = "trainer",
+                 device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 tensor_parallel_size: int = 1, sharding: str | ShardingSpec | None = None,
+                 model_config: Mapping[str, Any] | str | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False, store: Any = None,
+                 member_name: Callable[[str, int], str] = describe):
+        if role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if host not in ROLES:
+            raise ConfigError(f"host must be the side whose rank 0 serves the rendezvous ({', '.join(ROLES)}), "
+                              f"got {host!r}")
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if not timeout_s or timeout_s <= 0:
+            raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        launch = detect_launch()
+        self._name = member_name  # how messages call a member ("inference rank 1", or a job's rank)
+        self.role = role
+        self.rank = launch.rank if rank is None else int(rank)
+        self.size = launch.world_size if size is None else int(size)
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(f"rank {self.rank} is not within this side's {self.size} ranks")
+        self.device = resolve_device(device, launch.local_rank)
+        self.timeout_s = float(timeout_s)
+        self.bucket_bytes = bucket_bytes
+        self.verify = bool(verify)
+        self.view = self._view(tensor_parallel_size, sharding, model_config)
+        if store is None and rendezvous_address is None:
+            raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
+                              "inside one job use distload.WeightSync")
+        self.address = rendezvous_address or "the job's rendezvous store"
+        serve = store is None and role == host and self.rank == 0
+        self._store = store if store is not None else rendezvous.open_store(self.address, serve, self.timeout_s)
+        self._session: _Session | None = None
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.version: int | None = None
+        self.last_error: str | None = None
+        self.consistent = True
+
+    def _view(self, tp_size: int, sharding: Any, model_config: Any) -> View:
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive int, got {tp_size!r}")
+        if self.role == "trainer":
+            if tp_size != 1 or sharding is not None:
+                raise ConfigError("tensor_parallel_size and sharding describe what an inference rank keeps; "
+                                  "a trainer sends whole tensors (pass them on the inference side)")
+            return View()
+        if self.size % tp_size:
+            raise ConfigError(f"the inference side has {self.size} ranks, not a multiple of "
+                              f"tensor_parallel_size {tp_size}")
+        if tp_size == 1:
+            return View()
+        spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding)
+        if spec.engine is not None:
+            raise ConfigError(f"sharding {spec.name!r} writes {spec.engine}'s engine names, for saves only; "
+                              f"sync slices with 'decoder' (the same slices under the checkpoint's names)")
+        if spec.needs_model_config and not spec.config:
+            if model_config is None:
+                raise ConfigError(f"sharding {spec.name!r} splits attention heads: pass model_config= (the "
+                                  f"model's config.json, as a dict or a path) so every rank cuts between heads")
+            spec = ShardingSpec(spec.name, spec.rules, _config(model_config), spec.engine)
+        return View(tp_size, self.rank % tp_size, spec)
+
+    # -- sessions ----------------------------------------------------------------------------
+    def _info(self) -> dict[str, Any]:
+        spec = self.view.spec
+        return {"tp_size": self.view.tp_size, "spec": None if spec is None else spec.to_json(),
+                "device": self.device.type, "verify": self.verify, "pid": os.getpid()}
+
+    def _join(self, deadline: float) -> _Session:
+        if self._session is not None:
+            if self.role == "trainer" and self.rank == 0:
+                return self._session  # the leader's session lasts until an update fails
+            if rendezvous.session_id(self._store) == self._session.record.id:
+                return self._session
+            self._drop_session()
+        nonce = rendezvous.post_hello(self._store, self.role, self.rank, self.size, self._info())
+        if self.role == "trainer" and self.rank == 0:
+            record = rendezvous.form_session(self._store, self.size, rendezvous.Hello(nonce, self.size, self._info()),
+                                             deadline, self.address)
+        else:
+            record = rendezvous.await_session(self._store, self.role, self.rank, nonce, deadline, self.address)
+        me = record.channel_rank(self.role, self.rank)
+        store = dist.PrefixStore(f"s/{record.id}/", self._store)
+        backend = "nccl" if all(i["device"] == "cuda" for i in record.infos.values()) else "gloo"
+        beat = Beat(store, me)
+        try:
+            group = rendezvous.process_group(dist.PrefixStore("pg/", store), me, record.world_size, backend,
+                                             max(1.0, deadline - time.monotonic()))
+        except Exception as exc:
+            beat.stop()
+            raise SyncError(f"{self._name(self.role, self.rank)}: the sync session at {self.address} did not come "
+                            f"together (a member died while joining, or the timeout passed): {exc}") from exc
+        others = [r for r in range(record.world_size) if r != me]
+        self._session = _Session(record, store, group, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S))
+        return self._session
+
+    def _drop_session(self) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        session.beat.stop()
+        # After a failure its group may have a wait in flight that nothing interrupts (it ends
+        # with its peer or the group's timeout, in a thread nobody joins); abort() closes the
+        # connections without waiting for it.
+        _quietly(session.group.abort)()
+        self._buffers.clear()
+
+    # -- the update protocol -------------------------------------------------------------------
+    def _key(self, session: _Session, what: str, member: int | None = None) -> str:
+        return f"u/{session.seq}/{what}" + ("" if member is None else f"/{member}")
+
+    def _interruption(self, session: _Session) -> str | None:
+        abort = self._key(session, "abort")
+        if session.store.check([abort]):
+            return rendezvous.get(session.store, abort)
+        silent = session.watch.silent(time.monotonic())
+        if silent:
+            names = ", ".join(self._name(*session.record.member(r)) for r in silent)
+            return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: killed, stopped "
+                    f"or hung)")
+        return None
+
+    def _fail(self, session: _Session, reason: str) -> str:
+        """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
+        abort = self._key(session, "abort")
+        try:
+            if not session.store.check([abort]):
+                rendezvous.put(session.store, abort, f"{self._name(self.role, self.rank)}: {reason}")
+            return rendezvous.get(session.store, abort)
+        except Exception:  # noqa: BLE001 - the store itself is gone: our own reason stands
+            return f"{self._name(self.role, self.rank)}: {reason}"
+
+    def _await(self, session: _Session, what: str, deadline: float, members: int | None = None) -> list[Any]:
+        """The value for ``what`` in this update of every member (or of the first ``members``:
+        the trainer ranks), in session-rank order."""
+        count = session.record.world_size if members is None else members
+        keys = [self._key(session, what, r) for r in range(count)]
+        while not session.store.check(keys):
+            reason = self._interruption(session)
+            if reason is None and time.monotonic() > deadline:
+                late = [self._name(*session.record.member(r)) for r, k in enumerate(keys)
+                        if not session.store.check([k])]
+                reason = f"{', '.join(late)} did not reach the {what} step within {self.timeout_s:.0f} s"
+            if reason is not None:
+                raise SyncError(self._fail(session, reason))
+            time.sleep(rendezvous.POLL_S)
+        return [rendezvous.get(session.store, k) for k in keys]
+
+    def _supervise(self, session: _Session, work: Callable[[threading.Event], Any], deadline: float) -> Any:
+        """Run ``work(cancelled)`` in a thread while watching for an abort, a silent member and
+        the deadline; raise SyncError (posting the reason) on any of them."""
+        cancelled = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = work(cancelled)
+            except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="distload-sync-transfer", daemon=True)
+        thread.start()
+        while True:
+            thread.join(rendezvous.POLL_S)
+            if not thread.is_alive():
+                break
+            reason = self._interruption(session)
+            if reason is None and time.monotonic() > deadline:
+                reason = f"the data did not move within {self.timeout_s:.0f} s"
+            if reason is not None:
+                cancelled.set()
+                raise SyncError(self._fail(session, reason))
+        if "error" in box:
+            error = box["error"]
+            raise SyncError(self._fail(session, error if isinstance(error, SyncError)
+                                       else f"{type(error).__name__}: {error}")) from error
+        return box["result"]
+
+    def _buffer(self, key: tuple, size: int) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            device = self.device if self._session and self._session.backend == "nccl" else torch.device("cpu")
+            buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buffer[:size]
+
+    # -- trainer ------------------------------------------------------------------------------
+    def push(self, state: Mapping[str, torch.Tensor], version: int) -> SyncStats:
+        """Send ``state`` as ``version``; every trainer rank calls it (each with its own part,
+        disjoint names, or the same DTensors). Raises SyncError if any member refuses or fails."""
+        if self.role != "trainer":
+            raise ConfigError(f"{self._name(self.role, self.rank)} receives; push() is for trainer ranks")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise ConfigError(f"version must be an int, got {version!r}")
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        session = self._join(deadline)
+        entries, tensors, dtensors = _describe_state(state, leader=self.rank == 0)
+        groups = group_entries(entries, self.bucket_bytes)
+        verify = self.verify or any(i.get("verify") for i in session.record.infos.values())
+        try:
+            rendezvous.put(session.store, self._key(session, "meta", self.rank),
+                           {"version": version, "entries": entries, "groups": groups, "verify": verify,
+                            "gathered": list(dtensors)})
+            rendezvous.put(session.store, self._key(session, "ready", session.me), [])
+            metas = self._await(session, "meta", deadline, session.record.trainer_size)
+            self._check_refusals(session, self._await(session, "ready", deadline), version)
+            routes = self._routes(session, entries, groups, verify)
+            sent = self._supervise(session, lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
+                                                                        groups, cancelled), deadline)
+            rendezvous.put(session.store, self._key(session, "done", session.me), None)
+            self._await(session, "done", deadline)
+        except BaseException:
+            self._drop_session()
+            raise
+        session.seq += 1
+        return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
+                         time.perf_counter() - start, sent, verify)
+
+    def _routes(self, session: _Session, entries: Sequence[Entry], groups: Sequence[Sequence[int]],
+                verify: bool) -> list[tuple[View, list[int], list[Layout]]]:
+        """Each distinct receiver view, the session ranks that keep it, and its bucket layouts."""
+        by_view: dict[tuple, tuple[View, list[int]]] = {}
+        record = session.record
+        for rank in range(record.inference_size):
+            info = record.infos[rendezvous.member_key("inference", rank)]
+            tp_size = info["tp_size"]
+            key = (tp_size, rank % tp_size)
+            if key not in by_view:
+                spec = None if info["spec"] is None else spec_from_json(info["spec"])
+                by_view[key] = (View(tp_size, rank % tp_size, spec), [])
+            by_view[key][1].append(record.channel_rank("inference", rank))
+        return [(view, ranks, layouts(entries, groups, view, verify)) for view, ranks in by_view.values()]
+
+    def _send(self, session: _Session, routes: Sequence[tuple[View, list[int], list[Layout]]],
+              tensors: Mapping[int, torch.Tensor], dtensors: Mapping[str, torch.Tensor],
+              metas: Sequence[Mapping[str, Any]], groups: Sequence[Sequence[int]], cancelled: threading.Event) -> int:
+        if self.rank != 0 and dtensors:
+            _gather_with_leader(metas[0], dtensors)
+        in_flight: dict[tuple[int, int], list[tuple[int, Any]]] = {}
+        wire = 0
+        for i, group in enumerate(groups):
+            if cancelled.is_set():
+                return wire
+            whole = {index: _whole(tensors[index]) for index in group}
+            for v, (view, ranks, lays) in enumerate(routes):
+                slot = (v, i % 2)
+                _finish(in_flight.pop(slot, []), session, self._name)
+                layout = lays[i]
+                if not layout.size:
+                    continue
+                buffer = self._buffer(("send",) + slot, layout.size)
+                pack(buffer, layout, {k: t.to(buffer.device) for k, t in whole.items()}, view)
+                if layout.size > layout.payload:
+                    seal(buffer, layout)
+                in_flight[slot] = [(dst, session.group.send([buffer], dst, i)) for dst in ranks]
+                wire += layout.size * len(ranks)
+        for works in in_flight.values():
+            _finish(works, session, self._name)
+        return wire
+
+    # -- inference ----------------------------------------------------------------------------
+    def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor],
+                timeout_s: float | None = None) -> SyncStats:
+        """Wait for the next update (up to ``timeout_s``, default the channel's) and receive it
+        into ``target``'s tensors in place.
+
+        On success ``version`` advances. On failure SyncError is raised, ``version`` is unchanged,
+        ``last_error`` says why and ``consistent`` says whether the tensors were left untouched
+        (refused before any data) or may mix two versions. A trainer that goes away between
+        updates is waited for: when it (or its restart) pushes again within the timeout, the
+        update arrives."""
+        if self.role != "inference":
+            raise ConfigError(f"{self._name(self.role, self.rank)} sends; receive() is for inference ranks")
+        targets = model_tensors(target)
+        wait_s = self.timeout_s if timeout_s is None else float(timeout_s)
+        wait_deadline = time.monotonic() + wait_s
+        try:
+            session, metas = self._next_update(wait_deadline, wait_s)
+            return self._receive_update(session, metas, targets)
+        except SyncError as exc:
+            self.last_error = str(exc)
+            raise
+
+    def _next_update(self, wait_deadline: float, wait_s: float) -> tuple[_Session, list[Mapping[str, Any]]]:
+        while True:
+            session = self._join(wait_deadline)
+            keys = [self._key(session, "meta", t) for t in range(session.record.trainer_size)]
+            while not session.store.check(keys):
+                if rendezvous.session_id(self._store) != session.record.id or session.watch.silent(time.monotonic()):
+                    break  # the trainer went away (or restarted): join its next session
+                if time.monotonic() > wait_deadline:
+                    raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
+                                    f"still at version {self.version}")
+                time.sleep(rendezvous.POLL_S)
+            else:
+                return session, [rendezvous.get(session.store, k) for k in keys]
+            self._drop_session()
+
+    def _receive_update(self, session: _Session, metas: Sequence[Mapping[str, Any]],
+                        targets: Mapping[str, torch.Tensor]) -> SyncStats:
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        version = metas[0]["version"]
+        plans = [layouts(m["entries"], m["groups"], self.view, m["verify"]) for m in metas]
+        try:
+            problems = []
+            for meta, plan in zip(metas, plans):
+                pieces = [piece for layout in plan for piece, _ in layout.items]
+                problems += check_pieces(meta["entries"], pieces, targets)
+            rendezvous.put(session.store, self._key(session, "ready", session.me), problems)
+            self._check_refusals(session, self._await(session, "ready", deadline), version)
+        except BaseException:
+            self._drop_session()
+            raise
+        self.consistent = False  # from here on, a failure may leave a mix of two versions
+        try:
+            wire = self._supervise(session, lambda cancelled: self._receive_all(session, metas, plans, targets,
+                                                                               cancelled), deadline)
+            rendezvous.put(session.store, self._key(session, "done", session.me), None)
+            self._await(session, "done", deadline)
+        except SyncError as exc:
+            self._drop_session()
+            raise SyncError(f"version {version} did not arrive whole; still at version {self.version}: "
+                            f"{exc}") from exc
+        except BaseException:
+            self._drop_session()
+            raise
+        session.seq += 1
+        self.version, self.consistent, self.last_error = version, True, None
+        nbytes = sum(piece.nbytes for plan in plans for layout in plan for piece, _ in layout.items)
+        return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas), sum(len(p) for p in plans),
+                         time.perf_counter() - start, wire, bool(metas[0]["verify"]))
+
+    def _receive_all(self, session: _Session, metas: Sequence[Mapping[str, Any]],
+                     plans: Sequence[Sequence[Layout]], targets: Mapping[str, torch.Tensor],
+                     cancelled: threading.Event) -> int:
+        wire = 0
+        for sender, (meta, plan) in enumerate(zip(metas, plans)):
+            posted: dict[int, Any] = {}
+
+            def post(i: int) -> None:
+                if i < len(plan) and plan[i].size:
+                    posted[i] = session.group.recv([self._buffer(("recv", i % 2), plan[i].size)], sender, i)
+
+            post(0)
+            post(1)
+            for i, layout in enumerate(plan):
+                if layout.size:
+                    try:
+                        posted.pop(i).wait()
+                    except Exception as exc:
+                        raise SyncError(f"receiving bucket {i} from {self._name('trainer', sender)} failed: "
+                                        f"{_short(exc)}") from exc
+                    buffer = self._buffer(("recv", i % 2), layout.size)
+                    if layout.size > layout.payload and not intact(buffer, layout):
+                        raise SyncError(f"bucket {i} from {self._name('trainer', sender)} failed its checksum on "
+                                        f"{self._name(self.role, self.rank)}: the bytes that arrived are not "
+                                        f"the bytes sent")
+                    if cancelled.is_set():
+                        return wire  # the update was given up: never write into the model after that
+                    unpack(buffer, layout, meta["entries"], targets)
+                    wire += layout.size
+                post(i + 2)
+        return wire
+
+    # -- shared ------------------------------------------------------------------------------------
+    def _check_refusals(self, session: _Session, answers: Sequence[list[str]], version: int) -> None:
+        """Raise on every member, identically, when any member refused (nothing has moved)."""
+        refusals = []
+        for rank, problems in enumerate(answers):
+            if problems:
+                shown = "; ".join(problems[:_SHOWN])
+                more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+                what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
+                refusals.append(f"{self._name(*session.record.member(rank))}: {len(problems)} {what}: {shown}{more}")
+        metas = [rendezvous.get(session.store, self._key(session, "meta", t))
+                 for t in range(session.record.trainer_size)]
+        refusals += _sender_conflicts(metas)
+        if refusals:
+            session.seq += 1  # nothing moved: the session stays, the next update takes the next number
+            raise SyncError(f"update to version {version} refused, nothing was sent (receivers still at their "
+                            f"old version): " + " | ".join(refusals))
+
+    def close(self) -> None:
+        self._drop_session()
+        self._buffers = {}
+
+    def __enter__(self) -> "SyncChannel":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def _config(model_config: Mapping[str, Any] | str) -> dict[str, Any]:
+    if isinstance(model_config, Mapping):
+        return dict(model_config)
+    import json
+
+    path = os.path.join(model_config, "config.json") if os.path.isdir(model_config) else model_config
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model_config {model_config!r}: cannot read a config.json there ({exc})") from None
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" and hasattr(tensor, "full_tensor")
+
+
+def _describe_state(state: Mapping[str, torch.Tensor], leader: bool
+                    ) -> tuple[list[Entry], dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+    """This trainer rank's entries, its tensors by entry index, and its DTensors by name. A
+    DTensor is an entry of trainer rank 0 only (whole shape): every trainer rank takes part in
+    gathering it while rank 0 sends, and rank 0 sends it."""
+    entries, tensors, dtensors = [], {}, {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"state entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        if _is_dtensor(tensor):
+            dtensors[name] = tensor
+            if not leader:
+                continue
+        tensors[len(entries)] = tensor
+        entries.append(Entry(name, dtype_code(tensor.dtype), tuple(tensor.shape),
+                             tensor.numel() * tensor.element_size()))
+    return entries, tensors, dtensors
+
+
+def _gather_with_leader(leader_meta: Mapping[str, Any], dtensors: Mapping[str, torch.Tensor]) -> None:
+    """A trainer rank other than 0 takes its part in gathering each DTensor, in the order rank 0
+    gathers them (bucket by bucket, in its entry order), and drops the result."""
+    entries = leader_meta["entries"]
+    for group in leader_meta["groups"]:
+        for index in group:
+            tensor = dtensors.get(entries[index].name)
+            if tensor is not None:
+                tensor.full_tensor()
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
+def _finish(works: Sequence[tuple[int, Any]], session: _Session, name: Callable[[str, int], str]) -> None:
+    for dst, work in works:
+        try:
+            work.wait()
+        except Exception as exc:
+            raise SyncError(f"sending to {name(*session.record.member(dst))} failed: {_short(exc)}") from exc
+
+
+def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
+    problems = []
+    versions = sorted({m["version"] for m in metas})
+    if len(versions) > 1:
+        problems.append(f"trainer ranks push different versions ({', '.join(map(str, versions))})")
+    owner: dict[str, int] = {}
+    twice = []
+    for rank, meta in enumerate(metas):
+        for entry in meta["entries"]:
+            if owner.setdefault(entry.name, rank) != rank:
+                twice.append(f"{entry.name} (trainer ranks {owner[entry.name]} and {rank})")
+    if twice:
+        problems.append(f"{len(twice)} tensor(s) sent by two trainer ranks: {', '.join(twice[:_SHOWN])}")
+    gathered = {tuple(m["gathered"]) for m in metas}
+    if len(gathered) > 1:
+        problems.append("trainer ranks hold different DTensors (every trainer rank pushes the same DTensor "
+                        "state, in the same order)")
+    return problems
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).split(". This is typically caused")[0]
+    return text.split("] ", 1)[-1] if text.startswith("[") else text
+
+
+def _quietly(fn: Callable[[], Any]) -> Callable[[], None]:
+    def run() -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - tearing down a failed session's group
+            pass
+    return run

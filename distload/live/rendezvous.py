@@ -1,0 +1,204 @@
+"""Where two jobs meet for weight sync: a TCP store, and the sessions formed in it.
+
+One process (rank 0 of the hosting side, the trainer by default) serves a ``TCPStore`` at the
+channel's address; every other member connects to it. Neither job's default group is touched.
+
+Members come and go (a trainer restarts, an inference job is replaced), so the members of one
+working group are a *session*, formed afresh after every failure:
+
+1. each member posts a hello under its role and rank, with a new random nonce, its job's size and
+   what it keeps (tensor-parallel size, sharding spec, device);
+2. the leader (trainer rank 0) waits for a fresh hello from every member: a nonce the previous
+   session did not list, so a dead process's stale hello never counts, then writes the session
+   record: an id and every member's nonce;
+3. a member whose nonce the record lists is in; each builds the session's process group (gloo, or
+   NCCL where every member is on CUDA) on the session's part of the store.
+
+While the leader forms a session, the record says so (``id`` None): a member idle in an older
+session sees that its session is over and joins again. Every wait has a deadline and names what
+it waited for.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch.distributed as dist
+
+from distload.errors import ConfigError, SyncError
+
+ROLES = ("trainer", "inference")
+_SESSION = "session"
+POLL_S = 0.02
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (host, port)."""
+    if not isinstance(address, str) or not address.startswith("tcp://"):
+        raise ConfigError(f"the sync rendezvous must be tcp://HOST:PORT, got {address!r}")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"the sync rendezvous must be tcp://HOST:PORT with a port in 1-65535, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def open_store(address: str, serve: bool, timeout_s: float) -> Any:
+    """The channel's store: served here (``serve``) or reached at ``address`` within the timeout."""
+    host, port = parse_address(address)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if serve:
+            return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
+        return dist.TCPStore(host, port, None, False, timeout)
+    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
+        if serve:
+            raise SyncError(f"cannot serve the sync rendezvous at {address}: {exc} (is another process "
+                            f"already serving it? each channel needs a port of its own)") from exc
+        raise SyncError(f"nobody serves the sync rendezvous at {address} (waited {timeout_s:.0f} s): start "
+                        f"the side that hosts it (its rank 0), or check the address and port: {exc}") from exc
+
+
+def get(store: Any, key: str) -> Any:
+    return pickle.loads(store.get(key))
+
+
+def put(store: Any, key: str, value: Any) -> None:
+    store.set(key, pickle.dumps(value))
+
+
+@dataclass(frozen=True)
+class Hello:
+    nonce: str
+    size: int  # ranks of this member's side
+    info: Mapping[str, Any] = field(default_factory=dict)  # what it keeps, its device type
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    id: str
+    trainer_size: int
+    inference_size: int
+    nonces: Mapping[str, str]  # "role/rank" -> nonce
+    infos: Mapping[str, Mapping[str, Any]]  # "role/rank" -> Hello.info
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer_size + self.inference_size
+
+    def channel_rank(self, role: str, rank: int) -> int:
+        """Trainer ranks first, then inference ranks: one numbering for the session's group."""
+        return rank if role == "trainer" else self.trainer_size + rank
+
+    def member(self, channel_rank: int) -> tuple[str, int]:
+        if channel_rank < self.trainer_size:
+            return "trainer", channel_rank
+        return "inference", channel_rank - self.trainer_size
+
+
+def member_key(role: str, rank: int) -> str:
+    return f"{role}/{rank}"
+
+
+def describe(role: str, rank: int) -> str:
+    return f"{role} rank {rank}"
+
+
+def _current(store: Any) -> dict[str, Any] | None:
+    return get(store, _SESSION) if store.check([_SESSION]) else None
+
+
+def post_hello(store: Any, role: str, rank: int, size: int, info: Mapping[str, Any]) -> str:
+    nonce = uuid.uuid4().hex
+    put(store, f"hello/{member_key(role, rank)}", Hello(nonce, size, dict(info)))
+    return nonce
+
+
+def session_id(store: Any) -> str | None:
+    """The current session's id; None while the leader forms one (or before any was formed)."""
+    current = _current(store)
+    return None if current is None else current.get("id")
+
+
+def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, address: str,
+                 interrupted: Callable[[], None] = lambda: None) -> SessionRecord:
+    """The leader's side: wait for a fresh hello from every member, then write the record."""
+    previous = _current(store)
+    stale = set(previous.get("nonces", {}).values()) if previous else set()
+    put(store, _SESSION, {"id": None, "nonces": previous.get("nonces", {}) if previous else {}})
+    hellos: dict[str, Hello] = {member_key("trainer", 0): leader}
+    inference_size: int | None = None
+    def wanted() -> list[str]:
+        keys = [member_key("trainer", r) for r in range(1, trainer_size)]
+        return keys + ([member_key("inference", 0)] if inference_size is None
+                       else [member_key("inference", r) for r in range(inference_size)])
+
+    while True:
+        for key in wanted():
+            if key in hellos or not store.check([f"hello/{key}"]):
+                continue
+            hello = get(store, f"hello/{key}")
+            if hello.nonce in stale:
+                continue
+            role = key.split("/")[0]
+            expected = trainer_size if role == "trainer" else inference_size
+            if expected is not None and hello.size != expected:
+                raise SyncError(f"{describe(*_split(key))} says its job has {hello.size} ranks, but "
+                                f"{'trainer rank 0' if role == 'trainer' else 'inference rank 0'} says "
+                                f"{expected}: every rank of one side must be started with the same world size")
+            hellos[key] = hello
+            if key == member_key("inference", 0):
+                inference_size = hello.size
+        missing = [k for k in wanted() if k not in hellos]
+        if inference_size is not None and not missing:
+            break
+        if time.monotonic() > deadline:
+            who = ", ".join(describe(*_split(k)) for k in missing) or "every inference rank"
+            raise SyncError(f"{who} did not join the sync channel at {address} in time: start the "
+                            f"other job (or its missing ranks), pointed at the same address")
+        interrupted()
+        time.sleep(POLL_S)
+    record = SessionRecord(uuid.uuid4().hex, trainer_size, inference_size,
+                           {k: h.nonce for k, h in hellos.items()}, {k: dict(h.info) for k, h in hellos.items()})
+    put(store, _SESSION, {"id": record.id, "nonces": dict(record.nonces), "record": record})
+    return record
+
+
+def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float, address: str,
+                  interrupted: Callable[[], None] = lambda: None) -> SessionRecord:
+    """A member's side: wait for a session record that lists this member's nonce."""
+    key = member_key(role, rank)
+    while True:
+        current = _current(store)
+        if current and current.get("id") and current["nonces"].get(key) == nonce:
+            return current["record"]
+        if time.monotonic() > deadline:
+            raise SyncError(f"no trainer formed a sync session with {describe(role, rank)} at {address} in "
+                            f"time: is the trainer job running, and pointed at this address?")
+        interrupted()
+        time.sleep(POLL_S)
+
+
+def _split(key: str) -> tuple[str, int]:
+    role, rank = key.split("/")
+    return role, int(rank)
+
+
+def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
+    """A process group of the session's members over ``store``, outside torch's default world."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0]) if interface
+                        else dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(store, rank, size, options)

@@ -1,0 +1,206 @@
+"""What one weight-sync update moves, and how it sits in buckets: pure planning, no transport.
+
+A sender describes its tensors as :class:`Entry` (name, dtype, whole shape). Entries are grouped
+in order into buckets of at most ``bucket_bytes`` whole bytes (a bigger tensor alone): the same
+grouping for every receiver, so a sender gathers each group once (DTensor shards) however many
+receiver layouts it packs. Each receiver keeps a *view* of every entry: the whole tensor, or its
+tensor-parallel slice under a sharding spec (distload/slicing.py, the rules ``save-sharded``
+writes). A bucket as one view sees it is a :class:`Layout`: its pieces at 64-byte aligned
+offsets, and, when the update is verified, a 16-byte checksum trailer.
+
+Sender and receivers compute the same layouts from the same metadata, so no layout travels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from distload.loading.index import DTYPES
+from distload.sharding import ShardingSpec
+from distload.slicing import Action, rank_slice, shard_shape
+
+ALIGN = 64  # every piece starts 64-byte aligned in a bucket, so a view as any dtype is legal
+TRAILER = 16  # two int64 checksum words after the pieces of a verified bucket
+_ROW_WORDS = 512  # checksum rows: 4 KiB of int64 words
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of an update, as the sender holds it (whole)."""
+
+    name: str
+    dtype: str  # safetensors code (distload.loading.index.DTYPES)
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one receiver keeps of one entry."""
+
+    entry: int  # index into the update's entries
+    shape: tuple[int, ...]  # the receiver's tensor shape
+    nbytes: int
+    action: Action | None  # None: the whole tensor
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One bucket as one receiver view sees it."""
+
+    items: tuple[tuple[Piece, int], ...]  # (piece, byte offset)
+    payload: int  # bytes up to the end of the last piece
+    size: int  # bytes on the wire: the payload, and the checksum trailer when verified
+
+
+@dataclass(frozen=True)
+class View:
+    """Which part of every tensor a receiver keeps: whole (``tp_size`` 1), or its TP slice."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    spec: ShardingSpec | None = None
+
+    def piece(self, index: int, entry: Entry) -> Piece:
+        if self.spec is None or self.tp_size == 1:
+            return Piece(index, entry.shape, entry.nbytes, None)
+        action = self.spec.action(entry.name, entry.shape)
+        if action.replicated:
+            return Piece(index, entry.shape, entry.nbytes, None)
+        shape = shard_shape(entry.name, entry.shape, action, self.tp_size)
+        itemsize = DTYPES[entry.dtype].itemsize
+        return Piece(index, shape, _numel(shape) * itemsize, action)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def group_entries(entries: Sequence[Entry], bucket_bytes: int) -> list[tuple[int, ...]]:
+    """Entry indices, in order, grouped into buckets of at most ``bucket_bytes`` whole bytes
+    (aligned as they would be packed whole; a bigger tensor alone)."""
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    size = 0
+    for index, entry in enumerate(entries):
+        offset = _aligned(size)
+        if current and offset + entry.nbytes > bucket_bytes:
+            groups.append(tuple(current))
+            current, offset = [], 0
+        current.append(index)
+        size = offset + entry.nbytes
+    if current:
+        groups.append(tuple(current))
+    return groups
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
+
+
+def layouts(entries: Sequence[Entry], groups: Sequence[Sequence[int]], view: View,
+            verify: bool) -> list[Layout]:
+    """Every bucket as ``view`` sees it (a bucket whose pieces are all empty still travels: its
+    checksum and its place in the order do)."""
+    out = []
+    for group in groups:
+        items = []
+        size = 0
+        for index in group:
+            piece = view.piece(index, entries[index])
+            offset = _aligned(size)
+            items.append((piece, offset))
+            size = offset + piece.nbytes
+        wire = (-(-size // 8) * 8 + TRAILER) if verify else size
+        out.append(Layout(tuple(items), size, wire))
+    return out
+
+
+def check_pieces(entries: Sequence[Entry], pieces: Sequence[Piece],
+                 targets: Mapping[str, torch.Tensor]) -> list[str]:
+    """What prevents receiving ``pieces`` into ``targets`` (empty: nothing), one line each."""
+    problems = []
+    for piece in pieces:
+        entry = entries[piece.entry]
+        dst = targets.get(entry.name)
+        if dst is None:
+            problems.append(f"{entry.name}: no such tensor here")
+            continue
+        if DTYPES[entry.dtype] != dst.dtype or tuple(dst.shape) != piece.shape:
+            sliced = "" if piece.action is None else f" (its slice of {list(entry.shape)})"
+            problems.append(f"{entry.name}: sent {entry.dtype} {list(piece.shape)}{sliced}, "
+                            f"here {dst.dtype} {list(dst.shape)}")
+        elif piece.nbytes and dst.untyped_storage().nbytes() == 0:
+            problems.append(f"{entry.name}: asleep (its storage holds 0 bytes): wake() the model "
+                            f"before receiving into it")
+    return problems
+
+
+def pack(buffer: torch.Tensor, layout: Layout, tensors: Mapping[int, torch.Tensor], view: View) -> None:
+    """Copy each piece of ``layout`` from the whole ``tensors`` (by entry index) into ``buffer``."""
+    for piece, offset in layout.items:
+        if not piece.nbytes:
+            continue
+        source = tensors[piece.entry]
+        region = buffer[offset:offset + piece.nbytes]
+        if piece.action is None:
+            region.copy_(source.detach().reshape(-1).view(torch.uint8))
+            continue
+        dst = region.view(source.dtype).view(piece.shape)
+        dim = piece.action.dim
+        assert dim is not None
+        cut = rank_slice("", tuple(source.shape), piece.action, view.tp_rank, view.tp_size)
+        assert cut is not None
+        at = 0
+        for start, stop in cut.ranges:
+            dst.narrow(dim, at, stop - start).copy_(source.narrow(dim, start, stop - start))
+            at += stop - start
+        if cut.padding:  # a padded vocabulary's zero rows
+            dst.narrow(dim, at, cut.padding).zero_()
+
+
+def unpack(buffer: torch.Tensor, layout: Layout, entries: Sequence[Entry],
+           targets: Mapping[str, torch.Tensor]) -> None:
+    """Copy each piece of ``layout`` out of ``buffer`` into its target tensor, in place."""
+    with torch.no_grad():
+        for piece, offset in layout.items:
+            if not piece.nbytes:
+                continue
+            entry = entries[piece.entry]
+            dst = targets[entry.name].detach()
+            dst.copy_(buffer[offset:offset + piece.nbytes].view(DTYPES[entry.dtype]).view(piece.shape))
+
+
+def checksum(data: torch.Tensor) -> torch.Tensor:
+    """Two int64 words over ``data`` (a 1-d uint8 tensor whose start is 8-byte aligned), on its
+    device: the wrapping sum of its 8-byte words, and the sum of its 4 KiB row sums weighted by
+    their position. One pass over the bytes; catches flipped, overwritten, shifted or misplaced
+    blocks, not a swap of two words inside one 4 KiB row. Not cryptographic: it guards against
+    transport and buffer bugs, not against an adversary."""
+    words = data.numel() // 8
+    whole_rows = words // _ROW_WORDS
+    view = data[:words * 8].view(torch.int64)
+    rows = view[:whole_rows * _ROW_WORDS].view(whole_rows, _ROW_WORDS).sum(dim=1)
+    tail = view[whole_rows * _ROW_WORDS:].sum() + data[words * 8:].to(torch.int64).sum()
+    weights = torch.arange(1, whole_rows + 1, dtype=torch.int64, device=data.device)
+    plain = rows.sum() + tail
+    weighted = (rows * weights).sum() + tail * (whole_rows + 1)
+    return torch.stack([plain, weighted])
+
+
+def seal(buffer: torch.Tensor, layout: Layout) -> None:
+    """Write the payload's checksum into the trailer of a verified bucket."""
+    start = layout.size - TRAILER
+    buffer[start:layout.size].view(torch.int64).copy_(checksum(buffer[:layout.payload]))
+
+
+def intact(buffer: torch.Tensor, layout: Layout) -> bool:
+    """Whether a verified bucket's payload matches the checksum its sender wrote."""
+    start = layout.size - TRAILER
+    return bool(torch.equal(buffer[start:layout.size].view(torch.int64), checksum(buffer[:layout.payload])))
