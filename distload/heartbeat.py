@@ -13,7 +13,7 @@ GIL could look silent; the messages therefore say "stopped answering", with the 
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from distload.runtime import RUNTIME
 
@@ -40,10 +40,11 @@ def _default_store() -> Any:
 class Beat:
     """Counts ``rank``'s key up in ``store`` every INTERVAL_S from a daemon thread, until stop()."""
 
-    def __init__(self, store: Any, rank: int):
+    def __init__(self, store: Any, rank: int, until: Callable[[], bool] | None = None):
         self.store = store
         self.rank = rank
         self.users = 0
+        self._until = until  # checked every beat: True stops it (the store is about to go away)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distload-heartbeat", daemon=True)
         self._thread.start()
@@ -51,6 +52,8 @@ class Beat:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                if self._until is not None and self._until():
+                    return
                 self.store.add(_key(self.rank), 1)
             except Exception:  # noqa: BLE001 - the store went away with its group: stop beating
                 return

@@ -79,9 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
                               f"else {DEFAULT_SHARD_PATTERN!r})")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a summary")
 
-    sync_demo = sub.add_parser("sync-demo", help="rank 0 pushes weight versions, the other ranks "
-                                                 "receive them in place (run under torchrun)")
-    sync_demo.add_argument("--steps", type=int, default=3, help="weight versions to push (default 3)")
+    sync_demo = sub.add_parser("sync-demo", help="a trainer pushes weight versions, inference ranks "
+                                                 "receive them in place (one job, or two with --role)")
+    sync_demo.add_argument("--role", choices=("trainer", "inference"), default=None,
+                           help="this job's side when trainer and inference are separate jobs "
+                                "(default: one job, rank 0 the trainer)")
+    sync_demo.add_argument("--rendezvous", default=None, metavar="tcp://HOST:PORT",
+                           help="where the two jobs meet (the trainer's rank 0 serves it)")
+    sync_demo.add_argument("--tensor-parallel-size", type=int, default=1, metavar="T",
+                           help="inference side: each rank keeps and receives only its TP slices (default 1)")
+    sync_demo.add_argument("--versions", "--steps", dest="versions", type=int, default=3,
+                           help="weight versions to push (default 3)")
+    sync_demo.add_argument("--verify", action="store_true", help="check a checksum of every bucket")
+    sync_demo.add_argument("--report-json", default=None, metavar="PATH",
+                           help="write each rank's versions, digests, bytes and seconds here")
     sync_demo.add_argument("--size-mib", type=int, default=256, help="approximate model size (default 256)")
     sync_demo.add_argument("--bucket-mib", type=int, default=64,
                            help="the size of one transfer bucket (default 64)")

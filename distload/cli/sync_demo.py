@@ -1,57 +1,154 @@
-"""``torchrun --nproc-per-node 3 -m distload sync-demo``: RLHF-style weight sync, end to end.
+"""``distload sync-demo``: RLHF-style weight sync, end to end.
 
-Rank 0 plays the trainer: it holds a Llama-shaped bf16 state dict, changes it a little each step
-and pushes every version. Every other rank plays an inference worker: it holds the same tensors
-(allocated once) and receives each version in place. Each update prints version, bytes and GB/s;
-at the end every receiver's digest must equal the trainer's.
+Inside one job (``torchrun --nproc-per-node 3 -m distload sync-demo``) rank 0 plays the trainer
+and the other ranks the inference workers. Across two jobs, each started by its own command::
+
+    torchrun --nproc-per-node 1 -m distload sync-demo --role trainer --rendezvous tcp://HOST:PORT
+    torchrun --nproc-per-node 2 -m distload sync-demo --role inference --rendezvous tcp://HOST:PORT \\
+        --tensor-parallel-size 2
+
+The trainer holds a Llama-shaped bf16 state dict and pushes ``--versions`` versions of it (each
+version's values come from a seed, so any rank can recompute what it should hold). Each
+inference rank holds its tensors (whole, or its tensor-parallel slices), allocated once, and
+receives each version in place; it prints and reports version, digest, bytes and seconds, and
+checks its digest against the slices of the version it was sent.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
 from distload.cli.demo import llama_layers, llama_shapes
 from distload.group import WorkerGroup
+from distload.live.channel import SyncChannel
 from distload.live.sync import WeightSync
 from distload.loading.report import state_digest
+from distload.sharding import load_spec
+from distload.slicing import take_shard
+
+HIDDEN, VOCAB, HEAD_DIM = 512, 8192, 64
 
 
-def _state(size_mib: int, device: torch.device) -> dict[str, torch.Tensor]:
-    hidden, vocab = 512, 8192
-    layers = llama_layers(size_mib, hidden, vocab, minimum=1)
-    return {name: torch.zeros(shape, dtype=torch.bfloat16, device=device)
-            for name, (shape, _) in llama_shapes(hidden, layers, vocab).items()}
+def demo_config() -> dict[str, int]:
+    """The config.json of the demo's model (what head-aware sharding specs need)."""
+    return {"hidden_size": HIDDEN, "num_attention_heads": HIDDEN // HEAD_DIM,
+            "num_key_value_heads": HIDDEN // 4 // HEAD_DIM, "head_dim": HEAD_DIM, "vocab_size": VOCAB}
+
+
+def demo_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
+    layers = llama_layers(size_mib, HIDDEN, VOCAB, minimum=1)
+    return {name: shape for name, (shape, _) in llama_shapes(HIDDEN, layers, VOCAB).items()}
+
+
+def demo_state(size_mib: int, version: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Version ``version`` of the demo's weights (a seeded function of the version)."""
+    generator = torch.Generator(device=device).manual_seed(version)
+    return {name: torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
+            for name, shape in demo_shapes(size_mib).items()}
+
+
+def kept_slices(state: dict[str, torch.Tensor], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
+    """What TP rank ``tp_rank`` of ``tp_size`` keeps of ``state`` (the decoder spec's slices)."""
+    if tp_size == 1:
+        return state
+    spec = load_spec("decoder", demo_config())
+    return {name: take_shard(t, spec.action(name, tuple(t.shape)), tp_rank, tp_size, name)
+            for name, t in state.items()}
 
 
 def run_sync_demo(args: argparse.Namespace) -> int:
+    if args.role is None:
+        return _one_job(args)
+    if args.rendezvous is None:
+        print("sync-demo --role needs --rendezvous tcp://HOST:PORT (the same on both jobs)")
+        return 2
+    with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:  # this job's own ranks
+        tp_size = args.tensor_parallel_size if args.role == "inference" else 1
+        channel = SyncChannel(args.rendezvous, args.role, rank=group.rank, size=group.world_size,
+                              device=str(group.device), timeout_s=args.timeout,
+                              bucket_bytes=args.bucket_mib * 2**20, verify=args.verify,
+                              tensor_parallel_size=tp_size,
+                              sharding="decoder" if tp_size > 1 else None,
+                              model_config=demo_config() if tp_size > 1 else None)
+        with channel:
+            if args.role == "trainer":
+                rows = _train(channel, args, group)
+            else:
+                rows = _infer(channel, args, group, tp_size)
+        reports = group.exchange(rows)
+        ok = all(row.get("matches", True) for rank_rows in reports for row in rank_rows)
+        if group.rank == 0:
+            if args.report_json:
+                with open(args.report_json, "w", encoding="utf-8") as f:
+                    json.dump({"role": args.role, "ranks": [{"rank": r, "versions": rows_of_rank}
+                                                            for r, rows_of_rank in enumerate(reports)]}, f, indent=1)
+            if args.role == "inference":
+                print(f"every inference rank holds exactly the slices it was sent: {'yes' if ok else 'NO'}",
+                      flush=True)
+        return 0 if ok else 1
+
+
+def _train(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup) -> list[dict]:
+    rows = []
+    for version in range(1, args.versions + 1):
+        # Several trainer ranks split the tensors between them (disjoint names).
+        state = demo_state(args.size_mib, version, group.device)
+        mine = {n: t for i, (n, t) in enumerate(state.items()) if i % group.world_size == group.rank}
+        stats = channel.push(mine, version)
+        print(f"trainer rank {group.rank} pushed version {version}: {stats.num_tensors} tensors in "
+              f"{stats.num_buckets} bucket(s), {stats.wire_bytes / 1e9:.3f} GB sent in {stats.seconds:.3f} s",
+              flush=True)
+        rows.append({"version": version, "bytes_sent": stats.wire_bytes, "seconds": round(stats.seconds, 4)})
+    return rows
+
+
+def _infer(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup, tp_size: int) -> list[dict]:
+    tp_rank = group.rank % tp_size
+    held = {n: torch.zeros_like(t) for n, t in kept_slices(demo_state(args.size_mib, 0, group.device),
+                                                           tp_size, tp_rank).items()}
+    rows = []
+    for _ in range(args.versions):
+        stats = channel.receive(held)
+        digest = state_digest(held)
+        expected = state_digest(kept_slices(demo_state(args.size_mib, stats.version, group.device), tp_size, tp_rank))
+        print(f"inference rank {group.rank} (TP rank {tp_rank} of {tp_size}) received version {stats.version}: "
+              f"{stats.wire_bytes / 1e9:.3f} GB in {stats.seconds:.3f} s, digest {digest[:16]} "
+              f"({'matches' if digest == expected else 'DOES NOT match'} the version sent"
+              f"{', verified' if stats.verified else ''})", flush=True)
+        rows.append({"version": stats.version, "digest": digest, "matches": digest == expected,
+                     "bytes_received": stats.wire_bytes, "tensor_bytes": stats.nbytes,
+                     "seconds": round(stats.seconds, 4), "verified": stats.verified})
+    return rows
+
+
+def _one_job(args: argparse.Namespace) -> int:
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:
         if group.world_size < 2:
-            print("sync-demo needs at least 2 ranks: torchrun --nproc-per-node 3 -m distload sync-demo")
+            print("sync-demo needs at least 2 ranks: torchrun --nproc-per-node 3 -m distload sync-demo "
+                  "(or --role/--rendezvous for two jobs)")
             return 2
-        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20)
-        state = _state(args.size_mib, group.device)
+        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20, verify=args.verify)
+        state = {n: torch.zeros_like(t) for n, t in demo_state(args.size_mib, 0, group.device).items()}
         try:
-            for version in range(1, args.steps + 1):
+            for version in range(1, args.versions + 1):
                 if group.rank == 0:
-                    generator = torch.Generator(device=group.device).manual_seed(version)
-                    for tensor in state.values():  # "a training step"
-                        tensor.add_(torch.randn(tensor.shape, generator=generator, device=group.device,
-                                                dtype=torch.float32).to(tensor.dtype), alpha=0.01)
+                    state = demo_state(args.size_mib, version, group.device)
                     stats = sync.push(state, version)
                 else:
                     stats = sync.receive(state)
-                line = (f"rank {group.rank} {'pushed' if group.rank == 0 else 'received'} version "
-                        f"{stats.version}: {stats.num_tensors} tensors in {stats.num_buckets} bucket(s), "
-                        f"{stats.nbytes / 1e9:.3f} GB in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s")
-                print(line, flush=True)
+                print(f"rank {group.rank} {'pushed' if group.rank == 0 else 'received'} version "
+                      f"{stats.version}: {stats.num_tensors} tensors in {stats.num_buckets} bucket(s), "
+                      f"{stats.nbytes / 1e9:.3f} GB in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s",
+                      flush=True)
             digests = group.exchange(state_digest(state))
         finally:
             sync.close()
         if group.rank == 0:
             same = all(d == digests[0] for d in digests)
-            print(f"after {args.steps} versions every receiver's digest "
+            print(f"after {args.versions} versions every receiver's digest "
                   f"{'matches' if same else 'DOES NOT match'} the trainer's ({digests[0][:16]})", flush=True)
             return 0 if same else 1
     return 0

@@ -129,8 +129,10 @@ class SyncChannel:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
                               "inside one job use distload.WeightSync")
         self.address = rendezvous_address or "the job's rendezvous store"
-        serve = store is None and role == host and self.rank == 0
-        self._store = store if store is not None else rendezvous.open_store(self.address, serve, self.timeout_s)
+        self._serving = store is None and role == host and self.rank == 0
+        self._reconnects = store is None and not self._serving  # a restarted host serves again
+        self._store = store if store is not None else rendezvous.open_store(self.address, self._serving,
+                                                                            self.timeout_s)
         self._session: _Session | None = None
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.version: int | None = None
@@ -183,7 +185,8 @@ class SyncChannel:
         me = record.channel_rank(self.role, self.rank)
         store = dist.PrefixStore(f"s/{record.id}/", self._store)
         backend = "nccl" if all(i["device"] == "cuda" for i in record.infos.values()) else "gloo"
-        beat = Beat(store, me)
+        root = self._store
+        beat = Beat(store, me, until=lambda: root.check([rendezvous.CLOSING]))
         try:
             group = rendezvous.process_group(dist.PrefixStore("pg/", store), me, record.world_size, backend,
                                              max(1.0, deadline - time.monotonic()))
@@ -212,14 +215,21 @@ class SyncChannel:
 
     def _interruption(self, session: _Session) -> str | None:
         abort = self._key(session, "abort")
-        if session.store.check([abort]):
-            return rendezvous.get(session.store, abort)
-        silent = session.watch.silent(time.monotonic())
+        try:
+            if session.store.check([abort]):
+                return rendezvous.get(session.store, abort)
+            silent = session.watch.silent(time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+            return self._store_lost(exc)
         if silent:
             names = ", ".join(self._name(*session.record.member(r)) for r in silent)
             return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: killed, stopped "
                     f"or hung)")
         return None
+
+    def _store_lost(self, exc: BaseException) -> str:
+        return (f"lost the rendezvous store at {self.address} (the process serving it stopped: "
+                f"{_short(exc)})")
 
     def _fail(self, session: _Session, reason: str) -> str:
         """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
@@ -236,7 +246,7 @@ class SyncChannel:
         the trainer ranks), in session-rank order."""
         count = session.record.world_size if members is None else members
         keys = [self._key(session, what, r) for r in range(count)]
-        while not session.store.check(keys):
+        while not self._check(session, keys):
             reason = self._interruption(session)
             if reason is None and time.monotonic() > deadline:
                 late = [self._name(*session.record.member(r)) for r, k in enumerate(keys)
@@ -246,6 +256,12 @@ class SyncChannel:
                 raise SyncError(self._fail(session, reason))
             time.sleep(rendezvous.POLL_S)
         return [rendezvous.get(session.store, k) for k in keys]
+
+    def _check(self, session: _Session, keys: list[str]) -> bool:
+        try:
+            return session.store.check(keys)
+        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+            raise SyncError(f"{self._name(self.role, self.rank)}: {self._store_lost(exc)}") from exc
 
     def _supervise(self, session: _Session, work: Callable[[threading.Event], Any], deadline: float) -> Any:
         """Run ``work(cancelled)`` in a thread while watching for an abort, a silent member and
@@ -383,19 +399,42 @@ class SyncChannel:
             raise
 
     def _next_update(self, wait_deadline: float, wait_s: float) -> tuple[_Session, list[Mapping[str, Any]]]:
+        """Wait for the next update's metadata; a trainer that goes away meanwhile (or restarts,
+        or the process serving the store restarts) is waited for until the deadline."""
         while True:
-            session = self._join(wait_deadline)
-            keys = [self._key(session, "meta", t) for t in range(session.record.trainer_size)]
-            while not session.store.check(keys):
-                if rendezvous.session_id(self._store) != session.record.id or session.watch.silent(time.monotonic()):
-                    break  # the trainer went away (or restarted): join its next session
-                if time.monotonic() > wait_deadline:
-                    raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
-                                    f"still at version {self.version}")
-                time.sleep(rendezvous.POLL_S)
-            else:
-                return session, [rendezvous.get(session.store, k) for k in keys]
+            try:
+                found = self._wait_metadata(wait_deadline, wait_s)
+            except SyncError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the store went away (DistNetworkError)
+                self._drop_session()
+                if not self._reconnects:
+                    raise SyncError(f"{self._name(self.role, self.rank)}: {self._store_lost(exc)}") from exc
+                remaining = wait_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SyncError(f"{self._name(self.role, self.rank)}: {self._store_lost(exc)}; no update "
+                                    f"within {wait_s:.0f} s, still at version {self.version}") from exc
+                self._store = rendezvous.open_store(self.address, False, remaining)
+                continue
+            if found is not None:
+                return found
             self._drop_session()
+
+    def _wait_metadata(self, wait_deadline: float, wait_s: float
+                       ) -> tuple[_Session, list[Mapping[str, Any]]] | None:
+        session = self._join(wait_deadline)
+        keys = [self._key(session, "meta", t) for t in range(session.record.trainer_size)]
+        while not session.store.check(keys):
+            if self._store.check([rendezvous.CLOSING]):
+                raise SyncError(f"{self._name(self.role, self.rank)}: the channel at {self.address} was closed "
+                                f"by the process serving it; still at version {self.version}")
+            if rendezvous.session_id(self._store) != session.record.id or session.watch.silent(time.monotonic()):
+                return None  # the trainer went away (or restarted): join its next session
+            if time.monotonic() > wait_deadline:
+                raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
+                                f"still at version {self.version}")
+            time.sleep(rendezvous.POLL_S)
+        return session, [rendezvous.get(session.store, k) for k in keys]
 
     def _receive_update(self, session: _Session, metas: Sequence[Mapping[str, Any]],
                         targets: Mapping[str, torch.Tensor]) -> SyncStats:
@@ -483,8 +522,27 @@ class SyncChannel:
                             f"old version): " + " | ".join(refusals))
 
     def close(self) -> None:
+        """Leave the channel. The process serving the store first tells the members (their
+        heartbeats stop, a waiting receive raises) and gives them CLOSE_WAIT_S to leave."""
+        store, self._store = self._store, None
+        session = self._session
         self._drop_session()
         self._buffers = {}
+        if store is None:
+            return
+        try:
+            if not self._serving:
+                if session is not None:
+                    session.store.set(f"left/{session.me}", b"1")
+                return
+            store.set(rendezvous.CLOSING, b"1")
+            if session is not None:
+                keys = [f"left/{r}" for r in range(session.record.world_size) if r != session.me]
+                deadline = time.monotonic() + rendezvous.CLOSE_WAIT_S
+                while keys and not session.store.check(keys) and time.monotonic() < deadline:
+                    time.sleep(rendezvous.POLL_S)
+        except Exception:  # noqa: BLE001 - the store is already gone: nothing to tell anyone
+            pass
 
     def __enter__(self) -> "SyncChannel":
         return self

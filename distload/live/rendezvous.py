@@ -64,6 +64,10 @@ def open_store(address: str, serve: bool, timeout_s: float) -> Any:
                         f"the side that hosts it (its rank 0), or check the address and port: {exc}") from exc
 
 
+CLOSING = "closing"  # posted by the process that serves the store before it stops serving
+CLOSE_WAIT_S = 5.0  # how long that process waits for the members to leave first
+
+
 def get(store: Any, key: str) -> Any:
     return pickle.loads(store.get(key))
 
