@@ -28,6 +28,7 @@ from distload.group import WorkerGroup
 from distload.live.dtensors import load_dtensors
 from distload.live.reload import Destination, ReloadReport, reload_into
 from distload.live.sleep import WeightSleeper
+from distload.live.channel import SyncChannel
 from distload.live.sync import SyncStats, WeightSync
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, Layout, detect_layout
@@ -52,7 +53,7 @@ __all__ = [
     # sharded checkpoints
     "save_sharded", "reshard", "ReshardReport", "inspect", "verify", "ShardingSpec", "load_spec",
     # live updates
-    "reload_into", "load_dtensors", "Destination", "ReloadReport", "WeightSync", "SyncStats", "WeightSleeper",
+    "reload_into", "load_dtensors", "Destination", "ReloadReport", "WeightSync", "SyncChannel", "SyncStats", "WeightSleeper",
     # errors
     "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
     "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError",

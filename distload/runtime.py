@@ -14,6 +14,8 @@ outlive one load:
   per process);
 - ``heartbeats``: the thread that counts this process's heartbeat up in a rendezvous store,
   one per store (``distload.heartbeat``), shared by every group on it;
+- ``weight_syncs``: how many WeightSyncs this process has made: every rank of a job makes them
+  in the same order, so the n-th of each rank meets the others' n-th in the job's store;
 - the environment: Run:ai reads its settings from ``os.environ``; :meth:`Runtime.environment` is
   the only place distload writes it, for the length of one read.
 
@@ -44,6 +46,7 @@ class Runtime:
             for beat in getattr(self, "heartbeats", {}).values():
                 beat.stop()
             self.heartbeats: dict[int, Any] = {}
+            self.weight_syncs = 0
 
     @contextlib.contextmanager
     def environment(self, changes: Mapping[str, str], restore_prefix: str = "RUNAI_STREAMER_") -> Iterator[None]:

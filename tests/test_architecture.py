@@ -24,7 +24,7 @@ from conftest import every_dtype_state, plain_read, write_sharded, write_whole
 PACKAGE = pathlib.Path(distload.__file__).parent
 
 # What the README shows a user, by name: all of it importable from the top.
-README_API = ["load", "iter_tensors", "WorkerGroup", "reload_into", "Destination", "WeightSync",
+README_API = ["load", "iter_tensors", "WorkerGroup", "reload_into", "Destination", "WeightSync", "SyncChannel",
               "WeightSleeper", "save_sharded", "reshard", "inspect", "verify", "state_digest",
               "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
               "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError"]

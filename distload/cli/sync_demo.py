@@ -32,29 +32,31 @@ from distload.slicing import take_shard
 HIDDEN, VOCAB, HEAD_DIM = 512, 8192, 64
 
 
-def demo_config() -> dict[str, int]:
+def demo_config(hidden: int = HIDDEN) -> dict[str, int]:
     """The config.json of the demo's model (what head-aware sharding specs need)."""
-    return {"hidden_size": HIDDEN, "num_attention_heads": HIDDEN // HEAD_DIM,
-            "num_key_value_heads": HIDDEN // 4 // HEAD_DIM, "head_dim": HEAD_DIM, "vocab_size": VOCAB}
+    return {"hidden_size": hidden, "num_attention_heads": hidden // HEAD_DIM,
+            "num_key_value_heads": hidden // 4 // HEAD_DIM, "head_dim": HEAD_DIM, "vocab_size": VOCAB}
 
 
-def demo_shapes(size_mib: int) -> dict[str, tuple[int, ...]]:
-    layers = llama_layers(size_mib, HIDDEN, VOCAB, minimum=1)
-    return {name: shape for name, (shape, _) in llama_shapes(HIDDEN, layers, VOCAB).items()}
+def demo_shapes(size_mib: int, hidden: int = HIDDEN) -> dict[str, tuple[int, ...]]:
+    """``hidden`` 512: many small tensors (a quick demo); 2048: the tens-of-MiB tensors of real models."""
+    layers = llama_layers(size_mib, hidden, VOCAB, minimum=1)
+    return {name: shape for name, (shape, _) in llama_shapes(hidden, layers, VOCAB).items()}
 
 
-def demo_state(size_mib: int, version: int, device: torch.device) -> dict[str, torch.Tensor]:
+def demo_state(size_mib: int, version: int, device: torch.device, hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
     """Version ``version`` of the demo's weights (a seeded function of the version)."""
     generator = torch.Generator(device=device).manual_seed(version)
     return {name: torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
-            for name, shape in demo_shapes(size_mib).items()}
+            for name, shape in demo_shapes(size_mib, hidden).items()}
 
 
-def kept_slices(state: dict[str, torch.Tensor], tp_size: int, tp_rank: int) -> dict[str, torch.Tensor]:
+def kept_slices(state: dict[str, torch.Tensor], tp_size: int, tp_rank: int,
+                hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
     """What TP rank ``tp_rank`` of ``tp_size`` keeps of ``state`` (the decoder spec's slices)."""
     if tp_size == 1:
         return state
-    spec = load_spec("decoder", demo_config())
+    spec = load_spec("decoder", demo_config(hidden))
     return {name: take_shard(t, spec.action(name, tuple(t.shape)), tp_rank, tp_size, name)
             for name, t in state.items()}
 

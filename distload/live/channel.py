@@ -44,8 +44,8 @@ from distload.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors
-from distload.live.transfer import (Entry, Layout, View, check_pieces, group_entries, intact, layouts, pack,
-                                    seal, unpack)
+from distload.live.transfer import (TRAILER, Entry, Layout, View, check_pieces, checksum, group_entries, intact,
+                                    layouts, pack, run_bytes, seal, target_bytes, unpack)
 from distload.loading.index import dtype_code
 from distload.sharding import ShardingSpec, load_spec, spec_from_json
 
@@ -246,6 +246,7 @@ class SyncChannel:
         the trainer ranks), in session-rank order."""
         count = session.record.world_size if members is None else members
         keys = [self._key(session, what, r) for r in range(count)]
+        backoff = rendezvous.Backoff()
         while not self._check(session, keys):
             reason = self._interruption(session)
             if reason is None and time.monotonic() > deadline:
@@ -254,7 +255,7 @@ class SyncChannel:
                 reason = f"{', '.join(late)} did not reach the {what} step within {self.timeout_s:.0f} s"
             if reason is not None:
                 raise SyncError(self._fail(session, reason))
-            time.sleep(rendezvous.POLL_S)
+            backoff.pause()
         return [rendezvous.get(session.store, k) for k in keys]
 
     def _check(self, session: _Session, keys: list[str]) -> bool:
@@ -296,8 +297,7 @@ class SyncChannel:
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < size:
-            device = self.device if self._session and self._session.backend == "nccl" else torch.device("cpu")
-            buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=device)
+            buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self._transport_device())
         return buffer[:size]
 
     # -- trainer ------------------------------------------------------------------------------
@@ -365,12 +365,22 @@ class SyncChannel:
                 layout = lays[i]
                 if not layout.size:
                     continue
-                buffer = self._buffer(("send",) + slot, layout.size)
-                pack(buffer, layout, {k: t.to(buffer.device) for k, t in whole.items()}, view)
-                if layout.size > layout.payload:
-                    seal(buffer, layout)
-                in_flight[slot] = [(dst, session.group.send([buffer], dst, i)) for dst in ranks]
-                wire += layout.size * len(ranks)
+                device = self._transport_device()
+                if layout.direct:
+                    piece = layout.items[0][0]
+                    data = run_bytes(whole[piece.entry].to(device), piece)
+                    works = [(dst, session.group.send([data], dst, 2 * i)) for dst in ranks]
+                    if layout.verified:  # summed while the data is in flight
+                        check = checksum(data)
+                        works += [(dst, session.group.send([check], dst, 2 * i + 1)) for dst in ranks]
+                else:
+                    buffer = self._buffer(("send",) + slot, layout.size)
+                    pack(buffer, layout, {k: t.to(device) for k, t in whole.items()}, view)
+                    if layout.verified:
+                        seal(buffer, layout)
+                    works = [(dst, session.group.send([buffer], dst, 2 * i)) for dst in ranks]
+                in_flight[slot] = works
+                wire += layout.wire_bytes * len(ranks)
         for works in in_flight.values():
             _finish(works, session, self._name)
         return wire
@@ -424,6 +434,7 @@ class SyncChannel:
                        ) -> tuple[_Session, list[Mapping[str, Any]]] | None:
         session = self._join(wait_deadline)
         keys = [self._key(session, "meta", t) for t in range(session.record.trainer_size)]
+        backoff = rendezvous.Backoff()
         while not session.store.check(keys):
             if self._store.check([rendezvous.CLOSING]):
                 raise SyncError(f"{self._name(self.role, self.rank)}: the channel at {self.address} was closed "
@@ -433,7 +444,7 @@ class SyncChannel:
             if time.monotonic() > wait_deadline:
                 raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
                                 f"still at version {self.version}")
-            time.sleep(rendezvous.POLL_S)
+            backoff.pause()
         return session, [rendezvous.get(session.store, k) for k in keys]
 
     def _receive_update(self, session: _Session, metas: Sequence[Mapping[str, Any]],
@@ -476,32 +487,56 @@ class SyncChannel:
                      cancelled: threading.Event) -> int:
         wire = 0
         for sender, (meta, plan) in enumerate(zip(metas, plans)):
-            posted: dict[int, Any] = {}
+            posted: dict[int, list[tuple[torch.Tensor, Any]]] = {}
 
             def post(i: int) -> None:
-                if i < len(plan) and plan[i].size:
-                    posted[i] = session.group.recv([self._buffer(("recv", i % 2), plan[i].size)], sender, i)
+                if i >= len(plan) or not plan[i].size:
+                    return
+                layout = plan[i]
+                into = None
+                if layout.direct:  # straight into the target tensor where it can be
+                    dst = targets[meta["entries"][layout.items[0][0].entry].name]
+                    into = target_bytes(dst) if dst.device == self._transport_device() else None
+                if into is None:
+                    into = self._buffer(("recv", i % 2), layout.size)
+                messages = [into] + ([torch.empty(TRAILER, dtype=torch.uint8, device=into.device)]
+                                     if layout.direct and layout.verified else [])
+                posted[i] = [(m, session.group.recv([m], sender, 2 * i + n)) for n, m in enumerate(messages)]
 
             post(0)
             post(1)
             for i, layout in enumerate(plan):
                 if layout.size:
+                    messages = posted.pop(i)
                     try:
-                        posted.pop(i).wait()
+                        for _, work in messages:
+                            work.wait()
                     except Exception as exc:
                         raise SyncError(f"receiving bucket {i} from {self._name('trainer', sender)} failed: "
                                         f"{_short(exc)}") from exc
-                    buffer = self._buffer(("recv", i % 2), layout.size)
-                    if layout.size > layout.payload and not intact(buffer, layout):
+                    data = messages[0][0]
+                    good = (not layout.verified or (intact(data, layout) if not layout.direct else
+                                                   torch.equal(messages[1][0].view(torch.int64), checksum(data))))
+                    if not good:
                         raise SyncError(f"bucket {i} from {self._name('trainer', sender)} failed its checksum on "
                                         f"{self._name(self.role, self.rank)}: the bytes that arrived are not "
                                         f"the bytes sent")
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
-                    unpack(buffer, layout, meta["entries"], targets)
-                    wire += layout.size
+                    if layout.direct:
+                        dst = targets[meta["entries"][layout.items[0][0].entry].name]
+                        if not _same_memory(data, dst):
+                            with torch.no_grad():
+                                dst.detach().copy_(data.view(dst.dtype).view(dst.shape))
+                    else:
+                        unpack(data, layout, meta["entries"], targets)
+                    wire += layout.wire_bytes
                 post(i + 2)
         return wire
+
+    def _transport_device(self) -> torch.device:
+        """Where buffers live: the device with NCCL, host memory with gloo."""
+        return self.device if self._session is not None and self._session.backend == "nccl" else torch.device("cpu")
 
     # -- shared ------------------------------------------------------------------------------------
     def _check_refusals(self, session: _Session, answers: Sequence[list[str]], version: int) -> None:
@@ -628,6 +663,10 @@ def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
         problems.append("trainer ranks hold different DTensors (every trainer rank pushes the same DTensor "
                         "state, in the same order)")
     return problems
+
+
+def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return data.device == tensor.device and data.data_ptr() == tensor.data_ptr()
 
 
 def _short(exc: BaseException) -> str:

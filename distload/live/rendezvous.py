@@ -35,7 +35,19 @@ from distload.errors import ConfigError, SyncError
 
 ROLES = ("trainer", "inference")
 _SESSION = "session"
-POLL_S = 0.02
+POLL_S = 0.02  # the longest pause between two looks at the store
+
+
+class Backoff:
+    """Pauses between polls of the store: short at first (an answer that comes at once costs
+    well under a millisecond), growing to POLL_S (a long wait costs the store little)."""
+
+    def __init__(self) -> None:
+        self._pause = 0.0002
+
+    def pause(self) -> None:
+        time.sleep(self._pause)
+        self._pause = min(POLL_S, self._pause * 2)
 
 
 def parse_address(address: str) -> tuple[str, int]:

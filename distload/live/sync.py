@@ -8,7 +8,6 @@ jobs use :class:`~distload.live.channel.SyncChannel` with a ``tcp://`` address i
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -17,14 +16,10 @@ from torch.distributed import PrefixStore
 from distload.errors import ConfigError, SyncError
 from distload.group import WorkerGroup
 from distload.live.channel import DEFAULT_BUCKET_BYTES, SyncChannel, SyncStats
+from distload.runtime import RUNTIME
 from distload.sharding import ShardingSpec
 
 __all__ = ["WeightSync", "SyncStats", "SyncError", "DEFAULT_BUCKET_BYTES"]
-
-# Every rank of a job makes its WeightSyncs in the same order, so the n-th one of each rank
-# meets the others' n-th under the same prefix of the job's store.
-_INSTANCES = itertools.count()
-
 
 class WeightSync:
     """Push state dicts from sender ranks to receiver ranks of one job, in place, versioned.
@@ -70,8 +65,10 @@ class WeightSync:
             raise ConfigError(f"ranks must be in [0, {world}), got senders {self.senders}, receivers {self.receivers}")
         from torch.distributed import distributed_c10d
 
+        with RUNTIME.lock:  # the n-th WeightSync of every rank meets the others' n-th
+            number, RUNTIME.weight_syncs = RUNTIME.weight_syncs, RUNTIME.weight_syncs + 1
         ranks = "-".join(map(str, group.ranks))
-        store = PrefixStore(f"distload/weight-sync/{next(_INSTANCES)}/{ranks}/", distributed_c10d._get_default_store())
+        store = PrefixStore(f"distload/weight-sync/{number}/{ranks}/", distributed_c10d._get_default_store())
         members = {"trainer": self.senders, "inference": self.receivers}
         if self.rank in self.senders or self.rank in self.receivers:
             role = "trainer" if self.rank in self.senders else "inference"

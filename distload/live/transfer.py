@@ -24,6 +24,11 @@ from distload.slicing import Action, rank_slice, shard_shape
 
 ALIGN = 64  # every piece starts 64-byte aligned in a bucket, so a view as any dtype is legal
 TRAILER = 16  # two int64 checksum words after the pieces of a verified bucket
+# A tensor this big travels alone, and where what a receiver keeps of it is one contiguous run of
+# its bytes (whole, or a slice along dim 0), straight from the sender's tensor into the
+# receiver's: no packing copy on either side. Below it, packing many tensors into one message
+# costs less than a message each.
+DIRECT_BYTES = 4 * 1024**2
 _ROW_WORDS = 512  # checksum rows: 4 KiB of int64 words
 
 
@@ -45,6 +50,7 @@ class Piece:
     shape: tuple[int, ...]  # the receiver's tensor shape
     nbytes: int
     action: Action | None  # None: the whole tensor
+    run: tuple[int, int] | None = None  # [start, stop) bytes of the whole tensor, where it is one run
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,14 @@ class Layout:
 
     items: tuple[tuple[Piece, int], ...]  # (piece, byte offset)
     payload: int  # bytes up to the end of the last piece
-    size: int  # bytes on the wire: the payload, and the checksum trailer when verified
+    size: int  # bytes of its data message: the payload, and the checksum trailer when verified
+    direct: bool = False  # one piece, sent from and received into the tensors themselves; when
+    # verified its checksum follows as a message of its own
+    verified: bool = False
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.size + (TRAILER if self.direct and self.verified else 0)
 
 
 @dataclass(frozen=True)
@@ -65,14 +78,20 @@ class View:
     spec: ShardingSpec | None = None
 
     def piece(self, index: int, entry: Entry) -> Piece:
+        whole = Piece(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
         if self.spec is None or self.tp_size == 1:
-            return Piece(index, entry.shape, entry.nbytes, None)
+            return whole
         action = self.spec.action(entry.name, entry.shape)
         if action.replicated:
-            return Piece(index, entry.shape, entry.nbytes, None)
+            return whole
         shape = shard_shape(entry.name, entry.shape, action, self.tp_size)
-        itemsize = DTYPES[entry.dtype].itemsize
-        return Piece(index, shape, _numel(shape) * itemsize, action)
+        nbytes = _numel(shape) * DTYPES[entry.dtype].itemsize
+        cut = rank_slice(entry.name, entry.shape, action, self.tp_rank, self.tp_size)
+        run = None
+        if action.dim == 0 and cut is not None and len(cut.ranges) == 1 and not cut.padding:
+            row = entry.nbytes // max(1, entry.shape[0])
+            run = (cut.ranges[0][0] * row, cut.ranges[0][1] * row)
+        return Piece(index, shape, nbytes, action, run)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -90,11 +109,14 @@ def group_entries(entries: Sequence[Entry], bucket_bytes: int) -> list[tuple[int
     size = 0
     for index, entry in enumerate(entries):
         offset = _aligned(size)
-        if current and offset + entry.nbytes > bucket_bytes:
+        if current and (offset + entry.nbytes > bucket_bytes or entry.nbytes >= DIRECT_BYTES):
             groups.append(tuple(current))
             current, offset = [], 0
         current.append(index)
         size = offset + entry.nbytes
+        if entry.nbytes >= DIRECT_BYTES:
+            groups.append(tuple(current))
+            current, size = [], 0
     if current:
         groups.append(tuple(current))
     return groups
@@ -117,9 +139,27 @@ def layouts(entries: Sequence[Entry], groups: Sequence[Sequence[int]], view: Vie
             offset = _aligned(size)
             items.append((piece, offset))
             size = offset + piece.nbytes
-        wire = (-(-size // 8) * 8 + TRAILER) if verify else size
-        out.append(Layout(tuple(items), size, wire))
+        direct = (len(group) == 1 and entries[group[0]].nbytes >= DIRECT_BYTES and items[0][0].run is not None
+                  and size > 0)
+        wire = (-(-size // 8) * 8 + TRAILER) if verify and not direct else size
+        out.append(Layout(tuple(items), size, wire, direct, verify))
     return out
+
+
+def run_bytes(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The bytes of ``tensor`` that ``piece`` keeps (its run), as a 1-d uint8 view where the
+    tensor is contiguous (a copy where not)."""
+    assert piece.run is not None
+    data = tensor.detach()
+    data = data if data.is_contiguous() else data.contiguous()
+    return data.reshape(-1).view(torch.uint8)[piece.run[0]:piece.run[1]]
+
+
+def target_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A receiver's tensor as a 1-d uint8 view to receive into, or None where it cannot be one
+    (not contiguous): then it is received into a buffer and copied."""
+    data = tensor.detach()
+    return data.reshape(-1).view(torch.uint8) if data.is_contiguous() else None
 
 
 def check_pieces(entries: Sequence[Entry], pieces: Sequence[Piece],
@@ -183,6 +223,8 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
     their position. One pass over the bytes; catches flipped, overwritten, shifted or misplaced
     blocks, not a swap of two words inside one 4 KiB row. Not cryptographic: it guards against
     transport and buffer bugs, not against an adversary."""
+    if data.storage_offset() % 8:
+        data = data.clone()  # an int64 view needs an 8-byte aligned start
     words = data.numel() // 8
     whole_rows = words // _ROW_WORDS
     view = data[:words * 8].view(torch.int64)

@@ -1,0 +1,363 @@
+"""One side of a two-job weight-sync test (tests/test_sync_jobs.py), run under its own torchrun::
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/sync_jobs_driver.py \\
+        SCENARIO ROLE tcp://HOST:PORT OUT [ARGS...]
+
+Each rank writes what it saw to ``OUT/ROLE<rank>.json`` (also when it fails: then with the
+traceback under ``"crash"``, and the job exits 1). Values come from seeds, so every rank of
+either job can recompute what a tensor of a version must hold, bit for bit. The channel is made
+from torchrun's environment alone (rank and size are this job's); no default group is created.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import sys
+import traceback
+import zlib
+
+import torch
+
+import distload
+import distload.live.channel as channel_module
+from distload.errors import SyncError
+from distload.live.channel import SyncChannel
+
+TIMEOUT_S = 60.0
+
+# -- values -------------------------------------------------------------------------------------
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int16,
+          torch.int32, torch.int64, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def mixed_shapes() -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every dtype, a tensor bigger than a bucket, a 0-d and an empty tensor (about 1.1 MiB)."""
+    shapes = {f"layers.{i}.{str(d).split('.')[-1]}": ((33 + i, 17 + i), d) for i, d in enumerate(DTYPES)}
+    shapes["big"] = ((512, 512), torch.float32)  # 1 MiB: alone in its bucket
+    shapes["scalar"] = ((), torch.float64)
+    shapes["empty"] = ((0, 7), torch.bfloat16)
+    for i in range(6):
+        shapes[f"tail.{i}"] = ((64, 96), torch.bfloat16)
+    return shapes
+
+
+def value(name: str, shape: tuple[int, ...], dtype: torch.dtype, version: int) -> torch.Tensor:
+    """Version ``version`` of tensor ``name``: a function of (name, version) only."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@{version}".encode()))
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=gen) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=gen) * 8).to(dtype)
+    info = torch.iinfo(dtype)
+    low, high = max(info.min, -2**31), min(info.max, 2**31 - 1)
+    return torch.randint(low, high, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
+def state_of(shapes, version: int, names=None) -> dict[str, torch.Tensor]:
+    return {n: value(n, s, d, version) for n, (s, d) in shapes.items() if names is None or n in names}
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def digest(state) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(raw(t).numpy().tobytes())
+    return h.hexdigest()
+
+
+def exact(target, expected) -> bool:
+    return set(target) == set(expected) and all(
+        target[n].dtype == expected[n].dtype and tuple(target[n].shape) == tuple(expected[n].shape)
+        and torch.equal(raw(target[n]), raw(expected[n])) for n in expected)
+
+
+def nbytes(state) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def stats_row(stats) -> dict:
+    return {"version": stats.version, "nbytes": stats.nbytes, "num_tensors": stats.num_tensors,
+            "num_buckets": stats.num_buckets, "wire_bytes": stats.wire_bytes, "verified": stats.verified,
+            "seconds": stats.seconds}
+
+
+def session_id(ch: SyncChannel):
+    """The channel's current session (private: the tests check that a refusal keeps it)."""
+    return None if ch._session is None else ch._session.record.id
+
+
+def open_channel(role: str, address: str, **kwargs) -> SyncChannel:
+    return SyncChannel(address, role, device="cpu", timeout_s=TIMEOUT_S, **kwargs)
+
+
+# -- scenarios ----------------------------------------------------------------------------------
+
+def full(role, address, result, args):
+    """Whole tensors, 3 versions, small buckets."""
+    shapes = mixed_shapes()
+    with open_channel(role, address, bucket_bytes=64 * 1024) as ch:
+        if role == "trainer":
+            for version in (1, 2, 3):
+                state = state_of(shapes, version)
+                stats = ch.push(state, version)
+                result.setdefault("pushes", []).append(
+                    {**stats_row(stats), "digest": digest(state), "state_bytes": nbytes(state)})
+        else:
+            target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+            pointers = {n: t.data_ptr() for n, t in target.items()}
+            result["target_bytes"] = nbytes(target)
+            for version in (1, 2, 3):
+                stats = ch.receive(target)
+                result.setdefault("receives", []).append(
+                    {**stats_row(stats), "channel_version": ch.version, "consistent": ch.consistent,
+                     "digest": digest(target), "exact": exact(target, state_of(shapes, version)),
+                     "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())})
+
+
+def two_trainers(role, address, result, args):
+    """Each trainer rank pushes the names at its own index parity; one receiver takes all."""
+    shapes = mixed_shapes()
+    names = sorted(shapes)
+    with open_channel(role, address, bucket_bytes=128 * 1024) as ch:
+        if role == "trainer":
+            mine = set(names[ch.rank::ch.size])
+            result["names"] = sorted(mine)
+            for version in (1, 2):
+                state = state_of(shapes, version, mine)
+                stats = ch.push(state, version)
+                result.setdefault("pushes", []).append({**stats_row(stats), "state_bytes": nbytes(state)})
+        else:
+            target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+            pointers = {n: t.data_ptr() for n, t in target.items()}
+            result["target_bytes"] = nbytes(target)
+            for version in (1, 2):
+                stats = ch.receive(target)
+                result.setdefault("receives", []).append(
+                    {**stats_row(stats), "channel_version": ch.version,
+                     "exact": exact(target, state_of(shapes, version)),
+                     "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())})
+
+
+# A small Llama: vocab 1000 (not a multiple of 64 x TP: padded), 4 heads of 32, 2 KV heads.
+LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 320,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
+                "vocab_size": 1000, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def llama_shapes() -> dict[str, tuple[int, ...]]:
+    c = LLAMA_CONFIG
+    hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.k_proj.weight": (kv, hidden),
+                       p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.o_proj.weight": (hidden, q),
+                       p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                       p + "post_attention_layernorm.weight": (hidden,)})
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def llama_slice_shapes(tp: int) -> dict[str, tuple[int, ...]]:
+    """What one TP rank of vLLM holds, worked out here by hand (not with distload's slicing):
+    vocabulary padded to a multiple of 64 then split by rows, q/k/v/gate/up split by rows
+    (whole heads), o/down split by columns, norms whole."""
+    c = LLAMA_CONFIG
+    padded = -(-c["vocab_size"] // 64) * 64
+    out = {}
+    for name, shape in llama_shapes().items():
+        if "embed_tokens" in name or name == "lm_head.weight":
+            out[name] = (padded // tp, shape[1])
+        elif any(p in name for p in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+            out[name] = (shape[0] // tp, shape[1])
+        elif "o_proj" in name or "down_proj" in name:
+            out[name] = (shape[0], shape[1] // tp)
+        else:
+            out[name] = shape
+    return out
+
+
+def llama_state(version: int) -> dict[str, torch.Tensor]:
+    return {n: value(n, s, torch.bfloat16, version) for n, s in llama_shapes().items()}
+
+
+def sliced(role, address, result, args):
+    """The trainer pushes the checkpoint in ``args[0]``; inference ranks keep TP slices."""
+    from safetensors.torch import load_file, save_file
+
+    tp = int(args[1])
+    if role == "trainer":
+        state = {}
+        for path in sorted(glob.glob(os.path.join(args[0], "*.safetensors"))):
+            state.update(load_file(path))
+        with open_channel(role, address, bucket_bytes=256 * 1024) as ch:
+            stats = ch.push(state, 1)
+            result["pushes"] = [{**stats_row(stats), "state_bytes": nbytes(state)}]
+        return
+    model_config = {k: LLAMA_CONFIG[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}
+    with open_channel(role, address, tensor_parallel_size=tp, sharding="decoder",
+                      model_config=model_config) as ch:
+        # Not zeros: a padded vocabulary row must be written (as zeros) too.
+        target = {n: torch.full(s, 7.0, dtype=torch.bfloat16) for n, s in llama_slice_shapes(tp).items()}
+        pointers = {n: t.data_ptr() for n, t in target.items()}
+        stats = ch.receive(target)
+        result["receives"] = [{**stats_row(stats), "channel_version": ch.version,
+                               "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())}]
+        result["target_bytes"] = nbytes(target)
+        save_file(target, os.path.join(result["out"], f"received{ch.rank}.safetensors"))
+
+
+MISFIT_SHAPES = {f"w{i:02d}": ((16, 32), torch.float32) for i in range(12)}
+
+
+def misfit(role, address, result, args):
+    """v1 fits; v2: inference rank 1 has one tensor of another shape; v3: ten; v4 fits again."""
+    shapes = MISFIT_SHAPES
+    with open_channel(role, address, bucket_bytes=8 * 1024) as ch:
+        if role == "trainer":
+            for version in (1, 2, 3, 4):
+                try:
+                    stats = ch.push(state_of(shapes, version), version)
+                    row = stats_row(stats)
+                except SyncError as exc:
+                    row = {"version": version, "error": str(exc)}
+                row["session"] = session_id(ch)
+                result.setdefault("pushes", []).append(row)
+            return
+        target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+        for version in (1, 2, 3, 4):
+            into = dict(target)
+            if ch.rank == 1 and version == 2:
+                into["w03"] = torch.zeros(15, 32)
+            if ch.rank == 1 and version == 3:
+                for i in range(10):
+                    into[f"w{i:02d}"] = torch.zeros(32, 16)
+            before = {n: t.clone() for n, t in into.items()}
+            try:
+                stats = ch.receive(into)
+                row = stats_row(stats)
+            except SyncError as exc:
+                row = {"version": version, "error": str(exc), "last_error": ch.last_error}
+            row.update(channel_version=ch.version, consistent=ch.consistent, session=session_id(ch),
+                       unchanged=all(torch.equal(before[n], into[n]) for n in into),
+                       exact=exact(target, state_of(shapes, version)))
+            result.setdefault("receives", []).append(row)
+
+
+def verify(role, address, result, args):
+    """Only the inference side asks for verification. v1 clean; v2: the trainer flips a byte of
+    its second bucket after sealing it; v3 clean again (a new session)."""
+    shapes = {f"w{i:02d}": ((64, 64), torch.float32) for i in range(8)}  # 16 KiB each
+    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference")) as ch:
+        if role == "trainer":
+            real_seal = channel_module.seal
+            for version in (1, 2, 3):
+                sealed = []
+
+                def corrupting_seal(buffer, layout):
+                    real_seal(buffer, layout)
+                    sealed.append(layout.size)
+                    if len(sealed) == 2:  # the second bucket: its checksum no longer matches
+                        buffer[layout.payload // 3] ^= 0x5A
+
+                channel_module.seal = corrupting_seal if version == 2 else real_seal
+                try:
+                    stats = ch.push(state_of(shapes, version), version)
+                    row = stats_row(stats)
+                except SyncError as exc:
+                    row = {"version": version, "error": str(exc)}
+                finally:
+                    channel_module.seal = real_seal
+                row["sealed"] = len(sealed)
+                result.setdefault("pushes", []).append(row)
+            return
+        target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+        for version in (1, 2, 3):
+            try:
+                stats = ch.receive(target)
+                row = stats_row(stats)
+            except SyncError as exc:
+                row = {"version": version, "error": str(exc), "last_error": ch.last_error}
+            row.update(channel_version=ch.version, consistent=ch.consistent,
+                       exact=exact(target, state_of(shapes, version)),
+                       exact_v1=exact(target, state_of(shapes, 1)))
+            result.setdefault("receives", []).append(row)
+
+
+def sleep(role, address, result, args):
+    """v1; inference rank 1 sleeps (level 1): v2 refused everywhere; wake: v1 back; sleep level
+    2 and wake: zeros; v2 again arrives whole."""
+    shapes = {f"w{i:02d}": ((48, 40), torch.bfloat16) for i in range(6)}
+    shapes["ids"] = ((100,), torch.int32)
+    with open_channel(role, address, bucket_bytes=8 * 1024) as ch:
+        if role == "trainer":
+            for version in (1, 2, 2):
+                try:
+                    stats = ch.push(state_of(shapes, version), version)
+                    row = stats_row(stats)
+                except SyncError as exc:
+                    row = {"version": version, "error": str(exc)}
+                result.setdefault("pushes", []).append(row)
+            return
+        target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+        stats = ch.receive(target)
+        result["v1"] = {**stats_row(stats), "digest": digest(target),
+                        "exact": exact(target, state_of(shapes, 1))}
+        sleeper = distload.WeightSleeper(target)
+        if ch.rank == 1:
+            result["released"] = sleeper.sleep(level=1)
+            result["storage_bytes_asleep"] = sum(t.untyped_storage().nbytes() for t in target.values())
+        before = None if sleeper.asleep else {n: t.clone() for n, t in target.items()}
+        try:
+            ch.receive(target)
+            result["asleep_receive"] = {"error": None}
+        except SyncError as exc:
+            result["asleep_receive"] = {"error": str(exc), "version": ch.version, "consistent": ch.consistent}
+        if before is not None:
+            result["asleep_receive"]["unchanged"] = all(torch.equal(before[n], target[n]) for n in target)
+        if ch.rank == 1:
+            sleeper.wake()
+            result["woken_digest"] = digest(target)
+            sleeper.sleep(level=2)
+            sleeper.wake()
+            result["level2_zeros"] = all(not raw(t).any() for t in target.values())
+        stats = ch.receive(target)
+        result["v2"] = {**stats_row(stats), "channel_version": ch.version, "digest": digest(target),
+                        "exact": exact(target, state_of(shapes, 2))}
+
+
+SCENARIOS = {"full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
+             "sleep": sleep}
+
+
+def main() -> int:
+    scenario, role, address, out, *args = sys.argv[1:]
+    rank = int(os.environ["RANK"])
+    result = {"role": role, "rank": rank, "world_size": int(os.environ["WORLD_SIZE"]),
+              "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "pid": os.getpid(), "out": out}
+    code = 0
+    try:
+        SCENARIOS[scenario](role, address, result, args)
+    except BaseException:  # noqa: BLE001 - reported to the test, and the job fails
+        result["crash"] = traceback.format_exc()
+        traceback.print_exc()
+        code = 1
+    with open(os.path.join(out, f"{role}{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

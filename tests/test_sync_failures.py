@@ -1,0 +1,445 @@
+"""SyncChannel between two separately launched jobs, when something goes wrong.
+
+Trainer and inference are separate jobs here: separate processes (or separate torchrun commands),
+each its own world, meeting at ``tcp://127.0.0.1:PORT``. Where torchrun's agent would kill a
+job's other ranks as soon as one dies, ranks are started by hand as plain processes with an
+explicit ``rank``/``size``, so that each one's own behaviour is seen.
+
+Every process runs ``_DRIVER`` with a JSON plan: a list of steps (push a version, receive, wait
+for a file, arm a SIGKILL/SIGSTOP inside the next update, close). Each step's outcome is one JSON
+line in the process's log, with a wall-clock stamp, so that the test can follow the processes
+while they run, measure how long each failure took to surface, and start the next process (a
+restarted trainer) at the right moment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from distload.errors import SyncError
+from distload.live.channel import DEAD_AFTER_S, SyncChannel
+
+from dist_helpers import ABORT_MARKERS, clean_env, free_port, write_script
+
+TIMEOUT_S = 30.0  # the channels' timeout: every failure below must surface well before it
+BOUND_S = 20.0  # "well under the timeout"
+
+_DRIVER = r'''
+import json, os, signal, sys, time, torch
+import distload.live.channel as channel
+from distload.errors import SyncError
+from distload.live.channel import SyncChannel
+
+cfg = json.loads(sys.argv[1])
+rank = cfg["rank"] if cfg.get("rank") is not None else int(os.environ["RANK"])
+size = cfg["size"] if cfg.get("size") is not None else int(os.environ["WORLD_SIZE"])
+NAME = f"{cfg['name']}{rank}"
+OUT = cfg["out"]
+
+
+def log(event, **fields):
+    fields.update(event=event, t=time.time(), pid=os.getpid())
+    with open(os.path.join(OUT, f"{NAME}.jsonl"), "a") as f:
+        f.write(json.dumps(fields) + "\n")
+
+
+def state(version):
+    gen = torch.Generator().manual_seed(1000 + version)
+    s = {f"w{i}": torch.randn(64, 64, generator=gen) for i in range(48)}  # 16 KiB each: 4 a bucket
+    s["emb"] = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    return s
+
+
+def exact(target, version):
+    want = state(version)
+    return all(target[n].view(torch.uint8).equal(want[n].view(torch.uint8)) for n in want)
+
+
+def gate(names):
+    deadline = time.monotonic() + 120
+    for name in names.split(","):
+        while not os.path.exists(os.path.join(OUT, name)):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{NAME}: {name} never appeared")
+            time.sleep(0.02)
+
+
+def arm(fn_name, after, sig):
+    """The ``after``-th call of channel.<fn_name> (pack: one a bucket sent, unpack: one a bucket
+    received) sends this process ``sig`` first: SIGKILL like an OOM kill, SIGSTOP like a hang."""
+    real = getattr(channel, fn_name)
+    calls = []
+
+    def sabotaged(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == after:
+            log("dying", signal=sig, fn=fn_name, call=after)
+            os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    setattr(channel, fn_name, sabotaged)
+
+
+log("start")
+t0 = time.monotonic()
+try:
+    ch = SyncChannel(cfg["addr"], cfg["role"], rank=rank, size=size, host=cfg["host"], device="cpu",
+                     timeout_s=cfg["timeout"], bucket_bytes=1 << 16)
+except SyncError as exc:
+    log("open", ok=False, error=str(exc), seconds=time.monotonic() - t0)
+    sys.exit(0)
+log("open", ok=True, seconds=time.monotonic() - t0)
+target = {n: torch.zeros_like(t) for n, t in state(0).items()}
+pointers = {n: t.data_ptr() for n, t in target.items()}
+closed = False
+for step in cfg["steps"]:
+    kind, _, arg = step.partition(":")
+    t0 = time.monotonic()
+    if kind == "push":
+        version = int(arg)
+        try:
+            stats = ch.push(state(version), version)
+            log("push", ok=True, version=version, seconds=time.monotonic() - t0, nbytes=stats.nbytes)
+        except SyncError as exc:
+            log("push", ok=False, version=version, error=str(exc), seconds=time.monotonic() - t0)
+    elif kind == "recv":
+        before = {n: t.clone() for n, t in target.items()}
+        try:
+            stats = ch.receive(target, timeout_s=float(arg) if arg else None)
+            log("recv", ok=True, version=stats.version, channel_version=ch.version, exact=exact(target, stats.version),
+                in_place=all(target[n].data_ptr() == p for n, p in pointers.items()), consistent=ch.consistent,
+                last_error=ch.last_error, seconds=time.monotonic() - t0)
+        except SyncError as exc:
+            log("recv", ok=False, error=str(exc), version=ch.version, consistent=ch.consistent,
+                last_error=ch.last_error, unchanged=all(before[n].equal(target[n]) for n in target),
+                seconds=time.monotonic() - t0)
+    elif kind == "arm":
+        fn_name, after, sig = arg.split(",")
+        arm(fn_name, int(after), int(sig))
+    elif kind == "gate":
+        gate(arg)
+    elif kind == "mark":
+        open(os.path.join(OUT, arg.replace("{rank}", str(rank))), "w").close()
+    elif kind == "sleep":
+        time.sleep(float(arg))
+    elif kind == "close":
+        log("closing")
+        ch.close()
+        closed = True
+        log("closed", seconds=time.monotonic() - t0)
+    else:
+        raise SystemExit(f"unknown step {step!r}")
+if not closed:
+    ch.close()
+log("exit")
+'''
+
+
+class Jobs:
+    """The processes one test started: plain ranks and torchrun jobs, their logs, and their end."""
+
+    def __init__(self, tmp_path: Path):
+        self.dir = tmp_path
+        self.script = write_script(tmp_path, "sync_driver.py", _DRIVER)
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, role: str, steps: list[str], *, host: str = "trainer", rank: int | None = 0,
+              size: int | None = 1, nproc: int | None = None, timeout: float = TIMEOUT_S) -> subprocess.Popen:
+        """A plain process (``nproc`` None) with an explicit rank and size, or a torchrun job of
+        ``nproc`` ranks (rank and size from torchrun's environment). Its log lines are
+        ``NAME<rank>.jsonl``."""
+        cfg = {"out": str(self.dir), "addr": self.address, "host": host, "role": role, "name": name,
+               "steps": steps, "timeout": timeout}
+        if nproc is None:
+            cmd = [sys.executable, self.script]
+            cfg.update(rank=rank, size=size)
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "--monitor-interval=0.5", self.script]
+            cfg.update(rank=None, size=None)
+        with open(self.dir / f"{name}.stdout", "w") as out, open(self.dir / f"{name}.stderr", "w") as err:
+            proc = subprocess.Popen(cmd + [json.dumps(cfg)], stdout=out, stderr=err, env=clean_env(),
+                                    start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def events(self, member: str, event: str | None = None) -> list[dict]:
+        path = self.dir / f"{member}.jsonl"
+        if not path.exists():
+            return []
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [e for e in lines if event is None or e["event"] == event]
+
+    def wait(self, member: str, event: str, count: int = 1, timeout: float = 60) -> list[dict]:
+        """The first ``count`` ``event`` lines of ``member``, once there are that many."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.events(member, event)
+            if len(found) >= count:
+                return found[:count]
+            if time.monotonic() > deadline:
+                pytest.fail(f"{member} logged {len(found)} {event!r} event(s), not {count}, within {timeout} s\n"
+                            f"{self.report()}")
+            time.sleep(0.05)
+
+    def exit_code(self, name: str, timeout: float = 30) -> int:
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{name} did not exit within {timeout} s\n{self.report()}")
+
+    def stderr(self, name: str) -> str:
+        return (self.dir / f"{name}.stderr").read_text(errors="replace")
+
+    def stdout(self, name: str) -> str:
+        return (self.dir / f"{name}.stdout").read_text(errors="replace")
+
+    def report(self) -> str:
+        parts = []
+        for path in sorted(self.dir.glob("*.jsonl")):
+            parts.append(f"--- {path.name}\n{path.read_text()[-3000:]}")
+        for name in self.procs:
+            parts.append(f"--- {name} stderr\n{self.stderr(name)[-3000:]}")
+        return "\n".join(parts)
+
+    def ours(self) -> list[int]:
+        """Live processes running this test's driver (torchrun's workers included: they have
+        sessions of their own), by their ids; zombies excluded."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if self.script in cmdline and stat.rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(entry))
+        return pids
+
+    def cleanup(self) -> list[int]:
+        """Kill whatever is left (SIGCONT first, for a stopped one); return the ids found alive."""
+        stray = [p.pid for p in self.procs.values() if p.poll() is None] + self.ours()
+        for pid in set(stray):
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        return sorted(set(stray))
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    """The test's processes; at the end any still running is killed, and the test fails for it."""
+    started = Jobs(tmp_path)
+    stray = []
+    try:
+        yield started
+    finally:
+        stray = started.cleanup()
+        time.sleep(0.2)
+        left = started.ours()
+    assert not stray, f"processes still running at the end of the test: {stray}\n{started.report()}"
+    assert not left, f"processes survived SIGKILL: {left}"
+
+
+def _no_abort(text: str) -> None:
+    for marker in ABORT_MARKERS:
+        assert marker not in text, f"{marker!r} in output:\n{text[-4000:]}"
+
+
+def _assert_received(event: dict, version: int) -> None:
+    assert event["ok"], event
+    assert event["version"] == version and event["channel_version"] == version, event
+    assert event["exact"] and event["in_place"], event
+    assert event["consistent"] is True and event["last_error"] is None, event
+
+
+# -- 1. the trainer killed mid-update, then restarted at the same address ------------------------------
+
+@pytest.mark.dist
+@pytest.mark.parametrize("host", ["trainer", "inference"])
+def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
+    """Two torchrun jobs: the trainer (1 rank) is SIGKILLed while version 2's buckets are out.
+    Every inference rank raises within BOUND_S, keeps version 1 (consistent False: data moved),
+    and, in the same process, receives version 3 from a new trainer job at the same address
+    bit-exact. With host="trainer" the store died with the trainer and the receivers reach the
+    restarted trainer's store; with host="inference" inference rank 0's store lives on."""
+    inference = jobs.start("inf", "inference", ["recv", "recv", "recv:60"], host=host, nproc=2)
+    first = jobs.start("trainA", "trainer", ["push:1", f"arm:pack,6,{int(signal.SIGKILL)}", "push:2"],
+                       host=host, nproc=1)
+    failures = [jobs.wait(f"inf{r}", "recv", 2)[1] for r in (0, 1)]
+    (dying,) = jobs.wait("trainA0", "dying")
+    assert jobs.exit_code("trainA") != 0  # torchrun reports its worker's death
+    assert not jobs.events("trainA0", "push")[1:], "the killed trainer finished version 2?"
+    for r, failure in enumerate(failures):
+        assert not failure["ok"], failure
+        assert "version 2 did not arrive whole; still at version 1" in failure["error"], failure
+        assert failure["version"] == 1 and failure["consistent"] is False, failure
+        assert failure["last_error"] == failure["error"], failure
+        assert failure["seconds"] < BOUND_S, failure
+        assert failure["t"] - dying["t"] < BOUND_S, (failure, dying)
+    assert inference.poll() is None, "the inference job must outlive the trainer"
+
+    second = jobs.start("trainB", "trainer", ["push:3"], host=host, nproc=1)
+    for r in (0, 1):
+        _assert_received(jobs.wait(f"inf{r}", "recv", 3, timeout=90)[2], 3)
+    (pushed,) = jobs.wait("trainB0", "push")
+    assert pushed["ok"] and pushed["version"] == 3, pushed
+    assert jobs.exit_code("trainB") == 0, jobs.stderr("trainB")
+    assert jobs.exit_code("inf") == 0, jobs.stderr("inf")
+    _no_abort(jobs.stderr("inf") + jobs.stderr("trainB"))
+    assert second.returncode == 0
+
+
+# -- 2. an inference rank killed mid-update -----------------------------------------------------------
+
+@pytest.mark.dist
+def test_inference_rank_killed_mid_update_names_it_and_its_replacement_receives(jobs):
+    """Inference rank 1 (of 2, plain processes) is SIGKILLed while receiving version 2: the
+    trainer's push names it within BOUND_S; inference rank 0 raises too, without waiting for the
+    timeout, at version 1. A replacement rank 1 joins, and version 3 reaches both."""
+    jobs.start("train", "trainer", ["push:1", "push:2", "push:3"])
+    jobs.start("inf", "inference", ["recv", "recv", "recv"], rank=0, size=2, timeout=TIMEOUT_S)
+    jobs.start("dead", "inference", ["recv", f"arm:unpack,3,{int(signal.SIGKILL)}", "recv"], rank=1, size=2)
+    (dying,) = jobs.wait("dead1", "dying")
+    assert jobs.exit_code("dead") == -signal.SIGKILL
+    failed = jobs.wait("train0", "push", 2)[1]
+    assert not failed["ok"] and "inference rank 1" in failed["error"], failed
+    assert failed["seconds"] < BOUND_S and failed["t"] - dying["t"] < BOUND_S, (failed, dying)
+    survivor = jobs.wait("inf0", "recv", 2)[1]
+    assert not survivor["ok"] and "still at version 1" in survivor["error"], survivor
+    assert survivor["version"] == 1 and survivor["last_error"] == survivor["error"], survivor
+    assert survivor["seconds"] < BOUND_S and survivor["t"] - dying["t"] < BOUND_S, (survivor, dying)
+
+    jobs.start("new", "inference", ["recv"], rank=1, size=2)
+    _assert_received(jobs.wait("new1", "recv", timeout=60)[0], 3)
+    _assert_received(jobs.wait("inf0", "recv", 3, timeout=60)[2], 3)
+    pushed = jobs.wait("train0", "push", 3)[2]
+    assert pushed["ok"], pushed
+    for name in ("train", "inf", "new"):
+        assert jobs.exit_code(name) == 0, jobs.stderr(name)
+        _no_abort(jobs.stderr(name))
+
+
+# -- 3. an inference rank stopped (SIGSTOP) mid-update --------------------------------------------------
+
+@pytest.mark.dist
+def test_inference_rank_stopped_mid_update_is_named_within_dead_after(jobs):
+    """Inference rank 1 stops itself (SIGSTOP) while receiving version 2: its sockets stay open,
+    only its silent heartbeat tells. The trainer's push fails naming it ("stopped answering")
+    within DEAD_AFTER_S plus slack. Resumed (SIGCONT), rank 1 must not take version 2 either."""
+    jobs.start("train", "trainer", ["push:1", "push:2", "gate:resumed-done"])
+    jobs.start("inf", "inference", ["recv", "recv"], rank=0, size=2)
+    stopped = jobs.start("stop", "inference", ["recv", f"arm:unpack,3,{int(signal.SIGSTOP)}", "recv",
+                                                 "mark:resumed-done"], rank=1, size=2)
+    (dying,) = jobs.wait("stop1", "dying")
+    failed = jobs.wait("train0", "push", 2, timeout=DEAD_AFTER_S + 30)[1]
+    assert not failed["ok"], failed
+    assert "inference rank 1 stopped answering" in failed["error"], failed
+    assert failed["t"] - dying["t"] < DEAD_AFTER_S + 5, (failed, dying)
+    other = jobs.wait("inf0", "recv", 2)[1]
+    assert not other["ok"] and other["version"] == 1 and "still at version 1" in other["error"], other
+    assert other["t"] - dying["t"] < DEAD_AFTER_S + 5, (other, dying)
+
+    os.kill(stopped.pid, signal.SIGCONT)
+    resumed = jobs.wait("stop1", "recv", 2, timeout=20)[1]
+    assert not resumed["ok"] and resumed["version"] == 1 and resumed["consistent"] is False, resumed
+    assert "version 2 did not arrive whole" in resumed["error"], resumed
+    for name in ("train", "inf", "stop"):
+        assert jobs.exit_code(name) == 0, jobs.stderr(name)
+
+
+# -- 4. nobody at the other end -------------------------------------------------------------------------
+
+def test_inference_at_an_address_nobody_serves_says_so_within_its_timeout():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with pytest.raises(SyncError) as caught:
+        channel = SyncChannel(address, "inference", rank=0, size=1, host="trainer", device="cpu", timeout_s=5)
+        try:
+            channel.receive({"w": torch.zeros(4)})
+        finally:
+            channel.close()
+    seconds = time.monotonic() - start
+    assert f"nobody serves the sync rendezvous at {address} (waited 5 s)" in str(caught.value)
+    assert seconds < 5 + 3, seconds
+
+
+def test_trainer_whose_inference_job_never_comes_says_which_rank_did_not_join():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    channel = SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=5)
+    try:
+        start = time.monotonic()
+        with pytest.raises(SyncError) as caught:
+            channel.push({"w": torch.ones(4)}, 1)
+        seconds = time.monotonic() - start
+    finally:
+        channel.close()
+    message = str(caught.value)
+    assert "inference rank 0 did not join the sync channel at " + address in message, message
+    assert 4 < seconds < 5 + 3, seconds
+
+
+# -- 5. no update within the receive's own timeout ------------------------------------------------------
+
+@pytest.mark.dist
+def test_receive_without_an_update_times_out_and_the_next_push_still_arrives(jobs):
+    jobs.start("train", "trainer", ["push:1", "gate:go", "push:2"])
+    jobs.start("inf", "inference", ["recv", "recv:3", "mark:go", "recv"])
+    first, waited = jobs.wait("inf0", "recv", 2)
+    _assert_received(first, 1)
+    assert not waited["ok"], waited
+    assert "no update arrived within 3 s; still at version 1" in waited["error"], waited
+    assert waited["version"] == 1 and waited["consistent"] is True and waited["unchanged"], waited
+    assert waited["last_error"] == waited["error"], waited
+    assert 2.9 < waited["seconds"] < 3 + 2, waited
+    _assert_received(jobs.wait("inf0", "recv", 3)[2], 2)
+    assert jobs.wait("train0", "push", 2)[1]["ok"]
+    for name in ("train", "inf"):
+        assert jobs.exit_code(name) == 0, jobs.stderr(name)
+
+
+# -- 6. the trainer leaves normally while a receiver waits ------------------------------------------------
+
+@pytest.mark.dist
+def test_trainer_closing_between_updates_ends_a_waiting_receive_cleanly(jobs):
+    """Two torchrun jobs. The trainer (serving the store) pushes version 1 and closes while both
+    inference ranks wait for version 2: each receive raises promptly that the channel was closed,
+    the trainer's close does not wait out CLOSE_WAIT_S (the receivers left), and every process
+    exits 0 without a C++ abort."""
+    jobs.start("inf", "inference", ["recv", "mark:waiting{rank}", "recv"], nproc=2)
+    # the trainer closes a moment after both ranks went into their second receive
+    jobs.start("train", "trainer", ["push:1", "gate:waiting0,waiting1", "sleep:1", "close"], nproc=1)
+    (closing,) = jobs.wait("train0", "closing")
+    for r in (0, 1):
+        first, ended = jobs.wait(f"inf{r}", "recv", 2)
+        _assert_received(first, 1)
+        assert not ended["ok"], ended
+        assert "was closed by the process serving it; still at version 1" in ended["error"], ended
+        assert ended["version"] == 1 and ended["consistent"] is True, ended
+        assert ended["t"] - closing["t"] < 3, (ended, closing)
+    (closed,) = jobs.wait("train0", "closed")
+    assert closed["seconds"] < 4, closed  # CLOSE_WAIT_S is 5: the receivers said they left
+    assert jobs.exit_code("inf") == 0, jobs.stderr("inf")
+    assert jobs.exit_code("train") == 0, jobs.stderr("train")
+    for r in (0, 1):
+        assert jobs.events(f"inf{r}", "exit"), jobs.report()
+    _no_abort(jobs.stderr("inf") + jobs.stdout("inf") + jobs.stderr("train"))

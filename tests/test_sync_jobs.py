@@ -1,0 +1,359 @@
+"""Weight sync between TWO separately launched torchrun jobs (a trainer job and an inference job,
+each its own world, meeting at a tcp:// rendezvous): whole and sliced tensors, several trainer
+ranks, refusals, verification, sleeping receivers, and ``distload sync-demo --role``.
+
+The jobs' scripts are tests/sync_jobs_driver.py; both jobs are started at once and waited for
+together.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dist_helpers import clean_env, free_port
+
+import sync_jobs_driver as driver
+
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sync_jobs_driver.py")
+JOB_TIMEOUT_S = 100
+
+
+@dataclass
+class Job:
+    name: str
+    returncode: int
+    output: str
+
+
+def run_jobs(folder, jobs: list[tuple[str, int, list[str]]], timeout: float = JOB_TIMEOUT_S) -> dict[str, Job]:
+    """Start every ``(name, nproc, args)`` as its own ``torchrun --standalone`` at once (args after
+    torchrun's own: a script, or ``-m distload ...``), then wait for all of them."""
+    procs = {}
+    for name, nproc, args in jobs:
+        log = open(os.path.join(str(folder), f"{name}.log"), "w+")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=clean_env()), log)
+    deadline = time.monotonic() + timeout
+    done = {}
+    try:
+        for name, (proc, log) in procs.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for name, (proc, log) in procs.items():
+            timed_out = proc.poll() is None
+            if timed_out:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            done[name] = Job(name, proc.returncode, ("TIMED OUT\n" if timed_out else "") + log.read())
+            log.close()
+    return done
+
+
+def run_driver(folder, scenario: str, trainer_nproc: int, inference_nproc: int, *args: str) -> dict[str, list[dict]]:
+    """Both sides of ``scenario`` as two jobs; returns role -> each rank's result, in rank order."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    out = str(folder)
+    jobs = run_jobs(folder, [(role, nproc, [DRIVER, scenario, role, address, out, *args])
+                             for role, nproc in (("trainer", trainer_nproc), ("inference", inference_nproc))])
+    outputs = "\n".join(f"===== {j.name} job (rc {j.returncode}) =====\n{j.output[-6000:]}" for j in jobs.values())
+    results = {}
+    for role, nproc in (("trainer", trainer_nproc), ("inference", inference_nproc)):
+        rows = []
+        for rank in range(nproc):
+            path = os.path.join(out, f"{role}{rank}.json")
+            assert os.path.exists(path), f"{role} rank {rank} wrote no result\n{outputs}"
+            with open(path) as f:
+                rows.append(json.load(f))
+            assert "crash" not in rows[-1], f"{role} rank {rank} crashed:\n{rows[-1]['crash']}\n{outputs}"
+        results[role] = rows
+    for job in jobs.values():
+        assert job.returncode == 0, outputs
+    _assert_two_worlds(results, trainer_nproc, inference_nproc)
+    return results
+
+
+def _assert_two_worlds(results, trainer_nproc: int, inference_nproc: int) -> None:
+    """Two jobs, each its own world: its own torchrun run id and world size, and distinct processes."""
+    trainer, inference = results["trainer"], results["inference"]
+    assert [r["world_size"] for r in trainer] == [trainer_nproc] * trainer_nproc
+    assert [r["world_size"] for r in inference] == [inference_nproc] * inference_nproc
+    assert [r["rank"] for r in trainer] == list(range(trainer_nproc))
+    assert [r["rank"] for r in inference] == list(range(inference_nproc))
+    assert len({r["run_id"] for r in trainer}) == 1 and len({r["run_id"] for r in inference}) == 1
+    assert trainer[0]["run_id"] != inference[0]["run_id"]
+    assert len({r["pid"] for r in trainer + inference}) == trainer_nproc + inference_nproc
+
+
+def mixed_bytes() -> int:
+    return driver.nbytes(driver.state_of(driver.mixed_shapes(), 0))
+
+
+# -- 1. whole tensors ---------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path):
+    results = run_driver(tmp_path, "full", 1, 2)
+    total = mixed_bytes()
+    shapes = driver.mixed_shapes()
+    expected = {v: driver.digest(driver.state_of(shapes, v)) for v in (1, 2, 3)}
+    assert len(set(expected.values())) == 3  # every version differs from the others
+    (trainer,) = results["trainer"]
+    pushes = trainer["pushes"]
+    assert [p["version"] for p in pushes] == [1, 2, 3]
+    assert [p["digest"] for p in pushes] == [expected[1], expected[2], expected[3]]
+    for push in pushes:
+        assert push["nbytes"] == push["state_bytes"] == total, push
+        assert push["num_tensors"] == len(shapes) and push["num_buckets"] > 3, push
+        assert push["wire_bytes"] >= 2 * total, push  # each of the 2 receivers got every byte
+    for rank in results["inference"]:
+        receives = rank["receives"]
+        assert [r["version"] for r in receives] == [1, 2, 3], rank
+        assert [r["channel_version"] for r in receives] == [1, 2, 3], rank
+        for r, push in zip(receives, pushes):
+            assert r["digest"] == push["digest"], (rank["rank"], r)  # what the sender had, bit for bit
+            assert r["exact"] and r["in_place"] and r["consistent"], (rank["rank"], r)
+            assert r["nbytes"] == total == rank["target_bytes"], r
+            assert r["num_tensors"] == len(shapes) and r["num_buckets"] == push["num_buckets"], r
+            assert total <= r["wire_bytes"] <= total * 1.05, r
+            assert not r["verified"], r
+
+
+# -- 2. tensor-parallel slices --------------------------------------------------------------------
+
+def _write_llama_checkpoint(folder: str) -> dict[str, torch.Tensor]:
+    os.makedirs(folder)
+    state = driver.llama_state(1)
+    names = sorted(state)
+    save_file({n: state[n] for n in names[0::2]}, os.path.join(folder, "model-00001-of-00002.safetensors"))
+    save_file({n: state[n] for n in names[1::2]}, os.path.join(folder, "model-00002-of-00002.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(driver.LLAMA_CONFIG, f)
+    return state
+
+
+def _saved_rank(folder: str, tp_rank: int) -> dict[str, torch.Tensor]:
+    paths = sorted(glob.glob(os.path.join(folder, f"model-rank-{tp_rank}-part-*.safetensors")))
+    assert paths, os.listdir(folder)
+    state: dict[str, torch.Tensor] = {}
+    for path in paths:
+        state.update(load_file(path))
+    return state
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("inference_nproc", [2, 4], ids=["tp2", "tp2x2-replicas"])
+def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
+    """Each inference rank (TP 2, decoder spec) holds exactly what ``save-sharded
+    --tensor-parallel-size 2 --sharding decoder`` writes for its TP rank, and received little more
+    than those bytes. With 4 ranks, ranks 2 and 3 are a second replica of TP ranks 0 and 1."""
+    src, saved = str(tmp_path / "src"), str(tmp_path / "saved")
+    whole = _write_llama_checkpoint(src)
+    save = subprocess.Popen([sys.executable, "-m", "distload", "save-sharded", src, saved,
+                             "--tensor-parallel-size", "2", "--sharding", "decoder"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+    try:
+        results = run_driver(tmp_path, "sliced", 1, inference_nproc, src, "2")
+    finally:
+        save_output = save.communicate(timeout=JOB_TIMEOUT_S)[0]
+    assert save.returncode == 0, save_output
+
+    (trainer,) = results["trainer"]
+    whole_bytes = driver.nbytes(whole)
+    assert trainer["pushes"][0]["nbytes"] == trainer["pushes"][0]["state_bytes"] == whole_bytes
+    shapes = driver.llama_slice_shapes(2)
+    slices = {tp: _saved_rank(saved, tp) for tp in (0, 1)}
+    assert not torch.equal(slices[0]["model.layers.0.self_attn.q_proj.weight"],
+                           slices[1]["model.layers.0.self_attn.q_proj.weight"])  # really different slices
+    for tp in (0, 1):
+        assert {n: tuple(t.shape) for n, t in slices[tp].items()} == shapes, "save-sharded's shapes"
+        embed = slices[tp]["model.embed_tokens.weight"]
+        if tp == 1:  # 1000 rows padded to 1024: TP rank 1 holds rows 512..999 and 24 zero rows
+            assert not embed[-24:].view(torch.uint8).any() and embed[-25].view(torch.uint8).any()
+    sent_to_receivers = 0
+    for rank in results["inference"]:
+        r = rank["rank"]
+        got = load_file(str(tmp_path / f"received{r}.safetensors"))
+        want = slices[r % 2]
+        assert set(got) == set(want), r
+        for name in want:
+            assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, (r, name)
+            assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), (r, name)
+        (stats,) = rank["receives"]
+        own = driver.nbytes(want)
+        assert stats["version"] == stats["channel_version"] == 1 and stats["in_place"], stats
+        assert stats["nbytes"] == own == rank["target_bytes"], (r, stats, own)
+        assert own < 0.6 * whole_bytes, (own, whole_bytes)
+        assert own <= stats["wire_bytes"] <= 1.05 * own, (r, stats["wire_bytes"], own)
+        sent_to_receivers += stats["wire_bytes"]
+    assert trainer["pushes"][0]["wire_bytes"] == sent_to_receivers
+
+
+# -- 3. several trainer ranks --------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_two_trainer_ranks_push_disjoint_names_to_one_receiver(tmp_path):
+    results = run_driver(tmp_path, "two-trainers", 2, 1)
+    shapes = driver.mixed_shapes()
+    t0, t1 = results["trainer"]
+    assert set(t0["names"]).isdisjoint(t1["names"]) and set(t0["names"]) | set(t1["names"]) == set(shapes)
+    (receiver,) = results["inference"]
+    for version, (r, p0, p1) in enumerate(zip(receiver["receives"], t0["pushes"], t1["pushes"]), start=1):
+        assert r["version"] == r["channel_version"] == p0["version"] == p1["version"] == version
+        assert r["exact"] and r["in_place"], r
+        assert p0["num_tensors"] == len(t0["names"]) and p1["num_tensors"] == len(t1["names"])
+        assert p0["nbytes"] == p0["state_bytes"] and p1["nbytes"] == p1["state_bytes"]
+        assert r["num_tensors"] == len(shapes)
+        assert r["nbytes"] == p0["nbytes"] + p1["nbytes"] == mixed_bytes() == receiver["target_bytes"]
+        assert r["num_buckets"] == p0["num_buckets"] + p1["num_buckets"]
+    assert len(receiver["receives"]) == 2
+
+
+# -- 4. a receiver that does not fit ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def misfit_run(tmp_path_factory):
+    return run_driver(tmp_path_factory.mktemp("misfit"), "misfit", 1, 2)
+
+
+@pytest.mark.dist
+def test_misfit_receiver_refuses_before_any_byte_moves(misfit_run):
+    trainer, (r0, r1) = misfit_run["trainer"][0], misfit_run["inference"]
+    v1, one, ten, v4 = trainer["pushes"]
+    assert "error" not in v1 and "error" not in v4, trainer["pushes"]
+
+    assert one["error"].startswith("update to version 2 refused, nothing was sent"), one
+    assert ("inference rank 1: 1 tensor does not fit: w03: sent F32 [16, 32], here torch.float32 [15, 32]"
+            in one["error"]), one
+    assert "inference rank 0" not in one["error"] and "more)" not in one["error"], one
+
+    assert ten["error"].startswith("update to version 3 refused, nothing was sent"), ten
+    assert "inference rank 1: 10 tensors do not fit: " in ten["error"], ten
+    assert ten["error"].count(": sent F32 [16, 32], here torch.float32 [32, 16]") == 4, ten  # 4 shown
+    assert ten["error"].endswith("(and 6 more)"), ten
+
+    for rank in (r0, r1):
+        first, refused_one, refused_ten, last = rank["receives"]
+        assert first["version"] == 1 and first["exact"], first
+        for refused, push in ((refused_one, one), (refused_ten, ten)):
+            assert refused["error"] == push["error"], (rank["rank"], refused)  # the same refusal everywhere
+            assert refused["last_error"] == push["error"], refused
+            assert refused["channel_version"] == 1 and refused["consistent"], refused
+            assert refused["unchanged"] and not refused["exact"], refused  # still version 1's bytes
+        assert last["version"] == last["channel_version"] == 4 and last["exact"] and last["consistent"], last
+        assert last["nbytes"] == driver.nbytes(driver.state_of(driver.MISFIT_SHAPES, 4)), last
+
+
+@pytest.mark.dist
+def test_a_refusal_keeps_the_session(misfit_run):
+    """channel.py's _check_refusals: "nothing moved: the session stays, the next update takes the
+    next number". The next fitting update runs in the same session, on every member."""
+    sessions = [p["session"] for p in misfit_run["trainer"][0]["pushes"]]
+    assert sessions[0] is not None and sessions == [sessions[0]] * 4, sessions
+    for rank in misfit_run["inference"]:
+        assert [r["session"] for r in rank["receives"]] == sessions, rank["receives"]
+
+
+# -- 5. verification -----------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_verify_catches_a_bucket_corrupted_after_its_checksum(tmp_path):
+    results = run_driver(tmp_path, "verify", 1, 2)
+    (trainer,) = results["trainer"]
+    clean, corrupted, again = trainer["pushes"]
+    assert "error" not in clean and clean["verified"], clean  # the inference side asked for it
+    assert corrupted["sealed"] >= 2, corrupted  # the second bucket was corrupted
+    assert "checksum" in corrupted.get("error", ""), corrupted
+    assert "error" not in again and again["verified"] and again["version"] == 3, again
+    for rank in results["inference"]:
+        first, bad, last = rank["receives"]
+        assert first["verified"] and first["exact"] and first["channel_version"] == 1, first
+        assert "checksum" in bad.get("error", ""), (rank["rank"], bad)
+        assert "still at version 1" in bad["error"], bad
+        assert bad["channel_version"] == 1 and bad["consistent"] is False and bad["last_error"], bad
+        assert last["verified"] and last["exact"] and last["version"] == last["channel_version"] == 3, last
+        assert last["consistent"], last
+
+
+# -- 6. a sleeping receiver ----------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_sleeping_receiver_refuses_then_wakes_and_receives(tmp_path):
+    results = run_driver(tmp_path, "sleep", 1, 2)
+    (trainer,) = results["trainer"]
+    first, refused, retried = trainer["pushes"]
+    assert "error" not in first and "error" not in retried and retried["version"] == 2, trainer["pushes"]
+    assert "refused, nothing was sent" in refused.get("error", ""), refused
+    assert "inference rank 1" in refused["error"] and "asleep" in refused["error"], refused
+    r0, r1 = results["inference"]
+    assert r1["released"] > 0 and r1["storage_bytes_asleep"] == 0, r1
+    for rank in (r0, r1):
+        assert rank["v1"]["exact"], rank["v1"]
+        asleep = rank["asleep_receive"]
+        assert asleep["error"] == refused["error"], (rank["rank"], asleep)
+        assert asleep["version"] == 1 and asleep["consistent"], asleep
+        assert rank["v2"]["exact"] and rank["v2"]["version"] == rank["v2"]["channel_version"] == 2, rank["v2"]
+        assert rank["v2"]["digest"] != rank["v1"]["digest"]
+    assert r0["asleep_receive"]["unchanged"], r0
+    assert r1["woken_digest"] == r1["v1"]["digest"], r1  # level 1 kept version 1, bit for bit
+    assert r1["level2_zeros"], r1
+    assert r0["v2"]["digest"] == r1["v2"]["digest"]
+
+
+# -- 7. the CLI ----------------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_sync_demo_as_two_torchrun_jobs(tmp_path):
+    from distload.cli.sync_demo import demo_state, kept_slices
+    from distload.loading.report import state_digest
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "2", "--verify",
+              "--size-mib", "16", "--device", "cpu", "--timeout", "60"]
+    reports = {role: str(tmp_path / f"{role}.json") for role in ("trainer", "inference")}
+    jobs = run_jobs(tmp_path, [
+        ("trainer", 1, common + ["--role", "trainer", "--report-json", reports["trainer"]]),
+        ("inference", 2, common + ["--role", "inference", "--tensor-parallel-size", "2",
+                                   "--report-json", reports["inference"]])])
+    for job in jobs.values():
+        assert job.returncode == 0, f"{job.name}:\n{job.output[-6000:]}"
+    assert "every inference rank holds exactly the slices it was sent: yes" in jobs["inference"].output
+
+    with open(reports["inference"]) as f:
+        inference = json.load(f)
+    with open(reports["trainer"]) as f:
+        trainer = json.load(f)
+    assert inference["role"] == "inference" and [r["rank"] for r in inference["ranks"]] == [0, 1]
+    assert trainer["role"] == "trainer" and [r["rank"] for r in trainer["ranks"]] == [0]
+    pushed = trainer["ranks"][0]["versions"]
+    assert [p["version"] for p in pushed] == [1, 2]
+    received_total = {1: 0, 2: 0}
+    for rank in inference["ranks"]:
+        rows = rank["versions"]
+        assert [row["version"] for row in rows] == [1, 2], rows
+        for row in rows:
+            assert row["matches"] is True and row["verified"] is True, row
+            # Not only the demo's own say-so: the digest is that of this TP rank's slices.
+            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu")), 2, rank["rank"]))
+            assert row["digest"] == want, (rank["rank"], row)
+            assert isinstance(row["seconds"], float) and row["seconds"] > 0, row
+            assert row["tensor_bytes"] <= row["bytes_received"] <= 1.05 * row["tensor_bytes"], row
+            received_total[row["version"]] += row["bytes_received"]
+    assert inference["ranks"][0]["versions"][0]["digest"] != inference["ranks"][1]["versions"][0]["digest"]
+    whole = sum(t.numel() * t.element_size() for t in demo_state(16, 1, torch.device("cpu")).values())
+    for push in pushed:
+        assert push["bytes_sent"] == received_total[push["version"]], (push, received_total)
+        assert push["bytes_sent"] < 0.6 * 2 * whole  # slices, not two whole copies
