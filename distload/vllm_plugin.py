@@ -18,7 +18,6 @@ of its processes; nothing here is imported unless vLLM is there. In each worker 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 import time
 from typing import Any, Mapping
