@@ -137,6 +137,59 @@ class WorkerExtension:
         device = str(next(runner.get_model().parameters()).device)
         runner.reload_weights(weights_iterator=checkpoint_weights(source, reader, device), is_checkpoint_format=True)
 
+    def distload_sync_join(self, address: str, options: dict) -> None:
+        """Make this worker an inference member of the sync channel at ``address`` (its rank in
+        vLLM's tensor-parallel group; the channel forms at the first receive)."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        from distload.live.channel import SyncChannel
+
+        if get_pp_group().world_size > 1:
+            raise ConfigError("distload's weight sync into vLLM: pipeline parallelism is not supported yet")
+        tp = get_tp_group()
+        old = getattr(self, "_distload_channel", None)
+        if old is not None:
+            old.close()
+        self._distload_channel = SyncChannel(address, "inference", rank=tp.rank_in_group, size=tp.world_size,
+                                             device="cpu", **options)
+        self._distload_staging: dict[str, torch.Tensor] = {}
+
+    def distload_sync_receive(self, timeout_s: float | None) -> dict:
+        """Receive the next version whole into a host staging copy, then hand it to vLLM's own
+        in-place ``reload_weights`` (its weight loaders cut this worker's part and re-apply its
+        kernel formats). The engine's weights change only after the whole update arrived on
+        every worker: a failed update leaves them as they were."""
+        channel = getattr(self, "_distload_channel", None)
+        if channel is None:
+            raise ConfigError("distload_sync_receive before distload_sync_join (call sync_join(llm, address) first)")
+        staging = self._distload_staging
+
+        def allocate(wanted: dict) -> dict:
+            for name in set(staging) - set(wanted):
+                del staging[name]
+            for name, (dtype, shape) in wanted.items():
+                held = staging.get(name)
+                if held is None or held.dtype != dtype or tuple(held.shape) != tuple(shape):
+                    staging[name] = torch.empty(shape, dtype=dtype)
+            return staging
+
+        from distload.errors import SyncError
+
+        try:
+            stats = channel.receive(allocate, timeout_s)
+        except SyncError as exc:
+            return {"ok": False, "error": str(exc), "version": channel.version}
+        runner = self.model_runner  # type: ignore[attr-defined]
+        runner.reload_weights(weights_iterator=iter(list(staging.items())), is_checkpoint_format=True)
+        return {"ok": True, "version": stats.version, "bytes": stats.wire_bytes, "seconds": round(stats.seconds, 4),
+                "verified": stats.verified}
+
+    def distload_sync_close(self) -> None:
+        channel = getattr(self, "_distload_channel", None)
+        if channel is not None:
+            channel.close()
+            self._distload_channel = None
+
 
 def reload_engine(llm, source: str, extra_config: Mapping[str, Any] | None = None) -> None:
     """Replace a running vLLM engine's weights in place with ``source``'s, read by distload on
@@ -146,12 +199,44 @@ def reload_engine(llm, source: str, extra_config: Mapping[str, Any] | None = Non
     with ``load_format="dummy"`` thus switches to the real weights without a restart; vLLM's own
     ``reload_weights`` re-applies its kernel formats after the copy."""
     reader_config(extra_config)  # a bad setting fails here, before any worker is asked
+    _check_extension(llm, "reload_engine")
+    llm.collective_rpc("distload_reload", args=(source, dict(extra_config or {})))
+
+
+def _check_extension(llm, what: str) -> None:
     configured = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "parallel_config", None)
     extension = getattr(configured, "worker_extension_cls", None)
     if configured is not None and extension != WORKER_EXTENSION:
-        raise ConfigError(f"reload_engine: start the engine with worker_extension_cls={WORKER_EXTENSION!r} "
-                          f"(it has {extension!r}): that is how distload's reload reaches every worker")
-    llm.collective_rpc("distload_reload", args=(source, dict(extra_config or {})))
+        raise ConfigError(f"{what}: start the engine with worker_extension_cls={WORKER_EXTENSION!r} "
+                          f"(it has {extension!r}): that is how distload reaches every worker")
+
+
+def sync_join(llm, address: str, **options: Any) -> None:
+    """Make every worker of a running vLLM engine an inference member of the weight-sync channel
+    at ``address`` (``options``: SyncChannel's ``timeout_s``, ``verify``, ``host``,
+    ``bucket_bytes``). The trainer job pushes with ``SyncChannel(address, "trainer")`` and the
+    checkpoint's own names, whole tensors; :func:`sync_receive` takes each version."""
+    _check_extension(llm, "sync_join")
+    allowed = {"timeout_s", "verify", "host", "bucket_bytes"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(f"sync_join: unknown option(s) {unknown}; it takes {sorted(allowed)}")
+    llm.collective_rpc("distload_sync_join", args=(address, dict(options)))
+
+
+def sync_receive(llm, timeout_s: float | None = None) -> dict:
+    """Wait for the trainer's next version and put it into the engine, in place. Returns the
+    version and each worker's bytes and seconds; raises SyncError if the update failed, and the
+    engine then serves the version it served before (named in the message)."""
+    from distload.errors import SyncError
+
+    results = llm.collective_rpc("distload_sync_receive", args=(timeout_s,))
+    failed = [(i, r) for i, r in enumerate(results) if not r["ok"]]
+    if failed:
+        worker, result = failed[0]
+        raise SyncError(f"the push did not reach the engine: it still serves version {result['version']} "
+                        f"(worker {worker}: {result['error']})")
+    return {"version": results[0]["version"], "workers": results}
 
 
 def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:

@@ -35,9 +35,11 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int
 
 
 def mixed_shapes() -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every dtype, a tensor bigger than a bucket, a 0-d and an empty tensor (about 1.1 MiB)."""
+    """Every dtype, a tensor bigger than a bucket, one sent straight from tensor to tensor, a 0-d
+    and an empty tensor (about 5 MiB)."""
     shapes = {f"layers.{i}.{str(d).split('.')[-1]}": ((33 + i, 17 + i), d) for i, d in enumerate(DTYPES)}
     shapes["big"] = ((512, 512), torch.float32)  # 1 MiB: alone in its bucket
+    shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: DIRECT_BYTES, no packing copy
     shapes["scalar"] = ((), torch.float64)
     shapes["empty"] = ((0, 7), torch.bfloat16)
     for i in range(6):
@@ -70,7 +72,8 @@ def digest(state) -> str:
     for name in sorted(state):
         t = state[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(raw(t).numpy().tobytes())
+        # A copy: a numpy view of a tensor would make its storage non-resizable for good.
+        h.update(raw(t).clone().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -92,7 +95,8 @@ def stats_row(stats) -> dict:
 
 def session_id(ch: SyncChannel):
     """The channel's current session (private: the tests check that a refusal keeps it)."""
-    return None if ch._session is None else ch._session.record.id
+    record = getattr(getattr(ch, "_session", None), "record", None)
+    return getattr(record, "id", None)
 
 
 def open_channel(role: str, address: str, **kwargs) -> SyncChannel:
@@ -147,10 +151,12 @@ def two_trainers(role, address, result, args):
                      "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())})
 
 
-# A small Llama: vocab 1000 (not a multiple of 64 x TP: padded), 4 heads of 32, 2 KV heads.
+# A small Llama: 4 heads of 32, 2 KV heads; a vocabulary of 16500 rows (not a multiple of 64: padded
+# to 16512, 8256 rows a rank) makes embed_tokens and lm_head 4 MiB each: TP rank 0's rows are one
+# run of bytes (sent straight into its tensor), TP rank 1's end in 12 padding rows (packed).
 LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 128, "intermediate_size": 320,
                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2,
-                "vocab_size": 1000, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+                "vocab_size": 16500, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
 
 
 def llama_shapes() -> dict[str, tuple[int, ...]]:
@@ -258,13 +264,15 @@ def misfit(role, address, result, args):
 
 def verify(role, address, result, args):
     """Only the inference side asks for verification. v1 clean; v2: the trainer flips a byte of
-    its second bucket after sealing it; v3 clean again (a new session)."""
-    shapes = {f"w{i:02d}": ((64, 64), torch.float32) for i in range(8)}  # 16 KiB each
+    its second packed bucket after sealing it; v3 clean again (a new session); v4: the checksum
+    the trainer sends after a tensor that goes straight from tensor to tensor is wrong; v5 clean."""
+    shapes = {f"w{i:02d}": ((64, 64), torch.float32) for i in range(8)}  # 16 KiB each: 2 a bucket
+    shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: sent directly, its checksum on its own
     with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference")) as ch:
         if role == "trainer":
-            real_seal = channel_module.seal
-            for version in (1, 2, 3):
-                sealed = []
+            real_seal, real_checksum = channel_module.seal, channel_module.checksum
+            for version in (1, 2, 3, 4, 5):
+                sealed, summed = [], []
 
                 def corrupting_seal(buffer, layout):
                     real_seal(buffer, layout)
@@ -272,27 +280,31 @@ def verify(role, address, result, args):
                     if len(sealed) == 2:  # the second bucket: its checksum no longer matches
                         buffer[layout.payload // 3] ^= 0x5A
 
+                def wrong_checksum(data):
+                    summed.append(data.numel())
+                    return real_checksum(data) + 1
+
                 channel_module.seal = corrupting_seal if version == 2 else real_seal
+                channel_module.checksum = wrong_checksum if version == 4 else real_checksum
                 try:
                     stats = ch.push(state_of(shapes, version), version)
                     row = stats_row(stats)
                 except SyncError as exc:
                     row = {"version": version, "error": str(exc)}
                 finally:
-                    channel_module.seal = real_seal
-                row["sealed"] = len(sealed)
+                    channel_module.seal, channel_module.checksum = real_seal, real_checksum
+                row.update(sealed=len(sealed), summed=summed)
                 result.setdefault("pushes", []).append(row)
             return
         target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
-        for version in (1, 2, 3):
+        for version in (1, 2, 3, 4, 5):
             try:
                 stats = ch.receive(target)
                 row = stats_row(stats)
             except SyncError as exc:
                 row = {"version": version, "error": str(exc), "last_error": ch.last_error}
             row.update(channel_version=ch.version, consistent=ch.consistent,
-                       exact=exact(target, state_of(shapes, version)),
-                       exact_v1=exact(target, state_of(shapes, 1)))
+                       exact=exact(target, state_of(shapes, version)))
             result.setdefault("receives", []).append(row)
 
 

@@ -73,17 +73,22 @@ def gate(names):
             time.sleep(0.02)
 
 
-def arm(fn_name, after, sig):
+def arm(fn_name, after, sig, pause=0.0):
     """The ``after``-th call of channel.<fn_name> (pack: one a bucket sent, unpack: one a bucket
-    received) sends this process ``sig`` first: SIGKILL like an OOM kill, SIGSTOP like a hang."""
+    received) sends this process ``sig`` first: SIGKILL like an OOM kill, SIGSTOP like a hang;
+    or (``sig`` 0) sleeps ``pause`` seconds there, like a slow copy."""
     real = getattr(channel, fn_name)
     calls = []
 
     def sabotaged(*args, **kwargs):
         calls.append(1)
-        if len(calls) == after:
+        if len(calls) == after and sig:
             log("dying", signal=sig, fn=fn_name, call=after)
             os.kill(os.getpid(), sig)
+        elif len(calls) == after:
+            log("pausing", fn=fn_name, call=after, seconds=pause)
+            time.sleep(pause)
+            log("paused")
         return real(*args, **kwargs)
 
     setattr(channel, fn_name, sabotaged)
@@ -123,8 +128,8 @@ for step in cfg["steps"]:
                 last_error=ch.last_error, unchanged=all(before[n].equal(target[n]) for n in target),
                 seconds=time.monotonic() - t0)
     elif kind == "arm":
-        fn_name, after, sig = arg.split(",")
-        arm(fn_name, int(after), int(sig))
+        fn_name, after, sig, *pause = arg.split(",")
+        arm(fn_name, int(after), int(sig), *map(float, pause))
     elif kind == "gate":
         gate(arg)
     elif kind == "mark":
@@ -198,6 +203,17 @@ class Jobs:
         except subprocess.TimeoutExpired:
             pytest.fail(f"{name} did not exit within {timeout} s\n{self.report()}")
 
+    def exit_codes(self, *names: str, timeout: float = 30) -> dict[str, int | None]:
+        """Each process's exit code, None for one still running after ``timeout`` in all."""
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name in names:
+            try:
+                codes[name] = self.procs[name].wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
+
     def stderr(self, name: str) -> str:
         return (self.dir / f"{name}.stderr").read_text(errors="replace")
 
@@ -246,18 +262,20 @@ class Jobs:
 
 
 @pytest.fixture
-def jobs(tmp_path):
-    """The test's processes; at the end any still running is killed, and the test fails for it."""
+def jobs(tmp_path, request):
+    """The test's processes. At the end any still running is killed (by id), and a test that
+    passed otherwise fails for having left it behind."""
     started = Jobs(tmp_path)
-    stray = []
+    failed_before = request.session.testsfailed
     try:
         yield started
     finally:
         stray = started.cleanup()
         time.sleep(0.2)
         left = started.ours()
-    assert not stray, f"processes still running at the end of the test: {stray}\n{started.report()}"
     assert not left, f"processes survived SIGKILL: {left}"
+    if request.session.testsfailed == failed_before:  # the test's own failure says more
+        assert not stray, f"processes still running at the end of the test: {stray}\n{started.report()}"
 
 
 def _no_abort(text: str) -> None:
@@ -283,8 +301,8 @@ def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
     bit-exact. With host="trainer" the store died with the trainer and the receivers reach the
     restarted trainer's store; with host="inference" inference rank 0's store lives on."""
     inference = jobs.start("inf", "inference", ["recv", "recv", "recv:60"], host=host, nproc=2)
-    first = jobs.start("trainA", "trainer", ["push:1", f"arm:pack,6,{int(signal.SIGKILL)}", "push:2"],
-                       host=host, nproc=1)
+    jobs.start("trainA", "trainer", ["push:1", f"arm:pack,6,{int(signal.SIGKILL)}", "push:2"],
+               host=host, nproc=1)
     failures = [jobs.wait(f"inf{r}", "recv", 2)[1] for r in (0, 1)]
     (dying,) = jobs.wait("trainA0", "dying")
     assert jobs.exit_code("trainA") != 0  # torchrun reports its worker's death
@@ -292,21 +310,44 @@ def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
     for r, failure in enumerate(failures):
         assert not failure["ok"], failure
         assert "version 2 did not arrive whole; still at version 1" in failure["error"], failure
+        # Who was lost, whichever call saw it first: the trainer, or (host="trainer") the store it
+        # served; never a bare gloo exception that names neither.
+        named = "trainer rank 0" in failure["error"] or (
+            host == "trainer" and "(the process serving it stopped" in failure["error"])
+        assert named and "pair.cc" not in failure["error"], failure
         assert failure["version"] == 1 and failure["consistent"] is False, failure
         assert failure["last_error"] == failure["error"], failure
         assert failure["seconds"] < BOUND_S, failure
         assert failure["t"] - dying["t"] < BOUND_S, (failure, dying)
     assert inference.poll() is None, "the inference job must outlive the trainer"
 
-    second = jobs.start("trainB", "trainer", ["push:3"], host=host, nproc=1)
+    jobs.start("trainB", "trainer", ["push:3"], host=host, nproc=1)
+    (restarted,) = jobs.wait("trainB0", "start", timeout=60)
     for r in (0, 1):
-        _assert_received(jobs.wait(f"inf{r}", "recv", 3, timeout=90)[2], 3)
+        arrived = jobs.wait(f"inf{r}", "recv", 3, timeout=90)[2]
+        _assert_received(arrived, 3)
+        assert arrived["t"] - restarted["t"] < BOUND_S, (arrived, restarted)
     (pushed,) = jobs.wait("trainB0", "push")
     assert pushed["ok"] and pushed["version"] == 3, pushed
-    assert jobs.exit_code("trainB") == 0, jobs.stderr("trainB")
-    assert jobs.exit_code("inf") == 0, jobs.stderr("inf")
+    assert jobs.exit_codes("trainB", "inf") == {"trainB": 0, "inf": 0}, jobs.report()
     _no_abort(jobs.stderr("inf") + jobs.stderr("trainB"))
-    assert second.returncode == 0
+
+
+@pytest.mark.dist
+def test_trainer_killed_while_the_receiver_is_between_buckets_names_the_trainer(jobs):
+    """The same death, timed so that the receiver's next gloo call is posting a receive (not
+    waiting on one): it copies bucket 0 slowly while the trainer dies packing bucket 2. The error
+    still says what was lost, in distload's words, within BOUND_S."""
+    jobs.start("train", "trainer", ["push:1", f"arm:pack,3,{int(signal.SIGKILL)}", "push:2"], host="inference")
+    jobs.start("inf", "inference", ["recv", "arm:unpack,1,0,2.0", "recv"], host="inference")
+    (dying,) = jobs.wait("train0", "dying")
+    failure = jobs.wait("inf0", "recv", 2)[1]
+    assert jobs.events("inf0", "pausing") and jobs.exit_code("train") == -signal.SIGKILL
+    assert not failure["ok"] and failure["version"] == 1 and failure["consistent"] is False, failure
+    assert "version 2 did not arrive whole; still at version 1" in failure["error"], failure
+    assert "trainer rank 0" in failure["error"] and "pair.cc" not in failure["error"], failure
+    assert failure["t"] - dying["t"] < BOUND_S, (failure, dying)
+    assert jobs.exit_codes("inf") == {"inf": 0}, jobs.report()
 
 
 # -- 2. an inference rank killed mid-update -----------------------------------------------------------
@@ -334,9 +375,27 @@ def test_inference_rank_killed_mid_update_names_it_and_its_replacement_receives(
     _assert_received(jobs.wait("inf0", "recv", 3, timeout=60)[2], 3)
     pushed = jobs.wait("train0", "push", 3)[2]
     assert pushed["ok"], pushed
-    for name in ("train", "inf", "new"):
-        assert jobs.exit_code(name) == 0, jobs.stderr(name)
-        _no_abort(jobs.stderr(name))
+    assert jobs.exit_codes("train", "inf", "new") == {"train": 0, "inf": 0, "new": 0}, jobs.report()
+    _no_abort(jobs.stderr("train") + jobs.stderr("inf") + jobs.stderr("new"))
+
+
+@pytest.mark.dist
+def test_inference_rank_killed_while_the_trainer_is_between_buckets_is_named(jobs):
+    """The same death, timed so that the trainer's next gloo call is posting a send (not waiting
+    on one): it packs bucket 2 slowly while inference rank 1 dies copying bucket 0. The push
+    still names the rank it lost, in distload's words, well before DEAD_AFTER_S could."""
+    jobs.start("train", "trainer", ["push:1", "arm:pack,3,0,2.0", "push:2"])
+    jobs.start("inf", "inference", ["recv", "recv"], rank=0, size=2)
+    jobs.start("dead", "inference", ["recv", f"arm:unpack,1,{int(signal.SIGKILL)}", "recv"], rank=1, size=2)
+    (dying,) = jobs.wait("dead1", "dying")
+    failed = jobs.wait("train0", "push", 2)[1]
+    assert jobs.events("train0", "pausing") and jobs.exit_code("dead") == -signal.SIGKILL
+    assert not failed["ok"], failed
+    assert "inference rank 1" in failed["error"] and "pair.cc" not in failed["error"], failed
+    assert failed["t"] - dying["t"] < BOUND_S, (failed, dying)
+    other = jobs.wait("inf0", "recv", 2)[1]
+    assert not other["ok"] and other["version"] == 1 and "still at version 1" in other["error"], other
+    assert jobs.exit_codes("train", "inf") == {"train": 0, "inf": 0}, jobs.report()
 
 
 # -- 3. an inference rank stopped (SIGSTOP) mid-update --------------------------------------------------
@@ -363,8 +422,9 @@ def test_inference_rank_stopped_mid_update_is_named_within_dead_after(jobs):
     resumed = jobs.wait("stop1", "recv", 2, timeout=20)[1]
     assert not resumed["ok"] and resumed["version"] == 1 and resumed["consistent"] is False, resumed
     assert "version 2 did not arrive whole" in resumed["error"], resumed
-    for name in ("train", "inf", "stop"):
-        assert jobs.exit_code(name) == 0, jobs.stderr(name)
+    # A receive that gave up leaves nothing behind that crashes the process at exit.
+    assert jobs.exit_codes("train", "inf", "stop") == {"train": 0, "inf": 0, "stop": 0}, jobs.report()
+    _no_abort(jobs.stderr("train") + jobs.stderr("inf") + jobs.stderr("stop"))
 
 
 # -- 4. nobody at the other end -------------------------------------------------------------------------
@@ -380,7 +440,7 @@ def test_inference_at_an_address_nobody_serves_says_so_within_its_timeout():
             channel.close()
     seconds = time.monotonic() - start
     assert f"nobody serves the sync rendezvous at {address} (waited 5 s)" in str(caught.value)
-    assert seconds < 5 + 3, seconds
+    assert seconds < 5 + 2, f"waited {seconds:.1f} s with timeout_s=5"
 
 
 def test_trainer_whose_inference_job_never_comes_says_which_rank_did_not_join():
@@ -395,7 +455,7 @@ def test_trainer_whose_inference_job_never_comes_says_which_rank_did_not_join():
         channel.close()
     message = str(caught.value)
     assert "inference rank 0 did not join the sync channel at " + address in message, message
-    assert 4 < seconds < 5 + 3, seconds
+    assert 4 < seconds < 5 + 2, seconds
 
 
 # -- 5. no update within the receive's own timeout ------------------------------------------------------
@@ -413,8 +473,7 @@ def test_receive_without_an_update_times_out_and_the_next_push_still_arrives(job
     assert 2.9 < waited["seconds"] < 3 + 2, waited
     _assert_received(jobs.wait("inf0", "recv", 3)[2], 2)
     assert jobs.wait("train0", "push", 2)[1]["ok"]
-    for name in ("train", "inf"):
-        assert jobs.exit_code(name) == 0, jobs.stderr(name)
+    assert jobs.exit_codes("train", "inf") == {"train": 0, "inf": 0}, jobs.report()
 
 
 # -- 6. the trainer leaves normally while a receiver waits ------------------------------------------------
@@ -438,8 +497,7 @@ def test_trainer_closing_between_updates_ends_a_waiting_receive_cleanly(jobs):
         assert ended["t"] - closing["t"] < 3, (ended, closing)
     (closed,) = jobs.wait("train0", "closed")
     assert closed["seconds"] < 4, closed  # CLOSE_WAIT_S is 5: the receivers said they left
-    assert jobs.exit_code("inf") == 0, jobs.stderr("inf")
-    assert jobs.exit_code("train") == 0, jobs.stderr("train")
+    assert jobs.exit_codes("inf", "train") == {"inf": 0, "train": 0}, jobs.report()
     for r in (0, 1):
         assert jobs.events(f"inf{r}", "exit"), jobs.report()
     _no_abort(jobs.stderr("inf") + jobs.stdout("inf") + jobs.stderr("train"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+from distload.cli.main import main as cli_main
 
 from dist_helpers import clean_env, free_port
 
@@ -42,7 +45,9 @@ def run_jobs(folder, jobs: list[tuple[str, int, list[str]]], timeout: float = JO
     for name, nproc, args in jobs:
         log = open(os.path.join(str(folder), f"{name}.log"), "w+")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=clean_env()), log)
+        # Its own process group, so that a job that hangs is killed with its ranks, not just its agent.
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=clean_env(),
+                                        start_new_session=True), log)
     deadline = time.monotonic() + timeout
     done = {}
     try:
@@ -55,7 +60,7 @@ def run_jobs(folder, jobs: list[tuple[str, int, list[str]]], timeout: float = JO
         for name, (proc, log) in procs.items():
             timed_out = proc.poll() is None
             if timed_out:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.seek(0)
             done[name] = Job(name, proc.returncode, ("TIMED OUT\n" if timed_out else "") + log.read())
@@ -63,32 +68,43 @@ def run_jobs(folder, jobs: list[tuple[str, int, list[str]]], timeout: float = JO
     return done
 
 
-def run_driver(folder, scenario: str, trainer_nproc: int, inference_nproc: int, *args: str) -> dict[str, list[dict]]:
-    """Both sides of ``scenario`` as two jobs; returns role -> each rank's result, in rank order."""
+@dataclass
+class Run:
+    trainer: list[dict]  # each rank's result, in rank order
+    inference: list[dict]
+    jobs: dict[str, Job]
+
+    def outputs(self) -> str:
+        return "\n".join(f"===== {j.name} job (rc {j.returncode}) =====\n{j.output[-6000:]}" for j in self.jobs.values())
+
+    def assert_exited_cleanly(self) -> None:
+        """Both jobs exited 0 (checked after the behaviour, so that a crash at exit does not hide it)."""
+        for job in self.jobs.values():
+            assert job.returncode == 0, f"the {job.name} job exited {job.returncode}:\n{self.outputs()}"
+
+
+def run_driver(folder, scenario: str, trainer_nproc: int, inference_nproc: int, *args: str) -> Run:
+    """Both sides of ``scenario`` as two jobs started together; each rank's result."""
     address = f"tcp://127.0.0.1:{free_port()}"
     out = str(folder)
     jobs = run_jobs(folder, [(role, nproc, [DRIVER, scenario, role, address, out, *args])
                              for role, nproc in (("trainer", trainer_nproc), ("inference", inference_nproc))])
-    outputs = "\n".join(f"===== {j.name} job (rc {j.returncode}) =====\n{j.output[-6000:]}" for j in jobs.values())
-    results = {}
+    run = Run([], [], jobs)
     for role, nproc in (("trainer", trainer_nproc), ("inference", inference_nproc)):
-        rows = []
         for rank in range(nproc):
             path = os.path.join(out, f"{role}{rank}.json")
-            assert os.path.exists(path), f"{role} rank {rank} wrote no result\n{outputs}"
+            assert os.path.exists(path), f"{role} rank {rank} wrote no result\n{run.outputs()}"
             with open(path) as f:
-                rows.append(json.load(f))
-            assert "crash" not in rows[-1], f"{role} rank {rank} crashed:\n{rows[-1]['crash']}\n{outputs}"
-        results[role] = rows
-    for job in jobs.values():
-        assert job.returncode == 0, outputs
-    _assert_two_worlds(results, trainer_nproc, inference_nproc)
-    return results
+                row = json.load(f)
+            assert "crash" not in row, f"{role} rank {rank} failed:\n{row['crash']}\n{run.outputs()}"
+            getattr(run, role).append(row)
+    _assert_two_worlds(run, trainer_nproc, inference_nproc)
+    return run
 
 
-def _assert_two_worlds(results, trainer_nproc: int, inference_nproc: int) -> None:
+def _assert_two_worlds(run: Run, trainer_nproc: int, inference_nproc: int) -> None:
     """Two jobs, each its own world: its own torchrun run id and world size, and distinct processes."""
-    trainer, inference = results["trainer"], results["inference"]
+    trainer, inference = run.trainer, run.inference
     assert [r["world_size"] for r in trainer] == [trainer_nproc] * trainer_nproc
     assert [r["world_size"] for r in inference] == [inference_nproc] * inference_nproc
     assert [r["rank"] for r in trainer] == list(range(trainer_nproc))
@@ -111,7 +127,7 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
     shapes = driver.mixed_shapes()
     expected = {v: driver.digest(driver.state_of(shapes, v)) for v in (1, 2, 3)}
     assert len(set(expected.values())) == 3  # every version differs from the others
-    (trainer,) = results["trainer"]
+    (trainer,) = results.trainer
     pushes = trainer["pushes"]
     assert [p["version"] for p in pushes] == [1, 2, 3]
     assert [p["digest"] for p in pushes] == [expected[1], expected[2], expected[3]]
@@ -119,7 +135,7 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
         assert push["nbytes"] == push["state_bytes"] == total, push
         assert push["num_tensors"] == len(shapes) and push["num_buckets"] > 3, push
         assert push["wire_bytes"] >= 2 * total, push  # each of the 2 receivers got every byte
-    for rank in results["inference"]:
+    for rank in results.inference:
         receives = rank["receives"]
         assert [r["version"] for r in receives] == [1, 2, 3], rank
         assert [r["channel_version"] for r in receives] == [1, 2, 3], rank
@@ -130,6 +146,7 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
             assert r["num_tensors"] == len(shapes) and r["num_buckets"] == push["num_buckets"], r
             assert total <= r["wire_bytes"] <= total * 1.05, r
             assert not r["verified"], r
+    results.assert_exited_cleanly()
 
 
 # -- 2. tensor-parallel slices --------------------------------------------------------------------
@@ -162,16 +179,12 @@ def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
     than those bytes. With 4 ranks, ranks 2 and 3 are a second replica of TP ranks 0 and 1."""
     src, saved = str(tmp_path / "src"), str(tmp_path / "saved")
     whole = _write_llama_checkpoint(src)
-    save = subprocess.Popen([sys.executable, "-m", "distload", "save-sharded", src, saved,
-                             "--tensor-parallel-size", "2", "--sharding", "decoder"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
-    try:
-        results = run_driver(tmp_path, "sliced", 1, inference_nproc, src, "2")
-    finally:
-        save_output = save.communicate(timeout=JOB_TIMEOUT_S)[0]
-    assert save.returncode == 0, save_output
+    # `python -m distload save-sharded SRC DEST -tp 2 --sharding decoder`, run in this process
+    # (the same entry point as `python -m distload`; a third interpreter would only slow the jobs).
+    assert cli_main(["save-sharded", src, saved, "--tensor-parallel-size", "2", "--sharding", "decoder"]) == 0
+    results = run_driver(tmp_path, "sliced", 1, inference_nproc, src, "2")
 
-    (trainer,) = results["trainer"]
+    (trainer,) = results.trainer
     whole_bytes = driver.nbytes(whole)
     assert trainer["pushes"][0]["nbytes"] == trainer["pushes"][0]["state_bytes"] == whole_bytes
     shapes = driver.llama_slice_shapes(2)
@@ -181,10 +194,10 @@ def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
     for tp in (0, 1):
         assert {n: tuple(t.shape) for n, t in slices[tp].items()} == shapes, "save-sharded's shapes"
         embed = slices[tp]["model.embed_tokens.weight"]
-        if tp == 1:  # 1000 rows padded to 1024: TP rank 1 holds rows 512..999 and 24 zero rows
-            assert not embed[-24:].view(torch.uint8).any() and embed[-25].view(torch.uint8).any()
+        if tp == 1:  # 16500 rows padded to 16512: TP rank 1 holds rows 8256..16499 and 12 zero rows
+            assert not embed[-12:].view(torch.uint8).any() and embed[-13].view(torch.uint8).any()
     sent_to_receivers = 0
-    for rank in results["inference"]:
+    for rank in results.inference:
         r = rank["rank"]
         got = load_file(str(tmp_path / f"received{r}.safetensors"))
         want = slices[r % 2]
@@ -200,6 +213,7 @@ def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
         assert own <= stats["wire_bytes"] <= 1.05 * own, (r, stats["wire_bytes"], own)
         sent_to_receivers += stats["wire_bytes"]
     assert trainer["pushes"][0]["wire_bytes"] == sent_to_receivers
+    results.assert_exited_cleanly()
 
 
 # -- 3. several trainer ranks --------------------------------------------------------------------
@@ -208,9 +222,9 @@ def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
 def test_two_trainer_ranks_push_disjoint_names_to_one_receiver(tmp_path):
     results = run_driver(tmp_path, "two-trainers", 2, 1)
     shapes = driver.mixed_shapes()
-    t0, t1 = results["trainer"]
+    t0, t1 = results.trainer
     assert set(t0["names"]).isdisjoint(t1["names"]) and set(t0["names"]) | set(t1["names"]) == set(shapes)
-    (receiver,) = results["inference"]
+    (receiver,) = results.inference
     for version, (r, p0, p1) in enumerate(zip(receiver["receives"], t0["pushes"], t1["pushes"]), start=1):
         assert r["version"] == r["channel_version"] == p0["version"] == p1["version"] == version
         assert r["exact"] and r["in_place"], r
@@ -220,6 +234,7 @@ def test_two_trainer_ranks_push_disjoint_names_to_one_receiver(tmp_path):
         assert r["nbytes"] == p0["nbytes"] + p1["nbytes"] == mixed_bytes() == receiver["target_bytes"]
         assert r["num_buckets"] == p0["num_buckets"] + p1["num_buckets"]
     assert len(receiver["receives"]) == 2
+    results.assert_exited_cleanly()
 
 
 # -- 4. a receiver that does not fit ---------------------------------------------------------------
@@ -231,7 +246,7 @@ def misfit_run(tmp_path_factory):
 
 @pytest.mark.dist
 def test_misfit_receiver_refuses_before_any_byte_moves(misfit_run):
-    trainer, (r0, r1) = misfit_run["trainer"][0], misfit_run["inference"]
+    trainer, (r0, r1) = misfit_run.trainer[0], misfit_run.inference
     v1, one, ten, v4 = trainer["pushes"]
     assert "error" not in v1 and "error" not in v4, trainer["pushes"]
 
@@ -255,37 +270,56 @@ def test_misfit_receiver_refuses_before_any_byte_moves(misfit_run):
             assert refused["unchanged"] and not refused["exact"], refused  # still version 1's bytes
         assert last["version"] == last["channel_version"] == 4 and last["exact"] and last["consistent"], last
         assert last["nbytes"] == driver.nbytes(driver.state_of(driver.MISFIT_SHAPES, 4)), last
+    misfit_run.assert_exited_cleanly()
 
 
 @pytest.mark.dist
 def test_a_refusal_keeps_the_session(misfit_run):
     """channel.py's _check_refusals: "nothing moved: the session stays, the next update takes the
     next number". The next fitting update runs in the same session, on every member."""
-    sessions = [p["session"] for p in misfit_run["trainer"][0]["pushes"]]
+    sessions = [p["session"] for p in misfit_run.trainer[0]["pushes"]]
     assert sessions[0] is not None and sessions == [sessions[0]] * 4, sessions
-    for rank in misfit_run["inference"]:
+    for rank in misfit_run.inference:
         assert [r["session"] for r in rank["receives"]] == sessions, rank["receives"]
 
 
 # -- 5. verification -----------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def verify_run(tmp_path_factory):
+    return run_driver(tmp_path_factory.mktemp("verify"), "verify", 1, 2)
+
+
 @pytest.mark.dist
-def test_verify_catches_a_bucket_corrupted_after_its_checksum(tmp_path):
-    results = run_driver(tmp_path, "verify", 1, 2)
-    (trainer,) = results["trainer"]
-    clean, corrupted, again = trainer["pushes"]
-    assert "error" not in clean and clean["verified"], clean  # the inference side asked for it
-    assert corrupted["sealed"] >= 2, corrupted  # the second bucket was corrupted
-    assert "checksum" in corrupted.get("error", ""), corrupted
-    assert "error" not in again and again["verified"] and again["version"] == 3, again
-    for rank in results["inference"]:
-        first, bad, last = rank["receives"]
-        assert first["verified"] and first["exact"] and first["channel_version"] == 1, first
-        assert "checksum" in bad.get("error", ""), (rank["rank"], bad)
-        assert "still at version 1" in bad["error"], bad
-        assert bad["channel_version"] == 1 and bad["consistent"] is False and bad["last_error"], bad
-        assert last["verified"] and last["exact"] and last["version"] == last["channel_version"] == 3, last
-        assert last["consistent"], last
+def test_verify_catches_a_bucket_corrupted_after_its_checksum(verify_run):
+    (trainer,) = verify_run.trainer
+    pushes = trainer["pushes"]
+    assert [p["version"] for p in pushes] == [1, 2, 3, 4, 5]
+    for clean in (pushes[0], pushes[2], pushes[4]):
+        assert "error" not in clean and clean["verified"], clean  # the inference side asked for it
+    packed, direct = pushes[1], pushes[3]
+    assert packed["sealed"] >= 2, packed  # the second packed bucket was corrupted
+    assert 1024 * 1024 * 4 in direct["summed"], direct  # the direct tensor's checksum was made wrong
+    for failed in (packed, direct):
+        assert "checksum" in failed.get("error", ""), failed
+    for rank in verify_run.inference:
+        receives = rank["receives"]
+        for clean in (receives[0], receives[2], receives[4]):
+            assert "error" not in clean and clean["verified"] and clean["exact"], clean
+            assert clean["version"] == clean["channel_version"] and clean["consistent"], clean
+        assert [r["channel_version"] for r in receives] == [1, 1, 3, 3, 5], receives
+        for bad, old in ((receives[1], 1), (receives[3], 3)):
+            assert "checksum" in bad.get("error", ""), (rank["rank"], bad)
+            assert f"still at version {old}" in bad["error"] and bad["last_error"] == bad["error"], bad
+            assert bad["consistent"] is False, bad
+
+
+@pytest.mark.dist
+def test_trainer_exits_cleanly_after_an_update_failed_mid_data(verify_run):
+    """The failed update's receivers stopped receiving after the corrupted bucket, so the
+    trainer's send of a later bucket never completes: the process must still exit normally
+    (not abort at exit with "terminate called without an active exception")."""
+    verify_run.assert_exited_cleanly()
 
 
 # -- 6. a sleeping receiver ----------------------------------------------------------------------
@@ -293,12 +327,12 @@ def test_verify_catches_a_bucket_corrupted_after_its_checksum(tmp_path):
 @pytest.mark.dist
 def test_sleeping_receiver_refuses_then_wakes_and_receives(tmp_path):
     results = run_driver(tmp_path, "sleep", 1, 2)
-    (trainer,) = results["trainer"]
+    (trainer,) = results.trainer
     first, refused, retried = trainer["pushes"]
     assert "error" not in first and "error" not in retried and retried["version"] == 2, trainer["pushes"]
     assert "refused, nothing was sent" in refused.get("error", ""), refused
     assert "inference rank 1" in refused["error"] and "asleep" in refused["error"], refused
-    r0, r1 = results["inference"]
+    r0, r1 = results.inference
     assert r1["released"] > 0 and r1["storage_bytes_asleep"] == 0, r1
     for rank in (r0, r1):
         assert rank["v1"]["exact"], rank["v1"]
@@ -311,6 +345,29 @@ def test_sleeping_receiver_refuses_then_wakes_and_receives(tmp_path):
     assert r1["woken_digest"] == r1["v1"]["digest"], r1  # level 1 kept version 1, bit for bit
     assert r1["level2_zeros"], r1
     assert r0["v2"]["digest"] == r1["v2"]["digest"]
+    results.assert_exited_cleanly()
+
+
+def test_a_sleeping_model_with_storages_that_cannot_resize_is_refused_as_asleep():
+    """WeightSleeper swaps out storages it cannot resize (numpy-backed tensors, as Run:ai hands
+    out): while asleep, such a tensor has shape [0]. A receive must still be refused as "asleep"
+    (wake() first), not as a tensor of the wrong shape."""
+    import numpy as np
+
+    import distload
+    from distload.live.transfer import Entry, View, check_pieces, group_entries, layouts
+
+    target = {"w": torch.from_numpy(np.zeros((48, 40), dtype=np.float32))}
+    assert not target["w"].untyped_storage().resizable()
+    sleeper = distload.WeightSleeper(target)
+    sleeper.sleep(level=2)
+    sent = [Entry("w", "F32", (48, 40), 48 * 40 * 4)]
+    pieces = [piece for layout in layouts(sent, group_entries(sent, 1 << 20), View(), False)
+              for piece, _ in layout.items]
+    problems = check_pieces(sent, pieces, target)
+    sleeper.wake()
+    assert len(problems) == 1 and "asleep" in problems[0], problems
+    assert check_pieces(sent, pieces, target) == []
 
 
 # -- 7. the CLI ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import distload
 
@@ -72,7 +73,54 @@ def checkpoints(tmp_path_factory):
         assert distload.reshard(paths["llama"], paths[f"llama-tp{tp}"], tp).spec == "vllm"
     paths["qwen-tp2"] = str(root / "qwen2-tied-tp2")
     distload.reshard(paths["qwen"], paths["qwen-tp2"], 2)
+    paths["llama-b"] = _perturbed_copy(paths["llama"], str(root / "llama-b"))
     return python, paths
+
+
+def _perturbed_copy(source: str, dest: str) -> str:
+    """The same model with other weights (every tensor moved a little): a trainer's next version."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name in os.listdir(source):
+        if name.endswith(".safetensors"):
+            tensors = load_file(os.path.join(source, name))
+            generator = torch.Generator().manual_seed(7)
+            moved = {n: (t.float() + 0.05 * torch.randn(t.shape, generator=generator)).to(t.dtype)
+                     for n, t in tensors.items()}
+            save_file(moved, os.path.join(dest, name), metadata={"format": "pt"})
+    return dest
+
+
+# The trainer job of the push case: its own torchrun, its own world. It pushes the perturbed
+# model as version 1, then dies (SIGKILL) a few buckets into version 2, the original weights.
+TRAINER = r"""
+import os, signal, sys
+from safetensors.torch import load_file
+import distload.live.channel as channel
+from distload.live.channel import SyncChannel
+address, first, second = sys.argv[1:4]
+
+def state(folder):
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, name)))
+    return out
+
+with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=600, bucket_bytes=64 << 10) as sync:
+    print("pushed", sync.push(state(first), 1).version, flush=True)
+    real, packed = channel.pack, []
+    def dying(*args, **kwargs):
+        packed.append(1)
+        if len(packed) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+    channel.pack = dying
+    sync.push(state(second), 2)
+"""
 
 
 def _drive(python: str, tp: int, cases: list[dict]) -> dict:
@@ -99,19 +147,34 @@ def tp1(checkpoints):
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoints):
+def tp2(checkpoints, tmp_path_factory):
     python, p = checkpoints
-    return _drive(python, 2, [
-        {"name": "reference", "model": p["llama"], "format": "auto"},
-        {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
-        {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
-        {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
-        {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
-        {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
-        {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
-        {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
-        {"name": "qwen plugin", "model": p["qwen"], "format": "distload", "extra": {"reader": "auto"}},
-    ])
+    from dist_helpers import clean_env, free_port, write_script
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    script = write_script(tmp_path_factory.mktemp("trainer"), "trainer.py", TRAINER)
+    trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                                script, address, p["llama-b"], p["llama"]], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=clean_env())
+    try:
+        results = _drive(python, 2, [
+            {"name": "reference b", "model": p["llama-b"], "format": "auto"},
+            {"name": "push", "model": p["llama"], "format": "dummy", "push": {"address": address, "receives": 2}},
+            {"name": "reference", "model": p["llama"], "format": "auto"},
+            {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
+            {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
+            {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
+            {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
+            {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
+            {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
+            {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
+            {"name": "qwen plugin", "model": p["qwen"], "format": "distload", "extra": {"reader": "auto"}},
+        ])
+        results["_trainer"] = trainer.communicate(timeout=120)[0]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    return results
 
 
 def _tokens(results: dict, name: str) -> list:
@@ -165,3 +228,17 @@ def test_the_extra_config_is_checked_as_distload_load_checks_it():
         reader_config({"reader": "runai_streamer", "concurency": 8})
     with pytest.raises(distload.ConfigError, match="vLLM's own --load-format dummy"):
         reader_config({"reader": "dummy"})
+
+
+def test_a_trainer_job_pushes_into_a_running_vllm_engine(tp2):
+    """A dummy engine's TP 2 workers take version 1 from a separately launched trainer job and
+    generate exactly what a fresh load of those weights generates; the trainer then dies a few
+    buckets into version 2, and the engine goes on serving version 1, saying so."""
+    assert "pushed 1" in tp2["_trainer"], tp2["_trainer"][-3000:]
+    push = tp2["push"]
+    first, failed = push["pushed"]
+    assert first.get("version") == 1, first
+    assert push["tokens"] != _tokens(tp2, "reference b")  # the dummy weights generate other tokens
+    assert first["tokens"] == _tokens(tp2, "reference b")
+    assert "still serves version 1" in failed.get("error", ""), failed
+    assert failed["tokens"] == _tokens(tp2, "reference b")

@@ -5,7 +5,10 @@ of cases, one engine each, one after the other in this one process, each case's 
     python tests/vllm_driver.py TP CASES_JSON
 
 A case: {"name", "model", "format", "extra"?, "reload"?: a checkpoint distload puts into the
-running engine after its first generation, "expect_error"?: the engine must fail to start}.
+running engine after its first generation, "push"?: {"address", "receives"}: the engine's workers
+join distload's sync channel there and take ``receives`` versions from a separately launched
+trainer job (a failed one recorded, and the tokens generated after it), "expect_error"?: the
+engine must fail to start}.
 """
 
 import gc
@@ -32,7 +35,7 @@ def main() -> None:
     for case in cases:
         start = time.monotonic()
         kwargs = {"model_loader_extra_config": case["extra"]} if "extra" in case else {}
-        if case.get("reload"):
+        if case.get("reload") or case.get("push"):
             kwargs["worker_extension_cls"] = plugin.WORKER_EXTENSION
         try:
             llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
@@ -49,6 +52,21 @@ def main() -> None:
             plugin.reload_engine(llm, case["reload"], {"reader": "auto"})
             result["reload_s"] = round(time.monotonic() - began, 2)
             result["reloaded"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        if case.get("push"):
+            from distload.errors import SyncError
+
+            plugin.sync_join(llm, case["push"]["address"], timeout_s=60)
+            result["pushed"] = []
+            for _ in range(case["push"]["receives"]):
+                try:
+                    got = plugin.sync_receive(llm, timeout_s=600)
+                    entry = {"version": got["version"], "bytes": [w["bytes"] for w in got["workers"]]}
+                except SyncError as exc:
+                    entry = {"error": str(exc)}
+                entry["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+                result["pushed"].append(entry)
+                print("PUSH", case["name"], json.dumps(entry)[:300], flush=True)
+            llm.collective_rpc("distload_sync_close")
         results[case["name"]] = result
         print("CASE", case["name"], json.dumps(result), flush=True)
         del llm

@@ -4,8 +4,9 @@ The two sides may be separately launched jobs (each its own torchrun or srun, it
 own loads) that meet at a TCP rendezvous address, or ranks of one job (:class:`~distload.live.
 sync.WeightSync` runs this channel over the job's own store). Neither job's default group is used.
 
-Control goes through the store, data through the session's process group (distload/live/
-rendezvous.py forms both). One update, numbered within its session:
+Control goes through the store; data through a two-member process group between each trainer
+rank and each inference rank, built on the store (distload/live/rendezvous.py forms the session).
+One update, numbered within its session:
 
 1. *metadata*: each trainer rank posts its version, tensors (name, dtype, whole shape) and bucket
    grouping;
@@ -14,25 +15,28 @@ rendezvous.py forms both). One update, numbered within its session:
    every member reads every answer: if any member refused, every member raises, and no byte moved;
 3. *data*: each trainer rank sends each inference rank exactly the bytes it keeps (its
    tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
-   receiver checks each bucket's checksum first when the update is verified and then copies it
-   into its tensors in place. Point-to-point, so a lost receiver stalls only its own stream;
+   receiver takes each bucket into a buffer of its own, checks its checksum when the update is
+   verified, and only then copies it into its tensors in place. One group per pair, so a lost
+   receiver stalls only its own stream;
 4. *done*: every member posts that its part finished and waits for all the others: only then
    does a receiver's ``version`` advance.
 
 Any failure (a checksum, a peer that died or stopped, a deadline) is posted as the update's abort
 reason: every member raises it within its timeout, receivers keep their old ``version``
 (``consistent`` False once data moved), and the session is over: the next push or receive forms a
-new one (a restarted trainer rejoins the same address). While data moves a supervisor thread
-watches the abort key and every member's heartbeat, because a gloo wait with a timeout closes its
-connection, and a gloo wait cannot be interrupted.
+new one (a restarted trainer rejoins the same address). While data moves a transfer thread posts
+and polls the transfers, and the calling thread watches the abort key and every member's
+heartbeat; on a failure it stops the transfer thread (whose waits poll, because a gloo wait can
+be neither interrupted nor timed out without closing its connection) before it raises.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -45,13 +49,21 @@ from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors
 from distload.live.transfer import (TRAILER, Entry, Layout, View, check_pieces, checksum, group_entries, intact,
-                                    layouts, pack, run_bytes, seal, target_bytes, unpack)
-from distload.loading.index import dtype_code
+                                    layouts, pack, run_bytes, seal, unpack)
+from distload.loading.index import DTYPES, dtype_code
 from distload.sharding import ShardingSpec, load_spec, spec_from_json
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
 _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
+
+
+class _GivenUp(SyncError):
+    """Raised in a transfer thread whose update was given up (the supervisor says why)."""
+
+
+class _Refused(SyncError):
+    """An update every member refused before any byte moved: the session stays usable."""
 
 
 @dataclass
@@ -75,12 +87,13 @@ class SyncStats:
 class _Session:
     record: SessionRecord
     store: Any  # the session's part of the rendezvous store
-    group: Any  # its process group
+    pairs: dict[int, Any]  # a two-member process group with each peer (trainer: rank 0 in it)
     backend: str
     me: int  # this member's rank in the session
     beat: Beat
     watch: PeerWatch
     seq: int = 0  # the next update's number
+    issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
 
 
 class SyncChannel:
@@ -187,15 +200,22 @@ class SyncChannel:
         backend = "nccl" if all(i["device"] == "cuda" for i in record.infos.values()) else "gloo"
         root = self._store
         beat = Beat(store, me, until=lambda: root.check([rendezvous.CLOSING]))
+        peers = (range(record.trainer_size, record.world_size) if self.role == "trainer"
+                 else range(record.trainer_size))
+        pairs: dict[int, Any] = {}
         try:
-            group = rendezvous.process_group(dist.PrefixStore("pg/", store), me, record.world_size, backend,
-                                             max(1.0, deadline - time.monotonic()))
+            # Every member makes its pairs in (trainer, inference) order, so no two wait on each other.
+            for peer in peers:
+                trainer, receiver = (me, peer) if self.role == "trainer" else (peer, me)
+                pairs[peer] = rendezvous.process_group(dist.PrefixStore(f"pg/{trainer}-{receiver}/", store),
+                                                       0 if self.role == "trainer" else 1, 2, backend,
+                                                       max(1.0, deadline - time.monotonic()))
         except Exception as exc:
             beat.stop()
             raise SyncError(f"{self._name(self.role, self.rank)}: the sync session at {self.address} did not come "
-                            f"together (a member died while joining, or the timeout passed): {exc}") from exc
+                            f"together (a member died while joining, or the timeout passed): {_short(exc)}") from None
         others = [r for r in range(record.world_size) if r != me]
-        self._session = _Session(record, store, group, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S))
+        self._session = _Session(record, store, pairs, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S))
         return self._session
 
     def _drop_session(self) -> None:
@@ -203,11 +223,16 @@ class SyncChannel:
         if session is None:
             return
         session.beat.stop()
-        # After a failure its group may have a wait in flight that nothing interrupts (it ends
-        # with its peer or the group's timeout, in a thread nobody joins); abort() closes the
-        # connections without waiting for it.
-        _quietly(session.group.abort)()
         self._buffers.clear()
+        for peer, pair in session.pairs.items():
+            if any(not work.is_completed() for work in session.issued.get(peer, ())):
+                # A given-up transfer still waits in this pair's worker thread, until its peer
+                # goes or the group's timeout passes; destroying the group would wait with it
+                # (at interpreter exit too). Kept alive for the life of the process instead.
+                _keep_forever(pair)
+        # Destroying the others closes their connections: a peer still waiting on this member
+        # gets an error at once.
+        session.pairs, session.issued = {}, {}
 
     # -- the update protocol -------------------------------------------------------------------
     def _key(self, session: _Session, what: str, member: int | None = None) -> str:
@@ -276,6 +301,7 @@ class SyncChannel:
             except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
                 box["error"] = exc
 
+        session.issued = {}
         thread = threading.Thread(target=run, name="distload-sync-transfer", daemon=True)
         thread.start()
         while True:
@@ -287,11 +313,18 @@ class SyncChannel:
                 reason = f"the data did not move within {self.timeout_s:.0f} s"
             if reason is not None:
                 cancelled.set()
+                # Its waits poll ``cancelled``: it ends within one copy, and after that nothing
+                # of this update is written anywhere.
+                thread.join()
                 raise SyncError(self._fail(session, reason))
         if "error" in box:
-            error = box["error"]
-            raise SyncError(self._fail(session, error if isinstance(error, SyncError)
-                                       else f"{type(error).__name__}: {error}")) from error
+            error = box.pop("error")
+            text = str(error) if isinstance(error, SyncError) else f"{type(error).__name__}: {_short(error)}"
+            # Its traceback holds the thread's frames and their pending transfers: let them go
+            # now, before the session's group is released.
+            error.__traceback__ = None
+            del error
+            raise SyncError(self._fail(session, text))
         return box["result"]
 
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
@@ -326,6 +359,8 @@ class SyncChannel:
                                                                         groups, cancelled), deadline)
             rendezvous.put(session.store, self._key(session, "done", session.me), None)
             self._await(session, "done", deadline)
+        except _Refused:
+            raise
         except BaseException:
             self._drop_session()
             raise
@@ -356,12 +391,11 @@ class SyncChannel:
         in_flight: dict[tuple[int, int], list[tuple[int, Any]]] = {}
         wire = 0
         for i, group in enumerate(groups):
-            if cancelled.is_set():
-                return wire
             whole = {index: _whole(tensors[index]) for index in group}
             for v, (view, ranks, lays) in enumerate(routes):
                 slot = (v, i % 2)
-                _finish(in_flight.pop(slot, []), session, self._name)
+                for dst, work in in_flight.pop(slot, []):
+                    self._wait(work, cancelled, lambda d=dst: f"sending to {self._name(*session.record.member(d))}")
                 layout = lays[i]
                 if not layout.size:
                     continue
@@ -369,27 +403,57 @@ class SyncChannel:
                 if layout.direct:
                     piece = layout.items[0][0]
                     data = run_bytes(whole[piece.entry].to(device), piece)
-                    works = [(dst, session.group.send([data], dst, 2 * i)) for dst in ranks]
+                    works = [(dst, self._post(session, dst, data)) for dst in ranks]
                     if layout.verified:  # summed while the data is in flight
                         check = checksum(data)
-                        works += [(dst, session.group.send([check], dst, 2 * i + 1)) for dst in ranks]
+                        works += [(dst, self._post(session, dst, check)) for dst in ranks]
                 else:
                     buffer = self._buffer(("send",) + slot, layout.size)
                     pack(buffer, layout, {k: t.to(device) for k, t in whole.items()}, view)
                     if layout.verified:
                         seal(buffer, layout)
-                    works = [(dst, session.group.send([buffer], dst, 2 * i)) for dst in ranks]
+                    works = [(dst, self._post(session, dst, buffer)) for dst in ranks]
                 in_flight[slot] = works
                 wire += layout.wire_bytes * len(ranks)
         for works in in_flight.values():
-            _finish(works, session, self._name)
+            for dst, work in works:
+                self._wait(work, cancelled, lambda d=dst: f"sending to {self._name(*session.record.member(d))}")
         return wire
 
+    def _post(self, session: _Session, peer: int, tensor: torch.Tensor) -> Any:
+        """Start moving ``tensor`` between this member and ``peer`` (a broadcast in their pair
+        group, from the trainer): sent by a trainer, received by an inference rank."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            work = session.pairs[peer].broadcast([tensor], options)
+        except Exception as exc:  # noqa: BLE001 - a closed connection fails at once
+            verb = "sending to" if self.role == "trainer" else "receiving from"
+            raise SyncError(f"{verb} {self._name(*session.record.member(peer))} failed: {_short(exc)}") from None
+        session.issued.setdefault(peer, []).append(work)
+        return work
+
+    @staticmethod
+    def _wait(work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
+        """Wait for ``work`` by polling, so that a given-up update's thread can stop at once."""
+        pause = 0.00005
+        while not work.is_completed():
+            if cancelled.is_set():
+                raise _GivenUp()
+            time.sleep(pause)
+            pause = min(0.002, pause * 2)
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - the peer died, or the group's timeout passed
+            raise SyncError(f"{what()} failed: {_short(exc)}") from None
+
     # -- inference ----------------------------------------------------------------------------
-    def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor],
+    def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[dict], Mapping[str, torch.Tensor]],
                 timeout_s: float | None = None) -> SyncStats:
         """Wait for the next update (up to ``timeout_s``, default the channel's) and receive it
-        into ``target``'s tensors in place.
+        into ``target``'s tensors in place. ``target`` may also be a function that is given what
+        the update brings this rank (name -> (torch dtype, shape it keeps)) and returns the
+        tensors to receive into (a staging copy, say, applied only once the update is whole).
 
         On success ``version`` advances. On failure SyncError is raised, ``version`` is unchanged,
         ``last_error`` says why and ``consistent`` says whether the tensors were left untouched
@@ -398,12 +462,19 @@ class SyncChannel:
         update arrives."""
         if self.role != "inference":
             raise ConfigError(f"{self._name(self.role, self.rank)} sends; receive() is for inference ranks")
-        targets = model_tensors(target)
+        if isinstance(target, (torch.nn.Module, Mapping)):
+            tensors = model_tensors(target)
+            targets_for: Callable[[dict], Mapping[str, torch.Tensor]] = lambda wanted: tensors
+        elif callable(target):
+            targets_for = target
+        else:
+            raise ConfigError(f"receive() takes an nn.Module, a dict of tensors, or a function that makes the "
+                              f"tensors to receive into; got {type(target).__name__}")
         wait_s = self.timeout_s if timeout_s is None else float(timeout_s)
         wait_deadline = time.monotonic() + wait_s
         try:
             session, metas = self._next_update(wait_deadline, wait_s)
-            return self._receive_update(session, metas, targets)
+            return self._receive_update(session, metas, targets_for)
         except SyncError as exc:
             self.last_error = str(exc)
             raise
@@ -448,18 +519,23 @@ class SyncChannel:
         return session, [rendezvous.get(session.store, k) for k in keys]
 
     def _receive_update(self, session: _Session, metas: Sequence[Mapping[str, Any]],
-                        targets: Mapping[str, torch.Tensor]) -> SyncStats:
+                        targets_for: Callable[[dict], Mapping[str, torch.Tensor]]) -> SyncStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         version = metas[0]["version"]
         plans = [layouts(m["entries"], m["groups"], self.view, m["verify"]) for m in metas]
         try:
+            wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
+                      for m, plan in zip(metas, plans) for layout in plan for piece, _ in layout.items}
+            targets = targets_for(wanted)
             problems = []
             for meta, plan in zip(metas, plans):
                 pieces = [piece for layout in plan for piece, _ in layout.items]
                 problems += check_pieces(meta["entries"], pieces, targets)
             rendezvous.put(session.store, self._key(session, "ready", session.me), problems)
             self._check_refusals(session, self._await(session, "ready", deadline), version)
+        except _Refused:
+            raise
         except BaseException:
             self._drop_session()
             raise
@@ -493,27 +569,22 @@ class SyncChannel:
                 if i >= len(plan) or not plan[i].size:
                     return
                 layout = plan[i]
-                into = None
-                if layout.direct:  # straight into the target tensor where it can be
-                    dst = targets[meta["entries"][layout.items[0][0].entry].name]
-                    into = target_bytes(dst) if dst.device == self._transport_device() else None
-                if into is None:
-                    into = self._buffer(("recv", i % 2), layout.size)
+                # Into a buffer, never straight into the model: a receive still posted when an
+                # update is given up may complete later (a stopped trainer resumes), and must not
+                # land in tensors a later update has written.
+                into = self._buffer(("recv", i % 2), layout.size)
                 messages = [into] + ([torch.empty(TRAILER, dtype=torch.uint8, device=into.device)]
                                      if layout.direct and layout.verified else [])
-                posted[i] = [(m, session.group.recv([m], sender, 2 * i + n)) for n, m in enumerate(messages)]
+                posted[i] = [(m, self._post(session, sender, m)) for m in messages]
 
             post(0)
             post(1)
             for i, layout in enumerate(plan):
                 if layout.size:
                     messages = posted.pop(i)
-                    try:
-                        for _, work in messages:
-                            work.wait()
-                    except Exception as exc:
-                        raise SyncError(f"receiving bucket {i} from {self._name('trainer', sender)} failed: "
-                                        f"{_short(exc)}") from exc
+                    for _, work in messages:
+                        self._wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
+                                                                f"{self._name('trainer', sender)}")
                     data = messages[0][0]
                     good = (not layout.verified or (intact(data, layout) if not layout.direct else
                                                    torch.equal(messages[1][0].view(torch.int64), checksum(data))))
@@ -523,13 +594,7 @@ class SyncChannel:
                                         f"the bytes sent")
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
-                    if layout.direct:
-                        dst = targets[meta["entries"][layout.items[0][0].entry].name]
-                        if not _same_memory(data, dst):
-                            with torch.no_grad():
-                                dst.detach().copy_(data.view(dst.dtype).view(dst.shape))
-                    else:
-                        unpack(data, layout, meta["entries"], targets)
+                    unpack(data, layout, meta["entries"], targets)
                     wire += layout.wire_bytes
                 post(i + 2)
         return wire
@@ -553,7 +618,7 @@ class SyncChannel:
         refusals += _sender_conflicts(metas)
         if refusals:
             session.seq += 1  # nothing moved: the session stays, the next update takes the next number
-            raise SyncError(f"update to version {version} refused, nothing was sent (receivers still at their "
+            raise _Refused(f"update to version {version} refused, nothing was sent (receivers still at their "
                             f"old version): " + " | ".join(refusals))
 
     def close(self) -> None:
@@ -637,14 +702,6 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
-def _finish(works: Sequence[tuple[int, Any]], session: _Session, name: Callable[[str, int], str]) -> None:
-    for dst, work in works:
-        try:
-            work.wait()
-        except Exception as exc:
-            raise SyncError(f"sending to {name(*session.record.member(dst))} failed: {_short(exc)}") from exc
-
-
 def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
     problems = []
     versions = sorted({m["version"] for m in metas})
@@ -665,8 +722,8 @@ def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
-def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:
-    return data.device == tensor.device and data.data_ptr() == tensor.data_ptr()
+def _keep_forever(group: Any) -> None:
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def _short(exc: BaseException) -> str:

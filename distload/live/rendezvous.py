@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,16 +65,34 @@ def open_store(address: str, serve: bool, timeout_s: float) -> Any:
     """The channel's store: served here (``serve``) or reached at ``address`` within the timeout."""
     host, port = parse_address(address)
     timeout = timedelta(seconds=timeout_s)
-    try:
-        if serve:
+    if serve:
+        try:
             return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
-        return dist.TCPStore(host, port, None, False, timeout)
-    except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
-        if serve:
+        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
             raise SyncError(f"cannot serve the sync rendezvous at {address}: {exc} (is another process "
-                            f"already serving it? each channel needs a port of its own)") from exc
-        raise SyncError(f"nobody serves the sync rendezvous at {address} (waited {timeout_s:.0f} s): start "
-                        f"the side that hosts it (its rank 0), or check the address and port: {exc}") from exc
+                            f"already serving it? each channel needs a port of its own)") from None
+    deadline = time.monotonic() + timeout_s
+    _await_listener(host, port, deadline, address, timeout_s)
+    try:
+        return dist.TCPStore(host, port, None, False, timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except Exception as exc:  # noqa: BLE001 - it went away between the probe and the store's connect
+        raise SyncError(f"the sync rendezvous at {address} accepted a connection but its store did not answer "
+                        f"within {timeout_s:.0f} s: {exc}") from None
+
+
+def _await_listener(host: str, port: int, deadline: float, address: str, timeout_s: float) -> None:
+    """Wait until something accepts connections at host:port: torch's own client first tries for
+    the whole timeout and then retries after a random pause, which overruns the deadline."""
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, max(0.1, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() + 0.1 > deadline:
+                raise SyncError(f"nobody serves the sync rendezvous at {address} (waited {timeout_s:.0f} s): start "
+                                f"the side that hosts it (its rank 0), or check the address and port "
+                                f"({exc.strerror or exc})") from None
+        time.sleep(0.1)
 
 
 CLOSING = "closing"  # posted by the process that serves the store before it stops serving

@@ -25,9 +25,8 @@ from distload.slicing import Action, rank_slice, shard_shape
 ALIGN = 64  # every piece starts 64-byte aligned in a bucket, so a view as any dtype is legal
 TRAILER = 16  # two int64 checksum words after the pieces of a verified bucket
 # A tensor this big travels alone, and where what a receiver keeps of it is one contiguous run of
-# its bytes (whole, or a slice along dim 0), straight from the sender's tensor into the
-# receiver's: no packing copy on either side. Below it, packing many tensors into one message
-# costs less than a message each.
+# its bytes (whole, or a slice along dim 0), straight from the sender's tensor: no packing copy.
+# Below it, packing many tensors into one message costs less than a message each.
 DIRECT_BYTES = 4 * 1024**2
 _ROW_WORDS = 512  # checksum rows: 4 KiB of int64 words
 
@@ -60,8 +59,8 @@ class Layout:
     items: tuple[tuple[Piece, int], ...]  # (piece, byte offset)
     payload: int  # bytes up to the end of the last piece
     size: int  # bytes of its data message: the payload, and the checksum trailer when verified
-    direct: bool = False  # one piece, sent from and received into the tensors themselves; when
-    # verified its checksum follows as a message of its own
+    direct: bool = False  # one piece, sent from the tensor itself; when verified its checksum
+    # follows as a message of its own
     verified: bool = False
 
     @property
@@ -155,12 +154,6 @@ def run_bytes(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
     return data.reshape(-1).view(torch.uint8)[piece.run[0]:piece.run[1]]
 
 
-def target_bytes(tensor: torch.Tensor) -> torch.Tensor | None:
-    """A receiver's tensor as a 1-d uint8 view to receive into, or None where it cannot be one
-    (not contiguous): then it is received into a buffer and copied."""
-    data = tensor.detach()
-    return data.reshape(-1).view(torch.uint8) if data.is_contiguous() else None
-
 
 def check_pieces(entries: Sequence[Entry], pieces: Sequence[Piece],
                  targets: Mapping[str, torch.Tensor]) -> list[str]:
@@ -172,13 +165,14 @@ def check_pieces(entries: Sequence[Entry], pieces: Sequence[Piece],
         if dst is None:
             problems.append(f"{entry.name}: no such tensor here")
             continue
-        if DTYPES[entry.dtype] != dst.dtype or tuple(dst.shape) != piece.shape:
+        if piece.nbytes and dst.untyped_storage().nbytes() == 0:
+            # WeightSleeper empties each storage (or, where a storage cannot resize, the tensor)
+            problems.append(f"{entry.name}: asleep (its storage holds 0 bytes): wake() the model "
+                            f"before receiving into it")
+        elif DTYPES[entry.dtype] != dst.dtype or tuple(dst.shape) != piece.shape:
             sliced = "" if piece.action is None else f" (its slice of {list(entry.shape)})"
             problems.append(f"{entry.name}: sent {entry.dtype} {list(piece.shape)}{sliced}, "
                             f"here {dst.dtype} {list(dst.shape)}")
-        elif piece.nbytes and dst.untyped_storage().nbytes() == 0:
-            problems.append(f"{entry.name}: asleep (its storage holds 0 bytes): wake() the model "
-                            f"before receiving into it")
     return problems
 
 
