@@ -1,6 +1,6 @@
 """Weight sync: distload's channel inside one job and across two jobs, against a flat broadcast.
 
-    python benchmarks/bench_sync.py                      # ~535 MiB Llama-shaped bf16, 3 repeats
+    python benchmarks/bench_sync.py                      # ~530 MiB Llama-shaped bf16, 3 repeats
     python benchmarks/bench_sync.py --size-mib 128 --repeats 2
 
 In ONE run, over the same many-tensor Llama-shaped bf16 state (sync-demo's model), a trainer
@@ -212,7 +212,7 @@ def orchestrate(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=512)
+    parser.add_argument("--size-mib", type=int, default=560, help="approximate state size (560: just over 512 MiB at hidden 2048)")
     parser.add_argument("--hidden", type=int, default=2048,
                         help="hidden size: 2048 gives real models' tens-of-MiB tensors, 512 many small ones")
     parser.add_argument("--bucket-mib", type=int, default=64)

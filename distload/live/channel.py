@@ -15,9 +15,12 @@ One update, numbered within its session:
    every member reads every answer: if any member refused, every member raises, and no byte moved;
 3. *data*: each trainer rank sends each inference rank exactly the bytes it keeps (its
    tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
-   receiver takes each bucket into a buffer of its own, checks its checksum when the update is
-   verified, and only then copies it into its tensors in place. One group per pair, so a lost
-   receiver stalls only its own stream;
+   receiver takes a bucket of small tensors into a buffer, checks its checksum when the update is
+   verified, and only then copies it into its tensors in place; a big tensor lands in its tensor
+   straight (checked once it has landed: a mismatch fails the update). One group per pair, so a
+   lost receiver stalls only its own stream. A given-up update's transfer that may still land in
+   a tensor (its trainer stopped, not died) is waited for before the next update writes there;
+   if it has not ended within SETTLE_S, that update is refused;
 4. *done*: every member posts that its part finished and waits for all the others: only then
    does a receiver's ``version`` advance.
 
@@ -55,6 +58,7 @@ from distload.sharding import ShardingSpec, load_spec, spec_from_json
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
+SETTLE_S = 10.0  # how long a receiver waits for a given-up update's transfers before it refuses
 _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
 
 
@@ -94,6 +98,7 @@ class _Session:
     watch: PeerWatch
     seq: int = 0  # the next update's number
     issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
+    into_model: list[Any] = field(default_factory=list)  # its receives straight into the model
 
 
 class SyncChannel:
@@ -147,6 +152,7 @@ class SyncChannel:
         self._store = store if store is not None else rendezvous.open_store(self.address, self._serving,
                                                                             self.timeout_s)
         self._session: _Session | None = None
+        self._into_model: list[Any] = []  # given-up transfers still landing in this rank's tensors
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.version: int | None = None
         self.last_error: str | None = None
@@ -224,6 +230,7 @@ class SyncChannel:
             return
         session.beat.stop()
         self._buffers.clear()
+        self._into_model += [work for work in session.into_model if not work.is_completed()]
         for peer, pair in session.pairs.items():
             if any(not work.is_completed() for work in session.issued.get(peer, ())):
                 # A given-up transfer still waits in this pair's worker thread, until its peer
@@ -528,7 +535,7 @@ class SyncChannel:
             wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
                       for m, plan in zip(metas, plans) for layout in plan for piece, _ in layout.items}
             targets = targets_for(wanted)
-            problems = []
+            problems = self._settled(min(self.timeout_s, SETTLE_S))
             for meta, plan in zip(metas, plans):
                 pieces = [piece for layout in plan for piece, _ in layout.items]
                 problems += check_pieces(meta["entries"], pieces, targets)
@@ -569,13 +576,15 @@ class SyncChannel:
                 if i >= len(plan) or not plan[i].size:
                     return
                 layout = plan[i]
-                # Into a buffer, never straight into the model: a receive still posted when an
-                # update is given up may complete later (a stopped trainer resumes), and must not
-                # land in tensors a later update has written.
-                into = self._buffer(("recv", i % 2), layout.size)
+                into = self._direct_target(layout, meta, targets)
+                straight = into is not None
+                if into is None:
+                    into = self._buffer(("recv", i % 2), layout.size)
                 messages = [into] + ([torch.empty(TRAILER, dtype=torch.uint8, device=into.device)]
                                      if layout.direct and layout.verified else [])
                 posted[i] = [(m, self._post(session, sender, m)) for m in messages]
+                if straight:
+                    session.into_model.append(posted[i][0][1])
 
             post(0)
             post(1)
@@ -594,10 +603,38 @@ class SyncChannel:
                                         f"the bytes sent")
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
-                    unpack(data, layout, meta["entries"], targets)
+                    if not layout.direct or not _same_memory(data, targets[meta["entries"][layout.items[0][0].entry].name]):
+                        unpack(data, layout, meta["entries"], targets)
                     wire += layout.wire_bytes
                 post(i + 2)
         return wire
+
+    def _direct_target(self, layout: Layout, meta: Mapping[str, Any], targets: Mapping[str, torch.Tensor]
+                       ) -> torch.Tensor | None:
+        """The receiver's own tensor as bytes, where a direct bucket can land in it straight (one
+        copy less; checked, when verified, once it has landed): contiguous, on the transport's
+        device."""
+        if not layout.direct:
+            return None
+        dst = targets[meta["entries"][layout.items[0][0].entry].name].detach()
+        if not dst.is_contiguous() or dst.device != self._transport_device():
+            return None
+        return dst.reshape(-1).view(torch.uint8)
+
+    def _settled(self, wait_s: float) -> list[str]:
+        """Wait up to ``wait_s`` for the transfers of given-up updates that were landing straight
+        in this rank's tensors (their trainer stopped mid-update and may resume): until they have
+        ended, a new update could be overwritten by them. Empty: none left."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self._into_model = [w for w in self._into_model if not w.is_completed()]
+            if not self._into_model or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if not self._into_model:
+            return []
+        return [f"{len(self._into_model)} transfer(s) of an update given up earlier may still land in this rank's "
+                f"tensors (its trainer stopped mid-update and has not resumed or died); not receiving over them"]
 
     def _transport_device(self) -> torch.device:
         """Where buffers live: the device with NCCL, host memory with gloo."""
@@ -724,6 +761,10 @@ def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _keep_forever(group: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return data.device == tensor.device and data.data_ptr() == tensor.data_ptr()
 
 
 def _short(exc: BaseException) -> str:
