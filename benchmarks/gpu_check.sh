@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: distload's GPU load paths on a ~16 GB synthetic bf16 checkpoint, read from /dev/shm
 # and from disk (cold cache), next to plain safetensors; host memory within Run:ai's memory_limit;
-# weight sync over NCCL with 2+ GPUs.
+# weight sync over NCCL with 2+ GPUs, and between two jobs into device tensors.
 #
 #   bash benchmarks/gpu_check.sh                          # one H200: 4-6 minutes, disk speed decides (limit 8)
 #   GPU_CHECK_CPU_SMOKE=1 bash benchmarks/gpu_check.sh    # no GPU: the same steps, 8 MiB, --device cpu
@@ -280,6 +280,33 @@ if [[ "$SYNC_RANKS" -ge 2 ]]; then
     fi
 else
     say "weight sync: skipped ($SYNC_RANKS GPU(s) here; syncing over NCCL needs 2 or more)"
+fi
+
+# -- 5b. weight sync between two jobs: a trainer job on the host, an inference job on the device ------
+# Two torchrun commands meeting at a tcp:// address; the inference rank receives into device tensors
+# (through host buffers: the trainer is on the host, so the channel runs on gloo), every bucket
+# checksummed. NCCL between jobs needs a GPU per rank on each side.
+if [[ "$SYNC_RANKS" -ge 1 ]]; then
+    sync_mib="$SIZE_MIB"
+    [[ "$MODE" == gpu ]] && sync_mib=1024
+    port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    say "weight sync across two jobs: trainer --device cpu, inference --device $DEVICE, --verify, $sync_mib MiB"
+    timeout "$CASE_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m distload sync-demo \
+        --role trainer --rendezvous "tcp://127.0.0.1:$port" --device cpu --size-mib "$sync_mib" --versions 2 --verify \
+        > "$DISK_WORK/sync-trainer.log" 2>&1 &
+    trainer_pid=$!
+    if timeout "$CASE_TIMEOUT" "$PY" -m torch.distributed.run --standalone --nproc-per-node 1 -m distload sync-demo \
+            --role inference --rendezvous "tcp://127.0.0.1:$port" --device "$DEVICE" --size-mib "$sync_mib" \
+            --versions 2 > "$DISK_WORK/sync-inference.log" 2>&1 && wait "$trainer_pid"; then
+        grep -E "received version|exactly" "$DISK_WORK/sync-inference.log" | sed 's/^/    /'
+    else
+        failed=1
+        wait "$trainer_pid" 2>/dev/null || true
+        say "weight sync across two jobs FAILED: last lines of each job's output:"
+        tail -n 8 "$DISK_WORK/sync-trainer.log" "$DISK_WORK/sync-inference.log" | sed 's/^/    /'
+    fi
+else
+    say "weight sync across two jobs: skipped (GPU_CHECK_SYNC_RANKS=0)"
 fi
 
 if [[ "$failed" != 0 ]]; then

@@ -59,6 +59,7 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
                if line.endswith(" ok") and line.split()[0] in ("shm", "disk")}
     assert len(digests) == 1, result.stdout
     assert "every receiver's digest matches the trainer's" in result.stdout, out  # sync-demo, 2 ranks
+    assert "every inference rank holds exactly the slices it was sent: yes" in result.stdout, out  # two jobs
     bound = [line for line in result.stdout.splitlines() if line.startswith("host memory bound:")]
     assert len(bound) == 1 and bound[0].endswith("bound 1024 + 512 MiB: ok"), out
     assert "OK: every path loaded onto cpu, every digest agrees, host memory within its bound" in result.stdout

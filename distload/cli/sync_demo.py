@@ -45,9 +45,10 @@ def demo_shapes(size_mib: int, hidden: int = HIDDEN) -> dict[str, tuple[int, ...
 
 
 def demo_state(size_mib: int, version: int, device: torch.device, hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
-    """Version ``version`` of the demo's weights (a seeded function of the version)."""
-    generator = torch.Generator(device=device).manual_seed(version)
-    return {name: torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
+    """Version ``version`` of the demo's weights (a seeded function of the version, drawn on the
+    host so that a trainer and an inference rank on different devices agree on it)."""
+    generator = torch.Generator().manual_seed(version)
+    return {name: torch.randn(shape, generator=generator).to(torch.bfloat16).to(device)
             for name, shape in demo_shapes(size_mib, hidden).items()}
 
 

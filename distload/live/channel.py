@@ -517,7 +517,8 @@ class SyncChannel:
             if self._store.check([rendezvous.CLOSING]):
                 raise SyncError(f"{self._name(self.role, self.rank)}: the channel at {self.address} was closed "
                                 f"by the process serving it; still at version {self.version}")
-            if rendezvous.session_id(self._store) != session.record.id or session.watch.silent(time.monotonic()):
+            trainers_silent = any(r < session.record.trainer_size for r in session.watch.silent(time.monotonic()))
+            if rendezvous.session_id(self._store) != session.record.id or trainers_silent:
                 return None  # the trainer went away (or restarted): join its next session
             if time.monotonic() > wait_deadline:
                 raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
