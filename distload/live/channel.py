@@ -113,6 +113,8 @@ class SyncChannel:
     head-aware rules): rank r keeps TP rank ``r % T``'s slices, the tensors ``save-sharded
     --tensor-parallel-size T`` writes for it, and receives only those bytes. ``verify``: check a
     checksum of every bucket (either side may ask). Every wait is bounded by ``timeout_s``.
+    ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
+    and how its messages name members (by job rank).
     """
 
     def __init__(self, rendezvous_address: str | None = None, role: str = "inference", *,
