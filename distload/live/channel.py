@@ -53,7 +53,7 @@ from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors
 from distload.live.transfer import (TRAILER, Entry, Layout, View, check_pieces, checksum, group_entries, intact,
                                     layouts, pack, run_bytes, seal, unpack)
-from distload.loading.index import DTYPES, dtype_code
+from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.sharding import ShardingSpec, load_spec, spec_from_json
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -362,7 +362,7 @@ class SyncChannel:
                             "gathered": list(dtensors)})
             rendezvous.put(session.store, self._key(session, "ready", session.me), [])
             metas = self._await(session, "meta", deadline, session.record.trainer_size)
-            self._check_refusals(session, self._await(session, "ready", deadline), version)
+            self._check_refusals(session, self._await(session, "ready", deadline), metas, version)
             routes = self._routes(session, entries, groups, verify)
             sent = self._supervise(session, lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
                                                                         groups, cancelled), deadline)
@@ -533,17 +533,21 @@ class SyncChannel:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         version = metas[0]["version"]
-        plans = [layouts(m["entries"], m["groups"], self.view, m["verify"]) for m in metas]
         try:
-            wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
-                      for m, plan in zip(metas, plans) for layout in plan for piece, _ in layout.items}
-            targets = targets_for(wanted)
-            problems = self._settled(min(self.timeout_s, SETTLE_S))
-            for meta, plan in zip(metas, plans):
-                pieces = [piece for layout in plan for piece, _ in layout.items]
-                problems += check_pieces(meta["entries"], pieces, targets)
+            try:  # what this rank keeps; a spec that cannot cut a tensor is this rank's refusal
+                plans = [layouts(m["entries"], m["groups"], self.view, m["verify"]) for m in metas]
+            except ConfigError as exc:
+                plans, problems = [], [str(exc)]
+            else:
+                wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
+                          for m, plan in zip(metas, plans) for layout in plan for piece, _ in layout.items}
+                targets = targets_for(wanted)
+                problems = self._settled(min(self.timeout_s, SETTLE_S))
+                for meta, plan in zip(metas, plans):
+                    pieces = [piece for layout in plan for piece, _ in layout.items]
+                    problems += check_pieces(meta["entries"], pieces, targets)
             rendezvous.put(session.store, self._key(session, "ready", session.me), problems)
-            self._check_refusals(session, self._await(session, "ready", deadline), version)
+            self._check_refusals(session, self._await(session, "ready", deadline), metas, version)
         except _Refused:
             raise
         except BaseException:
@@ -644,7 +648,8 @@ class SyncChannel:
         return self.device if self._session is not None and self._session.backend == "nccl" else torch.device("cpu")
 
     # -- shared ------------------------------------------------------------------------------------
-    def _check_refusals(self, session: _Session, answers: Sequence[list[str]], version: int) -> None:
+    def _check_refusals(self, session: _Session, answers: Sequence[list[str]], metas: Sequence[Mapping[str, Any]],
+                        version: int) -> None:
         """Raise on every member, identically, when any member refused (nothing has moved)."""
         refusals = []
         for rank, problems in enumerate(answers):
@@ -653,8 +658,6 @@ class SyncChannel:
                 more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
                 what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
                 refusals.append(f"{self._name(*session.record.member(rank))}: {len(problems)} {what}: {shown}{more}")
-        metas = [rendezvous.get(session.store, self._key(session, "meta", t))
-                 for t in range(session.record.trainer_size)]
         refusals += _sender_conflicts(metas)
         if refusals:
             session.seq += 1  # nothing moved: the session stays, the next update takes the next number
@@ -713,10 +716,15 @@ def _describe_state(state: Mapping[str, torch.Tensor], leader: bool
     """This trainer rank's entries, its tensors by entry index, and its DTensors by name. A
     DTensor is an entry of trainer rank 0 only (whole shape): every trainer rank takes part in
     gathering it while rank 0 sends, and rank 0 sends it."""
+    if not isinstance(state, Mapping):
+        raise ConfigError(f"push() takes a state dict (name -> tensor), got {type(state).__name__}")
     entries, tensors, dtensors = [], {}, {}
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"state entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.dtype not in DTYPE_CODES:
+            raise ConfigError(f"state entry {name!r} is {tensor.dtype}, which weight sync does not carry "
+                              f"(it carries the dtypes safetensors stores)")
         if _is_dtensor(tensor):
             dtensors[name] = tensor
             if not leader:

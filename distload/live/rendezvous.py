@@ -28,7 +28,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch.distributed as dist
 
@@ -160,12 +160,23 @@ def session_id(store: Any) -> str | None:
     return None if current is None else current.get("id")
 
 
-def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, address: str,
-                 interrupted: Callable[[], None] = lambda: None) -> SessionRecord:
-    """The leader's side: wait for a fresh hello from every member, then write the record."""
+def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, address: str) -> SessionRecord:
+    """The leader's side: wait for a fresh hello from every member, then write the record. If it
+    cannot, the members whose hellos it read are told why at once (they do not wait their
+    timeout for a session that will not come)."""
     previous = _current(store)
-    stale = set(previous.get("nonces", {}).values()) if previous else set()
-    put(store, _SESSION, {"id": None, "nonces": previous.get("nonces", {}) if previous else {}})
+    old_nonces = previous.get("nonces", {}) if previous else {}
+    put(store, _SESSION, {"id": None, "nonces": old_nonces})
+    seen: set[str] = set()
+    try:
+        return _form(store, trainer_size, leader, deadline, address, set(old_nonces.values()), seen)
+    except SyncError as exc:
+        put(store, _SESSION, {"id": None, "nonces": old_nonces, "failed": str(exc), "seen": seen})
+        raise
+
+
+def _form(store: Any, trainer_size: int, leader: Hello, deadline: float, address: str, stale: set[str],
+          seen: set[str]) -> SessionRecord:
     hellos: dict[str, Hello] = {member_key("trainer", 0): leader}
     inference_size: int | None = None
     def wanted() -> list[str]:
@@ -180,6 +191,7 @@ def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, 
             hello = get(store, f"hello/{key}")
             if hello.nonce in stale:
                 continue
+            seen.add(hello.nonce)
             role = key.split("/")[0]
             expected = trainer_size if role == "trainer" else inference_size
             if expected is not None and hello.size != expected:
@@ -196,7 +208,6 @@ def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, 
             who = ", ".join(describe(*_split(k)) for k in missing) or "every inference rank"
             raise SyncError(f"{who} did not join the sync channel at {address} in time: start the "
                             f"other job (or its missing ranks), pointed at the same address")
-        interrupted()
         time.sleep(POLL_S)
     record = SessionRecord(uuid.uuid4().hex, trainer_size, inference_size,
                            {k: h.nonce for k, h in hellos.items()}, {k: dict(h.info) for k, h in hellos.items()})
@@ -204,18 +215,18 @@ def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, 
     return record
 
 
-def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float, address: str,
-                  interrupted: Callable[[], None] = lambda: None) -> SessionRecord:
+def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float, address: str) -> SessionRecord:
     """A member's side: wait for a session record that lists this member's nonce."""
     key = member_key(role, rank)
     while True:
         current = _current(store)
         if current and current.get("id") and current["nonces"].get(key) == nonce:
             return current["record"]
+        if current and current.get("failed") and nonce in current.get("seen", ()):
+            raise SyncError(f"trainer rank 0 could not form the sync session at {address}: {current['failed']}")
         if time.monotonic() > deadline:
             raise SyncError(f"no trainer formed a sync session with {describe(role, rank)} at {address} in "
                             f"time: is the trainer job running, and pointed at this address?")
-        interrupted()
         time.sleep(POLL_S)
 
 
