@@ -27,6 +27,16 @@ mark only as many bytes as the free 2 MiB (and larger) blocks in ``/proc/buddyin
 between the node's ranks. ``huge_pages: true`` marks everything (and fails when the kernel has
 huge pages off); ``false`` marks nothing.
 
+Prefaulting. A new tensor can be *prefaulted* before it is read into: one
+``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14) backs a range in one walk of its page table,
+instead of one fault (a trap, a page-table lock, a zeroed page) per 4 KiB taken inside the reader
+threads' copies, where the threads also contend for the same locks. Measured here on 1 GiB of new
+tensors: 0.32-0.34 s to prefault on one thread, 0.18-0.20 s on two, then 0.12 s to pread a warm
+file into them; reading into new memory without it costs 0.73-0.89 s of kernel CPU time, with it
+0.51-0.63 s (the pread reader's units: ``distload/loading/backends/pread.py``). Where the kernel
+refuses (older than 5.14, a seccomp filter), tensors fault as they are written, ``why_not_prefault``
+says why and ``prefaulted_bytes`` how many bytes were prefaulted.
+
 Each marked tensor splits its mapping into up to two more VMAs; a process has at most
 ``vm.max_map_count`` of them, so a process marks at most an eighth of that many tensors, over all
 its loads (the count is per process: marks outlive a load while its tensors live).
@@ -47,11 +57,17 @@ from distload.runtime import RUNTIME
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 _THP_SIZE = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 _MADV_HUGEPAGE = 14  # <asm-generic/mman-common.h>
+_MADV_POPULATE_WRITE = 23
+# Below this a tensor's faults cost little next to the call (and to its reads).
+MIN_PREFAULT_BYTES = 1 << 20
 _BUDDYINFO = "/proc/buddyinfo"
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
 
 def _read_int(path: str, default: int) -> int:
     try:
@@ -144,13 +160,15 @@ class HostMemory:
                  reporting: Optional[str] = "detect"):
         # mode, free_bytes and reporting stand in for what the kernel says (tests).
         self.marked_bytes = 0  # bytes marked MADV_HUGEPAGE so far
+        self.prefaulted_bytes = 0  # bytes backed by MADV_POPULATE_WRITE before any write
+        self.why_not_prefault: Optional[str] = None  # set once the kernel refused it
         self.huge_page_bytes = huge_page_bytes()
         self._lock = threading.Lock()
         self._required = bool(huge_pages)
         self._budget: Optional[int] = None  # bytes auto may still mark; None: no limit
         self.why_not = self._reason_not_to_mark(huge_pages, local_ranks, mode, free_bytes, reporting)
         self.enabled = self.why_not is None
-        self._madvise = _madvise() if self.enabled else None
+        self._madvise = _madvise()
 
     def _reason_not_to_mark(self, huge_pages: Optional[bool], local_ranks: int, mode: Optional[str],
                             free_bytes: Optional[int], reporting: Optional[str]) -> Optional[str]:
@@ -189,6 +207,21 @@ class HostMemory:
         if self.enabled:
             self._mark(tensor)
         return tensor
+
+    def prefault(self, address: int, length: int) -> None:
+        """Back ``[address, address + length)`` of a new tensor with memory now, in one call
+        (where the kernel can; the bytes count in ``prefaulted_bytes``)."""
+        if self.why_not_prefault is not None or length < MIN_PREFAULT_BYTES:
+            return
+        first = address // PAGE_BYTES * PAGE_BYTES
+        if self._madvise(first, address + length - first, _MADV_POPULATE_WRITE) == 0:
+            with self._lock:
+                self.prefaulted_bytes += length
+            return
+        err = ctypes.get_errno()
+        # EINVAL: a kernel before 5.14; EPERM: a filter. ENOMEM (no memory to back it) would
+        # come back on the first write as well: nothing to gain from trying the next tensor.
+        self.why_not_prefault = f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(err)}"
 
     def _mark(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()

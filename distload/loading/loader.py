@@ -226,6 +226,8 @@ class Loader:
             tensor_parallel=None if tp is None else [tp.rank, tp.size],
             peak_rss_bytes=peak_rss_bytes(),
             huge_page_marked_bytes=host_memory.marked_bytes,
+            prefaulted_bytes=host_memory.prefaulted_bytes,
+            reader_bytes=run.reader_bytes,
         )
 
 

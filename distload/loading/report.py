@@ -58,6 +58,11 @@ class RankReport:
     # Bytes of the new host tensors marked for transparent huge pages (advice to the kernel; see
     # distload.loading.host_memory).
     huge_page_marked_bytes: int = 0
+    # Bytes of new host tensors backed in one call before they were read into (page-cache reads).
+    prefaulted_bytes: int = 0
+    # Bytes by the way the reader took them, e.g. {"pread/page-cache": n, "pread/storage": m}
+    # (distload.loading.backends.pread); None where one library read everything its own way.
+    reader_bytes: dict[str, int] | None = None
     # Bytes distload asked the source for (counted by distload's own readers; a library that
     # reads whole tensors counts as their bytes), whatever the page cache then served.
     requested_bytes: int | None = None
@@ -97,6 +102,8 @@ class LoadReport:
             tp = f", TP rank {r.tensor_parallel[0]} of {r.tensor_parallel[1]}" if r.tensor_parallel else ""
             asked = (f", requested {r.requested_bytes / GIB:.3f} GiB"
                      if r.requested_bytes is not None and r.requested_bytes != r.nbytes else "")
+            if r.reader_bytes and len(r.reader_bytes) > 1:
+                asked += " (" + ", ".join(f"{way} {n / GIB:.3f} GiB" for way, n in sorted(r.reader_bytes.items())) + ")"
             lines.append(
                 f"  rank {r.rank} ({r.device}, {r.path}{tp}): {r.num_tensors} tensors, "
                 f"{r.nbytes / GIB:.3f} GiB in {r.seconds:.2f} s = {r.gib_per_s:.2f} GiB/s{asked}, "

@@ -73,6 +73,9 @@ class BackendRun:
         # Bytes the reader asked the source for, counted by the reader (None: a library read the
         # whole tensors, and the loader counts their bytes).
         self.requested_bytes = requested_bytes
+        # Bytes by the way they were read ("pread/page-cache", "pread/storage", ...), for a reader
+        # that takes each tensor the way its bytes' place calls for; None for the others.
+        self.reader_bytes: dict[str, int] | None = None
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":
