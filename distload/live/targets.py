@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Mapping
 
 import torch
@@ -39,6 +40,10 @@ def non_persistent_buffers(target: torch.nn.Module | Mapping[str, torch.Tensor])
 def dtensor_blocks(targets: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """Name -> (offsets, sizes) of the local shard of each DTensor target (FSDP2, torch's tensor
     parallel API): the block of the checkpoint tensor this rank holds."""
+    if "torch.distributed.tensor" not in sys.modules:
+        # No DTensor can exist before its module is imported, and importing it costs 0.7 s: the
+        # whole of a small in-place reload (benchmarks/results/load.md, "in place").
+        return {}
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     blocks = {}
