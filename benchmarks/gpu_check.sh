@@ -14,6 +14,8 @@
 #
 # Settings (environment, defaults in brackets): GPU_CHECK_SIZE_MIB [15000], GPU_CHECK_FORMATS
 # [safetensors instanttensor auto runai_streamer; safetensors first: the baseline],
+# GPU_CHECK_PEERS [fastsafetensors: other loaders timed beside distload's, read straight onto the
+# device, their digests checked too; one not installed is reported as such, not failed],
 # GPU_CHECK_LOCATIONS [shm disk], GPU_CHECK_SHM_DIR [/dev/shm], GPU_CHECK_DISK_DIR [/var/tmp],
 # GPU_CHECK_CASE_TIMEOUT [240 s per load], GPU_CHECK_SYNC_RANKS [the GPU count; 0 skips],
 # GPU_CHECK_MEMORY_LIMIT_MIB [1024; Run:ai's memory_limit in the host-memory bound check],
@@ -41,6 +43,7 @@ else
 fi
 PACKAGES="$PACKAGES ${GPU_CHECK_REQUIRE:-}"
 LOCATIONS="${GPU_CHECK_LOCATIONS:-shm disk}"
+PEERS="${GPU_CHECK_PEERS-fastsafetensors}"
 MEMORY_LIMIT_MIB="${GPU_CHECK_MEMORY_LIMIT_MIB:-1024}" RSS_OVERHEAD_MIB="${GPU_CHECK_RSS_OVERHEAD_MIB:-512}"
 CASE_TIMEOUT="${GPU_CHECK_CASE_TIMEOUT:-240}"
 WHEELS="${GPU_CHECK_WHEELS:-$REPO/vendor/wheels}"
@@ -173,13 +176,59 @@ for location in $LOCATIONS; do
         fi
         printf '%s\t%s\t%s\t%s\n' "$location" "$format" "$rc" "$report" >> "$DISK_WORK/status.tsv"
     done
+    # The peers, as benchmarks/bench_load.py runs them on CPUs: fastsafetensors with nogds=True (no
+    # GPUDirect Storage assumed), its default threads and bounce buffer, one loader built before the
+    # clock (its first construction imports its framework layer). A report in distload's shape.
+    for peer in $PEERS; do
+        [[ "$location" == disk ]] && evict "$ckpt"
+        report="$DISK_WORK/reports/$location-$peer.json"
+        if ! "$PY" -c "import $peer" 2>/dev/null; then
+            say "$location: $peer is not installed (pip install it, or vendor its wheel in $WHEELS): not timed"
+            printf '%s\t%s\t%s\t%s\n' "$location" "$peer" 3 "$report" >> "$DISK_WORK/status.tsv"
+            continue
+        fi
+        say "$location: $peer onto $DEVICE"
+        if timeout "$CASE_TIMEOUT" "$PY" - "$ckpt" "$EXPECT_DEVICE" "$report" > "$DISK_WORK/reports/$location-$peer.log" 2>&1 <<'EOF'; then
+import glob, json, os, sys, time, warnings
+import psutil, torch
+from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+from distload.loading.report import state_digest
+folder, device, out = sys.argv[1:4]
+warnings.filterwarnings("ignore")
+SafeTensorsFileLoader(SingleGroup(), device, nogds=True).close()
+files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+read0, start = psutil.Process().io_counters().read_bytes, time.perf_counter()
+loader = SafeTensorsFileLoader(SingleGroup(), device, nogds=True)
+loader.add_filenames({0: files})
+buffers = loader.copy_files_to_device()
+state = {name: buffers.get_tensor(name) for name in loader.get_keys()}
+if device.startswith("cuda"):
+    torch.cuda.synchronize()
+seconds = time.perf_counter() - start
+rank = {"nbytes": sum(t.numel() * t.element_size() for t in state.values()), "seconds": seconds,
+        "device": str(next(iter(state.values())).device), "path": "fastsafetensors", "num_tensors": len(state),
+        "read_bytes": psutil.Process().io_counters().read_bytes - read0,
+        "digest": state_digest({n: t.cpu() for n, t in state.items()})}
+json.dump({"ranks": [rank]}, open(out, "w"))
+EOF
+            rc=0
+        else
+            rc=$?
+            say "FAILED ($peer, exit $rc): last lines of its output:"
+            tail -n 15 "$DISK_WORK/reports/$location-$peer.log" | sed 's/^/    /'
+        fi
+        printf '%s\t%s\t%s\t%s\n' "$location" "$peer" "$rc" "$report" >> "$DISK_WORK/status.tsv"
+    done
 done
 
 # -- 4. the table: GB/s next to plain safetensors, digests that must all agree ------------------------
-"$PY" - "$DISK_WORK/status.tsv" "$EXPECT_DEVICE" <<'EOF' || failed=1
+"$PY" - "$DISK_WORK/status.tsv" "$EXPECT_DEVICE" "$PEERS" <<'EOF' || failed=1
 import json, sys
 rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
 expect_device, loads = sys.argv[2], []
+# The peers of bench_load's 'vs best peer': plain safetensors (distload's safetensors format is its
+# reader, copied to the device), Run:ai, and the GPU_CHECK_PEERS timed above.
+peers = {"safetensors", "runai_streamer", *sys.argv[3].split()}
 for location, fmt, rc, path in rows:
     load = {"location": location, "format": fmt, "rc": int(rc)}
     if load["rc"] == 0:
@@ -194,15 +243,23 @@ reference = next((l["rank"]["digest"] for l in loads if l["format"] == "safetens
                  digests[0] if digests else None)
 bad = 0
 print(f"\n{'location':8} {'format':16} {'path':16} {'device':7} {'s':>7} {'GB/s':>7} {'vs safetensors':>14} "
-      f"{'read GB':>8}  {'digest':16}  check")
+      f"{'vs best peer':>12} {'read GB':>8} {'cached GB':>9}  {'digest':16}  check")
 for l in loads:
+    if l["rc"] == 3 and l["format"] in peers:
+        print(f"{l['location']:8} {l['format']:16} {'-':16} {'-':7} {'-':>7} {'-':>7} {'-':>14} {'-':>12} {'-':>8} "
+              f"{'-':>9}  {'-':16}  not installed")
+        continue
     if "rank" not in l:
         bad += 1
-        print(f"{l['location']:8} {l['format']:16} {'-':16} {'-':7} {'-':>7} {'-':>7} {'-':>14} {'-':>8}  {'-':16}  "
-              f"FAILED (exit {l['rc']})")
+        print(f"{l['location']:8} {l['format']:16} {'-':16} {'-':7} {'-':>7} {'-':>7} {'-':>14} {'-':>12} {'-':>8} "
+              f"{'-':>9}  {'-':16}  FAILED (exit {l['rc']})")
         continue
     r = l["rank"]
     base = next((m for m in loads if m["location"] == l["location"] and m["format"] == "safetensors" and "rank" in m), None)
+    timed = [m for m in loads if m["location"] == l["location"] and m["format"] in peers and "rank" in m]
+    best = max(timed, key=lambda m: m["gbps"]) if timed else None
+    # Where the pread reader found the bytes (its residency probe), where it says.
+    cached = None if r.get("reader_bytes") is None else r["reader_bytes"].get("pread/page-cache", 0)
     check = "ok"
     if r["device"] != expect_device:
         check = f"WRONG DEVICE (wanted {expect_device})"
@@ -210,11 +267,14 @@ for l in loads:
         check = "DIGEST MISMATCH"
     bad += check != "ok"
     print(f"{l['location']:8} {l['format']:16} {r['path']:16} {r['device']:7} {r['seconds']:7.2f} {l['gbps']:7.2f} "
-          f"{(l['gbps'] / base['gbps']) if base else float('nan'):13.2f}x {(r.get('read_bytes') or 0) / 1e9:8.2f}  "
+          f"{(l['gbps'] / base['gbps']) if base else float('nan'):13.2f}x "
+          f"{(l['gbps'] / best['gbps']) if best else float('nan'):11.2f}x {(r.get('read_bytes') or 0) / 1e9:8.2f} "
+          f"{'-' if cached is None else f'{cached / 1e9:.2f}':>9}  "
           f"{r['digest'][:16]}  {check}")
 if loads and "rank" in loads[0]:
     print(f"checkpoint: {loads[0]['rank']['nbytes'] / 1e9:.2f} GB, {loads[0]['rank']['num_tensors']} tensors; "
-          f"'read GB' is what the process read from storage (cold disk: about the checkpoint)")
+          f"'read GB' is what the process read from storage (cold disk: about the checkpoint); 'cached GB' "
+          f"what the pread reader found in the page cache; 'vs best peer' against the fastest of {sorted(peers)}")
 sys.exit(1 if bad else 0)
 EOF
 # -- 4b. host memory bounded by memory_limit: Run:ai's host buffer, next to a load that reads nothing --

@@ -58,6 +58,18 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     digests = {line.split()[-2] for line in result.stdout.splitlines()
                if line.endswith(" ok") and line.split()[0] in ("shm", "disk")}
     assert len(digests) == 1, result.stdout
+    # The peer (fastsafetensors) is timed beside distload's formats, or said to be missing.
+    try:
+        import fastsafetensors  # noqa: F401
+        peer_ok = True
+    except ImportError:
+        peer_ok = False
+    for location in ("shm", "disk"):
+        line = table_line(result.stdout, location, "fastsafetensors")
+        assert line.endswith(" ok" if peer_ok else " not installed"), line
+    # auto (pread) says how much it found in the page cache: all of it from /dev/shm (tmpfs).
+    auto_shm = table_line(result.stdout, "shm", "auto").split()
+    assert float(auto_shm[-3]) > 0, auto_shm
     assert "every receiver's digest matches the trainer's" in result.stdout, out  # sync-demo, 2 ranks
     assert "every inference rank holds exactly the slices it was sent: yes" in result.stdout, out  # two jobs
     bound = [line for line in result.stdout.splitlines() if line.startswith("host memory bound:")]

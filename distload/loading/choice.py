@@ -26,12 +26,12 @@ class ReadChoice:
 
 
 # What `auto` picks on a CPU, from benchmarks/results/load.md: on local files distload's own
-# parallel-pread reader (no intermediate buffer, no memory map) beats safetensors (copied out of
-# its map) and Run:ai from disk in 3 of the 4 cold cases. From a warm page cache, on per-rank
-# shards, safetensors' memcpy is 20-25% faster, but a file truncated under a memory map kills
-# the process with SIGBUS, where pread raises an error naming the file and tensor: we keep pread. And with the page cache already sharing reads
-# between a node's ranks, each rank reading alone beats Run:ai's distributed mode over gloo, so
-# local loads never cooperate.
+# parallel-pread reader (no intermediate buffer, no memory map, new tensors prefaulted) is ahead of
+# the fastest peer (plain safetensors, fastsafetensors, Run:ai) in every cell, warm and cold, 1
+# and 2 ranks, whole and per-rank shards; a file truncated under it is an error naming the file
+# and tensor, where a memcpy out of a memory map dies of SIGBUS. With the page cache already
+# sharing reads between a node's ranks, each rank reading alone beats Run:ai's distributed mode
+# over gloo, so local loads never cooperate.
 # On an object store nothing shares the reads, so a whole checkpoint is read cooperatively.
 AUTO_CPU_BACKEND = "pread"
 
