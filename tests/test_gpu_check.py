@@ -7,6 +7,7 @@ on a machine without one.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -59,11 +60,7 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
                if line.endswith(" ok") and line.split()[0] in ("shm", "disk")}
     assert len(digests) == 1, result.stdout
     # The peer (fastsafetensors) is timed beside distload's formats, or said to be missing.
-    try:
-        import fastsafetensors  # noqa: F401
-        peer_ok = True
-    except ImportError:
-        peer_ok = False
+    peer_ok = importlib.util.find_spec("fastsafetensors") is not None
     for location in ("shm", "disk"):
         line = table_line(result.stdout, location, "fastsafetensors")
         assert line.endswith(" ok" if peer_ok else " not installed"), line
