@@ -45,6 +45,7 @@ its loads (the count is per process: marks outlive a load while its tensors live
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 from typing import Optional
@@ -66,7 +67,7 @@ _VIRTIO_DEVICES = "/sys/bus/virtio/devices"
 _VIRTIO_ID_BALLOON = 5
 _VIRTIO_BALLOON_F_REPORTING = 5
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+PAGE_BYTES = mmap.PAGESIZE
 
 
 def _read_int(path: str, default: int) -> int:

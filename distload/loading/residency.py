@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 PAGE = mmap.PAGESIZE
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore sets bit 0; the other bits are reserved
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class Residency:
         if end <= begin:
             return 0
         first, last = begin // PAGE, (end - 1) // PAGE
-        nbytes = self.vector[first:last + 1].translate(_LOW_BIT).count(1) * PAGE
+        nbytes = self.vector[first:last + 1].translate(_low_bit_table()).count(1) * PAGE
         if self.vector[first] & 1:  # the end pages count only their part inside the range
             nbytes -= begin - first * PAGE
         if self.vector[last] & 1:
@@ -52,6 +51,12 @@ class Residency:
     def fraction(self, begin: int = 0, end: Optional[int] = None) -> float:
         end = self.size if end is None else min(end, self.size)
         return self.resident_bytes(begin, end) / (end - begin) if end > begin else 1.0
+
+
+@functools.lru_cache(maxsize=1)
+def _low_bit_table() -> bytes:
+    """Each byte to its bit 0: mincore sets bit 0 of a resident page; the other bits are reserved."""
+    return bytes(b & 1 for b in range(256))
 
 
 @functools.lru_cache(maxsize=1)
