@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 
 import torch
@@ -80,28 +81,30 @@ def test_probe_of_an_empty_or_truncated_file(tmp_path):
     assert residency.size == PAGE and residency.fraction() == 1.0
 
 
-def anonymous_resident_pages(tensor: torch.Tensor) -> int:
-    """How many pages of the tensor's memory the kernel has backed (mincore works on anonymous maps)."""
+def resident_pages(address: int, length: int) -> int:
+    """How many pages of a range the kernel has backed (mincore works on anonymous maps)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    start = tensor.data_ptr() // PAGE * PAGE
-    length = tensor.data_ptr() + tensor.numel() * tensor.element_size() - start
     vector = ctypes.create_string_buffer(-(-length // PAGE))
-    assert libc.mincore(start, length, vector) == 0
+    assert libc.mincore(address, length, vector) == 0
     return sum(b & 1 for b in vector.raw)
 
 
 def test_prefault_backs_the_memory_before_any_write():
-    memory = HostMemory(False)
-    tensor = memory.empty((16 * MIB,), torch.uint8)
-    pages = -(-16 * MIB // PAGE)
-    assert anonymous_resident_pages(tensor) < pages // 2  # fresh: not backed yet
-    memory.prefault(tensor.data_ptr(), 16 * MIB)
-    assert anonymous_resident_pages(tensor) >= pages - 1
-    assert memory.prefaulted_bytes == 16 * MIB and memory.why_not_prefault is None
-    small = memory.empty((1000,), torch.uint8)
-    memory.prefault(small.data_ptr(), 1000)  # not worth a call
-    assert memory.prefaulted_bytes == 16 * MIB
+    # A fresh anonymous map (torch's allocator may hand out memory an earlier test already touched).
+    length = 16 * MIB
+    fresh = mmap.mmap(-1, length)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(fresh))
+    try:
+        assert resident_pages(address, length) == 0
+        memory = HostMemory(False)
+        memory.prefault(address, length)
+        assert resident_pages(address, length) == length // PAGE
+        assert memory.prefaulted_bytes == length and memory.why_not_prefault is None
+        memory.prefault(address, 1000)  # not worth a call
+        assert memory.prefaulted_bytes == length
+    finally:
+        fresh.close()
 
 
 def test_a_kernel_that_refuses_prefaulting_is_asked_once_and_said(monkeypatch, tmp_path):
