@@ -73,7 +73,10 @@ class PullReport:
 
 
 def list_source(src: Source) -> list[SourceFile]:
-    """The files of the source folder, in the order a pull writes them."""
+    """The files of the source folder (or the one file it names), in the order a pull writes them."""
+    if src.is_file:  # one .safetensors file: that file only, not its folder
+        name = os.path.basename(src.uri.rstrip("/"))
+        return [SourceFile(name, src.file_size(name), None)]
     names = src.names()
     if SAVING_MARKER in names:
         read_manifest(src)  # raises: a save into the folder did not finish

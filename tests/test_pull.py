@@ -190,3 +190,12 @@ def test_from_s3_the_store_serves_each_byte_once_per_job(tmp_path):
     total = folder_bytes(source)
     assert sum(r["requested_bytes"] for r in report["ranks"]) == total
     assert total <= proxy.served <= 1.05 * total, (proxy.served, total)
+
+
+def test_a_source_naming_one_file_pulls_that_file_only(sharded, tmp_path):
+    shard = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))[0]
+    dest = str(tmp_path / "dest")
+    result, report = pull(os.path.join(sharded, shard), dest, tmp_path, 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(dest) == [shard]
+    assert filecmp.cmp(os.path.join(sharded, shard), os.path.join(dest, shard), shallow=False)
