@@ -67,12 +67,13 @@ def uts_namespaces():
 class Node:
     """One simulated node: a torchrun agent in its own UTS namespace."""
 
-    def __init__(self, node_rank: int, port: int, rdzv_id: str, entry: list[str], log_path: str):
+    def __init__(self, node_rank: int, port: int, rdzv_id: str, entry: list[str], log_path: str,
+                 cwd: str | None = None, nproc_per_node: int = 1):
         self.hostname = f"node{node_rank}"
         self.log_path = log_path
         torchrun = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
-            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+            "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
             "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1", "--max-restarts", "0", *entry,
         ]
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
@@ -82,7 +83,7 @@ class Node:
         # unshare execs bash, bash execs torchrun: self.proc.pid is the agent itself.
         self.proc = subprocess.Popen(
             ["unshare", "--uts", "bash", "-c", f"hostname {self.hostname} && exec {shlex.join(torchrun)}"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=cwd,
         )
         self.returncode: int | None = None
         self.seconds: float | None = None
@@ -103,10 +104,15 @@ class Node:
             return f.read()
 
 
-def run_two_nodes(tmp_path, entry: list[str], deadline_s: float) -> list[Node]:
-    """Start node0 and node1 with the same entry point; wait for both (or kill them at the deadline)."""
+def run_two_nodes(tmp_path, entry: list[str], deadline_s: float, cwds: list[str] | None = None,
+                  nproc_per_node: int = 1) -> list[Node]:
+    """Start node0 and node1 with the same entry point (each in its own working folder where
+    ``cwds`` says); wait for both (or kill them at the deadline)."""
     port, rdzv_id = free_port(), f"test-{os.getpid()}-{time.monotonic_ns()}"
-    nodes = [Node(i, port, rdzv_id, entry, str(tmp_path / f"node{i}.log")) for i in range(2)]
+    for cwd in cwds or ():
+        os.makedirs(cwd, exist_ok=True)
+    nodes = [Node(i, port, rdzv_id, entry, str(tmp_path / f"node{i}.log"), cwds[i] if cwds else None,
+                  nproc_per_node) for i in range(2)]
     deadline = time.monotonic() + deadline_s
     timed_out = []
     for node in nodes:

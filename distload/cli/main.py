@@ -5,6 +5,7 @@
     python -m distload save-sharded /ckpt /ckpt-tp2 --tensor-parallel-size 2
     python -m distload verify /ckpt-tp2
     python -m distload inspect /ckpt [--pattern P] [--json]
+    torchrun --nproc-per-node 8 -m distload pull s3://models/llama /local/llama
     python -m distload demo
     torchrun --nproc-per-node 3 -m distload sync-demo
 """
@@ -15,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from distload.errors import DistloadError
+from distload.errors import ConfigError, DistloadError
 from distload.group import DEFAULT_TIMEOUT_S, WorkerGroup, detect_launch
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
@@ -100,6 +101,18 @@ def build_parser() -> argparse.ArgumentParser:
     sync_demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                            help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
 
+    pull = sub.add_parser("pull", help="copy a checkpoint folder to a local folder on every node, each "
+                                       "byte read from the source once per job")
+    pull.add_argument("source", help="a folder or an object-store prefix (s3://, gs://, az://)")
+    pull.add_argument("dest", help="a local folder on each node (created; complete files already "
+                                   "there are kept)")
+    pull.add_argument("--chunk-mib", type=float, default=64,
+                      help="bytes one rank reads and sends at a time, in MiB (default 64)")
+    pull.add_argument("--report-json", default=None, metavar="PATH",
+                      help="rank 0 writes every rank's report here")
+    pull.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                      help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
+
     demo = sub.add_parser("demo", help="write a small LLM-shaped checkpoint and load it with "
                                        "every format this machine supports")
     demo.add_argument("--nproc-per-node", type=int, default=None,
@@ -177,6 +190,33 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_pull(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from distload.fileio import write_json_atomic
+    from distload.pull import pull
+
+    chunk_bytes = int(args.chunk_mib * 1024 * 1024)
+    if chunk_bytes <= 0:
+        raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
+    with WorkerGroup(device="cpu", timeout_s=args.timeout) as group:
+        report = pull(args.source, args.dest, group=group, chunk_bytes=chunk_bytes)
+        reports = group.exchange(asdict(report))
+        if group.rank == 0:
+            gib = 1024**3
+            print(f"distload: pulled {args.source} to {args.dest} on {len(reports)} rank(s)", flush=True)
+            for r in reports:
+                role = f"wrote {len(r['fetched'])} file(s), {r['written_bytes'] / gib:.3f} GiB, kept " \
+                       f"{len(r['kept'])}" if r["writes"] else "sent only"
+                print(f"  rank {r['rank']} ({r['hostname']}): read {r['requested_bytes'] / gib:.3f} GiB "
+                      f"from the source; {role}; {r['seconds']:.2f} s", flush=True)
+            total = sum(r["requested_bytes"] for r in reports)
+            print(f"  read from the source, whole job: {total / gib:.3f} GiB", flush=True)
+            if args.report_json:
+                write_json_atomic(args.report_json, {"source": args.source, "ranks": reports}, indent=2)
+    return 0
+
+
 # Commands that run in one process, outside any group.
 OFFLINE_COMMANDS = ("save-sharded", "verify", "inspect")
 
@@ -199,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
             from distload.cli.sync_demo import run_sync_demo
 
             return run_sync_demo(args)
+        if args.command == "pull":
+            return run_pull(args)
         if args.command == "demo":
             from distload.cli.demo import run_demo
 

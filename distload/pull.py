@@ -1,0 +1,301 @@
+"""``distload pull SRC DEST``: a checkpoint folder copied onto every node, each byte read once per job.
+
+Engines that read local files (vLLM's own loaders, a training job's DCP reader) want the
+checkpoint on each node's disk. Run:ai's ``pull_files`` copies it per process, so a job of N nodes
+downloads it N times. Here the ranks of the whole job split the source's bytes into chunks, each
+chunk read by one rank (round robin over the job) and broadcast over the job's group; the first
+rank of each node (local rank 0) writes what it receives. So the store serves each byte once per
+job, and every node ends with the whole folder.
+
+What a user can rely on:
+
+- **Agreement first.** Every rank lists the source (files only, one level, as a load does) and
+  the lists must be identical before any byte moves; a save still in progress (its marker) or a
+  corrupt manifest is refused.
+- **Nothing half-written is visible.** A file is written under ``.NAME.distload-tmp`` in DEST
+  (the name loaders skip), checked, fsynced and renamed into place. The weights go first, then
+  the other files, and the index and the manifest last, so a folder that has its manifest has
+  everything. A process killed mid-pull leaves only complete files and hidden partials.
+- **Checked.** Every file's size; where the source has a distload manifest, each shard's SHA-256
+  (computed as the chunks arrive, in order). A mismatch fails the pull naming the file.
+- **Rerun.** A file already in DEST with the right size (and SHA-256 where known) is kept on that
+  node; the others are fetched again from the start (partials are rewritten). Only files some
+  node lacks are read, once.
+- **Bounded failure.** After each round (one chunk per rank) every rank says whether its read and
+  its writes worked: a failed read or write ends every rank with that rank and its error named,
+  and a rank that dies ends the others at the group's timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from distload.errors import CheckpointError, GroupError, RankFailedError
+from distload.fileio import TEMPORARY_SUFFIX, temporary_name
+from distload.group import WorkerGroup
+from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, read_manifest
+from distload.loading.sources import Source, open_source
+
+CHUNK_BYTES = 64 * 1024 * 1024
+READ_AHEAD_ROUNDS = 2  # each rank reads this many of its chunks ahead of the broadcasts
+# Written last, in this order: a folder with its index (and its manifest) has every other file.
+LAST_NAMES = ("model.safetensors.index.json", MANIFEST_NAME)
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    name: str
+    size: int
+    sha256: Optional[str]  # from the source's distload manifest, where it has one
+
+
+@dataclass
+class PullReport:
+    rank: int
+    hostname: str
+    writes: bool  # this rank writes its node's copy (local rank 0)
+    dest: str
+    files: int  # files in the source
+    fetched: list[str] = field(default_factory=list)  # written on this node by this pull
+    kept: list[str] = field(default_factory=list)  # already complete on this node
+    requested_bytes: int = 0  # bytes this rank read from the source
+    written_bytes: int = 0
+    seconds: float = 0.0
+
+
+def list_source(src: Source) -> list[SourceFile]:
+    """The files of the source folder (or the one file it names), in the order a pull writes them."""
+    if src.is_file:  # one .safetensors file: that file only, not its folder
+        name = os.path.basename(src.uri.rstrip("/"))
+        return [SourceFile(name, src.file_size(name), None)]
+    names = src.names()
+    if SAVING_MARKER in names:
+        read_manifest(src)  # raises: a save into the folder did not finish
+    manifest = read_manifest(src) if MANIFEST_NAME in names else None
+    sha = {f.name: f.sha256 for f in manifest.files} if manifest else {}
+    files = [n for n in names if not n.endswith("/") and not n.endswith(TEMPORARY_SUFFIX)
+             and (src.remote or os.path.isfile(src.path(n)))]
+    if not files:
+        raise CheckpointError(f"{src.uri}: nothing to pull: the folder holds no files")
+
+    def order(name: str) -> tuple[int, int, str]:
+        if name in LAST_NAMES:
+            return (2, LAST_NAMES.index(name), name)
+        return (0 if name.endswith(".safetensors") else 1, 0, name)
+
+    return [SourceFile(n, src.file_size(n), sha.get(n)) for n in sorted(files, key=order)]
+
+
+def _file_sha256(path: str) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 * 1024 * 1024):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _complete(dest: str, entry: SourceFile) -> bool:
+    path = os.path.join(dest, entry.name)
+    try:
+        if not os.path.isfile(path) or os.path.getsize(path) != entry.size:
+            return False
+    except OSError:
+        return False
+    return entry.sha256 is None or _file_sha256(path) == entry.sha256
+
+
+def _read_range(src: Source, name: str, start: int, end: int) -> bytes:
+    if src.remote:
+        return src.store.read(src.folder_location.child(name), start, end)
+    with open(src.path(name), "rb") as f:
+        data = os.pread(f.fileno(), end - start, start)
+    if len(data) != end - start:
+        raise CheckpointError(f"{src.path(name)}: ended at byte {start + len(data)}, but the listing "
+                              f"said {name} has more: was it changed during the pull?")
+    return data
+
+
+class _NodeCopy:
+    """The files this node's writer is fetching: partial files, their hashes, their checks."""
+
+    def __init__(self, dest: str, report: PullReport):
+        self.dest = dest
+        self.report = report
+        self._open: dict[str, tuple[int, "hashlib._Hash", SourceFile]] = {}
+
+    def start(self, entry: SourceFile) -> None:
+        partial = temporary_name(os.path.join(self.dest, entry.name))
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._open[entry.name] = (fd, hashlib.sha256(), entry)
+
+    def write(self, name: str, offset: int, data: memoryview) -> None:
+        fd, hasher, _ = self._open[name]
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], offset + done)
+        hasher.update(data)
+        self.report.written_bytes += len(data)
+
+    def finish(self, name: str) -> None:
+        fd, hasher, entry = self._open.pop(name)
+        partial = temporary_name(os.path.join(self.dest, name))
+        try:
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size != entry.size:
+            os.unlink(partial)
+            raise CheckpointError(f"{name}: pulled {size} bytes, the source listed {entry.size}")
+        if entry.sha256 is not None and hasher.hexdigest() != entry.sha256:
+            os.unlink(partial)
+            raise CheckpointError(f"{name}: SHA-256 of the pulled bytes is {hasher.hexdigest()}, the "
+                                  f"source's manifest says {entry.sha256}: the source file changed or is "
+                                  f"corrupt (distload verify checks it); nothing was written under DEST")
+        os.replace(partial, os.path.join(self.dest, name))
+        self.report.fetched.append(name)
+
+    def abandon(self) -> None:
+        for fd, _, _ in self._open.values():
+            os.close(fd)
+        self._open.clear()
+
+
+def pull(source: str, dest: str, *, group: WorkerGroup | None = None,
+         chunk_bytes: int = CHUNK_BYTES) -> PullReport:
+    """Copy the folder ``source`` (local or ``s3://``/``gs://``/``az://``) to ``dest`` on every node.
+
+    Call on every rank of ``group`` (None: a CPU group from the environment). ``dest`` is a local
+    folder (created); relative paths are each process's own.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    with WorkerGroup.for_call(group, device="cpu") as g:
+        return _pull(source, os.path.abspath(dest), g, chunk_bytes)
+
+
+def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullReport:
+    start_time = time.perf_counter()
+    writes = g.local_rank == 0
+    src = open_source(source)
+    listing = g.agree("listing the source", lambda: list_source(src))
+    listings = g.exchange([(f.name, f.size, f.sha256) for f in listing])
+    for rank, other in enumerate(listings):
+        if other != listings[0]:
+            raise CheckpointError(
+                f"{source}: ranks 0 and {rank} list different files ({len(listings[0])} against "
+                f"{len(other)}; first difference: {_first_difference(listings[0], other)}); every "
+                f"rank must see the same source (is it changing?)")
+    report = PullReport(g.rank, g.hostname, writes, dest, len(listing))
+
+    def check_node() -> list[str]:
+        if not writes:
+            return []
+        os.makedirs(dest, exist_ok=True)
+        lacking = []
+        for entry in listing:
+            if _complete(dest, entry):
+                report.kept.append(entry.name)
+            else:
+                lacking.append(entry.name)
+        return lacking
+
+    lacking = g.agree("checking what each node has", check_node)
+    wanted = set().union(*g.exchange(lacking))
+    here = set(lacking)
+    fetch = [entry for entry in listing if entry.name in wanted]
+    chunks = [(entry, offset, min(entry.size, offset + chunk_bytes))
+              for entry in fetch for offset in range(0, max(entry.size, 1), chunk_bytes)]
+    copy = _NodeCopy(dest, report)
+    try:
+        _transfer(src, g, chunks, here, copy, report)
+    finally:
+        copy.abandon()
+    if writes:
+        _sync_folder(dest)
+    g.check_all_ok("pulling")
+    report.seconds = round(time.perf_counter() - start_time, 6)
+    return report
+
+
+def _first_difference(a: list, b: list) -> str:
+    for x, y in zip(a, b):
+        if x != y:
+            return f"{x[0]} ({x[1]} bytes) against {y[0]} ({y[1]} bytes)"
+    return f"{len(a)} files against {len(b)}"
+
+
+def _transfer(src: Source, g: WorkerGroup, chunks: list, here: set[str], copy: _NodeCopy,
+              report: PullReport) -> None:
+    """Rounds of one chunk per rank: each rank reads its own (ahead), every rank says it is fine,
+    then each chunk is broadcast from its reader and written where this node needs it."""
+    world = g.world_size
+    mine = [k for k in range(len(chunks)) if k % world == g.rank]
+    reads: dict[int, Future] = {}
+    queue = deque(mine)
+    error: Optional[BaseException] = None
+    with ThreadPoolExecutor(READ_AHEAD_ROUNDS, thread_name_prefix="distload-pull") as pool:
+
+        def read_ahead() -> None:
+            while queue and len(reads) < READ_AHEAD_ROUNDS:
+                k = queue.popleft()
+                entry, start, end = chunks[k]
+                reads[k] = pool.submit(_read_range, src, entry.name, start, end)
+
+        for round_start in range(0, len(chunks), world):
+            read_ahead()
+            own = round_start + g.rank
+            data = None
+            if error is None and own < len(chunks):
+                try:
+                    data = reads.pop(own).result()
+                    report.requested_bytes += len(data)
+                except BaseException as exc:  # noqa: B902 - every rank must hear of it
+                    error = exc
+            statuses = g.exchange(None if error is None else f"{type(error).__name__}: {error}")
+            failed = {rank: message for rank, message in enumerate(statuses) if message is not None}
+            if failed:
+                if error is not None:
+                    raise error
+                raise RankFailedError("pulling", failed)
+            for k in range(round_start, min(round_start + world, len(chunks))):
+                entry, start, end = chunks[k]
+                owner = k % world
+                buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if owner == g.rank and end > start
+                          else torch.empty(end - start, dtype=torch.uint8))
+                if world > 1 and end > start:
+                    try:
+                        dist.broadcast(buffer, src=g.ranks[owner], group=g.process_group)
+                    except Exception as exc:
+                        raise GroupError(f"rank {g.rank}: lost contact with rank {owner} while it sent "
+                                         f"{entry.name} bytes {start}-{end}: {exc}{g.lost_peers(exc)}") from exc
+                if error is None and entry.name in here:
+                    try:
+                        if start == 0:
+                            copy.start(entry)
+                        copy.write(entry.name, start, memoryview(buffer.numpy()))
+                        if end >= entry.size:
+                            copy.finish(entry.name)
+                    except BaseException as exc:  # reported in the next round, or below
+                        error = exc
+        if error is not None:
+            g.report_failure("pulling", error)
+            raise error
+
+
+def _sync_folder(path: str) -> None:
+    """The renames are durable once the folder is synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,201 @@
+"""``distload pull SRC DEST``: every node ends with the whole folder, each byte read once per job."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import every_dtype_state, run_distload, write_whole
+from test_launch_multinode import describe, run_two_nodes, uts_namespaces  # noqa: F401 (a fixture)
+from distload.fileio import TEMPORARY_SUFFIX
+from distload.loading.manifest import MANIFEST_NAME
+
+pytestmark = pytest.mark.dist
+
+MIB = 1024 * 1024
+
+
+def folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
+
+
+def same_folder(a: str, b: str) -> bool:
+    names = sorted(os.listdir(a))
+    if names != sorted(os.listdir(b)):
+        return False
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    return not mismatch and not errors
+
+
+def pull(source: str, dest: str, tmp_path, nproc: int = 2, *extra: str, **kwargs) -> tuple[subprocess.CompletedProcess, dict]:
+    report = str(tmp_path / "pull-report.json")
+    if os.path.exists(report):
+        os.unlink(report)
+    result = run_distload(["pull", source, dest, "--report-json", report, *extra], nproc=nproc, **kwargs)
+    data = json.load(open(report)) if os.path.exists(report) else {}
+    return result, data
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    """A distload-sharded checkpoint (manifest with SHA-256s) and a config file beside it."""
+    from distload.sharded.reshard import reshard
+
+    folder = str(tmp_path / "src")
+    write_whole(str(tmp_path / "whole"), every_dtype_state(seed=5), num_files=2)
+    reshard(str(tmp_path / "whole"), folder, 2, sharding="replicate")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLM"]}, f)
+    return folder
+
+
+def test_two_ranks_copy_everything_reading_each_byte_once(sharded, tmp_path):
+    dest = str(tmp_path / "dest")
+    result, report = pull(sharded, dest, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert same_folder(sharded, dest)
+    ranks = report["ranks"]
+    assert [r["writes"] for r in ranks] == [True, False]  # one node: local rank 0 writes
+    assert sum(r["requested_bytes"] for r in ranks) == folder_bytes(sharded)  # once per job
+    assert all(r["requested_bytes"] > 0 for r in ranks)  # both ranks read a share
+    assert sorted(ranks[0]["fetched"]) == sorted(os.listdir(sharded))
+    assert "read from the source, whole job" in result.stdout
+    verified = run_distload(["verify", dest])
+    assert verified.returncode == 0 and "match the manifest" in verified.stdout, verified.stdout
+
+
+def test_a_rerun_keeps_complete_files_and_fetches_only_what_is_missing_or_wrong(sharded, tmp_path):
+    dest = str(tmp_path / "dest")
+    assert pull(sharded, dest, tmp_path, 2, "--chunk-mib", "0.01")[0].returncode == 0
+    result, report = pull(sharded, dest, tmp_path, 2, "--chunk-mib", "0.01")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sum(r["requested_bytes"] for r in report["ranks"]) == 0
+    assert sorted(report["ranks"][0]["kept"]) == sorted(os.listdir(sharded))
+    shards = sorted(n for n in os.listdir(dest) if n.endswith(".safetensors"))
+    os.unlink(os.path.join(dest, shards[0]))
+    with open(os.path.join(dest, shards[1]), "r+b") as f:  # same size, one byte changed: SHA-256 says so
+        f.seek(os.path.getsize(f.name) - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 0xFF]))
+    result, report = pull(sharded, dest, tmp_path, 2, "--chunk-mib", "0.01")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(report["ranks"][0]["fetched"]) == shards[:2]
+    assert sum(r["requested_bytes"] for r in report["ranks"]) == sum(
+        os.path.getsize(os.path.join(sharded, n)) for n in shards[:2])
+    assert same_folder(sharded, dest)
+
+
+def test_a_source_that_disagrees_with_its_manifest_fails_and_leaves_nothing_visible(sharded, tmp_path):
+    shard = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))[0]
+    with open(os.path.join(sharded, shard), "r+b") as f:
+        f.seek(os.path.getsize(f.name) - 1)
+        f.write(b"\x7f")
+    dest = str(tmp_path / "dest")
+    result, _ = pull(sharded, dest, tmp_path)
+    assert result.returncode != 0
+    assert f"{shard}: SHA-256 of the pulled bytes" in result.stderr, result.stderr[-3000:]
+    assert "RankFailedError" in result.stderr or "rank 0" in result.stderr
+    assert shard not in os.listdir(dest)
+    assert MANIFEST_NAME not in os.listdir(dest)  # the manifest comes last: never before its files
+    assert not [n for n in os.listdir(dest) if n.endswith(TEMPORARY_SUFFIX)]
+
+
+def test_an_unfinished_save_is_refused_before_any_byte_moves(sharded, tmp_path):
+    open(os.path.join(sharded, "distload.saving"), "w").close()
+    result, _ = pull(sharded, str(tmp_path / "dest"), tmp_path)
+    assert result.returncode != 0
+    assert "the checkpoint is incomplete" in result.stderr
+    assert not os.path.exists(tmp_path / "dest")
+
+
+def test_a_kill_mid_pull_leaves_only_complete_files_and_a_rerun_completes(tmp_path):
+    source = str(tmp_path / "whole")
+    write_whole(source, {f"w{i}": torch.randn(2 * MIB) for i in range(6)}, num_files=3)  # 3 x 16 MiB
+    dest = str(tmp_path / "dest")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "distload", "pull", source, dest, "--chunk-mib", "0.25"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:  # wait until the first file is in place, then kill
+            if os.path.isdir(dest) and any(n.endswith(".safetensors") for n in os.listdir(dest)):
+                break
+            if proc.poll() is not None:
+                pytest.fail("the pull ended before it could be killed: make the source bigger")
+            time.sleep(0.01)
+        else:
+            pytest.fail("no file appeared in DEST within 120 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    visible = [n for n in os.listdir(dest) if not n.startswith(".")]
+    assert visible and len(visible) < 5, visible  # killed partway
+    for name in visible:  # everything visible is complete and right
+        assert filecmp.cmp(os.path.join(source, name), os.path.join(dest, name), shallow=False), name
+    result, report = pull(source, dest, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert set(report["ranks"][0]["kept"]) >= {n for n in visible if n.endswith(".safetensors")}
+    assert same_folder(source, dest)  # no partial left behind either
+
+
+def test_two_nodes_each_get_a_copy_reading_each_byte_once(tmp_path, uts_namespaces):
+    source = str(tmp_path / "whole")
+    write_whole(source, every_dtype_state(seed=9), num_files=2)
+    report_path = str(tmp_path / "report.json")
+    cwds = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    nodes = run_two_nodes(tmp_path, ["-m", "distload", "pull", source, "copy", "--chunk-mib", "0.01",
+                                     "--report-json", report_path], 150, cwds=cwds)
+    assert [n.returncode for n in nodes] == [0, 0], describe(nodes)
+    for cwd in cwds:
+        assert same_folder(source, os.path.join(cwd, "copy")), cwd
+    ranks = json.load(open(report_path))["ranks"]
+    assert sorted(r["hostname"] for r in ranks) == ["node0", "node1"]
+    assert [r["writes"] for r in ranks] == [True, True]
+    assert sum(r["requested_bytes"] for r in ranks) == folder_bytes(source)
+    assert all(r["requested_bytes"] > 0 for r in ranks)
+
+
+def test_from_s3_the_store_serves_each_byte_once_per_job(tmp_path):
+    """moto behind a byte-counting proxy: two ranks pull, the server sends the objects' bytes
+    once (listings, headers and HTTP framing included), and the copy is exact."""
+    from object_store_servers import ByteCountingProxy, start_moto
+
+    source = str(tmp_path / "whole")
+    write_whole(source, {f"w{i}": torch.randn(MIB) for i in range(8)}, num_files=4)  # 32 MiB
+    os.makedirs(tmp_path / "moto")
+    server = start_moto(str(tmp_path / "moto"))
+    try:
+        uri = server.upload_folder(source, "pull-me")
+        proxy = ByteCountingProxy(server.port)
+        try:
+            result, report = pull(uri, str(tmp_path / "dest"), tmp_path, 2, "--chunk-mib", "2",
+                                  env=server.env(proxy.port))
+        finally:
+            proxy.close()
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert same_folder(source, str(tmp_path / "dest"))
+    total = folder_bytes(source)
+    assert sum(r["requested_bytes"] for r in report["ranks"]) == total
+    assert total <= proxy.served <= 1.05 * total, (proxy.served, total)
+
+
+def test_a_source_naming_one_file_pulls_that_file_only(sharded, tmp_path):
+    shard = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))[0]
+    dest = str(tmp_path / "dest")
+    result, report = pull(os.path.join(sharded, shard), dest, tmp_path, 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(dest) == [shard]
+    assert filecmp.cmp(os.path.join(sharded, shard), os.path.join(dest, shard), shallow=False)
