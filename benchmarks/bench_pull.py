@@ -1,6 +1,6 @@
 """Copying a checkpoint from S3 onto every node: bytes the store served per job, and time.
 
-    python benchmarks/bench_pull.py                      # 256 MiB, 2 nodes x 2 ranks, 3 repeats
+    python benchmarks/bench_pull.py                      # ~300 MiB, 2 nodes x 2 ranks, 3 repeats
     python benchmarks/bench_pull.py --size-mib 64 --repeats 1
 
 Two simulated nodes (two torchrun agents, each in its own UTS namespace with its own hostname and
@@ -90,7 +90,8 @@ class _Dir(str):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mib", type=int, default=256)
+    parser.add_argument("--size-mib", type=int, default=320,
+                        help="the demo checkpoint's target size (whole layers: a little less)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nproc-per-node", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
