@@ -200,7 +200,14 @@ def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullRepor
     def check_node() -> list[str]:
         if not writes:
             return []
-        os.makedirs(dest, exist_ok=True)
+        try:
+            os.makedirs(dest, exist_ok=True)
+            probe = temporary_name(os.path.join(dest, "write-check"))
+            open(probe, "wb").close()
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(f"{dest}: cannot write there ({exc.strerror or exc}) on "
+                                  f"{g.hostname}: DEST must be a writable local folder") from None
         lacking = []
         for entry in listing:
             if _complete(dest, entry):
@@ -285,6 +292,10 @@ def _transfer(src: Source, g: WorkerGroup, chunks: list, here: set[str], copy: _
                         copy.write(entry.name, start, memoryview(buffer.numpy()))
                         if end >= entry.size:
                             copy.finish(entry.name)
+                    except OSError as exc:  # a full disk, a folder removed under the pull
+                        error = CheckpointError(f"{os.path.join(copy.dest, entry.name)}: writing it failed on "
+                                                f"{g.hostname} ({exc.strerror or exc}); DEST keeps only "
+                                                f"complete files: free space and run the pull again")
                     except BaseException as exc:  # reported in the next round, or below
                         error = exc
         if error is not None:

@@ -199,3 +199,14 @@ def test_a_source_naming_one_file_pulls_that_file_only(sharded, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.listdir(dest) == [shard]
     assert filecmp.cmp(os.path.join(sharded, shard), os.path.join(dest, shard), shallow=False)
+
+
+def test_a_dest_that_cannot_be_written_is_a_clear_error_on_every_rank(sharded, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result, _ = pull(sharded, str(blocker), tmp_path)
+    assert result.returncode != 0
+    assert "error on rank 0:" in result.stderr and "DEST must be a writable local folder" in result.stderr, \
+        result.stderr[-3000:]
+    assert "error on rank 1: checking what each node has failed on rank(s) 0" in result.stderr
+    assert 'distload/pull.py", line' not in result.stderr  # no traceback of ours (torchrun prints its own)
