@@ -25,6 +25,14 @@ def check_bool(key: str, value: Any) -> None:
         raise ConfigError(f"extra config '{key}' must be a bool (true/false), got {value!r}")
 
 
+def check_distributed(key: str, value: Any) -> None:
+    if not isinstance(value, bool) and value not in ("node", "job"):
+        raise ConfigError(
+            f"extra config '{key}' must be true (share reads within each node, as Run:ai does), "
+            f"\"node\", \"job\" (share them across the whole job: each byte leaves storage once) or "
+            f"false, got {value!r}")
+
+
 def check_positive_int(key: str, value: Any) -> None:
     if not is_int(value) or value <= 0:
         raise ConfigError(f"extra config '{key}' must be a positive int, got {value!r}")
@@ -48,8 +56,9 @@ class LoadConfig:
         return self.extra.get("pattern")
 
     @property
-    def distributed(self) -> bool:
-        return bool(self.extra.get("distributed", False))
+    def distributed(self) -> bool | str | None:
+        """The ``distributed`` setting as given (None: not set, the format decides)."""
+        return self.extra.get("distributed")
 
 
 def parse_extra_config(text: str | Mapping[str, Any] | None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ def test_every_format_is_accepted(fmt):
     assert config.load_format == fmt
     assert dict(config.extra) == {}
     assert config.pattern is None  # the checkpoint's own (manifest), else DEFAULT_SHARD_PATTERN
-    assert config.distributed is False
+    assert config.distributed is None  # not set: the format decides
 
 
 @pytest.mark.parametrize("fmt", sorted(EXPECTED_FORMATS))
@@ -83,7 +83,7 @@ def test_allowed_keys_per_format():
     assert set(allowed_keys("runai_streamer")) == {"distributed", "concurrency", "memory_limit"}
     assert set(allowed_keys("runai_streamer_sharded")) == {"pattern", "concurrency", "memory_limit"}
     assert set(allowed_keys("sharded_state")) == {"pattern", "huge_pages"}
-    assert set(allowed_keys("auto")) == {"pattern", "huge_pages", "concurrency"}
+    assert set(allowed_keys("auto")) == {"pattern", "huge_pages", "concurrency", "distributed"}
     assert set(allowed_keys("safetensors")) == {"huge_pages"}
     assert set(allowed_keys("instanttensor")) == {
         "buffer_size", "chunk_size", "concurrency", "io_depth", "max_free_mem_usage", "backend"}
@@ -116,15 +116,16 @@ def test_several_unknown_keys_are_all_named():
 
 # -- values ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", [True, False])
-def test_distributed_bool_accepted(value):
-    config = make_load_config("runai_streamer", {"distributed": value})
-    assert config.distributed is value
+@pytest.mark.parametrize("fmt", ["runai_streamer", "auto"])
+@pytest.mark.parametrize("value", [True, False, "node", "job"])
+def test_distributed_takes_a_bool_or_a_scope(fmt, value):
+    config = make_load_config(fmt, {"distributed": value})
+    assert config.distributed is value or config.distributed == value
 
 
-@pytest.mark.parametrize("value", [1, 0, "true", None, 1.0])
-def test_distributed_must_be_bool(value):
-    with pytest.raises(ConfigError, match="'distributed' must be a bool"):
+@pytest.mark.parametrize("value", [1, 0, "true", None, 1.0, "cluster"])
+def test_distributed_must_be_a_bool_or_a_scope(value):
+    with pytest.raises(ConfigError, match=r"'distributed' must be true .*\"node\", \"job\" .* or false, got"):
         make_load_config("runai_streamer", {"distributed": value})
 
 

@@ -360,7 +360,7 @@ BAD_INPUTS = {
     "unknown-load-format": _config("tensorizer", None, "unknown load format 'tensorizer'", "runai_streamer"),
     "unknown-key": _config("runai_streamer", '{"chunk_size": 8}',
                            "Unexpected extra config keys ['chunk_size']", "allowed keys: concurrency, distributed, memory_limit"),
-    "distributed-yes": _config("runai_streamer", '{"distributed": "yes"}', "'distributed' must be a bool", "'yes'"),
+    "distributed-yes": _config("runai_streamer", '{"distributed": "yes"}', "'distributed' must be true", "'yes'"),
     "concurrency-true": _config("runai_streamer", '{"concurrency": true}', "'concurrency' must be a positive int", "True"),
     "concurrency-0": _config("runai_streamer", '{"concurrency": 0}', "'concurrency' must be a positive int", "got 0"),
     "memory-limit-minus-2": _config("runai_streamer", '{"memory_limit": -2}', "'memory_limit' must be an int >= -1", "got -2"),

@@ -219,7 +219,7 @@ def test_mismatched_ranks_several_differences():
 
 # -- choose_read -----------------------------------------------------------------------------
 
-def choose(fmt, *, sharded=False, device="cpu", world=2, distributed=False, instant=False):
+def choose(fmt, *, sharded=False, device="cpu", world=2, distributed=None, instant=False):
     return choose_read(fmt, sharded_layout_found=sharded, device_type=device, world_size=world,
                        distributed=distributed, instanttensor_installed=instant)
 
@@ -271,8 +271,40 @@ def test_auto_on_cuda_without_instanttensor():
     assert choose("auto", device="cuda", instant=False, world=2, sharded=True) == ReadChoice(True, "runai", False)
 
 
-def test_auto_ignores_distributed_flag():
-    assert choose("auto", device="cpu", world=2, distributed=True) == ReadChoice(False, "pread", False)
+def test_auto_shares_local_reads_only_when_asked():
+    """The page cache shares a node's local reads: cooperation is what the user asks for."""
+    assert choose("auto", world=2) == ReadChoice(False, "pread", False)
+    assert choose("auto", world=2, distributed=True) == ReadChoice(False, "pread", True, "node")
+    assert choose("auto", world=2, distributed="job") == ReadChoice(False, "pread", True, "job")
+    assert choose("auto", world=1, distributed="job") == ReadChoice(False, "pread", False)
+
+
+def test_runai_streamer_takes_job_wide_sharing():
+    assert choose("runai_streamer", world=4, distributed="job") == ReadChoice(False, "runai", True, "job")
+    assert choose("runai_streamer", world=4, distributed="node") == ReadChoice(False, "runai", True, "node")
+
+
+def remote(fmt="auto", **facts):
+    base = dict(sharded_layout_found=False, device_type="cpu", world_size=4, distributed=None,
+                instanttensor_installed=False, remote=True)
+    return choose_read(fmt, **{**base, **facts})
+
+
+def test_auto_on_an_object_store_shares_reads_job_wide():
+    """Each byte leaves the store once per job: Run:ai's job-wide mode for a whole checkpoint on
+    the default group, distload's own shared ranged reads where Run:ai cannot split the reads."""
+    assert remote() == ReadChoice(False, "runai", True, "job")
+    assert remote(distributed=True) == ReadChoice(False, "runai", True, "node")
+    assert remote(distributed=False) == ReadChoice(False, "runai", False)
+    assert remote(whole_job=False) == ReadChoice(False, "ranged", True, "job")
+    # Slices kept by data-parallel replicas, and shard files of a TP rank its replicas all need.
+    assert remote(sliced=True, replicas=2) == ReadChoice(False, "ranged", True, "job")
+    assert remote(sliced=True, replicas=1) == ReadChoice(False, "ranged", False, "job")
+    assert remote(sharded_layout_found=True, replicas=2) == ReadChoice(True, "ranged", True, "job")
+    assert remote(sharded_layout_found=True, replicas=2, distributed=False) == ReadChoice(True, "runai", False)
+    # Locally the same layouts share only when asked.
+    assert remote(remote=False, sliced=True, replicas=2) == ReadChoice(False, "pread", False, "job")
+    assert remote(remote=False, sliced=True, replicas=2, distributed="job") == ReadChoice(False, "pread", True, "job")
 
 
 def test_every_format_has_a_choice_and_unknown_is_a_programming_error():
@@ -285,9 +317,10 @@ def test_every_format_has_a_choice_and_unknown_is_a_programming_error():
 
 def test_auto_reads_an_object_store_cooperatively():
     """No page cache shares a node's downloads: a whole checkpoint on several ranks is read once
-    per node; shards and a single rank are read alone."""
-    common = dict(device_type="cpu", distributed=False, instanttensor_installed=False, remote=True)
-    assert choose_read("auto", sharded_layout_found=False, world_size=2, **common) == ReadChoice(False, "runai", True)
+    per job; shards (without replicas) and a single rank are read alone."""
+    common = dict(device_type="cpu", distributed=None, instanttensor_installed=False, remote=True)
+    assert choose_read("auto", sharded_layout_found=False, world_size=2, **common) == \
+        ReadChoice(False, "runai", True, "job")
     assert choose_read("auto", sharded_layout_found=True, world_size=2, **common) == ReadChoice(True, "runai", False)
     assert choose_read("auto", sharded_layout_found=False, world_size=1, **common) == ReadChoice(False, "runai", False)
     assert choose_read("runai_streamer", sharded_layout_found=False, world_size=2, **common).cooperative is False
@@ -298,7 +331,8 @@ def test_auto_reads_an_object_store_cooperatively():
         ReadChoice(True, "ranged", False)
     # InstantTensor reads local files only; a GPU job on an object store streams with Run:ai.
     gpu = dict(common, device_type="cuda", instanttensor_installed=True)
-    assert choose_read("auto", sharded_layout_found=False, world_size=2, **gpu) == ReadChoice(False, "runai", True)
+    assert choose_read("auto", sharded_layout_found=False, world_size=2, **gpu) == \
+        ReadChoice(False, "runai", True, "job")
 
 
 def test_a_rank_glob_matches_every_part_name_as_vllm_globs():

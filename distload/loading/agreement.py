@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from distload.errors import GroupError
+from distload.loading.backends import BACKENDS
 from distload.loading.choice import ReadChoice
 
 if TYPE_CHECKING:
@@ -17,10 +18,12 @@ if TYPE_CHECKING:
     from distload.loading.plan import RankPlan
 
 
-def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> None:
-    """Collective over ``group``: the same choice everywhere, identical lists if cooperative."""
-    everyone = group.exchange((plan.choice, plan.signature()))
-    choices = {rank: choice for rank, (choice, _) in enumerate(everyone)}
+def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[int, ...]:
+    """Collective over ``group``: the same choice everywhere, identical lists where ranks read
+    cooperatively. Returns, for a backend that shares reads by need, the ranks that need exactly
+    this rank's bytes (this one included; on its node only for the ``node`` scope); else ()."""
+    everyone = group.exchange((plan.choice, plan.signature(), plan.share_key(), group.hostname))
+    choices = {rank: choice for rank, (choice, _, _, _) in enumerate(everyone)}
     if len(set(choices.values())) > 1:
         raise GroupError(
             "ranks chose different readers for the same load: "
@@ -28,33 +31,49 @@ def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> None:
             + ". Every rank must run the same command with the same extra config."
         )
     if not plan.choice.cooperative:
-        return
-    differing = mismatched_ranks([signature for _, signature in everyone])
+        return ()
+    sharing: tuple[int, ...] = ()
+    compared = list(range(group.world_size))
+    if BACKENDS[plan.choice.backend].shares_reads:
+        sharing = sharing_ranks([(key, host) for _, _, key, host in everyone], group.rank, plan.choice.scope)
+        compared = list(sharing)
+    differing = mismatched_ranks([everyone[r][1] for r in compared], compared)
     if differing:
         details = "; ".join(f"rank {r} {what}" for r, what in differing.items())
         raise GroupError(
-            f"cooperative read refused: every rank must read the identical file list, but {details}. "
-            f"Make the checkpoint visible at the same path with the same files on every node, or "
-            f"read without cooperation (extra config distributed=false)."
+            f"cooperative read refused: every rank must read the identical file list, but {details}. Make the checkpoint visible at the same path with the "
+            f"same files on every node, or read without cooperation (extra config distributed=false)."
         )
+    return sharing
+
+
+def sharing_ranks(needs: list[tuple[tuple, str]], rank: int, scope: str) -> tuple[int, ...]:
+    """The ranks that read ``rank``'s bytes with it: ``needs`` holds every rank's share key (equal
+    where ranks need the same bytes) and host; the ``node`` scope keeps those on ``rank``'s host."""
+    key, host = needs[rank]
+    return tuple(r for r, (other_key, other_host) in enumerate(needs)
+                 if other_key == key and (scope == "job" or other_host == host))
 
 
 def _describe(choice: ReadChoice) -> str:
     return (f"{choice.backend} ({'per-rank shards' if choice.sharded else 'whole checkpoint'}"
-            f"{', cooperative' if choice.cooperative else ''})")
+            f"{f', cooperative per {choice.scope}' if choice.cooperative else ''})")
 
 
-def mismatched_ranks(signatures: list[list[tuple]]) -> dict[int, str]:
-    """Ranks whose file list differs from rank 0's, with what differs (for a clear error).
+def mismatched_ranks(signatures: list[list[tuple]], ranks: list[int] | None = None) -> dict[int, str]:
+    """Ranks whose file list differs from the first one's, with what differs (for a clear error).
 
-    A signature lists ``(path, size)`` or ``(path, size, content fingerprint)`` per file.
+    A signature lists ``(path, size)`` or ``(path, size, content fingerprint)`` per file;
+    ``ranks``: the rank of each signature (default 0, 1, ...).
     """
+    ranks = list(range(len(signatures))) if ranks is None else ranks
+    first = ranks[0]
     def as_map(signature: list[tuple]) -> dict[str, tuple[int, str]]:
         return {item[0]: (item[1], item[2] if len(item) > 2 else "") for item in signature}
 
     reference = signatures[0]
     differing: dict[int, str] = {}
-    for rank, signature in enumerate(signatures[1:], start=1):
+    for rank, signature in zip(ranks[1:], signatures[1:]):
         if signature == reference:
             continue
         ref, own = as_map(reference), as_map(signature)
@@ -65,9 +84,9 @@ def mismatched_ranks(signatures: list[list[tuple]]) -> dict[int, str]:
         contents = sorted(p for p in common if own[p][0] == ref[p][0] and own[p][1] != ref[p][1])
         what = []
         if only_here:
-            what.append(f"has {only_here} that rank 0 lacks")
+            what.append(f"has {only_here} that rank {first} lacks")
         if only_ref:
-            what.append(f"lacks {only_ref} that rank 0 has")
+            what.append(f"lacks {only_ref} that rank {first} has")
         if sizes:
             what.append(f"sees other sizes for {sizes}")
         if contents:

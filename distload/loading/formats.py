@@ -1,7 +1,7 @@
 """Load formats (vLLM's ``--load-format`` names) and the extra-config keys each one takes.
 
-A format's keys are its own (``pattern`` for the pre-sharded layouts, ``distributed`` for Run:ai's
-cooperative mode) plus those of the backends it reads with, each checked by the backend's own
+A format's keys are its own (``pattern`` for the pre-sharded layouts, ``distributed`` for the
+cooperative reads: Run:ai's, and distload's own shared reads under ``auto``) plus those of the backends it reads with, each checked by the backend's own
 check: adding a key to a backend adds it to every format that reads with it. ``auto`` takes only
 the keys that mean something whichever backend it picks.
 """
@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from distload.config import LoadConfig, check_bool, parse_extra_config
+from distload.config import LoadConfig, check_distributed, parse_extra_config
 from distload.errors import ConfigError
 from distload.loading.backends import BACKENDS
 from distload.loading.backends.base import Check
@@ -43,9 +43,10 @@ class LoadFormat:
 _PATTERN = {"pattern": check_pattern}
 
 FORMATS: dict[str, LoadFormat] = {f.name: f for f in (
-    LoadFormat("auto", ("pread", "instanttensor", "runai"), _PATTERN, backend_keys=("huge_pages", "concurrency")),
+    LoadFormat("auto", ("pread", "ranged", "instanttensor", "runai"), {**_PATTERN, "distributed": check_distributed},
+               backend_keys=("huge_pages", "concurrency")),
     LoadFormat("safetensors", ("safetensors", "ranged")),
-    LoadFormat("runai_streamer", ("runai",), {"distributed": check_bool}),
+    LoadFormat("runai_streamer", ("runai",), {"distributed": check_distributed}),
     LoadFormat("instanttensor", ("instanttensor",)),
     LoadFormat("sharded_state", ("safetensors", "ranged"), _PATTERN),
     # vLLM rejects concurrency/memory_limit for the sharded Run:ai format although its docs

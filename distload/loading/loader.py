@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generator, Iterator, Mapping
 
 import torch
@@ -128,8 +128,8 @@ class Loader:
         plan = self.group.agree("planning the load",
                                 lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel,
                                                   self.blocks))
-        agree_on_read(self.group, plan)
-        return plan
+        sharing = agree_on_read(self.group, plan)
+        return replace(plan, sharing=sharing) if sharing else plan
 
     def stream(self, plan: RankPlan | None = None,
                destinations: Mapping[str, torch.Tensor] | None = None) -> LoadStream:
@@ -188,7 +188,8 @@ class Loader:
                 f"rank {group.rank} stopped consuming tensors before the load finished"))
             raise
         except BaseException as exc:
-            group.report_failure("loading", exc)
+            if not getattr(exc, "reported", False):  # a shared read's round already told every rank
+                group.report_failure("loading", exc)
             raise
         finally:
             progress.close()
@@ -210,7 +211,8 @@ class Loader:
             log.debug("not marking new host tensors for huge pages: %s", host_memory.why_not)
         slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
         return ReadRequest(plan.index, self.group.device, self.group, self.config.extra,
-                           plan.choice.cooperative, destinations, host_memory, slices)
+                           plan.choice.cooperative, destinations, host_memory, slices,
+                           plan.choice.scope, plan.sharing)
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
                      read_before: int | None, host_memory: HostMemory) -> RankReport:
@@ -228,6 +230,7 @@ class Loader:
             huge_page_marked_bytes=host_memory.marked_bytes,
             prefaulted_bytes=host_memory.prefaulted_bytes,
             reader_bytes=run.reader_bytes,
+            received_bytes=run.received_bytes,
         )
 
 

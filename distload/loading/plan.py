@@ -3,6 +3,7 @@ planner, :mod:`distload.loading.planner`, makes it)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -30,6 +31,9 @@ class RankPlan:
     # With a tensor-parallel size: where this rank sits, and (whole checkpoint) its slices.
     tensor_parallel: TensorParallel | None = None
     slices: RankSlices | None = None
+    # After the agreement, for a cooperative read that shares by need (Backend.shares_reads): the
+    # group ranks that need exactly this rank's bytes, this one included.
+    sharing: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -43,6 +47,18 @@ class RankPlan:
         """The shape tensor ``name`` (``shape`` in the checkpoint) has on this rank."""
         piece = self.slices.slices.get(name) if self.slices is not None else None
         return shape if piece is None else piece.shape
+
+    def share_key(self) -> tuple:
+        """Equal on the ranks that are meant to need the same bytes: a whole checkpoint's ranks
+        (the same slices, or none), a tensor-parallel rank's replicas of a pre-sharded one. The
+        agreement then checks that those ranks hold identical file lists."""
+        if self.choice.sharded:
+            tp = self.tensor_parallel
+            return ("files of TP rank", tp.rank, tp.size) if tp is not None else ("files", tuple(self.index.signature()))
+        if self.slices is None:
+            return ("whole",)
+        pieces = sorted((name, piece.shape, piece.extents, piece.zeros) for name, piece in self.slices.slices.items())
+        return ("slices", hashlib.sha256(repr(pieces).encode()).hexdigest())
 
     def signature(self) -> list[tuple]:
         """What ranks compare before a cooperative read: path, size (and content) per file."""

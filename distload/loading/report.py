@@ -66,6 +66,8 @@ class RankReport:
     # Bytes distload asked the source for (counted by distload's own readers; a library that
     # reads whole tensors counts as their bytes), whatever the page cache then served.
     requested_bytes: int | None = None
+    # Bytes other ranks read and sent to this one (distload's shared reads); None: not counted.
+    received_bytes: int | None = None
     tensor_parallel: list[int] | None = None  # [TP rank, TP size] of a tensor-parallel load
 
 
@@ -102,6 +104,8 @@ class LoadReport:
             tp = f", TP rank {r.tensor_parallel[0]} of {r.tensor_parallel[1]}" if r.tensor_parallel else ""
             asked = (f", requested {r.requested_bytes / GIB:.3f} GiB"
                      if r.requested_bytes is not None and r.requested_bytes != r.nbytes else "")
+            if r.received_bytes:
+                asked += f", received {r.received_bytes / GIB:.3f} GiB from other ranks"
             if r.reader_bytes and len(r.reader_bytes) > 1:
                 asked += " (" + ", ".join(f"{way} {n / GIB:.3f} GiB" for way, n in sorted(r.reader_bytes.items())) + ")"
             lines.append(

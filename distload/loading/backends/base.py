@@ -46,6 +46,9 @@ class ReadRequest:
     the loader passes one per load, the default marks nothing).
     ``slices``: only for a backend that reads slices; the others read whole tensors and the
     loader cuts the rank's slice.
+    ``scope`` (cooperative reads): ``node`` or ``job``, the ranks that split the reading.
+    ``sharing`` (cooperative reads of a backend that ``shares_reads``): the ranks of the group
+    (group ranks, this one included) that need exactly this rank's bytes, found by the agreement.
     """
 
     index: CheckpointIndex
@@ -58,6 +61,8 @@ class ReadRequest:
     # A tensor-parallel rank's slices (tensor name -> the byte extents of its piece), for a
     # backend that ``reads_slices``; it yields those tensors in their slice's shape.
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
+    scope: str = "node"
+    sharing: tuple[int, ...] = ()
 
 
 class BackendRun:
@@ -76,6 +81,8 @@ class BackendRun:
         # Bytes by the way they were read ("pread/page-cache", "pread/storage", ...), for a reader
         # that takes each tensor the way its bytes' place calls for; None for the others.
         self.reader_bytes: dict[str, int] | None = None
+        # Bytes that came from other ranks over the group (a cooperative read); None: not counted.
+        self.received_bytes: int | None = None
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":
@@ -96,6 +103,8 @@ class Backend:
     ``reads_object_stores``: it can read ``s3://``/``gs://``/``az://`` sources.
     ``package``: the optional module it needs (None: always there).
     ``reads_slices``: it reads only a tensor-parallel rank's byte ranges (``request.slices``).
+    ``shares_reads``: its cooperative read splits the bytes among the ranks that need the same
+        ones (``request.sharing``: replicas of a slice, a node's ranks), not the whole group.
     """
 
     name: ClassVar[str] = ""
@@ -104,6 +113,7 @@ class Backend:
     reads_object_stores: ClassVar[bool] = True
     package: ClassVar[str | None] = None
     reads_slices: ClassVar[bool] = False
+    shares_reads: ClassVar[bool] = False
 
     def available(self) -> bool:
         """Whether this machine has what the reader needs to import (not whether it can run on

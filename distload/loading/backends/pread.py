@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Sequence
@@ -38,6 +39,7 @@ import torch
 from distload.config import check_bool, check_positive_int
 from distload.fileio import open_for_reading, read_exactly
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
+from distload.loading.backends.shared_reads import shared_stream
 from distload.loading.index import TensorInfo
 from distload.loading.residency import Residency, probe
 from distload.tensor_io import host_view
@@ -63,12 +65,17 @@ class PreadBackend(Backend):
     creates_host_tensors = True
     reads_object_stores = False
     reads_slices = True
+    shares_reads = True
 
     def __init__(self, chunk_bytes: int = CHUNK_BYTES, read_ahead_bytes: int = READ_AHEAD_BYTES):
         self.chunk_bytes = chunk_bytes  # one read's size: several reads per tensor are in flight
         self.read_ahead_bytes = read_ahead_bytes  # bytes read ahead of what the caller took
 
     def read(self, request: ReadRequest) -> BackendRun:
+        concurrency = int(request.extra.get("concurrency", DEFAULT_CONCURRENCY))
+        if request.cooperative:
+            run = BackendRun("pread-shared", requested_bytes=0)
+            return run.start(shared_stream(request, run, LocalBytes(), concurrency))
         run = BackendRun("pread", requested_bytes=0)
         run.reader_bytes = {}
         return run.start(self._stream(request, run))
@@ -127,6 +134,27 @@ class PreadBackend(Backend):
             futures = [pool.submit(_read_extents, fd, view, info.begin, batch, info.file, info.name)
                        for batch in batch_extents(extents, self.chunk_bytes)]
         return info, tensor, futures, sum(length for _, _, length in extents)
+
+
+class LocalBytes:
+    """Byte ranges of local files for a shared read (one descriptor per file, shared by threads)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
+        with self._lock:
+            fd = self._fds.get(info.file)
+            if fd is None:
+                fd = self._fds[info.file] = open_for_reading(info.file)
+        _read_extents(fd, view, info.begin, list(extents), info.file, info.name)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 def batch_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[list[Extent]]:

@@ -17,17 +17,19 @@ from __future__ import annotations
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
 from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
+from distload.loading.backends.shared_reads import Extent, shared_stream
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
 GAP_BYTES = 1024 * 1024
+SHARED_CONCURRENCY = 4  # GETs in flight per rank in a shared read (several buckets read ahead)
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,33 @@ class RangedBackend(Backend):
     keys = {"huge_pages": check_bool}
     creates_host_tensors = True
     reads_slices = True
+    shares_reads = True
 
     def read(self, request: ReadRequest) -> BackendRun:
+        if request.cooperative:
+            run = BackendRun("ranged-shared", requested_bytes=0)
+            return run.start(shared_stream(request, run, StoreBytes(), SHARED_CONCURRENCY))
         run = BackendRun("ranged-reads", requested_bytes=0)
         return run.start(_stream(request, run))
+
+
+class StoreBytes:
+    """Byte ranges of object-store files for a shared read: the extents of one read, coalesced
+    into ranged GETs as the plain ranged read does (a row-sliced tensor is not one GET per row)."""
+
+    def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
+        from distload.loading.stores import store_for
+
+        store, location = store_for(info.file)
+        pieces = [Piece(info, info.begin + src, dst, length) for src, dst, length in extents]
+        for start, end, members in coalesce(pieces):
+            data = memoryview(store.read(location, start, end))
+            for piece in members:
+                at = piece.start - start
+                view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
+
+    def close(self) -> None:
+        pass
 
 
 class _Assembly:

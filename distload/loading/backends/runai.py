@@ -96,15 +96,24 @@ class RunaiBackend(Backend):
         if _distributed(request):
             # "auto" means NCCL only: on gloo the library would quietly stream alone on each rank.
             env["RUNAI_STREAMER_DIST"] = "1"
+            # Job-wide: one group of every rank splits the reads (each byte once per job), not one
+            # group per node (each node reads everything).
+            env["RUNAI_STREAMER_DIST_GLOBAL"] = "1" if request.scope == "job" else "0"
             env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(request.group.timeout.total_seconds())))
         return env
 
     def read(self, request: ReadRequest) -> BackendRun:
         streamer_cls = _import_streamer()
         paths = [info.path for info in request.index.files]
-        run = BackendRun("runai-distributed" if _distributed(request) else "runai")
+        run = BackendRun(_path(request, _distributed(request)))
         return run.start(_stream(streamer_cls, request, paths, self.environment(request), run,
                                  _object_store(paths)))
+
+
+def _path(request: ReadRequest, distributed: bool) -> str:
+    if not distributed:
+        return "runai"
+    return "runai-distributed-job" if request.scope == "job" else "runai-distributed"
 
 
 def _distributed(request: ReadRequest) -> bool:
@@ -178,7 +187,7 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
         if store is not None and RUNTIME.runai_store_scheme is None:
             RUNTIME.runai_store_scheme = store.scheme
         took_distributed = bool(getattr(streamer.file_streamer, "is_distributed", False))
-        run.path = "runai-distributed" if took_distributed else "runai"
+        run.path = _path(request, took_distributed)
         if distributed and not took_distributed:
             log.warning(
                 "rank %d: Run:ai did not use distributed streaming (it fell back to reading alone; "

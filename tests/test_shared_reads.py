@@ -1,0 +1,283 @@
+"""Shared reads (issue 16): ranks that need the same bytes split their reading and send each other
+their shares, so each byte leaves storage once per job (whole checkpoints, tensor-parallel slices
+kept by data-parallel replicas, shard files of a TP rank, loads over a subgroup).
+
+Every load is checked bit for bit against a plain safetensors read (or ``save-sharded``'s slices),
+and the bytes each rank asked the source for are asserted, not just reported. The buckets are made
+tiny here so that every checkpoint spans many of them (large tensors split, small ones grouped).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from distload.loading.agreement import sharing_ranks
+from distload.loading.backends.shared_reads import Segment, clip, plan_buckets
+from distload.loading.report import state_digest
+
+from conftest import every_dtype_state, plain_digest, write_whole
+from dist_helpers import run_script, write_script
+from test_sliced_loads import llama, rank_reference, slice_request_bytes, llama_state  # noqa: F401 (a fixture)
+
+
+# -- pure: buckets, clipping, who shares ------------------------------------------------------------
+
+def test_buckets_split_large_tensors_evenly_and_group_small_ones():
+    buckets = plan_buckets([10, 20, 0, 300, 30, 40], 100)
+    assert buckets[0] == (Segment(0, 0, 10), Segment(1, 0, 20))  # small neighbours together
+    big = [b for b in buckets if b[0].tensor == 3]
+    assert [s.length for (s,) in big] == [128, 128, 44]  # 3 buckets, starts aligned to 64 bytes
+    assert [s.start for (s,) in big] == [0, 128, 256]
+    assert buckets[-1] == (Segment(4, 0, 30), Segment(5, 0, 40))
+    assert all(s.tensor != 2 for b in buckets for s in b)  # an empty tensor travels in no bucket
+    assert plan_buckets([], 100) == []
+
+
+def test_clip_keeps_the_extents_inside_a_bucket():
+    rows = [(0, 0, 10), (40, 10, 10), (80, 20, 10)]  # a row-sliced piece: 3 rows of 10 bytes
+    assert clip(rows, 5, 20, 100) == [(5, 100, 5), (40, 105, 10), (80, 115, 5)]
+    assert clip(rows, 30, 10, 0) == []
+
+
+def test_sharing_ranks_by_need_and_by_node():
+    needs = [(("slices", "a"), "n0"), (("slices", "b"), "n0"), (("slices", "a"), "n1"), (("slices", "b"), "n1")]
+    assert sharing_ranks(needs, 0, "job") == (0, 2)  # the replicas of TP rank 0
+    assert sharing_ranks(needs, 3, "job") == (1, 3)
+    assert sharing_ranks(needs, 2, "node") == (2,)  # alone on its node
+    assert sharing_ranks([(("whole",), "n0")] * 3, 1, "node") == (0, 1, 2)
+
+
+# -- under torchrun -------------------------------------------------------------------------------
+
+# Each rank loads SOURCE with the given settings and tiny buckets; rank 0 writes every rank's
+# report (digest, requested and received bytes, path) as JSON. FAULT (optional): "fail:R" makes
+# rank R's reads fail mid-load, "close:R" makes rank R stop consuming after 2 tensors.
+SCRIPT = r"""
+import json, sys, time
+import distload.loading.backends.pread as pread
+import distload.loading.backends.shared_reads as shared
+from distload.errors import CheckpointError
+
+source, out, tp, extra, bucket, fault = sys.argv[1:7]
+shared.BUCKET_BYTES = int(bucket)
+tp = int(tp) or None
+with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
+    kind, _, who = fault.partition(":")
+    if kind == "fail" and group.rank == int(who):
+        real, calls = pread.LocalBytes.read, []
+        def failing(self, info, extents, view):
+            calls.append(1)
+            if len(calls) == 3:
+                raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: [Errno 5] Input/output error")
+            return real(self, info, extents, view)
+        pread.LocalBytes.read = failing
+    start = time.monotonic()
+    loader = distload.Loader(source, "auto", extra, group=group, tensor_parallel_size=tp)
+    try:
+        if kind == "close" and group.rank == int(who):
+            stream = loader.stream()
+            for i, _ in enumerate(stream):
+                if i == 1:
+                    break
+            stream.close()
+            result = None
+        else:
+            result = loader.load(digest=True, gather=True)
+    except distload.DistloadError as exc:
+        print(f"rank {group.rank} stopped after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+        sys.exit(3)
+    if group.rank == 0:
+        json.dump(result.report.to_json(), open(out, "w"))
+"""
+
+
+def run_shared(tmp_path, source: str, nproc: int, tp: int = 0, extra: dict | None = None, bucket: int = 4096,
+               fault: str = "-"):
+    script = write_script(tmp_path, "shared.py", SCRIPT)
+    out = str(tmp_path / "out.json")
+    result = run_script(script, [source, out, str(tp), json.dumps(extra or {"distributed": "job"}), str(bucket),
+                                 fault], nproc=nproc, timeout=240)
+    report = json.load(open(out)) if result.returncode == 0 else None
+    return result, report
+
+
+@pytest.mark.dist
+def test_a_whole_checkpoint_is_read_once_by_the_ranks_together(tmp_path):
+    folder = str(tmp_path / "whole")
+    paths = write_whole(folder, {**every_dtype_state(seed=3), "big": torch.randn(5000)}, num_files=3)
+    result, report = run_shared(tmp_path, folder, 2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    ranks = report["ranks"]
+    assert [r["path"] for r in ranks] == ["pread-shared"] * 2
+    assert [r["digest"] for r in ranks] == [plain_digest(paths)] * 2
+    total = ranks[0]["nbytes"]
+    assert sum(r["requested_bytes"] for r in ranks) == total  # each byte read once per job
+    assert all(0.25 * total < r["requested_bytes"] < 0.75 * total for r in ranks)  # both read a share
+    for r in ranks:
+        assert r["received_bytes"] == total - r["requested_bytes"]
+
+
+@pytest.mark.dist
+def test_data_parallel_replicas_split_the_reading_of_their_slices(llama, tmp_path):
+    """TP 2 x DP 2: the two replicas of each TP rank read disjoint parts of its slices and exchange
+    them (point to point: the other TP rank's replicas receive nothing of it)."""
+    whole, saved = llama
+    result, report = run_shared(tmp_path, whole, 4, tp=2, bucket=1024)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    ranks = report["ranks"]
+    state = llama_state()
+    for tp_rank in (0, 1):
+        replicas = [r for r in ranks if r["rank"] % 2 == tp_rank]
+        want = rank_reference(saved[2], tp_rank)
+        assert [r["digest"] for r in replicas] == [state_digest(want)] * 2
+        assert sum(r["requested_bytes"] for r in replicas) == slice_request_bytes(state, tp_rank, 2)
+        assert all(r["requested_bytes"] > 0 for r in replicas)
+        for r in replicas:
+            assert r["path"] == "pread-shared" and r["tensor_parallel"] == [tp_rank, 2]
+            assert r["received_bytes"] <= r["nbytes"]  # a rank receives only what it keeps
+            assert r["received_bytes"] + r["requested_bytes"] >= r["nbytes"] - 4096  # padding is not read
+
+
+@pytest.mark.dist
+def test_replicas_of_a_pre_sharded_checkpoint_read_each_shard_file_once(llama, tmp_path):
+    _, saved = llama
+    result, report = run_shared(tmp_path, saved[2], 4, tp=2)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for tp_rank in (0, 1):
+        replicas = [r for r in report["ranks"] if r["rank"] % 2 == tp_rank]
+        want = rank_reference(saved[2], tp_rank)
+        assert [r["digest"] for r in replicas] == [state_digest(want)] * 2
+        assert sum(r["requested_bytes"] for r in replicas) == replicas[0]["nbytes"]
+        assert [r["path"] for r in replicas] == ["pread-shared"] * 2
+
+
+@pytest.mark.dist
+def test_the_node_scope_shares_within_a_node(llama, tmp_path):
+    """One host: the node scope shares between the same ranks as the job scope (which ranks a
+    scope takes on several hosts: test_sharing_ranks_by_need_and_by_node)."""
+    whole, saved = llama
+    result, report = run_shared(tmp_path, whole, 4, tp=2, extra={"distributed": "node"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for r in report["ranks"]:
+        assert r["digest"] == state_digest(rank_reference(saved[2], r["rank"] % 2))
+        assert r["path"] == "pread-shared" and r["requested_bytes"] < r["nbytes"]
+
+
+@pytest.mark.dist
+def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(tmp_path):
+    folder = str(tmp_path / "whole")
+    write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
+    result, _ = run_shared(tmp_path, folder, 3, fault="fail:1")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "rank 1 stopped" in out and "Input/output error" in out, out[-3000:]
+    for rank in (0, 2):
+        found = re.search(rf"rank {rank} stopped after ([0-9.]+) s: .*failed on rank\(s\) 1", out)
+        assert found, out[-3000:]
+        assert float(found.group(1)) < 30  # at the next round, not at the 60 s timeout
+
+
+@pytest.mark.dist
+def test_a_rank_that_stops_consuming_still_lets_the_others_finish_their_reads(tmp_path):
+    folder = str(tmp_path / "whole")
+    write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
+    result, _ = run_shared(tmp_path, folder, 2, fault="close:1")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert re.search(r"rank 0 stopped after [0-9.]+ s: loading failed on rank\(s\) 1:\s+rank 1: rank 1 stopped "
+                     r"consuming tensors", out), out[-3000:]
+
+
+SUBGROUP_SCRIPT = r"""
+import json, sys
+import distload.loading.backends.shared_reads as shared
+
+source, out = sys.argv[1:3]
+shared.BUCKET_BYTES = 4096
+with distload.WorkerGroup(device="cpu", timeout_s=60) as job:
+    readers, other = job.subgroup([0, 1]), job.subgroup([2])
+    mine = readers or other
+    if readers is not None:  # ranks 0-1 share the reading of the real weights over their subgroup
+        result = distload.Loader(source, "auto", {"distributed": "job"}, group=readers).load(digest=True)
+    else:  # meanwhile rank 2 loads dummy weights alone
+        result = distload.Loader(source, "dummy", group=other).load(digest=True)
+    reports = job.exchange(result.rank_report.__dict__)
+    if job.rank == 0:
+        json.dump(reports, open(out, "w"))
+"""
+
+
+@pytest.mark.dist
+def test_a_subgroup_shares_its_reads_beside_another_load(tmp_path):
+    folder = str(tmp_path / "whole")
+    paths = write_whole(folder, every_dtype_state(seed=4), num_files=2)
+    script = write_script(tmp_path, "subgroup.py", SUBGROUP_SCRIPT)
+    out = str(tmp_path / "out.json")
+    result = run_script(script, [folder, out], nproc=3, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    reports = json.load(open(out))
+    assert [r["path"] for r in reports] == ["pread-shared", "pread-shared", "dummy"]
+    assert [r["digest"] for r in reports[:2]] == [plain_digest(paths)] * 2
+    assert sum(r["requested_bytes"] for r in reports[:2]) == reports[0]["nbytes"]
+
+
+RELOAD_SCRIPT = r"""
+import json, sys
+import torch
+import distload.loading.backends.shared_reads as shared
+from distload.loading.report import state_digest
+
+source, out = sys.argv[1:3]
+shared.BUCKET_BYTES = 2048
+with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
+    model = {n: torch.zeros_like(t) for n, t in distload.load(source, "dummy", group=group).items()}
+    pointers = {n: t.data_ptr() for n, t in model.items()}
+    report = distload.reload_into(model, source, "auto", {"distributed": "job"}, group=group)
+    same = all(model[n].data_ptr() == p for n, p in pointers.items())
+    found = group.exchange({"same": same, "digest": state_digest(model), "nbytes": report.nbytes})
+    if group.rank == 0:
+        json.dump(found, open(out, "w"))
+"""
+
+
+@pytest.mark.dist
+def test_a_shared_read_fills_existing_tensors_in_place(tmp_path):
+    folder = str(tmp_path / "whole")
+    paths = write_whole(folder, {f"w{i}": torch.randn(3000) for i in range(5)}, num_files=2)
+    script = write_script(tmp_path, "reload.py", RELOAD_SCRIPT)
+    out = str(tmp_path / "out.json")
+    result = run_script(script, [folder, out], nproc=2, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    found = json.load(open(out))
+    assert all(f["same"] for f in found), "the model's tensors were replaced, not filled"
+    assert [f["digest"] for f in found] == [plain_digest(paths)] * 2
+
+
+@pytest.mark.dist
+def test_ranks_that_would_share_but_see_different_files_are_refused(tmp_path):
+    script = write_script(tmp_path, "differ.py", r"""
+import os, sys
+import torch
+from safetensors.torch import save_file
+
+root = sys.argv[1]
+with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
+    folder = os.path.join(root, f"copy{group.rank}")  # another folder, other bytes, on each rank
+    os.makedirs(folder, exist_ok=True)
+    save_file({"w": torch.full((64,), float(group.rank))}, os.path.join(folder, "model.safetensors"))
+    try:
+        distload.load(folder, "auto", {"distributed": "job"}, group=group)
+    except distload.DistloadError as exc:
+        print(f"rank {group.rank} refused: {exc}", flush=True)
+        sys.exit(3)
+""")
+    result = run_script(script, [str(tmp_path)], nproc=2, timeout=120)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} refused: .*cooperative read refused: every rank must read the identical "
+                         rf"file list, but rank 1 has \[.*copy1/model.safetensors'\] that rank 0 lacks", result.stdout), \
+            result.stdout[-3000:]
