@@ -4,11 +4,11 @@ of cases, one engine each, one after the other in this one process, each case's 
 
     python tests/vllm_driver.py TP CASES_JSON
 
-A case: {"name", "model", "format", "extra"?, "reload"?: a checkpoint distload puts into the
-running engine after its first generation, "push"?: {"address", "receives"}: the engine's workers
-join distload's sync channel there and take ``receives`` versions from a separately launched
-trainer job (a failed one recorded, and the tokens generated after it), "expect_error"?: the
-engine must fail to start}.
+A case: {"name", "model", "format", "extra"?, "push"?: {"address", "receives"}: after its first
+generation the engine's workers join distload's sync channel there and take ``receives`` versions
+from a separately launched trainer job (a failed one recorded, and the tokens generated after it),
+"reload"?: a checkpoint distload then puts into the running engine (after the pushes, if any),
+"expect_error"?: the engine must fail to start}.
 """
 
 import gc
@@ -17,7 +17,12 @@ import os
 import sys
 import time
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# The engine core runs in this process (no EngineCore process to spawn and import vLLM in, about
+# 10 s an engine here); the model still loads in vLLM's workers, one spawned process per TP rank
+# (at TP 1 vLLM's in-process "uni" executor). The loaders under test run there as in a server.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes below
+KV_CACHE_BYTES = 64 << 20  # a few thousand tokens: plenty for 2 prompts of 12 tokens
 
 PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [7, 99, 500]}]
 
@@ -27,6 +32,7 @@ def main() -> None:
     if tp > 1:  # without it: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     import distload.vllm_plugin as plugin
 
@@ -40,18 +46,14 @@ def main() -> None:
         try:
             llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
                       max_model_len=128, max_num_seqs=4, tensor_parallel_size=tp, load_format=case["format"],
-                      **kwargs)
+                      kv_cache_memory_bytes=KV_CACHE_BYTES, **kwargs)
         except Exception as exc:  # noqa: BLE001 - the case says whether this was expected
             results[case["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
             print("CASE", case["name"], "failed to start", flush=True)
+            cleanup_dist_env_and_memory()
             continue
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1)}
-        if case.get("reload"):
-            began = time.monotonic()
-            plugin.reload_engine(llm, case["reload"], {"reader": "auto"})
-            result["reload_s"] = round(time.monotonic() - began, 2)
-            result["reloaded"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         if case.get("push"):
             from distload.errors import SyncError
 
@@ -67,10 +69,17 @@ def main() -> None:
                 result["pushed"].append(entry)
                 print("PUSH", case["name"], json.dumps(entry)[:300], flush=True)
             llm.collective_rpc("distload_sync_close")
+        if case.get("reload"):
+            began = time.monotonic()
+            plugin.reload_engine(llm, case["reload"], {"reader": "auto"})
+            result["reload_s"] = round(time.monotonic() - began, 2)
+            result["reloaded"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         results[case["name"]] = result
         print("CASE", case["name"], json.dumps(result), flush=True)
+        llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+        cleanup_dist_env_and_memory()  # the next engine's TP group (uni executor: in this process)
     print("RESULT", json.dumps(results), flush=True)
 
 
