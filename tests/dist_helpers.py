@@ -70,16 +70,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_ranks(args: list[str], nproc: int = 2, timeout: float = 120) -> list[RankResult]:
-    """Start ``python -m distload ARGS`` once per rank with torchrun's environment, but without
-    torchrun's agent, so that each process's own exit code (or signal) is seen."""
+def launch_ranks(args: list[str], nproc: int = 2, timeout: float = 120,
+                 entry: tuple[str, ...] = ("-m", "distload")) -> list[RankResult]:
+    """Start ``python -m distload ARGS`` (or ``python ENTRY ARGS``) once per rank with torchrun's
+    environment, but without torchrun's agent, so that each process's own exit code (or signal)
+    is seen."""
     port = free_port()
     procs = []
     for rank in range(nproc):
         env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                          "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
                          "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, "-m", "distload", *args], env=env,
+        procs.append(subprocess.Popen([sys.executable, *entry, *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     results = []

@@ -234,13 +234,14 @@ def test_subgroups_come_from_the_job_group():
 def test_auto_on_a_subgroup_shares_with_distloads_readers_where_run_ai_cannot_cooperate():
     from distload.loading.choice import choose_read
 
-    facts = dict(sharded_layout_found=False, device_type="cpu", world_size=2, distributed=None,
+    facts = dict(sharded_layout_found=False, world_size=2, distributed=None,
                  instanttensor_installed=False, remote=True)
-    assert choose_read("auto", **facts).backend == "runai"
-    assert choose_read("auto", **facts, whole_job=False).backend == "ranged"
-    assert choose_read("auto", **facts, whole_job=False).cooperative
+    assert choose_read("auto", **facts, device_type="cuda").backend == "runai"
+    assert choose_read("auto", **facts, device_type="cuda", whole_job=False).backend == "ranged"
+    assert choose_read("auto", **facts, device_type="cuda", whole_job=False).cooperative
     # An explicit request stays what it is (and Run:ai's preflight says why it cannot run).
-    assert choose_read("runai_streamer", **{**facts, "distributed": True}, whole_job=False).cooperative
+    assert choose_read("runai_streamer", **{**facts, "distributed": True}, device_type="cpu",
+                       whole_job=False).cooperative
 
 
 def test_instanttensor_refuses_an_object_store_before_any_request(monkeypatch):

@@ -291,11 +291,12 @@ def remote(fmt="auto", **facts):
 
 
 def test_auto_on_an_object_store_shares_reads_job_wide():
-    """Each byte leaves the store once per job: Run:ai's job-wide mode for a whole checkpoint on
-    the default group, distload's own shared ranged reads where Run:ai cannot split the reads."""
-    assert remote() == ReadChoice(False, "runai", True, "job")
-    assert remote(distributed=True) == ReadChoice(False, "runai", True, "node")
+    """Each byte leaves the store once per job: distload's own shared ranged reads on a CPU (on any
+    group), Run:ai's job-wide mode for a GPU job on the default group."""
+    assert remote() == ReadChoice(False, "ranged", True, "job")
+    assert remote(distributed=True) == ReadChoice(False, "ranged", True, "node")
     assert remote(distributed=False) == ReadChoice(False, "runai", False)
+    assert remote(device_type="cuda") == ReadChoice(False, "runai", True, "job")
     assert remote(whole_job=False) == ReadChoice(False, "ranged", True, "job")
     # Slices kept by data-parallel replicas, and shard files of a TP rank its replicas all need.
     assert remote(sliced=True, replicas=2) == ReadChoice(False, "ranged", True, "job")
@@ -320,7 +321,7 @@ def test_auto_reads_an_object_store_cooperatively():
     per job; shards (without replicas) and a single rank are read alone."""
     common = dict(device_type="cpu", distributed=None, instanttensor_installed=False, remote=True)
     assert choose_read("auto", sharded_layout_found=False, world_size=2, **common) == \
-        ReadChoice(False, "runai", True, "job")
+        ReadChoice(False, "ranged", True, "job")
     assert choose_read("auto", sharded_layout_found=True, world_size=2, **common) == ReadChoice(True, "runai", False)
     assert choose_read("auto", sharded_layout_found=False, world_size=1, **common) == ReadChoice(False, "runai", False)
     assert choose_read("runai_streamer", sharded_layout_found=False, world_size=2, **common).cooperative is False

@@ -721,7 +721,7 @@ def test_two_ranks_every_format(store, ckpts, tmp_path):
     ], tmp_path, store.env(), nproc=2)
     whole = plain_digest(ckpts.whole_files)
     paths = [[r["path"] for r in result["ranks"]] if "ranks" in result else result for result in results]
-    assert paths[:7] == [["ranged-reads"] * 2, ["runai-distributed-job"] * 2, ["dummy"] * 2,
+    assert paths[:7] == [["ranged-reads"] * 2, ["ranged-shared"] * 2, ["dummy"] * 2,
                          ["ranged-reads"] * 2, ["runai"] * 2, ["runai"] * 2, ["runai"] * 2], paths
     assert [r["digest"] for r in results[0]["ranks"]] == [whole, whole]
     assert [r["digest"] for r in results[1]["ranks"]] == [whole, whole]

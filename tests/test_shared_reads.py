@@ -10,7 +10,9 @@ tiny here so that every checkpoint spans many of them (large tensors split, smal
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 
 import pytest
 import torch
@@ -55,9 +57,11 @@ def test_sharing_ranks_by_need_and_by_node():
 
 # Each rank loads SOURCE with the given settings and tiny buckets; rank 0 writes every rank's
 # report (digest, requested and received bytes, path) as JSON. FAULT (optional): "fail:R" makes
-# rank R's reads fail mid-load, "close:R" makes rank R stop consuming after 2 tensors.
+# rank R's reads fail mid-load, "kill:R" makes rank R die (SIGKILL) there, "close:R" makes rank
+# R stop consuming after 2 tensors.
 SCRIPT = r"""
-import json, sys, time
+import json, os, signal, sys, time
+import distload
 import distload.loading.backends.pread as pread
 import distload.loading.backends.shared_reads as shared
 from distload.errors import CheckpointError
@@ -67,10 +71,12 @@ shared.BUCKET_BYTES = int(bucket)
 tp = int(tp) or None
 with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
     kind, _, who = fault.partition(":")
-    if kind == "fail" and group.rank == int(who):
+    if kind in ("fail", "kill") and group.rank == int(who):
         real, calls = pread.LocalBytes.read, []
         def failing(self, info, extents, view):
             calls.append(1)
+            if len(calls) == 3 and kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
             if len(calls) == 3:
                 raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: [Errno 5] Input/output error")
             return real(self, info, extents, view)
@@ -182,6 +188,26 @@ def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(tmp_path):
 
 
 @pytest.mark.dist
+def test_a_rank_killed_mid_read_ends_the_others_in_bounded_time_naming_it(tmp_path):
+    """No torchrun agent to end the job: the survivors find out themselves (the lost peer's
+    connection, then its heartbeat) and say which rank stopped."""
+    from dist_helpers import launch_ranks
+
+    folder = str(tmp_path / "whole")
+    write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
+    script = write_script(tmp_path, "shared.py", SCRIPT)
+    start = time.monotonic()
+    results = launch_ranks([folder, str(tmp_path / "out.json"), "0", json.dumps({"distributed": "job"}), "4096",
+                            "kill:1"], nproc=3, timeout=120, entry=(script,))
+    assert time.monotonic() - start < 60  # the group's timeout is 60 s: no survivor waited it out
+    assert results[1].returncode == -9
+    for rank in (0, 2):
+        out = results[rank].stdout + results[rank].stderr
+        assert results[rank].returncode == 3, out[-3000:]
+        assert re.search(rf"rank {rank} stopped after [0-9.]+ s: .*rank 1", out), out[-3000:]
+
+
+@pytest.mark.dist
 def test_a_rank_that_stops_consuming_still_lets_the_others_finish_their_reads(tmp_path):
     folder = str(tmp_path / "whole")
     write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
@@ -194,6 +220,7 @@ def test_a_rank_that_stops_consuming_still_lets_the_others_finish_their_reads(tm
 
 SUBGROUP_SCRIPT = r"""
 import json, sys
+import distload
 import distload.loading.backends.shared_reads as shared
 
 source, out = sys.argv[1:3]
@@ -228,6 +255,7 @@ def test_a_subgroup_shares_its_reads_beside_another_load(tmp_path):
 RELOAD_SCRIPT = r"""
 import json, sys
 import torch
+import distload
 import distload.loading.backends.shared_reads as shared
 from distload.loading.report import state_digest
 
@@ -262,6 +290,7 @@ def test_ranks_that_would_share_but_see_different_files_are_refused(tmp_path):
     script = write_script(tmp_path, "differ.py", r"""
 import os, sys
 import torch
+import distload
 from safetensors.torch import save_file
 
 root = sys.argv[1]
@@ -281,3 +310,34 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
         assert re.search(rf"rank {rank} refused: .*cooperative read refused: every rank must read the identical "
                          rf"file list, but rank 1 has \[.*copy1/model.safetensors'\] that rank 0 lacks", result.stdout), \
             result.stdout[-3000:]
+
+
+@pytest.mark.dist
+def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path):
+    """moto behind a byte-counting proxy, 3 ranks, auto: the server sends the objects' bytes once
+    (listings, headers and HTTP framing included), every rank bit-identical to a plain read."""
+    from conftest import read_report, run_distload
+    from object_store_servers import ByteCountingProxy, start_moto
+
+    folder = str(tmp_path / "whole")
+    paths = write_whole(folder, {f"w{i}": torch.randn(1 << 20) for i in range(6)}, num_files=2)  # 24 MiB
+    total = sum(os.path.getsize(p) for p in paths)
+    os.makedirs(tmp_path / "moto")
+    server = start_moto(str(tmp_path / "moto"))
+    try:
+        uri = server.upload_folder(folder, "shared")
+        proxy = ByteCountingProxy(server.port)
+        try:
+            report_path = str(tmp_path / "report.json")
+            result = run_distload(["load", uri, "--report-json", report_path, "--no-progress"], nproc=3,
+                                  env=server.env(proxy.port), timeout=240)
+        finally:
+            proxy.close()
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    ranks = read_report(report_path)["ranks"]
+    assert [r["path"] for r in ranks] == ["ranged-shared"] * 3
+    assert [r["digest"] for r in ranks] == [plain_digest(paths)] * 3
+    assert sum(r["requested_bytes"] for r in ranks) == ranks[0]["nbytes"]
+    assert total <= proxy.served <= 1.05 * total, (proxy.served, total)

@@ -50,10 +50,10 @@ def sharing_scope(distributed: bool | str | None) -> str | bool | None:
 # sharing reads between a node's ranks, each rank reading alone beats Run:ai's distributed mode
 # over gloo, so local loads cooperate only when asked to (``distributed``).
 # On an object store nothing shares the reads, so ranks that need the same bytes read them
-# cooperatively, across the whole job (benchmarks/results/shared.md): a whole checkpoint with
-# Run:ai's job-wide mode on the job's default group, and everything Run:ai cannot split (a
-# subgroup, tensor-parallel slices shared by data-parallel replicas, per-rank shards shared by
-# replicas) with distload's own shared reads.
+# cooperatively, across the whole job, with distload's own shared ranged reads: on two nodes x 2
+# ranks they served each byte once, as Run:ai's job-wide mode does, and loaded faster than it
+# (benchmarks/results/shared.md); they also split what Run:ai cannot (a subgroup, slices kept by
+# data-parallel replicas, shard files replicas share). A GPU job keeps Run:ai's device path.
 AUTO_CPU_BACKEND = "pread"
 
 
@@ -114,6 +114,8 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
         return ReadChoice(False, "runai", runai_cooperative and scope is not False, asked or "node")
     if not (share and many):
         return ReadChoice(False, "runai" if remote else AUTO_CPU_BACKEND, False)
-    if remote and whole_job:
+    if remote and whole_job and device_type == "cuda":
+        # Run:ai streams to the device and broadcasts device to device (not measured here yet:
+        # benchmarks/gpu_check.sh).
         return ReadChoice(False, "runai", True, shared_scope)
     return ReadChoice(False, own, True, shared_scope)

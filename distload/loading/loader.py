@@ -182,10 +182,10 @@ class Loader:
             if group.device.type == "cuda":
                 torch.cuda.synchronize(group.device)
         except GeneratorExit:
-            if plan.choice.cooperative and run is not None:
-                _drain(run)
-            group.report_failure("loading", DistloadError(
-                f"rank {group.rank} stopped consuming tensors before the load finished"))
+            # A shared read that failed meanwhile has already told every rank (and they left).
+            if not (plan.choice.cooperative and run is not None and _drain(run)):
+                group.report_failure("loading", DistloadError(
+                    f"rank {group.rank} stopped consuming tensors before the load finished"))
             raise
         except BaseException as exc:
             if not getattr(exc, "reported", False):  # a shared read's round already told every rank
@@ -234,15 +234,16 @@ class Loader:
         )
 
 
-def _drain(run: BackendRun) -> None:
+def _drain(run: BackendRun) -> bool:
     """The consumer stopped early during a cooperative read: the other ranks are inside the
     backend's collectives, waiting for this rank's share, so finish the read (dropping the
-    tensors) to let them complete."""
+    tensors) to let them complete. True if the read failed in a way every rank already heard of."""
     try:
         for _ in run.tensors():
             pass
-    except Exception:
-        pass
+    except Exception as exc:
+        return bool(getattr(exc, "reported", False))
+    return False
 
 
 def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None,

@@ -81,6 +81,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
                         frozenset(manifest.keys_for_rank(rank)) if manifest else None,
                         dict(manifest.aliases.get(rank, {})) if manifest else {},
                         dict(manifest.views.get(rank, {})) if manifest else {},
+                        fingerprints=_fingerprints(choice, src, index),
                         tensor_parallel=tp)
     BACKENDS[choice.backend].preflight(plan, group)
     return plan
@@ -97,8 +98,12 @@ def _whole_plan(source: str, choice: ReadChoice, layout: Layout) -> RankPlan:
     index = build_index(src.read_headers(paths), hint=hint)
     if weight_map is not None:
         check_weight_map(src.folder, weight_map, index)
-    fingerprints: tuple[str, ...] = ()
-    if choice.cooperative and not src.remote:
-        # An object key names the same bytes for every rank; a local path may not.
-        fingerprints = tuple(content_fingerprint(info) for info in index.files)
-    return RankPlan(source, choice, index, fingerprints=fingerprints)
+    return RankPlan(source, choice, index, fingerprints=_fingerprints(choice, src, index))
+
+
+def _fingerprints(choice: ReadChoice, src, index) -> tuple[str, ...]:
+    """For a cooperative read of local files, each file's content fingerprint: an object key names
+    the same bytes for every rank, a local path on two nodes may not."""
+    if not choice.cooperative or src.remote:
+        return ()
+    return tuple(content_fingerprint(info) for info in index.files)

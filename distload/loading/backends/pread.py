@@ -139,6 +139,8 @@ class PreadBackend(Backend):
 class LocalBytes:
     """Byte ranges of local files for a shared read (one descriptor per file, shared by threads)."""
 
+    task_bytes = CHUNK_BYTES  # several reads in flight for the disk's queue, as in a plain read
+
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()

@@ -29,7 +29,7 @@ from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
 GAP_BYTES = 1024 * 1024
-SHARED_CONCURRENCY = 4  # GETs in flight per rank in a shared read (several buckets read ahead)
+SHARED_CONCURRENCY = 2  # GETs in flight per rank in a shared read (its next buckets)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,10 @@ class RangedBackend(Backend):
 
 class StoreBytes:
     """Byte ranges of object-store files for a shared read: the extents of one read, coalesced
-    into ranged GETs as the plain ranged read does (a row-sliced tensor is not one GET per row)."""
+    into ranged GETs as the plain ranged read does (a row-sliced tensor is not one GET per row).
+    A task is a whole bucket: one GET each, as large as the plain read's."""
+
+    task_bytes = CHUNK_BYTES
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
         from distload.loading.stores import store_for
