@@ -69,7 +69,7 @@ def run_case(case: str, uri: str, server, root: str, script: str, nproc: int) ->
     os.environ.update(server.env(proxy.port))
     start = time.monotonic()
     try:
-        nodes = run_two_nodes(_Dir(work), entry, 900, cwds=cwds, nproc_per_node=nproc)
+        nodes = run_two_nodes(LogDir(work), entry, 900, cwds=cwds, nproc_per_node=nproc)
     finally:
         proxy.close()
     seconds = max(n.seconds for n in nodes)
@@ -81,7 +81,7 @@ def run_case(case: str, uri: str, server, root: str, script: str, nproc: int) ->
             "wall": round(time.monotonic() - start, 3)}
 
 
-class _Dir(str):
+class LogDir(str):
     """run_two_nodes writes its logs under ``tmp_path / name``: a str path that supports ``/``."""
 
     def __truediv__(self, name: str) -> str:
@@ -133,7 +133,7 @@ def write(args: argparse.Namespace, rows: list[dict], total: int) -> None:
         json.dump({"size_bytes": total, "nodes": 2, "ranks_per_node": args.nproc_per_node, "repeats": args.repeats,
                    "machine": machine, "rows": rows}, f, indent=2)
     base = next(r for r in rows if r["case"] == "Run:ai per node")
-    lines = [f"# Copying a checkpoint from S3 (moto) onto every node", "",
+    lines = ["# Copying a checkpoint from S3 (moto) onto every node", "",
              f"{total / MIB:.0f} MiB (whole checkpoint and config), 2 simulated nodes x {args.nproc_per_node} ranks, "
              f"median of {args.repeats}; {machine}.", "",
              "| case | bytes served / checkpoint | copies made | s (slowest node, whole command) | vs Run:ai per node |",

@@ -48,6 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
 from distload.cli.demo import write_demo_checkpoint  # noqa: E402
 from object_store_servers import ByteCountingProxy, start_gcs, start_s3rver  # noqa: E402
 from test_launch_multinode import describe, run_two_nodes  # noqa: E402
+from bench_pull import LogDir  # noqa: E402
 
 MIB = 2**20
 STARTERS = {"s3": start_s3rver, "gcs": start_gcs}
@@ -87,13 +88,6 @@ CASES = [  # name, format, extra config, TP size, force
 ]
 
 
-class _Dir(str):
-    """run_two_nodes writes its logs under ``tmp_path / name``: a str path that supports ``/``."""
-
-    def __truediv__(self, name: str) -> str:
-        return os.path.join(self, name)
-
-
 def run_case(case: tuple, uri: str, server, root: str, driver: str, nproc: int) -> dict:
     name, fmt, extra, tp, force = case
     work = tempfile.mkdtemp(prefix="case-", dir=root)
@@ -106,7 +100,7 @@ def run_case(case: tuple, uri: str, server, root: str, driver: str, nproc: int) 
     proxy = ByteCountingProxy(server.port)
     os.environ.update(server.env(proxy.port))
     try:
-        nodes = run_two_nodes(_Dir(work), entry, 900, cwds=cwds, nproc_per_node=nproc)
+        nodes = run_two_nodes(LogDir(work), entry, 900, cwds=cwds, nproc_per_node=nproc)
     finally:
         proxy.close()
     if any(n.returncode != 0 for n in nodes):

@@ -39,7 +39,7 @@ import torch
 from distload.config import check_bool, check_positive_int
 from distload.fileio import open_for_reading, read_exactly
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
-from distload.loading.backends.shared_reads import shared_stream
+from distload.loading.backends.shared_reads import Extent, batch_extents, shared_stream
 from distload.loading.index import TensorInfo
 from distload.loading.residency import Residency, probe
 from distload.tensor_io import host_view
@@ -56,7 +56,6 @@ CACHED_FRACTION = 0.5  # a tensor at least this resident counts as read from the
 # files: 0.92-1.10 s against 1.19-1.35 s); units of 8 MiB 1.25-1.32 s there, 128 MiB no better.
 PREFAULT_UNIT_BYTES = 32 * 1024 * 1024
 
-Extent = tuple[int, int, int]  # (source offset in the tensor's data, destination offset, length)
 
 
 class PreadBackend(Backend):
@@ -157,24 +156,6 @@ class LocalBytes:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-def batch_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[list[Extent]]:
-    """Reads of about ``chunk_bytes`` each: a large extent cut into chunks, small ones grouped."""
-    batches: list[list[Extent]] = []
-    current: list[Extent] = []
-    size = 0
-    for src, dst, length in extents:
-        for start in range(0, length, chunk_bytes):
-            n = min(chunk_bytes, length - start)
-            if current and size + n > chunk_bytes:
-                batches.append(current)
-                current, size = [], 0
-            current.append((src + start, dst + start, n))
-            size += n
-    if current:
-        batches.append(current)
-    return batches
 
 
 def _read_extents(fd: int, view: memoryview, begin: int, extents: list[Extent], path: str, name: str) -> None:

@@ -295,29 +295,29 @@ def _start_read(pool: ThreadPoolExecutor, bucket: _Bucket, tensors: _Tensors, re
             for _, where, length in clip(((0, dst, n),), segment.start, segment.length, at):
                 ctypes.memset(target.data_ptr() + where, 0, length)
         bucket.requested += sum(n for _, _, n in extents)
-        for task in _tasks(extents, reader.task_bytes):
+        for task in batch_extents(extents, reader.task_bytes):
             bucket.reads.append(pool.submit(_read, reader, info, task, view, request.host_memory if fresh else None,
                                             target.data_ptr()))
         at += segment.length
     return bucket
 
 
-def _tasks(extents: list[Extent], task_bytes: int) -> list[list[Extent]]:
-    """Read tasks of about ``task_bytes``: large extents cut, small ones grouped."""
-    tasks: list[list[Extent]] = []
+def batch_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[list[Extent]]:
+    """Reads of about ``chunk_bytes`` each: a large extent cut into chunks, small ones grouped."""
+    batches: list[list[Extent]] = []
     current: list[Extent] = []
     size = 0
     for src, dst, length in extents:
-        for start in range(0, length, task_bytes):
-            n = min(task_bytes, length - start)
-            if current and size + n > task_bytes:
-                tasks.append(current)
+        for start in range(0, length, chunk_bytes):
+            n = min(chunk_bytes, length - start)
+            if current and size + n > chunk_bytes:
+                batches.append(current)
                 current, size = [], 0
             current.append((src + start, dst + start, n))
             size += n
     if current:
-        tasks.append(current)
-    return tasks
+        batches.append(current)
+    return batches
 
 
 def _read(reader: ByteReader, info: TensorInfo, extents: list[Extent], view: memoryview, host_memory,
