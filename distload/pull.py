@@ -10,8 +10,9 @@ job, and every node ends with the whole folder.
 What a user can rely on:
 
 - **Agreement first.** Every rank lists the source (files only, one level, as a load does) and
-  the lists must be identical before any byte moves; a save still in progress (its marker) or a
-  corrupt manifest is refused.
+  the lists must be identical before any byte moves (names, sizes, and for a local source each
+  file's content fingerprint); a save still in progress (its marker) or a corrupt manifest is
+  refused.
 - **Nothing half-written is visible.** A file is written under ``.NAME.distload-tmp`` in DEST
   (the name loaders skip), checked, fsynced and renamed into place. The weights go first, then
   the other files, and the index and the manifest last, so a folder that has its manifest has
@@ -43,7 +44,7 @@ from distload.errors import CheckpointError, GroupError, RankFailedError
 from distload.fileio import TEMPORARY_SUFFIX, temporary_name
 from distload.group import WorkerGroup
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, read_manifest
-from distload.loading.sources import Source, open_source
+from distload.loading.sources import Source, content_fingerprint, open_source
 
 CHUNK_BYTES = 64 * 1024 * 1024
 READ_AHEAD_ROUNDS = 2  # each rank reads this many of its chunks ahead of the broadcasts
@@ -188,13 +189,14 @@ def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullRepor
     writes = g.local_rank == 0
     src = open_source(source)
     listing = g.agree("listing the source", lambda: list_source(src))
-    listings = g.exchange([(f.name, f.size, f.sha256) for f in listing])
+    prints = g.agree("comparing the source's content", lambda: _fingerprints(src, listing))
+    listings = g.exchange([(f.name, f.size, f.sha256, fp) for f, fp in zip(listing, prints)])
     for rank, other in enumerate(listings):
         if other != listings[0]:
             raise CheckpointError(
-                f"{source}: ranks 0 and {rank} list different files ({len(listings[0])} against "
+                f"{source}: ranks 0 and {rank} see different files ({len(listings[0])} against "
                 f"{len(other)}; first difference: {_first_difference(listings[0], other)}); every "
-                f"rank must see the same source (is it changing?)")
+                f"rank must see the same source (is it changing, or another copy on another node?)")
     report = PullReport(g.rank, g.hostname, writes, dest, len(listing))
 
     def check_node() -> list[str]:
@@ -236,9 +238,36 @@ def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullRepor
 
 def _first_difference(a: list, b: list) -> str:
     for x, y in zip(a, b):
-        if x != y:
+        if x[:2] == y[:2]:
+            if x != y:
+                return f"{x[0]}: the same size, other contents"
+        elif x != y:
             return f"{x[0]} ({x[1]} bytes) against {y[0]} ({y[1]} bytes)"
     return f"{len(a)} files against {len(b)}"
+
+
+# A local file that is not safetensors (config, tokenizer) is fingerprinted from this many bytes on
+# like a safetensors file's data (whole where it is smaller): its first bytes, then a block a MiB.
+PLAIN_FILE_HEAD_BYTES = 64 * 1024
+
+
+def _fingerprints(src: Source, listing: list[SourceFile]) -> list[str]:
+    """For a local source, each file's content fingerprint (as cooperative loads compare them: two
+    nodes may hold different files at the same path); an object names the same bytes everywhere."""
+    if src.remote:
+        return [""] * len(listing)
+    from distload.loading.index import FileInfo
+
+    prints = []
+    for entry in listing:
+        path = src.path(entry.name)
+        if entry.name.endswith(".safetensors"):
+            info = src.read_headers([path])[0]
+            prints.append(content_fingerprint(info))
+        else:
+            prints.append(content_fingerprint(FileInfo(path, entry.size, (), None),
+                                              min(entry.size, PLAIN_FILE_HEAD_BYTES)))
+    return prints
 
 
 def _transfer(src: Source, g: WorkerGroup, chunks: list, here: set[str], copy: _NodeCopy,

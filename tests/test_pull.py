@@ -166,6 +166,20 @@ def test_two_nodes_each_get_a_copy_reading_each_byte_once(tmp_path, uts_namespac
     assert all(r["requested_bytes"] > 0 for r in ranks)
 
 
+def test_two_nodes_with_different_files_at_the_same_path_are_refused(tmp_path, uts_namespaces):
+    """Each node has its own ./src, the same names and sizes, other bytes: without comparing the
+    contents, each node would get a mix of both."""
+    cwds = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    for i, cwd in enumerate(cwds):
+        write_whole(os.path.join(cwd, "src"), {"w": torch.full((4096,), float(i))}, num_files=1)
+    nodes = run_two_nodes(tmp_path, ["-m", "distload", "pull", "src", "copy"], 150, cwds=cwds)
+    assert [n.returncode for n in nodes] != [0, 0], describe(nodes)
+    for node in nodes:
+        assert "the same size, other contents" in node.output, describe(nodes)
+    for cwd in cwds:
+        assert not os.path.exists(os.path.join(cwd, "copy")), "nothing may be written before the lists agree"
+
+
 def test_from_s3_the_store_serves_each_byte_once_per_job(tmp_path):
     """moto behind a byte-counting proxy: two ranks pull, the server sends the objects' bytes
     once (listings, headers and HTTP framing included), and the copy is exact."""

@@ -162,10 +162,12 @@ FINGERPRINT_MAX_SAMPLES = 4096
 FINGERPRINT_THREADS = 8
 
 
-def fingerprint_samples(info: FileInfo) -> list[tuple[int, int]]:
+def fingerprint_samples(info: FileInfo, data_start: int | None = None) -> list[tuple[int, int]]:
     """``(offset, size)`` of what the fingerprint reads: the header, then a block at every
-    stride of the data and the data's last block."""
-    data_start = info.tensors[0].begin if info.tensors else info.size
+    stride of the data and the data's last block. ``data_start``: where the sampled part begins
+    (default: a safetensors file's data; a file without tensors is read whole)."""
+    if data_start is None:
+        data_start = info.tensors[0].begin if info.tensors else info.size
     samples = [(0, data_start)]
     data = info.size - data_start
     if data <= 0:
@@ -179,7 +181,7 @@ def fingerprint_samples(info: FileInfo) -> list[tuple[int, int]]:
     return samples
 
 
-def content_fingerprint(info: FileInfo) -> str:
+def content_fingerprint(info: FileInfo, data_start: int | None = None) -> str:
     """SHA-256 of a local file's header and of a 4 KiB block every 1 MiB of its data.
 
     Two nodes can hold different versions of a checkpoint at the same path with the same sizes
@@ -187,9 +189,9 @@ def content_fingerprint(info: FileInfo) -> str:
     silently hand one node's bytes to the other. The samples catch every difference of more than
     a stride, and every tensor that differs throughout, at the cost of 0.4% of the file's bytes
     (measured in benchmarks/results/fingerprint.md). What they cannot catch is a difference that
-    lies wholly between two samples.
+    lies wholly between two samples. ``data_start``: as for fingerprint_samples.
     """
-    samples = fingerprint_samples(info)
+    samples = fingerprint_samples(info, data_start)
     try:
         fd = os.open(info.path, os.O_RDONLY | os.O_CLOEXEC)
         try:

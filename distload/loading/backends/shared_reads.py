@@ -343,15 +343,22 @@ def _agree(group, step: Callable, what: str) -> list:
                                explain=False)
             except GroupError:
                 pass  # the others are gone; this rank's own error is what matters
-        exc.reported = True  # type: ignore[attr-defined]
+        _mark_reported(exc)
         raise
     statuses = group.exchange((True, value))
     failures = {rank: message for rank, (ok, message) in enumerate(statuses) if not ok}
     if failures:
         error = RankFailedError(what, failures)
-        error.reported = True  # type: ignore[attr-defined]
+        _mark_reported(error)
         raise error
     return [value for _, value in statuses]
+
+
+def _mark_reported(exc: BaseException) -> None:
+    try:
+        exc.reported = True  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type without a __dict__: the loader reports it again
+        pass
 
 
 def _send(group, members: list[int], me: int, buckets: list[_Bucket], whole_group: bool) -> None:
