@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distload.loading.agreement import sharing_ranks
-from distload.loading.backends.shared_reads import Segment, clip, plan_buckets
+from distload.loading.backends.shared_reads import Segment, assign_readers, clip, plan_buckets
 from distload.loading.report import state_digest
 
 from conftest import every_dtype_state, plain_digest, write_whole
@@ -37,6 +37,15 @@ def test_buckets_split_large_tensors_evenly_and_group_small_ones():
     assert buckets[-1] == (Segment(4, 0, 30), Segment(5, 0, 40))
     assert all(s.tensor != 2 for b in buckets for s in b)  # an empty tensor travels in no bucket
     assert plan_buckets([], 100) == []
+
+
+def test_each_round_gives_every_member_one_bucket_and_the_largest_to_the_least_loaded():
+    buckets = [(Segment(i, 0, n),) for i, n in enumerate([100, 10, 10, 100, 50, 60])]
+    owners = assign_readers(buckets, 2)
+    assert owners[:2] == [0, 1]  # round 0: the 100 to member 0
+    assert owners[2:4] == [0, 1]  # round 1: member 1 (10 so far) takes the 100
+    assert owners[4:] == [1, 0]  # round 2: member 0 (110) takes the 60, member 1 (110) the 50: tie by rank
+    assert assign_readers(buckets[:3], 2) == [0, 1, 1]  # a last round shorter than k
 
 
 def test_clip_keeps_the_extents_inside_a_bucket():

@@ -13,8 +13,8 @@ scope). The load's agreement step found them, and checked that they hold identic
 
 **How.** The rank's bytes (its tensors, or its slices of them, in file order) are cut into
 *buckets* of at most BUCKET_BYTES (smaller for a small load, so that each member reads several):
-a large tensor into equal buckets of its own, small neighbours together. Bucket b is read by member ``b % k`` (k members), so each member reads one bucket per
-*round*. In each round:
+a large tensor into equal buckets of its own, small neighbours together. Each *round* of k buckets (k members) gives each member one to read, the largest to the
+member that has read least so far (``assign_readers``). In each round:
 
 1. each member waits for its bucket's read (its threads read READ_AHEAD_ROUNDS rounds ahead);
 2. every rank of the load's group says whether it is fine (one exchange on the control group, as
@@ -107,6 +107,22 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     if group:
         buckets.append(tuple(group))
     return buckets
+
+
+def assign_readers(buckets: Sequence[Bucket], k: int) -> list[int]:
+    """Which of ``k`` members reads each bucket: one bucket per member in each round of k, the
+    round's largest bucket to the member that has read least so far (ties by position), so that
+    buckets of unequal sizes still spread evenly. Pure: every member computes the same."""
+    load = [0] * k
+    owners = [0] * len(buckets)
+    for first in range(0, len(buckets), k):
+        round_ = sorted(range(first, min(first + k, len(buckets))),
+                        key=lambda b: (-sum(s.length for s in buckets[b]), b))
+        members = sorted(range(k), key=lambda m: (load[m], m))
+        for b, m in zip(round_, members):
+            owners[b] = m
+            load[m] += sum(s.length for s in buckets[b])
+    return owners
 
 
 def clip(extents: Sequence[Extent], start: int, length: int, at: int) -> list[Extent]:
@@ -230,6 +246,7 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
     sizes = [(request.slices[t.name].nbytes if t.name in request.slices else t.nbytes) for t in infos]
     bucket_bytes = min(BUCKET_BYTES, max(MIN_BUCKET_BYTES, sum(sizes) // (BUCKETS_PER_MEMBER * k)))
     buckets = plan_buckets(sizes, bucket_bytes)
+    owners = assign_readers(buckets, k)
     tensors = _Tensors(request, infos, buckets)
     run.requested_bytes = 0
     run.received_bytes = 0
@@ -239,24 +256,27 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
     reads: dict[int, _Bucket] = {}
     try:
         with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="distload-shared") as pool:
+            def in_round(r: int) -> range:
+                return range(r * k, min((r + 1) * k, len(buckets)))
+
             def read_ahead(first_round: int) -> None:
                 for r in range(first_round, min(own_rounds, first_round + READ_AHEAD_ROUNDS + 1)):
-                    b = r * k + me
-                    if b < len(buckets) and b not in reads:
-                        reads[b] = _start_read(pool, _Bucket(b, buckets[b], me, tensors), tensors, reader)
+                    for b in in_round(r):
+                        if owners[b] == me and b not in reads:
+                            reads[b] = _start_read(pool, _Bucket(b, buckets[b], me, tensors), tensors, reader)
 
             yield from tensors.ready()  # leading empty tensors
             for r in range(rounds):
                 def wait_for_own_read() -> None:
                     read_ahead(r)
-                    own = reads.get(r * k + me)
-                    if own is not None:
-                        for future in own.reads:
-                            future.result()
+                    for b in in_round(r):
+                        if b in reads:
+                            for future in reads[b].reads:
+                                future.result()
 
                 _agree(group, wait_for_own_read, "reading its share")
-                this_round = [reads.pop(b) if b in reads else _receiving(b, buckets[b], b % k, tensors)
-                              for b in range(r * k, min((r + 1) * k, len(buckets)))]
+                this_round = [reads.pop(b) if b in reads else _receiving(b, buckets[b], owners[b], tensors)
+                              for b in in_round(r)]
                 _send(group, members, me, this_round, whole_group)
                 for bucket in this_round:
                     if bucket.owner == me:
