@@ -133,10 +133,11 @@ def test_demo(tmp_path):
             rows[(match[1], match[2])] = (match[3], match[4].strip())
     real = [("safetensors", "whole"), ("runai_streamer", "whole"), ("runai_streamer distributed", "whole"),
             ("sharded_state", "sharded"), ("runai_streamer_sharded", "sharded"), ("auto", "whole"),
-            ("auto", "sharded")]
+            ("auto distributed", "whole"), ("auto", "sharded")]
     for key in real:
         assert key in rows, f"{key} missing from the demo table:\n{result.stdout[-4000:]}"
         assert rows[key][1] == "bit-identical", (key, rows[key])
     assert rows[("runai_streamer distributed", "whole")][0] == "runai-distributed"
+    assert rows[("auto distributed", "whole")][0] == "pread-shared"
     assert rows[("dummy", "whole")][1] == "dummy (random)"
     assert "every real read matched a plain safetensors read bit for bit" in result.stdout

@@ -130,6 +130,7 @@ def demo_cases(world_size: int, cuda: bool) -> list[tuple[str, str, str | None]]
         ("sharded", "sharded_state", None),
         ("sharded", "runai_streamer_sharded", None),
         ("whole", "auto", None),
+        ("whole", "auto", '{"distributed": "job"}'),  # shared reads: each byte read by one rank
         ("sharded", "auto", None),
         ("whole", "dummy", None),
     ]
