@@ -31,9 +31,6 @@ class ReadChoice:
     scope: str = "node"
 
 
-SCOPES = ("node", "job")
-
-
 def sharing_scope(distributed: bool | str | None) -> str | bool | None:
     """The extra config's ``distributed`` as a scope: None (unset: the format decides), False
     (never cooperate), ``node`` (true means what it means in Run:ai: per node) or ``job``."""
