@@ -96,7 +96,8 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
                 buckets.append(tuple(group))
                 group, size = [], 0
             parts = math.ceil(n / bucket_bytes)
-            step = -(-(-(-n // parts)) // ALIGN) * ALIGN
+            share = -(-n // parts)  # ceil(n / parts), then up to a multiple of ALIGN
+            step = -(-share // ALIGN) * ALIGN
             buckets += [(Segment(i, start, min(step, n - start)),) for start in range(0, n, step)]
             continue
         if group and size + n > bucket_bytes:
