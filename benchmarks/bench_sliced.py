@@ -16,7 +16,10 @@ ONE run, for TP 2 on 2 ranks and TP 2 x DP 2 on 4 ranks:
   a state dict of DTensors sharded as the decoder spec shards them (Shard(0)/Shard(1) on a
   one-dimensional gloo mesh of the TP group); the anchor training frameworks use. The fused and
   head-aware layouts have no DTensor placement, so this checkpoint has separate q/k/v with TP
-  not above the KV heads, where the two layouts agree.
+  not above the KV heads, where the two layouts agree;
+- **distload -> DTensor**: ``distload.reload_into`` filling the same DTensors in place, timed the
+  same way as DCP's load (around the one call, after the DTensors exist), so that the two readers
+  are compared on the same work: each rank's local shards, into memory already allocated.
 
 Per rank: requested bytes (distload's count; for the others, what their reader asks for: the
 whole checkpoint for naive, the slices' files for DCP, where it is not counted), bytes read from
@@ -53,7 +56,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, empty
 import distload
 from distload.loading.report import storage_read_bytes
-folder, out, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+folder, out, tp, method = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 # One mesh of shape (dp, tp): each rank's TP group is its consecutive ranks, as distload's.
@@ -68,10 +71,15 @@ for t in plan.index.tensors:
 read0 = storage_read_bytes()
 dist.barrier()
 start = time.perf_counter()
-dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
+if method == "dcp":
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(folder))
+    requested = None
+else:  # the same DTensors filled in place by distload (listing, headers and agreement included)
+    with distload.WorkerGroup(device="cpu") as group:
+        requested = distload.reload_into(state, folder, group=group).requested_bytes
 seconds = time.perf_counter() - start
 nbytes = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
-result = {"seconds": seconds, "nbytes": nbytes, "read_bytes": storage_read_bytes() - read0, "requested_bytes": None}
+result = {"seconds": seconds, "nbytes": nbytes, "read_bytes": storage_read_bytes() - read0, "requested_bytes": requested}
 results = [None] * world
 dist.all_gather_object(results, result)
 if rank == 0:
@@ -97,8 +105,8 @@ def run_distload(whole: str, fmt: str, nproc: int, report: str) -> list[dict]:
              "requested_bytes": r["requested_bytes"], "path": r["path"]} for r in ranks]
 
 
-def run_dcp(whole: str, nproc: int, out: str, script: str) -> list[dict]:
-    torchrun(nproc, [script, whole, out, str(TP)])
+def run_dtensor(whole: str, nproc: int, out: str, script: str, method: str) -> list[dict]:
+    torchrun(nproc, [script, whole, out, str(TP), method])
     with open(out) as f:
         return json.load(f)
 
@@ -162,9 +170,10 @@ def main() -> int:
             f.write(_DCP)
         methods = [("distload sliced (auto)", lambda n, out: run_distload(whole, "auto", n, out)),
                    ("naive (safetensors whole, keep slice)", lambda n, out: run_distload(whole, "safetensors", n, out))]
+        methods.append(("distload reload_into -> DTensor", lambda n, out: run_dtensor(whole, n, out, script, "distload")))
         if not args.no_dcp:
             methods.append(("DCP HuggingFaceStorageReader -> DTensor",
-                            lambda n, out: run_dcp(whole, n, out, script)))
+                            lambda n, out: run_dtensor(whole, n, out, script, "dcp")))
         rows = []
         for nproc in args.ranks:
             for method, run in methods:

@@ -263,28 +263,22 @@ def misfit(role, address, result, args):
 
 
 def verify(role, address, result, args):
-    """Only the inference side asks for verification. v1 clean; v2: the trainer flips a byte of
-    its second packed bucket after sealing it; v3 clean again (a new session); v4: the checksum
-    the trainer sends after a tensor that goes straight from tensor to tensor is wrong; v5 clean."""
+    """Only the inference side asks for verification. v1 clean; v2: on every receiver, a byte of
+    the second packed bucket is flipped as it lands, before the receiver sums it (what a faulty
+    transport would deliver); v3 clean again (a new session); v4: the checksum the trainer makes of
+    a tensor that goes straight from tensor to tensor is wrong; v5 clean."""
     shapes = {f"w{i:02d}": ((64, 64), torch.float32) for i in range(8)}  # 16 KiB each: 2 a bucket
-    shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: sent directly, its checksum on its own
+    shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: sent directly, from the tensor itself
+    real_checksum = channel_module.checksum
     with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference")) as ch:
         if role == "trainer":
-            real_seal, real_checksum = channel_module.seal, channel_module.checksum
             for version in (1, 2, 3, 4, 5):
-                sealed, summed = [], []
-
-                def corrupting_seal(buffer, layout):
-                    real_seal(buffer, layout)
-                    sealed.append(layout.size)
-                    if len(sealed) == 2:  # the second bucket: its checksum no longer matches
-                        buffer[layout.payload // 3] ^= 0x5A
+                summed = []
 
                 def wrong_checksum(data):
                     summed.append(data.numel())
                     return real_checksum(data) + 1
 
-                channel_module.seal = corrupting_seal if version == 2 else real_seal
                 channel_module.checksum = wrong_checksum if version == 4 else real_checksum
                 try:
                     stats = ch.push(state_of(shapes, version), version)
@@ -292,18 +286,29 @@ def verify(role, address, result, args):
                 except SyncError as exc:
                     row = {"version": version, "error": str(exc)}
                 finally:
-                    channel_module.seal, channel_module.checksum = real_seal, real_checksum
-                row.update(sealed=len(sealed), summed=summed)
+                    channel_module.checksum = real_checksum
+                row.update(summed=summed)
                 result.setdefault("pushes", []).append(row)
             return
         target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
         for version in (1, 2, 3, 4, 5):
+            landed = []
+
+            def corrupting_checksum(frame):
+                landed.append(frame.numel())
+                if len(landed) == 2:  # the second bucket, as it arrived: one byte differs from the sent one
+                    frame[frame.numel() // 3] ^= 0x5A
+                return real_checksum(frame)
+
+            channel_module.checksum = corrupting_checksum if version == 2 else real_checksum
             try:
                 stats = ch.receive(target)
                 row = stats_row(stats)
             except SyncError as exc:
                 row = {"version": version, "error": str(exc), "last_error": ch.last_error}
-            row.update(channel_version=ch.version, consistent=ch.consistent,
+            finally:
+                channel_module.checksum = real_checksum
+            row.update(channel_version=ch.version, consistent=ch.consistent, corrupted=len(landed) >= 2,
                        exact=exact(target, state_of(shapes, version)))
             result.setdefault("receives", []).append(row)
 

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from distload.live.transfer import ALIGN, Entry, Piece, check_pieces, group_entries, layouts, View
+from distload.live.transfer import (ALIGN, FRAME_BYTES, Entry, Piece, View, check_pieces, checksum, first_bad_frame,
+                                    group_entries, layouts)
 
 from dist_helpers import clean_env, free_port, run_script, write_script
 
@@ -28,8 +29,29 @@ def test_buckets_pack_in_order_aligned_and_a_big_tensor_alone():
     assert buckets[3].size == 300  # bigger than a bucket: travels alone
     assert all(off % ALIGN == 0 for b in buckets for _, off in b.items)
     verified = layouts(sent, groups, View(), verify=True)
-    assert [b.size for b in verified] == [84 + 4 + 16, 100 + 4 + 16, 8 + 16, 304 + 16, 8 + 16]
+    assert [b.size for b in verified] == [84, 100, 5, 300, 7]  # the checksums travel apart
+    assert [b.wire_bytes for b in verified] == [84 + 16, 100 + 16, 5 + 16, 300 + 16, 7 + 16]
     assert group_entries([], 128) == []
+
+
+def test_a_verified_bucket_travels_in_frames_and_a_changed_byte_names_its_frame():
+    size = 2 * FRAME_BYTES + 1000
+    (plain,) = layouts(entries(size), [(0,)], View(), verify=False)
+    (verified,) = layouts(entries(size), [(0,)], View(), verify=True)
+    assert plain.frames == [(0, size)] and plain.wire_bytes == size
+    assert verified.frames == [(0, FRAME_BYTES), (FRAME_BYTES, 2 * FRAME_BYTES), (2 * FRAME_BYTES, size)]
+    assert verified.wire_bytes == size + 3 * 16
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    sent = torch.stack([checksum(data[a:b]) for a, b in verified.frames])
+    assert first_bad_frame(sent.clone(), sent) is None
+    for where, frame in ((5, 0), (FRAME_BYTES + 77, 1), (size - 1, 2)):
+        arrived = data.clone()
+        arrived[where] ^= 1
+        assert first_bad_frame(torch.stack([checksum(arrived[a:b]) for a, b in verified.frames]), sent) == frame
+    # two 4 KiB rows swapped within a frame: same words, other places
+    swapped = data.clone()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192].clone(), data[:4096].clone()
+    assert first_bad_frame(torch.stack([checksum(swapped[a:b]) for a, b in verified.frames]), sent) == 0
 
 
 def test_check_pieces_names_every_problem():

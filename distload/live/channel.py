@@ -15,9 +15,13 @@ One update, numbered within its session:
    every member reads every answer: if any member refused, every member raises, and no byte moved;
 3. *data*: each trainer rank sends each inference rank exactly the bytes it keeps (its
    tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
-   receiver takes a bucket of small tensors into a buffer, checks its checksum when the update is
-   verified, and only then copies it into its tensors in place; a big tensor lands in its tensor
-   straight (checked once it has landed: a mismatch fails the update). One group per pair, so a
+   receiver takes a bucket of small tensors into a buffer, checks it when the update is verified,
+   and only then copies it into its tensors in place; a big tensor lands in its tensor straight
+   (checked once it has landed: a mismatch fails the update). A verified bucket travels in frames
+   of a few MiB: the trainer sums each while it is in flight, a receiver as soon as it lands
+   (still in the CPU's cache), and after the last bucket the trainer sends each receiver the
+   checksums of all its frames in one message; a receiver that finds a frame that differs fails
+   the update. One group per pair, so a
    lost receiver stalls only its own stream. A given-up update's transfer that may still land in
    a tensor (its trainer stopped, not died) is waited for before the next update writes there;
    if it has not ended within SETTLE_S, that update is refused;
@@ -51,8 +55,8 @@ from distload.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors
-from distload.live.transfer import (TRAILER, Entry, Layout, View, check_pieces, checksum, group_entries, intact,
-                                    layouts, pack, run_bytes, seal, unpack)
+from distload.live.transfer import (Entry, Layout, View, check_pieces, checksum, first_bad_frame,
+                                    group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.sharding import ShardingSpec, load_spec, spec_from_json
 
@@ -398,35 +402,44 @@ class SyncChannel:
         if self.rank != 0 and dtensors:
             _gather_with_leader(metas[0], dtensors)
         in_flight: dict[tuple[int, int], list[tuple[int, Any]]] = {}
+        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per view: its frames' checksums
+
+        def wait(works: list[tuple[int, Any]]) -> None:
+            for dst, work in works:
+                self._wait(work, cancelled, lambda d=dst: f"sending to {self._name(*session.record.member(d))}")
+
         wire = 0
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}
             for v, (view, ranks, lays) in enumerate(routes):
                 slot = (v, i % 2)
-                for dst, work in in_flight.pop(slot, []):
-                    self._wait(work, cancelled, lambda d=dst: f"sending to {self._name(*session.record.member(d))}")
+                wait(in_flight.pop(slot, []))  # two buckets in flight; a slot's buffer is free again
                 layout = lays[i]
                 if not layout.size:
                     continue
                 device = self._transport_device()
                 if layout.direct:
-                    piece = layout.items[0][0]
-                    data = run_bytes(whole[piece.entry].to(device), piece)
-                    works = [(dst, self._post(session, dst, data)) for dst in ranks]
-                    if layout.verified:  # summed while the data is in flight
-                        check = checksum(data)
-                        works += [(dst, self._post(session, dst, check)) for dst in ranks]
+                    data = run_bytes(whole[layout.items[0][0].entry].to(device), layout.items[0][0])
                 else:
-                    buffer = self._buffer(("send",) + slot, layout.size)
-                    pack(buffer, layout, {k: t.to(device) for k, t in whole.items()}, view)
-                    if layout.verified:
-                        seal(buffer, layout)
-                    works = [(dst, self._post(session, dst, buffer)) for dst in ranks]
-                in_flight[slot] = works
+                    data = self._buffer(("send",) + slot, layout.size)
+                    pack(data, layout, {k: t.to(device) for k, t in whole.items()}, view)
+                frames = [data[start:stop] for start, stop in layout.frames]
+                works = [[(dst, self._post(session, dst, frame)) for dst in ranks] for frame in frames]
+                in_flight[slot] = [work for per_frame in works for work in per_frame]
+                if layout.verified:
+                    # Each frame is summed while the transport copies it (once the frame before it
+                    # has gone), so both read it from the CPU's cache: the sends never wait for a sum.
+                    for f, frame in enumerate(frames):
+                        if f:
+                            wait(works[f - 1][:1])
+                        sums[v].append(checksum(frame))
                 wire += layout.wire_bytes * len(ranks)
         for works in in_flight.values():
-            for dst, work in works:
-                self._wait(work, cancelled, lambda d=dst: f"sending to {self._name(*session.record.member(d))}")
+            wait(works)
+        for v, (_, ranks, _) in enumerate(routes):
+            if sums[v]:  # the update's checksums, one message to each receiver after its data
+                table = torch.stack(sums[v])
+                wait([(dst, self._post(session, dst, table)) for dst in ranks])
         return wire
 
     def _post(self, session: _Session, peer: int, tensor: torch.Tensor) -> Any:
@@ -577,7 +590,9 @@ class SyncChannel:
                      cancelled: threading.Event) -> int:
         wire = 0
         for sender, (meta, plan) in enumerate(zip(metas, plans)):
-            posted: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+            # bucket -> (where it lands, its frames, their transfers)
+            posted: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[Any]]] = {}
+            sums: list[torch.Tensor] = []  # the checksum of every verified frame that arrived, in order
 
             def post(i: int) -> None:
                 if i >= len(plan) or not plan[i].size:
@@ -587,34 +602,51 @@ class SyncChannel:
                 straight = into is not None
                 if into is None:
                     into = self._buffer(("recv", i % 2), layout.size)
-                messages = [into] + ([torch.empty(TRAILER, dtype=torch.uint8, device=into.device)]
-                                     if layout.direct and layout.verified else [])
-                posted[i] = [(m, self._post(session, sender, m)) for m in messages]
+                frames = [into[start:stop] for start, stop in layout.frames]
+                works = [self._post(session, sender, frame) for frame in frames]
                 if straight:
-                    session.into_model.append(posted[i][0][1])
+                    session.into_model.extend(works)
+                posted[i] = (into, frames, works)
 
             post(0)
             post(1)
             for i, layout in enumerate(plan):
                 if layout.size:
-                    messages = posted.pop(i)
-                    for _, work in messages:
+                    data, frames, works = posted.pop(i)
+                    for frame, work in zip(frames, works):
                         self._wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
                                                                 f"{self._name('trainer', sender)}")
-                    data = messages[0][0]
-                    good = (not layout.verified or (intact(data, layout) if not layout.direct else
-                                                   torch.equal(messages[1][0].view(torch.int64), checksum(data))))
-                    if not good:
-                        raise SyncError(f"bucket {i} from {self._name('trainer', sender)} failed its checksum on "
-                                        f"{self._name(self.role, self.rank)}: the bytes that arrived are not "
-                                        f"the bytes sent")
+                        if layout.verified:  # summed as soon as it lands, while it is in the CPU's cache
+                            sums.append(checksum(frame))
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
                     if not layout.direct or not _same_memory(data, targets[meta["entries"][layout.items[0][0].entry].name]):
                         unpack(data, layout, meta["entries"], targets)
                     wire += layout.wire_bytes
                 post(i + 2)
+            if sums:
+                self._check_sums(session, sender, plan, torch.stack(sums), cancelled)
         return wire
+
+    def _check_sums(self, session: _Session, sender: int, plan: Sequence[Layout], sums: torch.Tensor,
+                    cancelled: threading.Event) -> None:
+        """Receive the trainer's checksums of every frame it sent this rank and compare them with
+        ``sums``, those of the frames that arrived: a mismatch fails the update, naming the bucket."""
+        table = torch.empty_like(sums)
+        self._wait(self._post(session, sender, table), cancelled,
+                   lambda: f"receiving the checksums from {self._name('trainer', sender)}")
+        bad = first_bad_frame(sums, table)
+        if bad is None:
+            return
+        frame = 0
+        for i, layout in enumerate(plan):
+            spans = layout.frames if layout.verified else []
+            if bad < frame + len(spans):
+                start, stop = spans[bad - frame]
+                raise SyncError(f"bucket {i} from {self._name('trainer', sender)} failed its checksum on "
+                                f"{self._name(self.role, self.rank)} (its bytes {start}-{stop}): the bytes that "
+                                f"arrived are not the bytes sent")
+            frame += len(spans)
 
     def _direct_target(self, layout: Layout, meta: Mapping[str, Any], targets: Mapping[str, torch.Tensor]
                        ) -> torch.Tensor | None:
