@@ -71,7 +71,8 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     then reads with the readers that ask for those bytes only (pread, ranged GETs), on any device;
     an explicit format reads whole tensors and the loader keeps the slice.
     ``replicas``: ranks holding the same tensor-parallel rank (data-parallel replicas); with more
-    than one, ``auto`` lets them share the reading of their common slices or shard files.
+    than one, ``auto`` lets them share the reading of their shard files (the slices of a whole
+    checkpoint are shared between all ranks, replicas or not).
     """
     many = world_size > 1
     scope = sharing_scope(distributed)
@@ -98,7 +99,10 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     share = scope is not False and (asked is not None or remote)
     shared_scope = asked or "job"
     if sliced:
-        return ReadChoice(False, own, share and replicas > 1, shared_scope)
+        # Every rank of a whole checkpoint shares: replicas keep the same slices, and TP ranks keep
+        # parts of the same tensors (a slice along dim 1 is half of every row: a ranged read of one
+        # rank's rows fetches the other's with them, so alone each TP rank fetches those whole).
+        return ReadChoice(False, own, share and many, shared_scope)
     if sharded_layout_found:
         if share and replicas > 1:  # each replica of a TP rank needs the same shard files
             return ReadChoice(True, own, True, shared_scope)
