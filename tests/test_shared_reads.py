@@ -244,14 +244,21 @@ def test_the_node_scope_shares_within_a_node(llama, tmp_path):
 
 
 @pytest.mark.dist
-def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(tmp_path):
-    folder = str(tmp_path / "whole")
-    write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
-    result, _ = run_shared(tmp_path, folder, 3, fault="fail:1")
+@pytest.mark.parametrize("tp", [0, 2])
+def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(llama, tmp_path, tp):
+    """A whole checkpoint on 3 ranks, and TP 2 on 2 ranks (the exchange of slices)."""
+    if tp:
+        folder = llama[0]
+        result, _ = run_shared(tmp_path, folder, 2, tp=tp, bucket=1024, fault="fail:1")
+    else:
+        folder = str(tmp_path / "whole")
+        write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
+        result, _ = run_shared(tmp_path, folder, 3, fault="fail:1")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     assert "rank 1 stopped" in out and "Input/output error" in out, out[-3000:]
-    for rank in (0, 2):
+    assert re.search(r"rank 1 stopped after [0-9.]+ s: .*reading tensor '.+' failed", out), out[-3000:]
+    for rank in ((0,) if tp else (0, 2)):
         found = re.search(rf"rank {rank} stopped after ([0-9.]+) s: .*failed on rank\(s\) 1", out)
         assert found, out[-3000:]
         assert float(found.group(1)) < 30  # at the next round, not at the 60 s timeout
@@ -383,14 +390,28 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 
 
 @pytest.mark.dist
-def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path):
-    """moto behind a byte-counting proxy, 3 ranks, auto: the server sends the objects' bytes once
-    (listings, headers and HTTP framing included), every rank bit-identical to a plain read."""
+@pytest.mark.parametrize("tp", [0, 2])
+def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path, tp):
+    """moto behind a byte-counting proxy, auto: the server sends the objects' bytes once (listings,
+    headers and HTTP framing included), every rank bit-identical to a plain read. A whole
+    checkpoint on 3 ranks; a Llama-shaped one with TP 2 x DP 2 on 4 ranks (save-sharded's slices):
+    the dim-1 tensors too leave the store once, and each rank receives only bytes it keeps."""
     from conftest import read_report, run_distload
     from object_store_servers import ByteCountingProxy, start_moto
 
     folder = str(tmp_path / "whole")
-    paths = write_whole(folder, {f"w{i}": torch.randn(1 << 20) for i in range(6)}, num_files=2)  # 24 MiB
+    if tp:
+        from distload import reshard
+        from distload.cli.demo import write_demo_checkpoint
+
+        folder, _ = write_demo_checkpoint(str(tmp_path / "demo"), 1, 24, 512)
+        reshard(folder, str(tmp_path / "tp2"), tp, sharding="decoder")
+        want = {rank: state_digest(rank_reference(str(tmp_path / "tp2"), rank)) for rank in range(tp)}
+        paths = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+    else:
+        paths = write_whole(folder, {f"w{i}": torch.randn(1 << 20) for i in range(6)}, num_files=2)  # 24 MiB
+        want = {0: plain_digest(paths)}
+    nproc = 4 if tp else 3
     total = sum(os.path.getsize(p) for p in paths)
     os.makedirs(tmp_path / "moto")
     server = start_moto(str(tmp_path / "moto"))
@@ -399,7 +420,8 @@ def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_pat
         proxy = ByteCountingProxy(server.port)
         try:
             report_path = str(tmp_path / "report.json")
-            result = run_distload(["load", uri, "--report-json", report_path, "--no-progress"], nproc=3,
+            result = run_distload(["load", uri, "--report-json", report_path, "--no-progress"]
+                                  + (["--tensor-parallel-size", str(tp)] if tp else []), nproc=nproc,
                                   env=server.env(proxy.port), timeout=240)
         finally:
             proxy.close()
@@ -407,7 +429,14 @@ def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_pat
         server.stop()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     ranks = read_report(report_path)["ranks"]
-    assert [r["path"] for r in ranks] == ["ranged-shared"] * 3
-    assert [r["digest"] for r in ranks] == [plain_digest(paths)] * 3
-    assert sum(r["requested_bytes"] for r in ranks) == ranks[0]["nbytes"]
+    assert [r["path"] for r in ranks] == ["ranged-shared"] * nproc
+    assert [r["digest"] for r in ranks] == [want[r["rank"] % max(tp, 1)] for r in ranks]
+    tensors = total - sum(8 + header_length(p) for p in paths)
+    assert sum(r["requested_bytes"] for r in ranks) == tensors  # each tensor byte asked for once
+    assert all(r["received_bytes"] <= r["nbytes"] for r in ranks)  # only what it keeps
     assert total <= proxy.served <= 1.05 * total, (proxy.served, total)
+
+
+def header_length(path: str) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
