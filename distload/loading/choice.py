@@ -49,8 +49,9 @@ def sharing_scope(distributed: bool | str | None) -> str | bool | None:
 # On an object store nothing shares the reads, so ranks that need the same bytes read them
 # cooperatively, across the whole job, with distload's own shared ranged reads: on two nodes x 2
 # ranks they served each byte once, as Run:ai's job-wide mode does, and loaded faster than it
-# (benchmarks/results/shared.md); they also split what Run:ai cannot (a subgroup, slices kept by
-# data-parallel replicas, shard files replicas share). A GPU job keeps Run:ai's device path.
+# (benchmarks/results/shared.md); they also split what Run:ai cannot (a subgroup, the slices of
+# TP ranks and their data-parallel replicas, shard files replicas share). A GPU job keeps Run:ai's
+# device path.
 AUTO_CPU_BACKEND = "pread"
 
 
