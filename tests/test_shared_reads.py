@@ -47,6 +47,13 @@ def test_each_round_gives_every_member_one_bucket_and_the_largest_to_the_least_l
     assert owners[2:4] == [0, 1]  # round 1: member 1 (10 so far) takes the 100
     assert owners[4:] == [1, 0]  # round 2: member 0 (110) takes the 60, member 1 (110) the 50: tie by rank
     assert assign_readers(buckets[:3], 2) == [0, 1, 1]  # a last round shorter than k
+    # A member that keeps a bucket reads it where the loads allow (then nobody sends it its bytes):
+    # each half of a dim-0 split to the TP rank that keeps it; a member 90 bytes ahead takes a
+    # 100-byte bucket it keeps whole, not one it keeps 10 bytes of.
+    halves = [(Segment(0, 0, 100),), (Segment(0, 100, 100),)]
+    assert assign_readers(halves, 2, keeps=[[0, 100], [100, 0]]) == [1, 0]
+    assert assign_readers(buckets[:4], 2, keeps=[[0, 0], [0, 0], [0, 0], [100, 0]]) == [0, 1, 1, 0]
+    assert assign_readers(buckets[:4], 2, keeps=[[0, 0], [0, 0], [0, 0], [10, 0]]) == [0, 1, 0, 1]
 
 
 def test_a_row_sliced_need_is_one_run_and_clips_to_whole_and_cut_rows():

@@ -10,7 +10,8 @@ is not split). The plan:
   so a tensor split along dim 1 is read as one range, not row by row;
 - *buckets* cut over those unions (tensor by tensor, in file order, as ``plan_buckets`` cuts), each
   one file range per tensor it covers, read into one buffer;
-- one *reader* per bucket (``assign_readers``: balanced rounds over the members);
+- one *reader* per bucket (``assign_readers``: balanced rounds over the members, each bucket to
+  a member that keeps it where the loads allow: what its reader keeps, nobody sends);
 - per member and bucket, its *pieces*: its need clipped to the bucket, as runs from the bucket's
   buffer into its tensor. A member receives exactly its pieces (packed, in order, one message),
   so it receives only what it keeps.
@@ -157,17 +158,23 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
-def assign_readers(buckets: Sequence[Bucket], k: int) -> list[int]:
+def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[int]] | None = None) -> list[int]:
     """Which of ``k`` members reads each bucket: one bucket per member in each round of k, the
-    round's largest bucket to the member that has read least so far (ties by position), so that
-    buckets of unequal sizes still spread evenly. Pure: every member computes the same."""
+    round's largest bucket first, each to the member that has read least so far (ties by
+    position), so that buckets of unequal sizes still spread evenly. ``keeps[b][m]``: the bytes
+    member m keeps of bucket b; a member's load counts as that much lower for it, so a bucket goes
+    to a member that keeps it where the loads allow (what its reader keeps, nobody sends).
+    Pure: every member computes the same."""
     load = [0] * k
     owners = [0] * len(buckets)
     for first in range(0, len(buckets), k):
         round_ = sorted(range(first, min(first + k, len(buckets))),
                         key=lambda b: (-sum(s.length for s in buckets[b]), b))
-        members = sorted(range(k), key=lambda m: (load[m], m))
-        for b, m in zip(round_, members):
+        free = list(range(k))
+        for b in round_:
+            kept = keeps[b] if keeps is not None else [0] * k
+            m = min(free, key=lambda m: (load[m] - kept[m], load[m], m))
+            free.remove(m)
             owners[b] = m
             load[m] += sum(s.length for s in buckets[b])
     return owners
@@ -208,8 +215,10 @@ class ExchangePlan:
         self.union_bytes = sum(totals)
         size = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
         self.buckets = plan_buckets(totals, size)
-        self.readers = assign_readers(self.buckets, self.k)
         self.spans = [self._spans(bucket) for bucket in self.buckets]
+        keeps = [[run_bytes(run for _, run in self.pieces(b, m)) for m in range(self.k)]
+                 for b in range(len(self.buckets))]
+        self.readers = assign_readers(self.buckets, self.k, keeps)
         # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
         self.identical = all(list(member) == list(needs[0]) for member in needs)
 

@@ -17,7 +17,9 @@ both, and checked that the members hold identical file lists.
 **What each reads and receives** (``exchange_plan.py``): the union of the members' needs, tensor by
 tensor in file order, is cut into *buckets* of at most BUCKET_BYTES (smaller for a small load, so
 that each member reads several). Each bucket has one reader: each *round* of k buckets (k members)
-gives each member one to read, the largest to the member that has read least so far. So a tensor
+gives each member one to read, the largest to the member that has read least so far, counting
+what a member keeps of a bucket off its load (so a TP rank tends to read its own rows: bytes its
+reader keeps are sent to fewer members). So a tensor
 that two TP ranks split along dim 1 is read once, as one range, not once per TP rank row by row.
 Each member's *pieces* of a bucket are its need clipped to it.
 
