@@ -241,14 +241,23 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
     me = members.index(group.rank)
     k = len(members)
     infos = [t for f in request.index.files for t in f.tensors]
-    plan = ExchangePlan([t.nbytes for t in infos], member_needs(request, infos, k), BUCKET_BYTES)
-    if plan.k != k:
-        raise DistloadError(f"rank {group.rank}: the shared read has {k} members but needs for {plan.k}")
+
+    plan: ExchangePlan | None = None
+
+    def planning() -> int:  # inside the agreement: a rank that cannot plan stops every rank
+        nonlocal plan
+        needs = member_needs(request, infos, k)
+        if len(needs) != k:
+            raise DistloadError(f"rank {group.rank}: the shared read has {k} members but what {len(needs)} keep")
+        plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
+        return math.ceil(len(plan.buckets) / k)
+
+    rounds = max(_agree(group, planning, "planning the shared read"))  # the same count on every rank
+    assert plan is not None
+    own_rounds = math.ceil(len(plan.buckets) / k)
     tensors = _Tensors(request, infos, plan)
     run.requested_bytes = 0
     run.received_bytes = 0
-    own_rounds = math.ceil(len(plan.buckets) / k)
-    rounds = max(_agree(group, lambda: own_rounds, "planning the shared read"))
     broadcast = plan.identical and k == group.world_size
     reads: dict[int, _Bucket] = {}
     try:
