@@ -343,12 +343,15 @@ import distload
 import distload.loading.backends.shared_reads as shared
 from distload.loading.report import state_digest
 
-source, out = sys.argv[1:3]
+source, out, tp = sys.argv[1:4]
+tp = int(tp) or None
 shared.BUCKET_BYTES = 2048
 with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
-    model = {n: torch.zeros_like(t) for n, t in distload.load(source, "dummy", group=group).items()}
+    model = {n: torch.zeros_like(t) for n, t in distload.load(source, "dummy", group=group,
+                                                               tensor_parallel_size=tp).items()}
     pointers = {n: t.data_ptr() for n, t in model.items()}
-    report = distload.reload_into(model, source, "auto", {"distributed": "job"}, group=group)
+    report = distload.reload_into(model, source, "auto", {"distributed": "job"}, group=group,
+                                  tensor_parallel_size=tp)
     same = all(model[n].data_ptr() == p for n, p in pointers.items())
     found = group.exchange({"same": same, "digest": state_digest(model), "nbytes": report.nbytes})
     if group.rank == 0:
@@ -357,16 +360,22 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 
 
 @pytest.mark.dist
-def test_a_shared_read_fills_existing_tensors_in_place(tmp_path):
-    folder = str(tmp_path / "whole")
-    paths = write_whole(folder, {f"w{i}": torch.randn(3000) for i in range(5)}, num_files=2)
+@pytest.mark.parametrize("tp", [0, 2])
+def test_a_shared_read_fills_existing_tensors_in_place(llama, tmp_path, tp):
+    """A whole checkpoint, and TP 2's slices (half rows received straight into the tensor)."""
+    if tp:
+        folder = llama[0]
+        want = [state_digest(rank_reference(llama[1][2], rank)) for rank in (0, 1)]
+    else:
+        folder = str(tmp_path / "whole")
+        want = [plain_digest(write_whole(folder, {f"w{i}": torch.randn(3000) for i in range(5)}, num_files=2))] * 2
     script = write_script(tmp_path, "reload.py", RELOAD_SCRIPT)
     out = str(tmp_path / "out.json")
-    result = run_script(script, [folder, out], nproc=2, timeout=240)
+    result = run_script(script, [folder, out, str(tp)], nproc=2, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     found = json.load(open(out))
     assert all(f["same"] for f in found), "the model's tensors were replaced, not filled"
-    assert [f["digest"] for f in found] == [plain_digest(paths)] * 2
+    assert [f["digest"] for f in found] == want
 
 
 @pytest.mark.dist
