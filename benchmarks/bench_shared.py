@@ -19,13 +19,15 @@ checkpoint (``distload.cli.demo``). In ONE run, per store, each case loads it on
 - **auto**: what ``--load-format auto`` picks (the default user);
 - **TP 2 x DP 2 alone / shared**: ``auto`` with ``--tensor-parallel-size 2`` (each node one TP
   group, the replicas of a TP rank on different nodes), ``distributed: false`` against the default
-  (the replicas share the reading of their slices);
+  (all four ranks share the reading job-wide, each receiving only bytes of its slices);
+- **TP 4 alone / shared**: the same with ``--tensor-parallel-size 4`` (no replicas: only the TP
+  ranks' split of each tensor to share);
 - **pull**: ``distload pull`` of the folder onto each node's disk (a copy, not a load).
 
 Per case: the bytes the server sent (the proxy's count: listings, headers, HTTP framing) over the
 checkpoint's bytes, the slowest rank's load seconds (from distload's report: listing, headers,
-data) and the slowest node's whole command; per rank, for the sliced cases, bytes received
-against the rank's slices. Every rank's digest is checked against a plain read. Medians of
+data) and the slowest node's whole command; per rank, for the sliced cases, bytes requested from
+the store and received from the other ranks against the rank's slices (first repeat). Every rank's digest is checked against a plain read. Medians of
 ``--repeats``. Results: benchmarks/results/shared.json and shared.md.
 """
 
@@ -84,6 +86,8 @@ CASES = [  # name, format, extra config, TP size, force
     ("auto", "auto", {}, 0, "-"),
     ("TP 2 x DP 2, replicas alone", "auto", {"distributed": False}, 2, "-"),
     ("TP 2 x DP 2, replicas shared", "auto", {}, 2, "-"),
+    ("TP 4, alone", "auto", {"distributed": False}, 4, "-"),
+    ("TP 4, shared", "auto", {}, 4, "-"),
     ("pull", None, None, 0, "-"),
 ]
 
@@ -114,17 +118,19 @@ def run_case(case: tuple, uri: str, server, root: str, driver: str, nproc: int) 
 
 
 def reference_digests(whole: str, root: str) -> dict:
-    """Digest of a plain read of the whole checkpoint, and of each TP-2 rank's slices."""
+    """Digest of a plain read of the whole checkpoint, and of each TP rank's slices (TP 2 and 4)."""
     import distload
     from conftest import plain_digest
 
     files = sorted(os.path.join(whole, n) for n in os.listdir(whole) if n.endswith(".safetensors"))
-    saved = os.path.join(root, "tp2")
-    distload.reshard(whole, saved, 2, sharding="decoder")
-    digests = {"whole": plain_digest(files)}
-    for rank in (0, 1):
-        digests[rank] = plain_digest(sorted(os.path.join(saved, n) for n in os.listdir(saved)
-                                            if n.startswith(f"model-rank-{rank}-part-")))
+    digests: dict = {"whole": plain_digest(files)}
+    for tp in (2, 4):
+        saved = os.path.join(root, f"tp{tp}")
+        distload.reshard(whole, saved, tp, sharding="decoder")
+        for rank in range(tp):
+            digests[(tp, rank)] = plain_digest(sorted(os.path.join(saved, n) for n in os.listdir(saved)
+                                                      if n.startswith(f"model-rank-{rank}-part-")))
+        shutil.rmtree(saved)
     return digests
 
 
@@ -136,7 +142,7 @@ def summarize(case: tuple, reps: list[dict], total: int, digests: dict) -> dict:
         return row
     for rep in reps:
         for r in rep["report"]["ranks"]:
-            want = digests[r["rank"] % 2] if tp else digests["whole"]
+            want = digests[(tp, r["rank"] % tp)] if tp else digests["whole"]
             if r["digest"] != want:
                 raise SystemExit(f"{name}: rank {r['rank']} loaded other bytes than a plain read")
     ranks = reps[0]["report"]["ranks"]
@@ -144,6 +150,9 @@ def summarize(case: tuple, reps: list[dict], total: int, digests: dict) -> dict:
                path=sorted({r["path"] for r in ranks}),
                received_over_kept=max(round((r["received_bytes"] or 0) / r["nbytes"], 3) for r in ranks),
                requested_over_kept=max(round((r["requested_bytes"] or 0) / r["nbytes"], 3) for r in ranks))
+    if tp:
+        row["ranks"] = [{"rank": r["rank"], "tp_rank": r["rank"] % tp, "kept": r["nbytes"],
+                         "requested": r["requested_bytes"], "received": r["received_bytes"] or 0} for r in ranks]
     return row
 
 
@@ -221,16 +230,28 @@ def write(args: argparse.Namespace, results: dict[str, list[dict]], total: int, 
                          f"| {f'{load:.2f}' if load else '-'} | {vs} | {r.get('received_over_kept', '-')} "
                          f"| {r['command_s']:.1f} |")
         lines.append("")
+        sliced = [r for r in rows if r.get("ranks")]
+        if sliced:
+            lines += [f"Per rank in the sliced cases ({store}; MiB; first repeat):", "",
+                      "| case | rank (TP rank) | keeps | requested from the store | received from ranks "
+                      "| received / kept |", "|---|---|---|---|---|---|"]
+            for r in sliced:
+                for x in r["ranks"]:
+                    lines.append(f"| {r['case']} | {x['rank']} ({x['tp_rank']}) | {x['kept'] / MIB:.1f} "
+                                 f"| {x['requested'] / MIB:.1f} | {x['received'] / MIB:.1f} "
+                                 f"| {x['received'] / x['kept']:.3f} |")
+            lines.append("")
     lines += [
         "Load seconds are distload's own report (listing, headers, agreement, data), slowest rank; the whole",
         "command adds python start, imports and the rendezvous. The servers (node's s3rver, the Python GCS",
         "emulator) share the 2 cores with the 4 ranks, so the bytes served carry over better than the seconds.",
         "Run:ai reads at 4 concurrent requests per rank (RUNAI in the script: at 4 ranks on moto its S3",
-        "client drops connections as \"failure to meet throughput minimum\"). In the sliced cases the",
-        "tensors split along dim 1 (o_proj, down_proj) are fetched whole by each TP rank's ranged reads",
-        "(the other rank's rows lie in gaps shorter than 1 MiB, fetched with them rather than one GET per",
-        "row), so those tensors leave the store once per TP rank: 1.28x per job, not 1.0x; every rank still",
-        "receives only what it keeps (received / kept at most 0.52).", ""]
+        "client drops connections as \"failure to meet throughput minimum\"). In the sliced cases alone,",
+        "the tensors split along dim 1 (o_proj, down_proj) are fetched whole by each TP rank's ranged",
+        "reads (the other ranks' rows lie in gaps shorter than 1 MiB, fetched with them rather than one",
+        "GET per row); shared, every rank of the job is one member of one exchange plan: the union of",
+        "what all ranks keep (the whole checkpoint) is read once, a quarter by each rank, and each rank",
+        "receives from the others only bytes of its own slices.", ""]
     with open(os.path.join(args.out, "shared.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)

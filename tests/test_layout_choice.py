@@ -298,14 +298,18 @@ def test_auto_on_an_object_store_shares_reads_job_wide():
     assert remote(distributed=False) == ReadChoice(False, "runai", False)
     assert remote(device_type="cuda") == ReadChoice(False, "runai", True, "job")
     assert remote(whole_job=False) == ReadChoice(False, "ranged", True, "job")
-    # Slices kept by data-parallel replicas, and shard files of a TP rank its replicas all need.
+    # Slices of a whole checkpoint (with replicas or without: TP ranks split the same tensors), and
+    # shard files of a TP rank its replicas all need.
     assert remote(sliced=True, replicas=2) == ReadChoice(False, "ranged", True, "job")
-    assert remote(sliced=True, replicas=1) == ReadChoice(False, "ranged", False, "job")
+    assert remote(sliced=True, replicas=1) == ReadChoice(False, "ranged", True, "job")
+    assert remote(sliced=True, replicas=1, world_size=1) == ReadChoice(False, "ranged", False, "job")
+    assert remote(sharded_layout_found=True, replicas=1) == ReadChoice(True, "runai", False)
     assert remote(sharded_layout_found=True, replicas=2) == ReadChoice(True, "ranged", True, "job")
     assert remote(sharded_layout_found=True, replicas=2, distributed=False) == ReadChoice(True, "runai", False)
     # Locally the same layouts share only when asked.
     assert remote(remote=False, sliced=True, replicas=2) == ReadChoice(False, "pread", False, "job")
     assert remote(remote=False, sliced=True, replicas=2, distributed="job") == ReadChoice(False, "pread", True, "job")
+    assert remote(remote=False, sliced=True, replicas=1) == ReadChoice(False, "pread", False, "job")
 
 
 def test_every_format_has_a_choice_and_unknown_is_a_programming_error():

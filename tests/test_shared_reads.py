@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from distload.loading.agreement import sharing_ranks
-from distload.loading.backends.shared_reads import Segment, assign_readers, clip, plan_buckets
+from distload.loading.backends.exchange_plan import (
+    ExchangePlan, Segment, assign_readers, clip_runs, compact, expand, plan_buckets)
 from distload.loading.report import state_digest
 
 from conftest import every_dtype_state, plain_digest, write_whole
@@ -46,12 +47,50 @@ def test_each_round_gives_every_member_one_bucket_and_the_largest_to_the_least_l
     assert owners[2:4] == [0, 1]  # round 1: member 1 (10 so far) takes the 100
     assert owners[4:] == [1, 0]  # round 2: member 0 (110) takes the 60, member 1 (110) the 50: tie by rank
     assert assign_readers(buckets[:3], 2) == [0, 1, 1]  # a last round shorter than k
+    # A member that keeps a bucket reads it where the loads allow (then nobody sends it its bytes):
+    # each half of a dim-0 split to the TP rank that keeps it; a member 90 bytes ahead takes a
+    # 100-byte bucket it keeps whole, not one it keeps 10 bytes of.
+    halves = [(Segment(0, 0, 100),), (Segment(0, 100, 100),)]
+    assert assign_readers(halves, 2, keeps=[[0, 100], [100, 0]]) == [1, 0]
+    assert assign_readers(buckets[:4], 2, keeps=[[0, 0], [0, 0], [0, 0], [100, 0]]) == [0, 1, 1, 0]
+    assert assign_readers(buckets[:4], 2, keeps=[[0, 0], [0, 0], [0, 0], [10, 0]]) == [0, 1, 0, 1]
 
 
-def test_clip_keeps_the_extents_inside_a_bucket():
-    rows = [(0, 0, 10), (40, 10, 10), (80, 20, 10)]  # a row-sliced piece: 3 rows of 10 bytes
-    assert clip(rows, 5, 20, 100) == [(5, 100, 5), (40, 105, 10), (80, 115, 5)]
-    assert clip(rows, 30, 10, 0) == []
+def test_a_row_sliced_need_is_one_run_and_clips_to_whole_and_cut_rows():
+    rows = [(0, 0, 10), (40, 10, 10), (80, 20, 10), (120, 30, 10)]  # 4 rows of 10 bytes, 40 apart
+    runs = compact(rows)
+    assert runs == ((0, 0, 10, 4, 40, 10),) and list(expand(runs)) == rows
+    # [5, 125): row 0 cut at its start, rows 1-2 whole (one run), row 3 cut at its end
+    assert clip_runs(runs, 5, 125) == [(5, 5, 5, 1, 5, 5), (40, 10, 10, 2, 40, 10), (120, 30, 5, 1, 5, 5)]
+    assert clip_runs(runs, 10, 40) == []  # a gap between rows
+    assert compact([(0, 0, 4), (4, 4, 4), (20, 8, 2)]) == ((0, 0, 4, 2, 4, 4), (20, 8, 2, 1, 2, 2))
+
+
+def test_the_exchange_plan_reads_the_union_once_and_gives_each_member_exactly_its_need(monkeypatch):
+    """Two TP ranks keeping halves of every row (dim 1) of a 16 x 48-byte tensor, and a replica of
+    the first: the union is the whole tensor, cut into 64-byte buckets (rows cut at their edges),
+    each read once, and each member's pieces are exactly its half rows."""
+    import distload.loading.backends.exchange_plan as exchange_plan
+
+    monkeypatch.setattr(exchange_plan, "MIN_BUCKET_BYTES", 1)
+    left = compact((r * 48, r * 24, 24) for r in range(16))
+    right = compact((r * 48 + 24, r * 24, 24) for r in range(16))
+    needs = [left, right, left]
+    plan = ExchangePlan([768], [[n] for n in needs], bucket_bytes=128)  # 768 // (4 x 3) = 64 a bucket
+    assert plan.union_bytes == 768 and not plan.identical
+    assert [(span.lo, span.hi) for spans in plan.spans for span in spans] == [(b, b + 64) for b in range(0, 768, 64)]
+    assert plan.readers == [0, 1, 2] * 4 and sum(plan.read_bytes(b) for b in range(12)) == 768
+    for member, need in enumerate(needs):
+        kept = []
+        for b in range(len(plan.buckets)):
+            (span,) = plan.spans[b]
+            kept += [(src - span.at + span.lo, dst, n) for _, run in plan.pieces(b, member) for src, dst, n in expand([run])]
+        assert {d + x: s + x for s, d, n in kept for x in range(n)} == \
+            {d + x: s + x for s, d, n in expand(need) for x in range(n)}, member
+        assert sum(n for _, _, n in kept) == 384  # its half, nothing more
+    # A lone TP rank's rows: the union has gaps, which are neither read nor counted.
+    alone = ExchangePlan([768], [[left]], bucket_bytes=128)
+    assert alone.union_bytes == 384 and sum(alone.read_bytes(b) for b in range(len(alone.buckets))) == 384
 
 
 def test_sharing_ranks_by_need_and_by_node():
@@ -136,25 +175,54 @@ def test_a_whole_checkpoint_is_read_once_by_the_ranks_together(tmp_path):
         assert r["received_bytes"] == total - r["requested_bytes"]
 
 
+def planned_exchange(folder: str, tp: int, nproc: int, bucket: int) -> list[dict[str, int]]:
+    """Per rank, what the job-wide exchange plan says it reads, keeps of its own reads, and
+    receives, from each rank's real plan (the exchange's facts: file order, every rank's slices)."""
+    from distload.group import WorkerGroup
+    from distload.loading.backends.exchange_plan import run_bytes, whole_need
+    from distload.loading.loader import Loader
+
+    plans = []
+    with WorkerGroup(device="cpu") as group:
+        for rank in range(nproc):
+            plans.append(Loader(folder, "auto", group=group, tensor_parallel_size=tp,
+                                tensor_parallel_rank=rank % tp).plan())
+    infos = [t for f in plans[0].index.files for t in f.tensors]
+    needs = [[p.slice_runs().get(t.name, whole_need(t.nbytes)) for t in infos] for p in plans]
+    plan = ExchangePlan([t.nbytes for t in infos], needs, bucket)
+    out = [{"read": 0, "kept_own": 0, "received": 0} for _ in range(nproc)]
+    for b, reader in enumerate(plan.readers):
+        out[reader]["read"] += plan.read_bytes(b)
+        for m in range(nproc):
+            kept = run_bytes(run for _, run in plan.pieces(b, m))
+            out[m]["kept_own" if m == reader else "received"] += kept
+    return out
+
+
 @pytest.mark.dist
-def test_data_parallel_replicas_split_the_reading_of_their_slices(llama, tmp_path):
-    """TP 2 x DP 2: the two replicas of each TP rank read disjoint parts of its slices and exchange
-    them (point to point: the other TP rank's replicas receive nothing of it)."""
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tp_ranks_and_their_replicas_read_each_byte_once_and_receive_only_their_slices(llama, tmp_path, nproc):
+    """TP 2 on 2 ranks, and TP 2 x DP 2 on 4: the job reads the whole checkpoint once (the dim-1
+    tensors too, which each TP rank would fetch whole alone), split over all ranks, and each rank
+    receives exactly the bytes of its slices it did not read itself (point to point)."""
     whole, saved = llama
-    result, report = run_shared(tmp_path, whole, 4, tp=2, bucket=1024)
+    result, report = run_shared(tmp_path, whole, nproc, tp=2, bucket=1024)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     ranks = report["ranks"]
     state = llama_state()
-    for tp_rank in (0, 1):
-        replicas = [r for r in ranks if r["rank"] % 2 == tp_rank]
-        want = rank_reference(saved[2], tp_rank)
-        assert [r["digest"] for r in replicas] == [state_digest(want)] * 2
-        assert sum(r["requested_bytes"] for r in replicas) == slice_request_bytes(state, tp_rank, 2)
-        assert all(r["requested_bytes"] > 0 for r in replicas)
-        for r in replicas:
-            assert r["path"] == "pread-shared" and r["tensor_parallel"] == [tp_rank, 2]
-            assert r["received_bytes"] <= r["nbytes"]  # a rank receives only what it keeps
-            assert r["received_bytes"] + r["requested_bytes"] >= r["nbytes"] - 4096  # padding is not read
+    checkpoint = sum(t.numel() * t.element_size() for t in state.values())
+    assert sum(r["requested_bytes"] for r in ranks) == checkpoint  # each byte read once per job
+    planned = planned_exchange(whole, 2, nproc, 1024)
+    for r in ranks:
+        tp_rank = r["rank"] % 2
+        assert r["digest"] == state_digest(rank_reference(saved[2], tp_rank)), r["rank"]
+        assert r["path"] == "pread-shared" and r["tensor_parallel"] == [tp_rank, 2]
+        want = planned[r["rank"]]
+        assert (r["requested_bytes"], r["received_bytes"]) == (want["read"], want["received"]), (r, want)
+        assert 0.1 * checkpoint < r["requested_bytes"] < 0.9 * checkpoint * 2 / nproc  # a share of the reads
+        # what it received and what it kept of its own reads: exactly its slices (padding is not read)
+        assert r["received_bytes"] + want["kept_own"] == slice_request_bytes(state, tp_rank, 2)
+        assert r["received_bytes"] <= r["nbytes"]
 
 
 @pytest.mark.dist
@@ -183,14 +251,21 @@ def test_the_node_scope_shares_within_a_node(llama, tmp_path):
 
 
 @pytest.mark.dist
-def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(tmp_path):
-    folder = str(tmp_path / "whole")
-    write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
-    result, _ = run_shared(tmp_path, folder, 3, fault="fail:1")
+@pytest.mark.parametrize("tp", [0, 2])
+def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(llama, tmp_path, tp):
+    """A whole checkpoint on 3 ranks, and TP 2 on 2 ranks (the exchange of slices)."""
+    if tp:
+        folder = llama[0]
+        result, _ = run_shared(tmp_path, folder, 2, tp=tp, bucket=1024, fault="fail:1")
+    else:
+        folder = str(tmp_path / "whole")
+        write_whole(folder, {f"w{i}": torch.randn(4096) for i in range(12)}, num_files=2)
+        result, _ = run_shared(tmp_path, folder, 3, fault="fail:1")
     out = result.stdout + result.stderr
     assert result.returncode != 0
     assert "rank 1 stopped" in out and "Input/output error" in out, out[-3000:]
-    for rank in (0, 2):
+    assert re.search(r"rank 1 stopped after [0-9.]+ s: .*reading tensor '.+' failed", out), out[-3000:]
+    for rank in ((0,) if tp else (0, 2)):
         found = re.search(rf"rank {rank} stopped after ([0-9.]+) s: .*failed on rank\(s\) 1", out)
         assert found, out[-3000:]
         assert float(found.group(1)) < 30  # at the next round, not at the 60 s timeout
@@ -268,12 +343,15 @@ import distload
 import distload.loading.backends.shared_reads as shared
 from distload.loading.report import state_digest
 
-source, out = sys.argv[1:3]
+source, out, tp = sys.argv[1:4]
+tp = int(tp) or None
 shared.BUCKET_BYTES = 2048
 with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
-    model = {n: torch.zeros_like(t) for n, t in distload.load(source, "dummy", group=group).items()}
+    model = {n: torch.zeros_like(t) for n, t in distload.load(source, "dummy", group=group,
+                                                               tensor_parallel_size=tp).items()}
     pointers = {n: t.data_ptr() for n, t in model.items()}
-    report = distload.reload_into(model, source, "auto", {"distributed": "job"}, group=group)
+    report = distload.reload_into(model, source, "auto", {"distributed": "job"}, group=group,
+                                  tensor_parallel_size=tp)
     same = all(model[n].data_ptr() == p for n, p in pointers.items())
     found = group.exchange({"same": same, "digest": state_digest(model), "nbytes": report.nbytes})
     if group.rank == 0:
@@ -282,16 +360,22 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 
 
 @pytest.mark.dist
-def test_a_shared_read_fills_existing_tensors_in_place(tmp_path):
-    folder = str(tmp_path / "whole")
-    paths = write_whole(folder, {f"w{i}": torch.randn(3000) for i in range(5)}, num_files=2)
+@pytest.mark.parametrize("tp", [0, 2])
+def test_a_shared_read_fills_existing_tensors_in_place(llama, tmp_path, tp):
+    """A whole checkpoint, and TP 2's slices (half rows received straight into the tensor)."""
+    if tp:
+        folder = llama[0]
+        want = [state_digest(rank_reference(llama[1][2], rank)) for rank in (0, 1)]
+    else:
+        folder = str(tmp_path / "whole")
+        want = [plain_digest(write_whole(folder, {f"w{i}": torch.randn(3000) for i in range(5)}, num_files=2))] * 2
     script = write_script(tmp_path, "reload.py", RELOAD_SCRIPT)
     out = str(tmp_path / "out.json")
-    result = run_script(script, [folder, out], nproc=2, timeout=240)
+    result = run_script(script, [folder, out, str(tp)], nproc=2, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     found = json.load(open(out))
     assert all(f["same"] for f in found), "the model's tensors were replaced, not filled"
-    assert [f["digest"] for f in found] == [plain_digest(paths)] * 2
+    assert [f["digest"] for f in found] == want
 
 
 @pytest.mark.dist
@@ -322,14 +406,28 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 
 
 @pytest.mark.dist
-def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path):
-    """moto behind a byte-counting proxy, 3 ranks, auto: the server sends the objects' bytes once
-    (listings, headers and HTTP framing included), every rank bit-identical to a plain read."""
+@pytest.mark.parametrize("tp", [0, 2])
+def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path, tp):
+    """moto behind a byte-counting proxy, auto: the server sends the objects' bytes once (listings,
+    headers and HTTP framing included), every rank bit-identical to a plain read. A whole
+    checkpoint on 3 ranks; a Llama-shaped one with TP 2 x DP 2 on 4 ranks (save-sharded's slices):
+    the dim-1 tensors too leave the store once, and each rank receives only bytes it keeps."""
     from conftest import read_report, run_distload
     from object_store_servers import ByteCountingProxy, start_moto
 
     folder = str(tmp_path / "whole")
-    paths = write_whole(folder, {f"w{i}": torch.randn(1 << 20) for i in range(6)}, num_files=2)  # 24 MiB
+    if tp:
+        from distload import reshard
+        from distload.cli.demo import write_demo_checkpoint
+
+        folder, _ = write_demo_checkpoint(str(tmp_path / "demo"), 1, 24, 512)
+        reshard(folder, str(tmp_path / "tp2"), tp, sharding="decoder")
+        want = {rank: state_digest(rank_reference(str(tmp_path / "tp2"), rank)) for rank in range(tp)}
+        paths = sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
+    else:
+        paths = write_whole(folder, {f"w{i}": torch.randn(1 << 20) for i in range(6)}, num_files=2)  # 24 MiB
+        want = {0: plain_digest(paths)}
+    nproc = 4 if tp else 3
     total = sum(os.path.getsize(p) for p in paths)
     os.makedirs(tmp_path / "moto")
     server = start_moto(str(tmp_path / "moto"))
@@ -338,7 +436,8 @@ def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_pat
         proxy = ByteCountingProxy(server.port)
         try:
             report_path = str(tmp_path / "report.json")
-            result = run_distload(["load", uri, "--report-json", report_path, "--no-progress"], nproc=3,
+            result = run_distload(["load", uri, "--report-json", report_path, "--no-progress"]
+                                  + (["--tensor-parallel-size", str(tp)] if tp else []), nproc=nproc,
                                   env=server.env(proxy.port), timeout=240)
         finally:
             proxy.close()
@@ -346,7 +445,14 @@ def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_pat
         server.stop()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     ranks = read_report(report_path)["ranks"]
-    assert [r["path"] for r in ranks] == ["ranged-shared"] * 3
-    assert [r["digest"] for r in ranks] == [plain_digest(paths)] * 3
-    assert sum(r["requested_bytes"] for r in ranks) == ranks[0]["nbytes"]
+    assert [r["path"] for r in ranks] == ["ranged-shared"] * nproc
+    assert [r["digest"] for r in ranks] == [want[r["rank"] % max(tp, 1)] for r in ranks]
+    tensors = total - sum(8 + header_length(p) for p in paths)
+    assert sum(r["requested_bytes"] for r in ranks) == tensors  # each tensor byte asked for once
+    assert all(r["received_bytes"] <= r["nbytes"] for r in ranks)  # only what it keeps
     assert total <= proxy.served <= 1.05 * total, (proxy.served, total)
+
+
+def header_length(path: str) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")

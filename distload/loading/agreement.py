@@ -18,12 +18,15 @@ if TYPE_CHECKING:
     from distload.loading.plan import RankPlan
 
 
-def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[int, ...]:
+def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[tuple[int, ...], tuple[dict, ...]]:
     """Collective over ``group``: the same choice everywhere, identical lists where ranks read
-    cooperatively. Returns, for a backend that shares reads by need, the ranks that need exactly
-    this rank's bytes (this one included; on its node only for the ``node`` scope); else ()."""
-    everyone = group.exchange((plan.choice, plan.signature(), plan.share_key(), group.hostname))
-    choices = {rank: choice for rank, (choice, _, _, _) in enumerate(everyone)}
+    cooperatively. Returns, for a backend that shares reads, the ranks that read this rank's files
+    with it (this one included; on its node only for the ``node`` scope) and what each of them
+    keeps (``RankPlan.slice_runs``, in the same order); else ((), ())."""
+    shares = plan.choice.cooperative and BACKENDS[plan.choice.backend].shares_reads
+    runs = plan.slice_runs() if shares else None  # only a shared read needs the others' slices
+    everyone = group.exchange((plan.choice, plan.signature(), plan.share_key(), group.hostname, runs))
+    choices = {rank: choice for rank, (choice, _, _, _, _) in enumerate(everyone)}
     if len(set(choices.values())) > 1:
         raise GroupError(
             "ranks chose different readers for the same load: "
@@ -31,11 +34,11 @@ def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[int, ...]:
             + ". Every rank must run the same command with the same extra config."
         )
     if not plan.choice.cooperative:
-        return ()
+        return (), ()
     sharing: tuple[int, ...] = ()
     compared = list(range(group.world_size))
-    if BACKENDS[plan.choice.backend].shares_reads:
-        sharing = sharing_ranks([(key, host) for _, _, key, host in everyone], group.rank, plan.choice.scope)
+    if shares:
+        sharing = sharing_ranks([(key, host) for _, _, key, host, _ in everyone], group.rank, plan.choice.scope)
         compared = list(sharing)
     differing = mismatched_ranks([everyone[r][1] for r in compared], compared)
     if differing:
@@ -44,12 +47,12 @@ def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[int, ...]:
             f"cooperative read refused: every rank must read the identical file list, but {details}. Make the checkpoint visible at the same path with the "
             f"same files on every node, or read without cooperation (extra config distributed=false)."
         )
-    return sharing
+    return sharing, tuple(everyone[r][4] for r in sharing)
 
 
 def sharing_ranks(needs: list[tuple[tuple, str]], rank: int, scope: str) -> tuple[int, ...]:
-    """The ranks that read ``rank``'s bytes with it: ``needs`` holds every rank's share key (equal
-    where ranks need the same bytes) and host; the ``node`` scope keeps those on ``rank``'s host."""
+    """The ranks that read ``rank``'s files with it: ``needs`` holds every rank's share key (equal
+    where ranks read the same files) and host; the ``node`` scope keeps those on ``rank``'s host."""
     key, host = needs[rank]
     return tuple(r for r, (other_key, other_host) in enumerate(needs)
                  if other_key == key and (scope == "job" or other_host == host))

@@ -45,12 +45,16 @@ def sharing_scope(distributed: bool | str | None) -> str | bool | None:
 # and 2 ranks, whole and per-rank shards; a file truncated under it is an error naming the file
 # and tensor, where a memcpy out of a memory map dies of SIGBUS. With the page cache already
 # sharing reads between a node's ranks, each rank reading alone beats Run:ai's distributed mode
-# over gloo, so local loads cooperate only when asked to (``distributed``).
+# over gloo, so local loads cooperate only when asked to (``distributed``). The same for TP slices
+# of local files: pread asks for each rank's slices only, so TP ranks read each byte once per job
+# already; sharing them anyway took a median 0.56 s against 0.32 s alone (TP 2 on 2 ranks,
+# 315 MiB, warm page cache, 6 runs each: the exchange over gloo is the cost).
 # On an object store nothing shares the reads, so ranks that need the same bytes read them
 # cooperatively, across the whole job, with distload's own shared ranged reads: on two nodes x 2
 # ranks they served each byte once, as Run:ai's job-wide mode does, and loaded faster than it
-# (benchmarks/results/shared.md); they also split what Run:ai cannot (a subgroup, slices kept by
-# data-parallel replicas, shard files replicas share). A GPU job keeps Run:ai's device path.
+# (benchmarks/results/shared.md); they also split what Run:ai cannot (a subgroup, the slices of
+# TP ranks and their data-parallel replicas, shard files replicas share). A GPU job keeps Run:ai's
+# device path.
 AUTO_CPU_BACKEND = "pread"
 
 
@@ -71,7 +75,8 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     then reads with the readers that ask for those bytes only (pread, ranged GETs), on any device;
     an explicit format reads whole tensors and the loader keeps the slice.
     ``replicas``: ranks holding the same tensor-parallel rank (data-parallel replicas); with more
-    than one, ``auto`` lets them share the reading of their common slices or shard files.
+    than one, ``auto`` lets them share the reading of their shard files (the slices of a whole
+    checkpoint are shared between all ranks, replicas or not).
     """
     many = world_size > 1
     scope = sharing_scope(distributed)
@@ -98,7 +103,10 @@ def choose_read(load_format: str, *, sharded_layout_found: bool, device_type: st
     share = scope is not False and (asked is not None or remote)
     shared_scope = asked or "job"
     if sliced:
-        return ReadChoice(False, own, share and replicas > 1, shared_scope)
+        # Every rank of a whole checkpoint shares: replicas keep the same slices, and TP ranks keep
+        # parts of the same tensors (a slice along dim 1 is half of every row: a ranged read of one
+        # rank's rows fetches the other's with them, so alone each TP rank fetches those whole).
+        return ReadChoice(False, own, share and many, shared_scope)
     if sharded_layout_found:
         if share and replicas > 1:  # each replica of a TP rank needs the same shard files
             return ReadChoice(True, own, True, shared_scope)

@@ -128,8 +128,8 @@ class Loader:
         plan = self.group.agree("planning the load",
                                 lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel,
                                                   self.blocks))
-        sharing = agree_on_read(self.group, plan)
-        return replace(plan, sharing=sharing) if sharing else plan
+        sharing, needs = agree_on_read(self.group, plan)
+        return replace(plan, sharing=sharing, needs=needs) if sharing else plan
 
     def stream(self, plan: RankPlan | None = None,
                destinations: Mapping[str, torch.Tensor] | None = None) -> LoadStream:
@@ -212,7 +212,7 @@ class Loader:
         slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
         return ReadRequest(plan.index, self.group.device, self.group, self.config.extra,
                            plan.choice.cooperative, destinations, host_memory, slices,
-                           plan.choice.scope, plan.sharing)
+                           plan.choice.scope, plan.sharing, plan.needs)
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
                      read_before: int | None, host_memory: HostMemory) -> RankReport:

@@ -3,10 +3,10 @@ planner, :mod:`distload.loading.planner`, makes it)."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from distload.loading.backends.exchange_plan import compact
 from distload.loading.choice import ReadChoice
 from distload.loading.index import CheckpointIndex
 from distload.loading.manifest import View
@@ -32,8 +32,10 @@ class RankPlan:
     tensor_parallel: TensorParallel | None = None
     slices: RankSlices | None = None
     # After the agreement, for a cooperative read that shares by need (Backend.shares_reads): the
-    # group ranks that need exactly this rank's bytes, this one included.
+    # group ranks that read this rank's files with it, this one included, and what each keeps of
+    # the split tensors (slice_runs, in the same order).
     sharing: tuple[int, ...] = ()
+    needs: tuple[Mapping[str, tuple], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -49,16 +51,21 @@ class RankPlan:
         return shape if piece is None else piece.shape
 
     def share_key(self) -> tuple:
-        """Equal on the ranks that are meant to need the same bytes: a whole checkpoint's ranks
-        (the same slices, or none), a tensor-parallel rank's replicas of a pre-sharded one. The
-        agreement then checks that those ranks hold identical file lists."""
+        """Equal on the ranks that are meant to read the same files, and so may share the reading:
+        every rank of a whole checkpoint (whatever slices each keeps: the exchange sends each its
+        own), a tensor-parallel rank's replicas of a pre-sharded one. The agreement then checks
+        that those ranks hold identical file lists."""
         if self.choice.sharded:
             tp = self.tensor_parallel
             return ("files of TP rank", tp.rank, tp.size) if tp is not None else ("files", tuple(self.index.signature()))
+        return ("whole",)
+
+    def slice_runs(self) -> dict[str, tuple]:
+        """What this rank keeps of each split tensor, as the exchange plan's byte runs (compact:
+        a slice along dim 1 is one run, not one extent per row; it travels to every rank)."""
         if self.slices is None:
-            return ("whole",)
-        pieces = sorted((name, piece.shape, piece.extents, piece.zeros) for name, piece in self.slices.slices.items())
-        return ("slices", hashlib.sha256(repr(pieces).encode()).hexdigest())
+            return {}
+        return {name: compact(piece.extents) for name, piece in self.slices.slices.items()}
 
     def signature(self) -> list[tuple]:
         """What ranks compare before a cooperative read: path, size (and content) per file."""

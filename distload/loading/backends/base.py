@@ -48,7 +48,10 @@ class ReadRequest:
     loader cuts the rank's slice.
     ``scope`` (cooperative reads): ``node`` or ``job``, the ranks that split the reading.
     ``sharing`` (cooperative reads of a backend that ``shares_reads``): the ranks of the group
-    (group ranks, this one included) that need exactly this rank's bytes, found by the agreement.
+    (group ranks, this one included) that read this rank's files together, found by the agreement;
+    ``needs``: what each of them keeps (in ``sharing``'s order): tensor name -> byte runs of its
+    slice (``exchange_plan.py``), the tensors it keeps whole left out. Empty: each keeps what this
+    rank keeps.
     """
 
     index: CheckpointIndex
@@ -63,6 +66,7 @@ class ReadRequest:
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
     scope: str = "node"
     sharing: tuple[int, ...] = ()
+    needs: tuple[Mapping[str, tuple], ...] = ()
 
 
 class BackendRun:
@@ -103,8 +107,9 @@ class Backend:
     ``reads_object_stores``: it can read ``s3://``/``gs://``/``az://`` sources.
     ``package``: the optional module it needs (None: always there).
     ``reads_slices``: it reads only a tensor-parallel rank's byte ranges (``request.slices``).
-    ``shares_reads``: its cooperative read splits the bytes among the ranks that need the same
-        ones (``request.sharing``: replicas of a slice, a node's ranks), not the whole group.
+    ``shares_reads``: its cooperative read splits the bytes among the ranks that read the same
+        files (``request.sharing``: a whole checkpoint's ranks, the replicas of a TP rank's shard
+        files; a node's only, for the node scope) and sends each only what it keeps.
     """
 
     name: ClassVar[str] = ""

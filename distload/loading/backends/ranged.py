@@ -1,6 +1,7 @@
 """Ranged reads from an object store: what ``safetensors`` and ``sharded_state`` do on ``s3://``,
-``gs://`` and ``az://`` (safetensors' own reader needs a local file), and how ``auto`` reads a
-tensor-parallel rank's slices there.
+``gs://`` and ``az://`` (safetensors' own reader needs a local file), and how ``auto`` reads there:
+each rank alone (one rank, or ``distributed: false``), or shared between the ranks that read the
+same files (``StoreBytes`` under ``shared_reads.py``: each byte fetched once per job).
 
 Each file is read in order with ranged GETs through the store's SDK client (the one that listed it
 and read its headers). The byte ranges a rank needs (whole tensors, or the extents of its slices)

@@ -1,60 +1,64 @@
-"""Shared reads: the ranks that need the same bytes split their reading, and each sends what it
-read to the others, so each byte leaves storage once per sharing group.
+"""Shared reads: each byte a group of ranks needs is read once, by one of them, and each rank
+receives from the others exactly the bytes it keeps.
 
 This is the cooperative read of distload's own readers (``pread`` on local files, ``ranged`` on
 object stores), for what Run:ai's distributed mode cannot split: a load over a subgroup,
-tensor-parallel slices that data-parallel replicas all keep, shard files that replicas share,
+tensor-parallel slices (with or without data-parallel replicas), shard files that replicas share,
 local files shared job-wide (a network file system). The readers give it a ``ByteReader``; it does
 the rest.
 
-**Who shares** (``request.sharing``): the ranks of the load's group that need exactly this rank's
-bytes (the same files and the same slices), on its node or in the whole job (the read choice's
-scope). The load's agreement step found them, and checked that they hold identical file lists.
+**Who shares** (``request.sharing``): the *members*, the ranks of the load's group that read a
+checkpoint together, on this rank's node or in the whole job (the read choice's scope): every rank
+of a whole checkpoint (each keeping all of it, or its tensor-parallel slices), the replicas of a
+TP rank for a pre-sharded one (they need the same shard files). ``request.needs`` says what each
+member keeps of each split tensor (byte runs; the others whole). The load's agreement step found
+both, and checked that the members hold identical file lists.
 
-**How.** The rank's bytes (its tensors, or its slices of them, in file order) are cut into
-*buckets* of at most BUCKET_BYTES (smaller for a small load, so that each member reads several):
-a large tensor into equal buckets of its own, small neighbours together. Each *round* of k buckets (k members) gives each member one to read, the largest to the
-member that has read least so far (``assign_readers``). In each round:
+**What each reads and receives** (``exchange_plan.py``): the union of the members' needs, tensor by
+tensor in file order, is cut into *buckets* of at most BUCKET_BYTES (smaller for a small load, so
+that each member reads several). Each bucket has one reader: each *round* of k buckets (k members)
+gives each member one to read, the largest to the member that has read least so far, counting
+what a member keeps of a bucket off its load (so a TP rank tends to read its own rows: bytes its
+reader keeps are sent to fewer members). So a tensor
+that two TP ranks split along dim 1 is read once, as one range, not once per TP rank row by row.
+Each member's *pieces* of a bucket are its need clipped to it.
+
+**A round:**
 
 1. each member waits for its bucket's read (its threads read READ_AHEAD_ROUNDS rounds ahead);
 2. every rank of the load's group says whether it is fine (one exchange on the control group, as
    ``WorkerGroup.check_all_ok`` does): a read that failed on one rank, or a rank that failed
    elsewhere and reported it, ends every rank at this point, naming it; nobody waits for it;
-3. each bucket goes from its reader to the other members: one broadcast where the members are the
-   whole group, point-to-point sends otherwise (ranks outside a sharing group receive nothing of
-   it). A bucket of one tensor's bytes travels in place, into each member's tensor; a bucket of
-   several small tensors through one staging buffer.
+3. each reader sends every other member its pieces of the bucket: one broadcast where the members
+   are the whole group and all keep the same bytes (a whole checkpoint), else one point-to-point
+   message per member that keeps something of it, its pieces packed in order (a dim-1 slice's
+   half rows: one strided copy). A receiver places them into its tensors, straight into the
+   tensor where they land in one unbroken range (an in-place reload keeps its memory); the reader
+   keeps its own pieces, read straight into its tensor where the bucket is exactly what it keeps.
 
-Every rank of the group runs the same number of rounds (the most any sharing group needs), so the
-exchanges match where sharing groups differ. A tensor is handed out once its last bucket is in.
-The report counts ``requested_bytes`` (what this rank read from storage) and ``received_bytes``
-(what came from the other members).
+Every rank of the group runs the same number of rounds (the most any member set needs), so the
+exchanges match where member sets differ (node scope, shard files). A tensor is handed out once
+its last bucket is in. The report counts ``requested_bytes`` (what this rank read from storage)
+and ``received_bytes`` (what came from the other members: only bytes it keeps).
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from distload.errors import DistloadError, GroupError, RankFailedError
 from distload.loading.backends.base import BackendRun, ReadRequest
+from distload.loading.backends.exchange_plan import (
+    BUCKET_BYTES, ExchangePlan, Need, Piece, compact, contiguous, run_bytes, whole_need)
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
-BUCKET_BYTES = 64 * 1024 * 1024
-# Smaller buckets where the load is small for its members: at least BUCKETS_PER_MEMBER rounds, so
-# that one member's extra bucket does not hold up the others (measured: 300 MiB over 4 ranks in
-# 64 MiB buckets left one rank reading 37% of it).
-MIN_BUCKET_BYTES = 4 * 1024 * 1024
-BUCKETS_PER_MEMBER = 4
 READ_AHEAD_ROUNDS = 2  # each member reads this many of its buckets ahead of the sends
-ALIGN = 64  # a large tensor's buckets start on this many bytes
 
 Extent = tuple[int, int, int]  # (offset in the tensor's data in its file, offset in the buffer, length)
 
@@ -70,105 +74,38 @@ class ByteReader(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class Segment:
-    """Bytes ``[start, start + length)`` of this rank's piece of tensor number ``tensor``."""
-
-    tensor: int
-    start: int
-    length: int
-
-
-Bucket = tuple[Segment, ...]
-
-
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
-    """Buckets over tensors of ``sizes`` bytes (in order): a tensor of at least ``bucket_bytes``
-    in equal buckets of its own, smaller neighbours grouped up to ``bucket_bytes``."""
-    buckets: list[Bucket] = []
-    group: list[Segment] = []
-    size = 0
-    for i, n in enumerate(sizes):
-        if n == 0:
-            continue
-        if n >= bucket_bytes:
-            if group:
-                buckets.append(tuple(group))
-                group, size = [], 0
-            parts = math.ceil(n / bucket_bytes)
-            share = -(-n // parts)  # ceil(n / parts), then up to a multiple of ALIGN
-            step = -(-share // ALIGN) * ALIGN
-            buckets += [(Segment(i, start, min(step, n - start)),) for start in range(0, n, step)]
-            continue
-        if group and size + n > bucket_bytes:
-            buckets.append(tuple(group))
-            group, size = [], 0
-        group.append(Segment(i, 0, n))
-        size += n
-    if group:
-        buckets.append(tuple(group))
-    return buckets
-
-
-def assign_readers(buckets: Sequence[Bucket], k: int) -> list[int]:
-    """Which of ``k`` members reads each bucket: one bucket per member in each round of k, the
-    round's largest bucket to the member that has read least so far (ties by position), so that
-    buckets of unequal sizes still spread evenly. Pure: every member computes the same."""
-    load = [0] * k
-    owners = [0] * len(buckets)
-    for first in range(0, len(buckets), k):
-        round_ = sorted(range(first, min(first + k, len(buckets))),
-                        key=lambda b: (-sum(s.length for s in buckets[b]), b))
-        members = sorted(range(k), key=lambda m: (load[m], m))
-        for b, m in zip(round_, members):
-            owners[b] = m
-            load[m] += sum(s.length for s in buckets[b])
-    return owners
-
-
-def clip(extents: Sequence[Extent], start: int, length: int, at: int) -> list[Extent]:
-    """Of a piece's ``(source, destination, length)`` extents, the parts that land in destination
-    bytes ``[start, start + length)``, placed at ``at`` onward in a buffer."""
-    end = start + length
-    out = []
-    for src, dst, n in extents:
-        lo, hi = max(dst, start), min(dst + n, end)
-        if lo < hi:
-            out.append((src + lo - dst, at + lo - start, hi - lo))
-    return out
-
-
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
+
+
+def _rows(flat: torch.Tensor, start: int, n: int, count: int, step: int) -> torch.Tensor:
+    """``count`` rows of ``n`` bytes from ``start``, ``step`` apart, as a (count, n) view."""
+    if count == 1 or step == n:
+        return flat[start:start + n * count].view(count, n)
+    return flat[start:start + (count - 1) * step + n].as_strided((count, n), (step, 1))
+
+
+def member_needs(request: ReadRequest, infos: Sequence[TensorInfo], k: int) -> list[list[Need]]:
+    """Each of the ``k`` members' need of each tensor: its runs where it keeps a slice, else the
+    whole tensor. Without ``request.needs``, every member keeps what this rank keeps."""
+    own = {name: compact(piece.extents) for name, piece in request.slices.items()}
+    members: Sequence[Mapping[str, Need]] = request.needs or (own,) * k
+    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in members]
 
 
 class _Tensors:
     """This rank's tensors: each allocated when a bucket first needs it, handed out when done."""
 
-    def __init__(self, request: ReadRequest, infos: list[TensorInfo], buckets: list[Bucket]):
+    def __init__(self, request: ReadRequest, infos: list[TensorInfo], plan: ExchangePlan):
         self.request = request
         self.infos = infos
         self.tensors: list[torch.Tensor | None] = [None] * len(infos)
         self.new: list[bool] = [True] * len(infos)
         self.missing = [0] * len(infos)
-        for bucket in buckets:
-            for segment in bucket:
-                self.missing[segment.tensor] += 1
+        for spans in plan.spans:
+            for span in spans:
+                self.missing[span.tensor] += 1
         self.next_out = 0
-
-    def piece(self, i: int):
-        return self.request.slices.get(self.infos[i].name)
-
-    def extents(self, i: int) -> Sequence[Extent]:
-        piece = self.piece(i)
-        info = self.infos[i]
-        if piece is None:
-            return ((0, 0, info.nbytes),) if info.nbytes else ()
-        return piece.extents
-
-    def zeros(self, i: int) -> Sequence[tuple[int, int]]:
-        piece = self.piece(i)
-        return () if piece is None else piece.zeros
 
     def get(self, i: int) -> torch.Tensor:
         tensor = self.tensors[i]
@@ -176,64 +113,124 @@ class _Tensors:
             tensor = self.tensors[i] = self._allocate(i)
         return tensor
 
+    def flat(self, i: int) -> torch.Tensor:
+        return _flat_bytes(self.get(i))
+
     def _allocate(self, i: int) -> torch.Tensor:
         info, request = self.infos[i], self.request
-        piece = self.piece(i)
+        piece = request.slices.get(info.name)
         shape = info.shape if piece is None else piece.shape
         dest = request.destinations.get(info.name)
         if (dest is not None and dest.device == request.device and dest.is_contiguous()
                 and dest.dtype == info.torch_dtype and tuple(dest.shape) == tuple(shape)):
             self.new[i] = False
-            return dest
-        if request.device.type == "cpu":
-            return request.host_memory.empty(shape, info.torch_dtype)
-        return torch.empty(shape, dtype=info.torch_dtype, device=request.device)
+            tensor = dest
+        elif request.device.type == "cpu":
+            tensor = request.host_memory.empty(shape, info.torch_dtype)
+        else:
+            tensor = torch.empty(shape, dtype=info.torch_dtype, device=request.device)
+        if piece is not None and piece.zeros:  # vocabulary padding: zero rows, never read nor sent
+            flat = _flat_bytes(tensor)
+            for offset, length in piece.zeros:
+                flat[offset:offset + length].zero_()
+        return tensor
 
-    def region(self, segment: Segment) -> torch.Tensor:
-        return _flat_bytes(self.get(segment.tensor))[segment.start:segment.start + segment.length]
-
-    def done(self, bucket: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
-        """After ``bucket`` arrived: the tensors now complete, in order."""
-        for segment in bucket:
-            self.missing[segment.tensor] -= 1
+    def done(self, tensors: Sequence[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        """After a bucket over ``tensors`` arrived: the tensors now complete, in order."""
+        for i in tensors:
+            self.missing[i] -= 1
         yield from self.ready()
 
     def ready(self) -> Iterator[tuple[str, torch.Tensor]]:
         while self.next_out < len(self.infos) and self.missing[self.next_out] == 0:
             i = self.next_out
             self.next_out += 1
-            tensor = self.get(i)  # an empty tensor has no bucket
+            tensor = self.get(i)  # an empty tensor (or one nobody reads) has no bucket
             self.tensors[i] = None  # the consumer holds it now
             yield self.infos[i].name, tensor
 
 
-class _Bucket:
-    """One bucket in this round: what travels (``wire``) and, on its reader, the read."""
+def _place(tensors: _Tensors, pieces: Sequence[Piece]) -> torch.Tensor | None:
+    """The tensor memory that ``pieces`` fill in one unbroken range, if they do (then the bytes
+    land there directly); None where they need placing piece by piece."""
+    if not pieces or len({i for i, _ in pieces}) != 1 or not contiguous([r for _, r in pieces], dst=True):
+        return None
+    i, first = pieces[0]
+    return tensors.flat(i)[first[1]:first[1] + run_bytes(r for _, r in pieces)]
 
-    def __init__(self, index: int, segments: Bucket, owner: int, tensors: _Tensors):
+
+def _pack(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Tensor:
+    """``pieces`` of a bucket's buffer as one message, in order (a view where they are one range)."""
+    runs = [r for _, r in pieces]
+    if contiguous(runs, dst=False):
+        return buffer[runs[0][0]:runs[0][0] + run_bytes(runs)]
+    message = torch.empty(run_bytes(runs), dtype=torch.uint8, device=buffer.device)
+    at = 0
+    for _, (src, _, n, count, ss, _) in pieces:
+        message[at:at + n * count].view(count, n).copy_(_rows(buffer, src, n, count, ss))
+        at += n * count
+    return message
+
+
+def _unpack(message: torch.Tensor, pieces: Sequence[Piece], tensors: _Tensors) -> None:
+    """A packed message's pieces into the tensors they belong to."""
+    at = 0
+    for i, (_, dst, n, count, _, ds) in pieces:
+        _rows(tensors.flat(i), dst, n, count, ds).copy_(message[at:at + n * count].view(count, n))
+        at += n * count
+
+
+class _Bucket:
+    """One bucket in this round, as this rank sees it: on its reader, the read and the messages
+    to send; on a member that keeps some of it, where the message lands."""
+
+    def __init__(self, index: int, plan: ExchangePlan, me: int, tensors: _Tensors):
         self.index = index
-        self.segments = segments
-        self.owner = owner  # index into the sharing members
-        self.nbytes = sum(s.length for s in segments)
-        device = tensors.request.device
-        if len(segments) == 1:
-            self.wire = tensors.region(segments[0])  # in place, into the tensor itself
-        else:
-            self.wire = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
-        for segment in segments:
-            tensors.get(segment.tensor)
+        self.reader = plan.readers[index]
+        self.spans = plan.spans[index]
+        self.nbytes = plan.nbytes(index)
+        self.mine = plan.pieces(index, me)  # what this rank keeps of it
+        self.tensors = tensors
+        for span in self.spans:  # allocated in file order, whoever reads
+            tensors.get(span.tensor)
+        self.buffer: torch.Tensor | None = None  # the reader's copy of the bucket, on the device
+        self.host: torch.Tensor | None = None  # where a reader on a device reads first
         self.reads: list[Future] = []
         self.requested = 0  # bytes its reader asked the source for
-        self.host: torch.Tensor | None = None  # where a reader on a device reads first
+        self.landing: torch.Tensor | None = None  # where a receiver's message arrives
+        self.placed = False  # the landing is the tensor itself (nothing to unpack)
 
-    def unpack(self, tensors: _Tensors) -> None:
-        """A staged bucket's bytes into the tensors they belong to."""
-        if len(self.segments) == 1:
+    def in_place(self) -> torch.Tensor | None:
+        """The reader's own tensor memory when the bucket is exactly the unbroken range it keeps."""
+        runs = [r for _, r in self.mine]
+        if len(self.spans) != 1 or not runs or runs[0][0] != 0 or run_bytes(runs) != self.nbytes \
+                or not contiguous(runs, dst=False):
+            return None
+        return _place(self.tensors, self.mine)
+
+    def receive(self) -> None:
+        """Prepare where this rank's pieces arrive (new host memory backed in one call first)."""
+        if not self.mine:
             return
-        at = 0
-        for segment in self.segments:
-            tensors.region(segment).copy_(self.wire[at:at + segment.length])
-            at += segment.length
+        self.landing = _place(self.tensors, self.mine)
+        self.placed = self.landing is not None
+        if self.landing is None:
+            self.landing = torch.empty(run_bytes(r for _, r in self.mine), dtype=torch.uint8,
+                                       device=self.tensors.request.device)
+        elif self.landing.device.type == "cpu" and self.tensors.new[self.mine[0][0]]:
+            self.tensors.request.host_memory.prefault(self.landing.data_ptr(), self.landing.numel())
+
+    def keep_own(self) -> None:
+        """On the reader: its own pieces out of the buffer (nothing to do where it read in place)."""
+        assert self.buffer is not None
+        if not self.placed and self.mine:
+            for i, (src, dst, n, count, ss, ds) in self.mine:
+                _rows(self.tensors.flat(i), dst, n, count, ds).copy_(_rows(self.buffer, src, n, count, ss))
+
+    def arrived(self) -> None:
+        """On a receiver: its message into its tensors (nothing to do where it landed in place)."""
+        if self.landing is not None and not self.placed:
+            _unpack(self.landing, self.mine, self.tensors)
 
 
 def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, concurrency: int
@@ -244,27 +241,35 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
     me = members.index(group.rank)
     k = len(members)
     infos = [t for f in request.index.files for t in f.tensors]
-    sizes = [(request.slices[t.name].nbytes if t.name in request.slices else t.nbytes) for t in infos]
-    bucket_bytes = min(BUCKET_BYTES, max(MIN_BUCKET_BYTES, sum(sizes) // (BUCKETS_PER_MEMBER * k)))
-    buckets = plan_buckets(sizes, bucket_bytes)
-    owners = assign_readers(buckets, k)
-    tensors = _Tensors(request, infos, buckets)
+
+    plan: ExchangePlan | None = None
+
+    def planning() -> int:  # inside the agreement: a rank that cannot plan stops every rank
+        nonlocal plan
+        needs = member_needs(request, infos, k)
+        if len(needs) != k:
+            raise DistloadError(f"rank {group.rank}: the shared read has {k} members but what {len(needs)} keep")
+        plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
+        return math.ceil(len(plan.buckets) / k)
+
+    rounds = max(_agree(group, planning, "planning the shared read"))  # the same count on every rank
+    assert plan is not None
+    own_rounds = math.ceil(len(plan.buckets) / k)
+    tensors = _Tensors(request, infos, plan)
     run.requested_bytes = 0
     run.received_bytes = 0
-    own_rounds = math.ceil(len(buckets) / k)
-    rounds = max(_agree(group, lambda: own_rounds, "planning the shared read"))
-    whole_group = k == group.world_size
+    broadcast = plan.identical and k == group.world_size
     reads: dict[int, _Bucket] = {}
     try:
         with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="distload-shared") as pool:
             def in_round(r: int) -> range:
-                return range(r * k, min((r + 1) * k, len(buckets)))
+                return range(r * k, min((r + 1) * k, len(plan.buckets)))
 
             def read_ahead(first_round: int) -> None:
                 for r in range(first_round, min(own_rounds, first_round + READ_AHEAD_ROUNDS + 1)):
                     for b in in_round(r):
-                        if owners[b] == me and b not in reads:
-                            reads[b] = _start_read(pool, _Bucket(b, buckets[b], me, tensors), tensors, reader)
+                        if plan.readers[b] == me and b not in reads:
+                            reads[b] = _start_read(pool, _Bucket(b, plan, me, tensors), plan, reader)
 
             yield from tensors.ready()  # leading empty tensors
             for r in range(rounds):
@@ -276,50 +281,48 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                                 future.result()
 
                 _agree(group, wait_for_own_read, "reading its share")
-                this_round = [reads.pop(b) if b in reads else _receiving(b, buckets[b], owners[b], tensors)
-                              for b in in_round(r)]
-                _send(group, members, me, this_round, whole_group)
+                this_round = [reads.pop(b) if b in reads else _Bucket(b, plan, me, tensors) for b in in_round(r)]
                 for bucket in this_round:
-                    if bucket.owner == me:
+                    if bucket.reader != me:
+                        bucket.receive()
+                _send(group, members, me, this_round, plan, broadcast)
+                for bucket in this_round:
+                    if bucket.reader == me:
                         run.requested_bytes += bucket.requested
+                        bucket.keep_own()
                     else:
-                        run.received_bytes += bucket.nbytes
-                    bucket.unpack(tensors)
-                    yield from tensors.done(bucket.segments)
+                        run.received_bytes += 0 if bucket.landing is None else bucket.landing.numel()
+                        bucket.arrived()
+                    yield from tensors.done([span.tensor for span in bucket.spans])
             yield from tensors.ready()
     finally:
         reader.close()
 
 
-def _receiving(index: int, segments: Bucket, owner: int, tensors: _Tensors) -> _Bucket:
-    """A bucket another member reads; new host memory is backed in one call before it arrives."""
-    bucket = _Bucket(index, segments, owner, tensors)
-    if bucket.wire.device.type == "cpu" and len(segments) == 1 and tensors.new[segments[0].tensor]:
-        tensors.request.host_memory.prefault(bucket.wire.data_ptr(), bucket.nbytes)
-    return bucket
-
-
-def _start_read(pool: ThreadPoolExecutor, bucket: _Bucket, tensors: _Tensors, reader: ByteReader) -> _Bucket:
-    """Submit the reads of one bucket this rank owns (into the wire, or a host buffer first)."""
-    request = tensors.request
-    on_host = bucket.wire.device.type == "cpu"
-    target = bucket.wire if on_host else request.host_memory.empty((bucket.nbytes,), torch.uint8)
+def _start_read(pool: ThreadPoolExecutor, bucket: _Bucket, plan: ExchangePlan, reader: ByteReader) -> _Bucket:
+    """Submit the reads of one bucket this rank reads: into its own tensor where the bucket is
+    exactly what it keeps, else into a buffer (on the host first for a device)."""
+    request = bucket.tensors.request
+    own = bucket.in_place()
+    bucket.placed = own is not None
+    on_host = request.device.type == "cpu"
+    if own is not None:
+        bucket.buffer = own
+    elif on_host:
+        bucket.buffer = request.host_memory.empty((bucket.nbytes,), torch.uint8)
+    else:
+        bucket.buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=request.device)
+    target = bucket.buffer if on_host else request.host_memory.empty((bucket.nbytes,), torch.uint8)
     bucket.host = None if on_host else target
     view = host_view(target)
-    fresh = on_host and len(bucket.segments) == 1 and tensors.new[bucket.segments[0].tensor]
-    at = 0
-    for segment in bucket.segments:
-        i = segment.tensor
-        info = tensors.infos[i]
-        extents = clip(tensors.extents(i), segment.start, segment.length, at)
-        for dst, n in tensors.zeros(i):  # vocabulary padding: zero rows, never read
-            for _, where, length in clip(((0, dst, n),), segment.start, segment.length, at):
-                ctypes.memset(target.data_ptr() + where, 0, length)
-        bucket.requested += sum(n for _, _, n in extents)
+    fresh = own is None or not on_host or bucket.tensors.new[bucket.spans[0].tensor]  # untouched memory
+    bucket.requested = plan.read_bytes(bucket.index)
+    for span in bucket.spans:
+        info = bucket.tensors.infos[span.tensor]
+        extents = [(a, span.at + a - span.lo, b - a) for a, b in span.reads]
         for task in batch_extents(extents, reader.task_bytes):
             bucket.reads.append(pool.submit(_read, reader, info, task, view, request.host_memory if fresh else None,
                                             target.data_ptr()))
-        at += segment.length
     return bucket
 
 
@@ -382,30 +385,47 @@ def _mark_reported(exc: BaseException) -> None:
         pass
 
 
-def _send(group, members: list[int], me: int, buckets: list[_Bucket], whole_group: bool) -> None:
-    """Each bucket from its reader to the other members (collective over the members)."""
+def _send(group, members: list[int], me: int, buckets: list[_Bucket], plan: ExchangePlan,
+          broadcast: bool) -> None:
+    """Each bucket from its reader to the other members, each receiving its own pieces
+    (collective over the group's members)."""
     for bucket in buckets:
-        if bucket.owner == me and bucket.host is not None:  # read on the host, for a device
-            bucket.wire.copy_(bucket.host)
+        if bucket.reader == me and bucket.host is not None:  # read on the host, for a device
+            assert bucket.buffer is not None
+            bucket.buffer.copy_(bucket.host)
     if len(members) == 1:
         return
     pg = group.process_group
     ranks = group.ranks  # job-wide ranks: torch's collectives and sends take those
     works = []
+    bucket = buckets[0] if buckets else None
     try:
         for bucket in buckets:
-            owner = ranks[members[bucket.owner]]
-            if whole_group:
-                works.append((bucket, dist.broadcast(bucket.wire, src=owner, group=pg, async_op=True)))
-            elif bucket.owner == me:
-                works += [(bucket, dist.isend(bucket.wire, dst=ranks[m], group=pg))
-                          for m in members if m != members[me]]
-            else:
-                works.append((bucket, dist.irecv(bucket.wire, src=owner, group=pg)))
+            reader = ranks[members[bucket.reader]]
+            if bucket.reader == me:
+                assert bucket.buffer is not None
+                messages: dict[tuple, torch.Tensor] = {}  # members keeping the same pieces: one packing
+                for m in range(len(members)):
+                    pieces = bucket.mine if m == me else plan.pieces(bucket.index, m)
+                    if m == me and not broadcast or not pieces:
+                        continue
+                    key = tuple(pieces)
+                    if key not in messages:
+                        messages[key] = _pack(bucket.buffer, pieces)
+                    if broadcast:  # every member keeps these same pieces
+                        works.append((bucket, dist.broadcast(messages[key], src=reader, group=pg, async_op=True)))
+                        break
+                    works.append((bucket, dist.isend(messages[key], dst=ranks[members[m]], group=pg)))
+            elif bucket.landing is not None:
+                if broadcast:
+                    works.append((bucket, dist.broadcast(bucket.landing, src=reader, group=pg, async_op=True)))
+                else:
+                    works.append((bucket, dist.irecv(bucket.landing, src=reader, group=pg)))
         for bucket, work in works:
             work.wait(group.timeout)
     except Exception as exc:  # a member died or the timeout passed
-        owner = members[bucket.owner]
-        raise GroupError(f"rank {group.rank}: lost contact with rank {owner} while its share of the shared "
+        assert bucket is not None
+        reader = members[bucket.reader]
+        raise GroupError(f"rank {group.rank}: lost contact with rank {reader} while its share of the shared "
                          f"read (bucket {bucket.index}, {bucket.nbytes} bytes) travelled: {exc}"
                          f"{group.lost_peers(exc)}") from exc

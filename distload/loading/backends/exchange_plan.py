@@ -1,0 +1,279 @@
+"""The job-wide exchange plan of a shared read: which bytes each member reads, and which bytes of
+each bucket travel to which member (pure: every member computes the same plan from the same facts).
+
+The facts: each tensor's size, and what each member keeps of it (its *need*: byte runs of the
+tensor's data in its file, mapped to places in the member's own tensor; the whole tensor where it
+is not split). The plan:
+
+- per tensor, the *union* of the members' needs (the bytes somebody keeps): read once, by one
+  member. For tensor-parallel slices the union is the whole tensor (the TP ranks' rows together),
+  so a tensor split along dim 1 is read as one range, not row by row;
+- *buckets* cut over those unions (tensor by tensor, in file order, as ``plan_buckets`` cuts), each
+  one file range per tensor it covers, read into one buffer;
+- one *reader* per bucket (``assign_readers``: balanced rounds over the members, each bucket to
+  a member that keeps it where the loads allow: what its reader keeps, nobody sends);
+- per member and bucket, its *pieces*: its need clipped to the bucket, as runs from the bucket's
+  buffer into its tensor. A member receives exactly its pieces (packed, in order, one message),
+  so it receives only what it keeps.
+
+A need is kept as *runs* ``(src, dst, length, count, src_step, dst_step)``: ``count`` ranges of
+``length`` bytes, the j-th from ``src + j * src_step`` to ``dst + j * dst_step``. A slice along
+dim 1 (one range per row) is one run, which keeps the needs small enough to send to every rank
+and lets a bucket's rows be packed and placed with one strided copy each.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Sequence
+
+Run = tuple[int, int, int, int, int, int]  # (src, dst, length, count, src_step, dst_step)
+Need = tuple[Run, ...]  # one member's runs of one tensor, in its destination order
+Interval = tuple[int, int]  # [start, end) of a tensor's data in its file
+
+BUCKET_BYTES = 64 * 1024 * 1024
+# Smaller buckets where the load is small for its members: at least BUCKETS_PER_MEMBER rounds, so
+# that one member's extra bucket does not hold up the others (measured: 300 MiB over 4 ranks in
+# 64 MiB buckets left one rank reading 37% of it).
+MIN_BUCKET_BYTES = 4 * 1024 * 1024
+BUCKETS_PER_MEMBER = 4
+ALIGN = 64  # a large tensor's buckets start on this many bytes (of its union)
+
+
+def whole_need(nbytes: int) -> Need:
+    return ((0, 0, nbytes, 1, nbytes, nbytes),) if nbytes else ()
+
+
+def compact(extents: Iterable[tuple[int, int, int]]) -> Need:
+    """``(src, dst, length)`` extents (increasing in both) as runs: equal lengths at equal steps
+    join one run."""
+    runs: list[list[int]] = []
+    for src, dst, n in extents:
+        if runs:
+            s, d, length, count, ss, ds = runs[-1]
+            if n == length and count == 1 and src - s >= n and dst - d >= n:
+                runs[-1] = [s, d, length, 2, src - s, dst - d]
+                continue
+            if n == length and count > 1 and src == s + count * ss and dst == d + count * ds:
+                runs[-1][3] += 1
+                continue
+        runs.append([src, dst, n, 1, n, n])
+    return tuple(tuple(r) for r in runs)  # type: ignore[misc]
+
+
+def expand(runs: Iterable[Run]) -> Iterator[tuple[int, int, int]]:
+    """Runs back to ``(src, dst, length)`` extents."""
+    for src, dst, n, count, ss, ds in runs:
+        for j in range(count):
+            yield src + j * ss, dst + j * ds, n
+
+
+def run_bytes(runs: Iterable[Run]) -> int:
+    return sum(n * count for _, _, n, count, _, _ in runs)
+
+
+def clip_runs(runs: Iterable[Run], lo: int, hi: int) -> list[Run]:
+    """The parts of ``runs`` whose source lies in ``[lo, hi)`` (sources stay file-relative): rows
+    wholly inside stay one run, a row cut by either end becomes a run of its own."""
+    out: list[Run] = []
+    for src, dst, n, count, ss, ds in runs:
+        if n == 0 or count == 0:
+            continue
+        # rows j whose range [src + j*ss, src + j*ss + n) meets [lo, hi)
+        first = max(0, (lo - src - n) // ss + 1) if count > 1 else 0
+        last = min(count - 1, -(-(hi - src) // ss) - 1) if count > 1 else 0
+        j = first
+        while j <= last:
+            start = src + j * ss
+            a, b = max(start, lo), min(start + n, hi)
+            if a >= b:
+                j += 1
+                continue
+            if a == start and b == start + n:  # whole rows from j on, up to the last whole one
+                whole_last = last if src + last * ss + n <= hi else last - 1
+                rows = whole_last - j + 1
+                out.append((start, dst + j * ds, n, rows, ss, ds))
+                j = whole_last + 1
+                continue
+            out.append((a, dst + j * ds + a - start, b - a, 1, b - a, b - a))
+            j += 1
+    return out
+
+
+def union(needs: Iterable[Need], nbytes: int) -> list[Interval]:
+    """The bytes any of ``needs`` keeps, as sorted disjoint intervals (touching ones merged)."""
+    needs = set(needs)
+    if whole_need(nbytes) in needs:
+        return [(0, nbytes)] if nbytes else []
+    spans = sorted((src, src + n) for need in needs for src, _, n in expand(need) if n)
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[start, start + length)`` of tensor number ``tensor``'s union (its needed bytes,
+    gaps left out)."""
+
+    tensor: int
+    start: int
+    length: int
+
+
+Bucket = tuple[Segment, ...]
+
+
+def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
+    """Buckets over tensors of ``sizes`` bytes (in order): a tensor of at least ``bucket_bytes``
+    in equal buckets of its own, smaller neighbours grouped up to ``bucket_bytes``."""
+    buckets: list[Bucket] = []
+    group: list[Segment] = []
+    size = 0
+    for i, n in enumerate(sizes):
+        if n == 0:
+            continue
+        if n >= bucket_bytes:
+            if group:
+                buckets.append(tuple(group))
+                group, size = [], 0
+            parts = math.ceil(n / bucket_bytes)
+            share = -(-n // parts)  # ceil(n / parts), then up to a multiple of ALIGN
+            step = -(-share // ALIGN) * ALIGN
+            buckets += [(Segment(i, start, min(step, n - start)),) for start in range(0, n, step)]
+            continue
+        if group and size + n > bucket_bytes:
+            buckets.append(tuple(group))
+            group, size = [], 0
+        group.append(Segment(i, 0, n))
+        size += n
+    if group:
+        buckets.append(tuple(group))
+    return buckets
+
+
+def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[int]] | None = None) -> list[int]:
+    """Which of ``k`` members reads each bucket: one bucket per member in each round of k, the
+    round's largest bucket first, each to the member that has read least so far (ties by
+    position), so that buckets of unequal sizes still spread evenly. ``keeps[b][m]``: the bytes
+    member m keeps of bucket b; a member's load counts as that much lower for it, so a bucket goes
+    to a member that keeps it where the loads allow (what its reader keeps, nobody sends).
+    Pure: every member computes the same."""
+    load = [0] * k
+    owners = [0] * len(buckets)
+    for first in range(0, len(buckets), k):
+        round_ = sorted(range(first, min(first + k, len(buckets))),
+                        key=lambda b: (-sum(s.length for s in buckets[b]), b))
+        free = list(range(k))
+        for b in round_:
+            kept = keeps[b] if keeps is not None else [0] * k
+            m = min(free, key=lambda m: (load[m] - kept[m], load[m], m))
+            free.remove(m)
+            owners[b] = m
+            load[m] += sum(s.length for s in buckets[b])
+    return owners
+
+
+@dataclass(frozen=True)
+class Span:
+    """One tensor's part of a bucket: file bytes ``[lo, hi)`` of tensor ``tensor``'s data, at
+    ``at`` in the bucket's buffer; ``reads``: the needed intervals inside it (gaps are not read)."""
+
+    tensor: int
+    lo: int
+    hi: int
+    at: int
+    reads: tuple[Interval, ...]
+
+
+Piece = tuple[int, Run]  # (tensor, run from the bucket's buffer into that tensor)
+
+
+class ExchangePlan:
+    """The plan for ``k`` members over tensors of ``sizes`` bytes; ``needs[m][i]``: member m's
+    need of tensor i. Buckets, their readers, and each member's pieces of each bucket."""
+
+    def __init__(self, sizes: Sequence[int], needs: Sequence[Sequence[Need]], bucket_bytes: int = BUCKET_BYTES):
+        self.needs = needs
+        self.k = len(needs)
+        unions: dict[tuple, list[Interval]] = {}  # the layers of a model repeat their needs
+        self.unions: list[list[Interval]] = []
+        for i, nbytes in enumerate(sizes):
+            distinct = tuple(sorted({member[i] for member in needs}))
+            key = (nbytes, distinct)
+            if key not in unions:
+                unions[key] = union(distinct, nbytes)
+            self.unions.append(unions[key])
+        self._starts = [[0] + _cumulative(u) for u in self.unions]  # union offset of each interval
+        totals = [s[-1] for s in self._starts]
+        self.union_bytes = sum(totals)
+        size = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
+        self.buckets = plan_buckets(totals, size)
+        self.spans = [self._spans(bucket) for bucket in self.buckets]
+        keeps = [[run_bytes(run for _, run in self.pieces(b, m)) for m in range(self.k)]
+                 for b in range(len(self.buckets))]
+        self.readers = assign_readers(self.buckets, self.k, keeps)
+        # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
+        self.identical = all(list(member) == list(needs[0]) for member in needs)
+
+    def nbytes(self, b: int) -> int:
+        """The size of bucket ``b``'s buffer."""
+        last = self.spans[b][-1]
+        return last.at + last.hi - last.lo
+
+    def read_bytes(self, b: int) -> int:
+        return sum(e - s for span in self.spans[b] for s, e in span.reads)
+
+    def pieces(self, b: int, member: int) -> list[Piece]:
+        """What ``member`` keeps of bucket ``b``: runs from the buffer into its tensors."""
+        out: list[Piece] = []
+        for span in self.spans[b]:
+            for src, dst, n, count, ss, ds in clip_runs(self.needs[member][span.tensor], span.lo, span.hi):
+                out.append((span.tensor, (src - span.lo + span.at, dst, n, count, ss, ds)))
+        return out
+
+    def _spans(self, bucket: Bucket) -> tuple[Span, ...]:
+        spans = []
+        at = 0
+        for segment in bucket:
+            i = segment.tensor
+            lo = self._file_offset(i, segment.start, end=False)
+            hi = self._file_offset(i, segment.start + segment.length, end=True)
+            reads = tuple((max(a, lo), min(b, hi)) for a, b in self.unions[i] if a < hi and b > lo)
+            spans.append(Span(i, lo, hi, at, reads))
+            at += hi - lo
+        return tuple(spans)
+
+    def _file_offset(self, i: int, offset: int, end: bool) -> int:
+        """Where byte ``offset`` of tensor i's union lies in its data (``end``: the end of the
+        byte before it, so that a bucket ends where its last needed byte does)."""
+        starts, intervals = self._starts[i], self.unions[i]
+        j = bisect.bisect_right(starts, offset - 1 if end else offset) - 1
+        return intervals[j][0] + offset - starts[j]
+
+
+def _cumulative(intervals: Sequence[Interval]) -> list[int]:
+    out, total = [], 0
+    for a, b in intervals:
+        total += b - a
+        out.append(total)
+    return out
+
+
+def contiguous(runs: Sequence[Run], dst: bool) -> bool:
+    """Whether ``runs`` cover one unbroken range, on their destination side (``dst``) or source."""
+    at = None
+    for src, d, n, count, ss, ds in runs:
+        start, step = (d, ds) if dst else (src, ss)
+        if count > 1 and step != n:
+            return False
+        if at is not None and start != at:
+            return False
+        at = start + n * count
+    return True
