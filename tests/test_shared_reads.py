@@ -456,3 +456,30 @@ def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_pat
 def header_length(path: str) -> int:
     with open(path, "rb") as f:
         return int.from_bytes(f.read(8), "little")
+
+
+def test_a_send_that_fails_names_the_receiver_not_the_sending_rank(monkeypatch):
+    """The reader of a bucket sends each member its pieces: where the send to member 1 fails (its
+    process ended), the error names rank 1, not the reader itself."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import distload.loading.backends.shared_reads as shared
+    from distload.errors import GroupError
+
+    class Lost:
+        def wait(self, timeout):
+            raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(shared.dist, "isend", lambda tensor, dst, group: Lost())
+    plan = ExchangePlan([8], [[compact([(0, 0, 4)])], [compact([(4, 0, 4)])]], bucket_bytes=8)
+    memory = SimpleNamespace(empty=lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    request = SimpleNamespace(slices={}, destinations={}, device=torch.device("cpu"), host_memory=memory)
+    info = SimpleNamespace(name="w", shape=(8,), torch_dtype=torch.uint8, nbytes=8)
+    bucket = shared._Bucket(0, plan, 0, shared._Tensors(request, [info], plan))
+    bucket.buffer = torch.zeros(8, dtype=torch.uint8)
+    group = SimpleNamespace(rank=0, ranks=[0, 1], process_group=object(), timeout=timedelta(seconds=1),
+                            lost_peers=lambda exc: "")
+    assert plan.readers == [0]
+    with pytest.raises(GroupError, match=r"rank 0: lost contact with rank 1 "):
+        shared._send(group, [0, 1], 0, [bucket], plan, broadcast=False)

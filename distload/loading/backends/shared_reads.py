@@ -397,8 +397,9 @@ def _send(group, members: list[int], me: int, buckets: list[_Bucket], plan: Exch
         return
     pg = group.process_group
     ranks = group.ranks  # job-wide ranks: torch's collectives and sends take those
-    works = []
+    works = []  # (bucket, the member at the other end: None for the reader's broadcast, work)
     bucket = buckets[0] if buckets else None
+    peer = None
     try:
         for bucket in buckets:
             reader = ranks[members[bucket.reader]]
@@ -409,23 +410,26 @@ def _send(group, members: list[int], me: int, buckets: list[_Bucket], plan: Exch
                     pieces = bucket.mine if m == me else plan.pieces(bucket.index, m)
                     if m == me and not broadcast or not pieces:
                         continue
+                    peer = None if broadcast else members[m]
                     key = tuple(pieces)
                     if key not in messages:
                         messages[key] = _pack(bucket.buffer, pieces)
                     if broadcast:  # every member keeps these same pieces
-                        works.append((bucket, dist.broadcast(messages[key], src=reader, group=pg, async_op=True)))
+                        works.append((bucket, peer, dist.broadcast(messages[key], src=reader, group=pg, async_op=True)))
                         break
-                    works.append((bucket, dist.isend(messages[key], dst=ranks[members[m]], group=pg)))
+                    works.append((bucket, peer, dist.isend(messages[key], dst=ranks[members[m]], group=pg)))
             elif bucket.landing is not None:
+                peer = members[bucket.reader]
                 if broadcast:
-                    works.append((bucket, dist.broadcast(bucket.landing, src=reader, group=pg, async_op=True)))
+                    works.append((bucket, peer, dist.broadcast(bucket.landing, src=reader, group=pg, async_op=True)))
                 else:
-                    works.append((bucket, dist.irecv(bucket.landing, src=reader, group=pg)))
-        for bucket, work in works:
+                    works.append((bucket, peer, dist.irecv(bucket.landing, src=reader, group=pg)))
+        for bucket, peer, work in works:
             work.wait(group.timeout)
     except Exception as exc:  # a member died or the timeout passed
         assert bucket is not None
-        reader = members[bucket.reader]
-        raise GroupError(f"rank {group.rank}: lost contact with rank {reader} while its share of the shared "
-                         f"read (bucket {bucket.index}, {bucket.nbytes} bytes) travelled: {exc}"
+        # the member at the other end of the failed send or receive (None: the reader's broadcast)
+        other = f"rank {peer}" if peer is not None else "the other ranks"
+        raise GroupError(f"rank {group.rank}: lost contact with {other} while bucket {bucket.index} of the shared "
+                         f"read ({bucket.nbytes} bytes, read by rank {members[bucket.reader]}) travelled: {exc}"
                          f"{group.lost_peers(exc)}") from exc
