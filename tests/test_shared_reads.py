@@ -106,7 +106,7 @@ def test_sharing_ranks_by_need_and_by_node():
 # Each rank loads SOURCE with the given settings and tiny buckets; rank 0 writes every rank's
 # report (digest, requested and received bytes, path) as JSON. FAULT (optional): "fail:R" makes
 # rank R's reads fail mid-load, "kill:R" makes rank R die (SIGKILL) there, "close:R" makes rank
-# R stop consuming after 2 tensors.
+# R stop consuming after 2 tensors, "pack:R" makes rank R run out of memory for a message it sends.
 SCRIPT = r"""
 import json, os, signal, sys, time
 import distload
@@ -129,6 +129,14 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
                 raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: [Errno 5] Input/output error")
             return real(self, info, extents, view)
         pread.LocalBytes.read = failing
+    if kind == "pack" and group.rank == int(who):
+        real_pack, packs = shared._pack, []
+        def failing_pack(buffer, pieces):
+            packs.append(1)
+            if len(packs) == 2:
+                raise MemoryError("no memory left for a message")
+            return real_pack(buffer, pieces)
+        shared._pack = failing_pack
     start = time.monotonic()
     loader = distload.Loader(source, "auto", extra, group=group, tensor_parallel_size=tp)
     try:
@@ -269,6 +277,20 @@ def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(llama, tmp_
         found = re.search(rf"rank {rank} stopped after ([0-9.]+) s: .*failed on rank\(s\) 1", out)
         assert found, out[-3000:]
         assert float(found.group(1)) < 30  # at the next round, not at the 60 s timeout
+
+
+@pytest.mark.dist
+def test_a_rank_that_cannot_prepare_its_messages_stops_every_rank_at_once(llama, tmp_path):
+    """TP 2 on 2 ranks: rank 1 runs out of memory packing the pieces it sends rank 0. It says so
+    at the round's agreement, before any message travels, so rank 0 stops at once naming it
+    rather than waiting out the group's timeout for a message that never comes."""
+    result, _ = run_shared(tmp_path, llama[0], 2, tp=2, bucket=1024, fault="pack:1")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    found = re.search(r"rank 0 stopped after ([0-9.]+) s: .*failed on rank\(s\) 1:.*no memory left for a message", out,
+                      re.S)
+    assert found, out[-3000:]
+    assert float(found.group(1)) < 30  # at the round's agreement, not at the 60 s timeout
 
 
 @pytest.mark.dist
@@ -478,8 +500,9 @@ def test_a_send_that_fails_names_the_receiver_not_the_sending_rank(monkeypatch):
     info = SimpleNamespace(name="w", shape=(8,), torch_dtype=torch.uint8, nbytes=8)
     bucket = shared._Bucket(0, plan, 0, shared._Tensors(request, [info], plan))
     bucket.buffer = torch.zeros(8, dtype=torch.uint8)
+    bucket.pack(plan, 0, 2, broadcast=False)
     group = SimpleNamespace(rank=0, ranks=[0, 1], process_group=object(), timeout=timedelta(seconds=1),
                             lost_peers=lambda exc: "")
     assert plan.readers == [0]
     with pytest.raises(GroupError, match=r"rank 0: lost contact with rank 1 "):
-        shared._send(group, [0, 1], 0, [bucket], plan, broadcast=False)
+        shared._send(group, [0, 1], 0, [bucket], broadcast=False)

@@ -25,10 +25,12 @@ Each member's *pieces* of a bucket are its need clipped to it.
 
 **A round:**
 
-1. each member waits for its bucket's read (its threads read READ_AHEAD_ROUNDS rounds ahead);
+1. each member waits for its bucket's read (its threads read READ_AHEAD_ROUNDS rounds ahead),
+   packs the messages it sends, and makes room for the pieces it receives;
 2. every rank of the load's group says whether it is fine (one exchange on the control group, as
-   ``WorkerGroup.check_all_ok`` does): a read that failed on one rank, or a rank that failed
-   elsewhere and reported it, ends every rank at this point, naming it; nobody waits for it;
+   ``WorkerGroup.check_all_ok`` does): a read (or a message's memory) that failed on one rank, or
+   a rank that failed elsewhere and reported it, ends every rank at this point, naming it; nobody
+   waits for it (after this point only a lost rank can fail a round);
 3. each reader sends every other member its pieces of the bucket: one broadcast where the members
    are the whole group and all keep the same bytes (a whole checkpoint), else one point-to-point
    message per member that keeps something of it, its pieces packed in order (a dim-1 slice's
@@ -199,6 +201,7 @@ class _Bucket:
         self.requested = 0  # bytes its reader asked the source for
         self.landing: torch.Tensor | None = None  # where a receiver's message arrives
         self.placed = False  # the landing is the tensor itself (nothing to unpack)
+        self.messages: list[tuple[int | None, torch.Tensor]] = []  # the reader's: (member, message); None: broadcast
 
     def in_place(self) -> torch.Tensor | None:
         """The reader's own tensor memory when the bucket is exactly the unbroken range it keeps."""
@@ -207,6 +210,27 @@ class _Bucket:
                 or not contiguous(runs, dst=False):
             return None
         return _place(self.tensors, self.mine)
+
+    def pack(self, plan: ExchangePlan, me: int, k: int, broadcast: bool) -> None:
+        """On the reader, once its read is in: the bucket onto the device, and each member's pieces
+        packed into the message it is sent (one broadcast where every member keeps the same)."""
+        assert self.buffer is not None
+        if self.host is not None:  # read on the host, for a device
+            self.buffer.copy_(self.host)
+        if k == 1:
+            return
+        packed: dict[tuple, torch.Tensor] = {}  # members keeping the same pieces: one packing
+        for m in range(k):
+            pieces = self.mine if m == me else plan.pieces(self.index, m)
+            if m == me and not broadcast or not pieces:
+                continue
+            key = tuple(pieces)
+            if key not in packed:
+                packed[key] = _pack(self.buffer, pieces)
+            if broadcast:  # every member keeps these same pieces
+                self.messages.append((None, packed[key]))
+                break
+            self.messages.append((m, packed[key]))
 
     def receive(self) -> None:
         """Prepare where this rank's pieces arrive (new host memory backed in one call first)."""
@@ -273,19 +297,24 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
 
             yield from tensors.ready()  # leading empty tensors
             for r in range(rounds):
-                def wait_for_own_read() -> None:
+                this_round: list[_Bucket] = []
+
+                def prepare_round() -> None:
+                    # All that can fail on this rank comes before any message travels, so that
+                    # every rank hears of it here instead of waiting for a message that never comes.
                     read_ahead(r)
                     for b in in_round(r):
-                        if b in reads:
-                            for future in reads[b].reads:
+                        bucket = reads.pop(b) if b in reads else _Bucket(b, plan, me, tensors)
+                        this_round.append(bucket)
+                        if bucket.reader == me:
+                            for future in bucket.reads:
                                 future.result()
+                            bucket.pack(plan, me, k, broadcast)
+                        else:
+                            bucket.receive()
 
-                _agree(group, wait_for_own_read, "reading its share")
-                this_round = [reads.pop(b) if b in reads else _Bucket(b, plan, me, tensors) for b in in_round(r)]
-                for bucket in this_round:
-                    if bucket.reader != me:
-                        bucket.receive()
-                _send(group, members, me, this_round, plan, broadcast)
+                _agree(group, prepare_round, "reading its share")
+                _send(group, members, me, this_round, broadcast)
                 for bucket in this_round:
                     if bucket.reader == me:
                         run.requested_bytes += bucket.requested
@@ -385,14 +414,9 @@ def _mark_reported(exc: BaseException) -> None:
         pass
 
 
-def _send(group, members: list[int], me: int, buckets: list[_Bucket], plan: ExchangePlan,
-          broadcast: bool) -> None:
-    """Each bucket from its reader to the other members, each receiving its own pieces
-    (collective over the group's members)."""
-    for bucket in buckets:
-        if bucket.reader == me and bucket.host is not None:  # read on the host, for a device
-            assert bucket.buffer is not None
-            bucket.buffer.copy_(bucket.host)
+def _send(group, members: list[int], me: int, buckets: list[_Bucket], broadcast: bool) -> None:
+    """Each bucket's messages from its reader to the members that keep some of it, packed and
+    made room for already (collective over the group's members)."""
     if len(members) == 1:
         return
     pg = group.process_group
@@ -404,20 +428,12 @@ def _send(group, members: list[int], me: int, buckets: list[_Bucket], plan: Exch
         for bucket in buckets:
             reader = ranks[members[bucket.reader]]
             if bucket.reader == me:
-                assert bucket.buffer is not None
-                messages: dict[tuple, torch.Tensor] = {}  # members keeping the same pieces: one packing
-                for m in range(len(members)):
-                    pieces = bucket.mine if m == me else plan.pieces(bucket.index, m)
-                    if m == me and not broadcast or not pieces:
-                        continue
-                    peer = None if broadcast else members[m]
-                    key = tuple(pieces)
-                    if key not in messages:
-                        messages[key] = _pack(bucket.buffer, pieces)
-                    if broadcast:  # every member keeps these same pieces
-                        works.append((bucket, peer, dist.broadcast(messages[key], src=reader, group=pg, async_op=True)))
-                        break
-                    works.append((bucket, peer, dist.isend(messages[key], dst=ranks[members[m]], group=pg)))
+                for m, message in bucket.messages:
+                    peer = None if m is None else members[m]
+                    if peer is None:
+                        works.append((bucket, peer, dist.broadcast(message, src=reader, group=pg, async_op=True)))
+                    else:
+                        works.append((bucket, peer, dist.isend(message, dst=ranks[peer], group=pg)))
             elif bucket.landing is not None:
                 peer = members[bucket.reader]
                 if broadcast:
@@ -428,7 +444,6 @@ def _send(group, members: list[int], me: int, buckets: list[_Bucket], plan: Exch
             work.wait(group.timeout)
     except Exception as exc:  # a member died or the timeout passed
         assert bucket is not None
-        # the member at the other end of the failed send or receive (None: the reader's broadcast)
         other = f"rank {peer}" if peer is not None else "the other ranks"
         raise GroupError(f"rank {group.rank}: lost contact with {other} while bucket {bucket.index} of the shared "
                          f"read ({bucket.nbytes} bytes, read by rank {members[bucket.reader]}) travelled: {exc}"
