@@ -62,7 +62,8 @@ rank, world = dist.get_rank(), dist.get_world_size()
 # One mesh of shape (dp, tp): each rank's TP group is its consecutive ranks, as distload's.
 mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
 spec = distload.load_spec("plain")
-plan = distload.Loader(folder, group=distload.WorkerGroup(device="cpu")).plan()
+with distload.WorkerGroup(device="cpu") as group:
+    plan = distload.Loader(folder, group=group).plan()
 state = {}
 for t in plan.index.tensors:
     action = spec.action(t.name, t.shape)

@@ -24,6 +24,7 @@ Tests call :func:`reset` (or set a field) instead of patching module globals.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -35,6 +36,10 @@ class Runtime:
         self.lock = threading.RLock()
         self._environment_lock = threading.Lock()
         self.reset()
+        # A heartbeat thread still inside a store call when the interpreter finalizes (a group
+        # never closed, the job's default group destroyed under it) made the process abort at
+        # exit ("terminate called without an active exception"): stop them first.
+        atexit.register(self.stop_heartbeats)
 
     def reset(self) -> None:
         """Forget everything (a new process's state); for tests and long-lived hosts."""
@@ -43,10 +48,17 @@ class Runtime:
             self.reachable_until: dict[tuple[str, int], float] = {}
             self.huge_page_slots: int | None = None
             self.runai_store_scheme: str | None = None
-            for beat in getattr(self, "heartbeats", {}).values():
-                beat.stop()
+            self.stop_heartbeats()
             self.heartbeats: dict[int, Any] = {}
             self.weight_syncs = 0
+
+    def stop_heartbeats(self) -> None:
+        """Stop every heartbeat thread and let go of its store."""
+        with self.lock:
+            beats = list(getattr(self, "heartbeats", {}).values())
+            self.heartbeats = {}
+        for beat in beats:
+            beat.stop(join_s=2.0)  # a beat is a store call every half second: done well within this
 
     @contextlib.contextmanager
     def environment(self, changes: Mapping[str, str], restore_prefix: str = "RUNAI_STREAMER_") -> Iterator[None]:

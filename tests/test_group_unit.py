@@ -286,3 +286,28 @@ def test_slurm_step_task_count_wins():
     launch = detect_launch({"SLURM_STEP_ID": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "8",
                             "SLURM_STEP_NUM_TASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"})
     assert (launch.launcher, launch.rank, launch.world_size) == ("slurm", 1, 2)
+
+
+def test_heartbeat_threads_stop_and_let_go_of_their_store_before_exit():
+    """A heartbeat still calling into its store while the interpreter finalizes made a process
+    abort at exit (a WorkerGroup left open beside a DTensor job); the runtime stops them at exit."""
+    import threading
+
+    from distload.heartbeat import Beat
+    from distload.runtime import RUNTIME
+
+    class Store:
+        def __init__(self):
+            self.count = 0
+
+        def add(self, key, amount):
+            self.count += amount
+            return self.count
+
+    store = Store()
+    with RUNTIME.lock:
+        RUNTIME.heartbeats[id(store)] = beat = Beat(store, 0)
+    assert any(t.name == "distload-heartbeat" for t in threading.enumerate())
+    RUNTIME.stop_heartbeats()
+    assert not beat._thread.is_alive() and beat.store is None and RUNTIME.heartbeats == {}
+    assert store.count >= 1
