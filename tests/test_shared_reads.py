@@ -106,7 +106,8 @@ def test_sharing_ranks_by_need_and_by_node():
 # Each rank loads SOURCE with the given settings and tiny buckets; rank 0 writes every rank's
 # report (digest, requested and received bytes, path) as JSON. FAULT (optional): "fail:R" makes
 # rank R's reads fail mid-load, "kill:R" makes rank R die (SIGKILL) there, "close:R" makes rank
-# R stop consuming after 2 tensors, "pack:R" makes rank R run out of memory for a message it sends.
+# R stop consuming after 2 tensors, "pack:R" makes rank R run out of memory for a message it sends,
+# "bucket:R" gives rank R buckets twice as large (a plan that differs from the others').
 SCRIPT = r"""
 import json, os, signal, sys, time
 import distload
@@ -129,6 +130,8 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
                 raise CheckpointError(f"{info.file}: reading tensor {info.name!r} failed: [Errno 5] Input/output error")
             return real(self, info, extents, view)
         pread.LocalBytes.read = failing
+    if kind == "bucket" and group.rank == int(who):
+        shared.BUCKET_BYTES = 2 * int(bucket)
     if kind == "pack" and group.rank == int(who):
         real_pack, packs = shared._pack, []
         def failing_pack(buffer, pieces):
@@ -291,6 +294,21 @@ def test_a_rank_that_cannot_prepare_its_messages_stops_every_rank_at_once(llama,
                       re.S)
     assert found, out[-3000:]
     assert float(found.group(1)) < 30  # at the round's agreement, not at the 60 s timeout
+
+
+@pytest.mark.dist
+def test_ranks_whose_exchange_plans_differ_stop_before_any_message_naming_them(llama, tmp_path):
+    """TP 2 on 2 ranks, rank 1 planning with other buckets (as two ranks that read different headers
+    of the same file would): their sends and receives would not pair up, so every rank stops at
+    the planning, naming the rank whose plan differs, rather than at the group's timeout."""
+    result, _ = run_shared(tmp_path, llama[0], 2, tp=2, bucket=1024, fault="bucket:1")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for rank, other in ((0, 1), (1, 0)):
+        found = re.search(rf"rank {rank} stopped after ([0-9.]+) s: rank {rank}: rank\(s\) {other} planned the shared "
+                          rf"read from other facts", out)
+        assert found, out[-3000:]
+        assert float(found.group(1)) < 30, out[-3000:]
 
 
 @pytest.mark.dist

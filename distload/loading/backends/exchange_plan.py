@@ -25,6 +25,7 @@ and lets a bucket's rows be packed and placed with one strided copy each.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -202,6 +203,7 @@ class ExchangePlan:
     def __init__(self, sizes: Sequence[int], needs: Sequence[Sequence[Need]], bucket_bytes: int = BUCKET_BYTES):
         self.needs = needs
         self.k = len(needs)
+        self.sizes = list(sizes)
         unions: dict[tuple, list[Interval]] = {}  # the layers of a model repeat their needs
         self.unions: list[list[Interval]] = []
         for i, nbytes in enumerate(sizes):
@@ -213,14 +215,20 @@ class ExchangePlan:
         self._starts = [[0] + _cumulative(u) for u in self.unions]  # union offset of each interval
         totals = [s[-1] for s in self._starts]
         self.union_bytes = sum(totals)
-        size = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
-        self.buckets = plan_buckets(totals, size)
+        self.bucket_bytes = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
+        self.buckets = plan_buckets(totals, self.bucket_bytes)
         self.spans = [self._spans(bucket) for bucket in self.buckets]
         keeps = [[run_bytes(run for _, run in self.pieces(b, m)) for m in range(self.k)]
                  for b in range(len(self.buckets))]
         self.readers = assign_readers(self.buckets, self.k, keeps)
         # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
         self.identical = all(list(member) == list(needs[0]) for member in needs)
+
+    def digest(self) -> str:
+        """The facts the plan is made of (tensor sizes, needs, bucket size), hashed: members
+        compare it, since plans that differ would pair sends and receives of different sizes."""
+        facts = (self.sizes, [list(member) for member in self.needs], self.bucket_bytes)
+        return hashlib.sha256(repr(facts).encode()).hexdigest()
 
     def nbytes(self, b: int) -> int:
         """The size of bucket ``b``'s buffer."""

@@ -268,16 +268,22 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
 
     plan: ExchangePlan | None = None
 
-    def planning() -> int:  # inside the agreement: a rank that cannot plan stops every rank
+    def planning() -> tuple[int, str]:  # inside the agreement: a rank that cannot plan stops every rank
         nonlocal plan
         needs = member_needs(request, infos, k)
         if len(needs) != k:
             raise DistloadError(f"rank {group.rank}: the shared read has {k} members but what {len(needs)} keep")
         plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
-        return math.ceil(len(plan.buckets) / k)
+        return math.ceil(len(plan.buckets) / k), plan.digest()
 
-    rounds = max(_agree(group, planning, "planning the shared read"))  # the same count on every rank
+    planned = _agree(group, planning, "planning the shared read")
     assert plan is not None
+    differing = [m for m in members if planned[m][1] != planned[group.rank][1]]
+    if differing:  # every member sees the same digests, so all of them stop here
+        raise GroupError(f"rank {group.rank}: rank(s) {', '.join(map(str, differing))} planned the shared read from "
+                         f"other facts than this rank (tensor sizes, what each member keeps, bucket size: a file "
+                         f"replaced between their header reads?), so their messages would not pair up; load again")
+    rounds = max(n for n, _ in planned)  # the same count on every rank
     own_rounds = math.ceil(len(plan.buckets) / k)
     tensors = _Tensors(request, infos, plan)
     run.requested_bytes = 0
