@@ -108,3 +108,28 @@ def test_auto_concurrency_sets_the_reader_threads(tmp_path, group, monkeypatch):
     want = plain_read(paths)
     assert workers == [3]
     assert set(got) == set(want) and all(same_bytes(got[n], want[n]) for n in want)
+
+
+def test_many_small_ranges_are_copied_out_of_the_map_exactly_and_a_truncated_file_is_named(tmp_path):
+    """A slice along a later dimension is one small range per row: those are copied out of the
+    file's map in a few process_vm_readv calls (more ranges than one call takes), byte for byte."""
+    from distload.loading.mapped import IOV_BATCH, safe_copy_available
+
+    if not safe_copy_available():
+        pytest.skip("process_vm_readv is refused here: the reader uses preads (tested above)")
+    rows, row = IOV_BATCH + 300, 96
+    data = torch.randint(0, 256, (rows * row,), dtype=torch.uint8)
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(data.numpy()))
+    extents = [(r * row + 16, r * 40, 40) for r in range(rows)]  # 40 of every 96 bytes
+    expected = data.view(rows, row)[:, 16:56].reshape(-1)
+    out = torch.zeros(rows * 40, dtype=torch.uint8)
+    opened = pread._OpenFile.open(str(path))
+    try:
+        pread._read_extents(opened, out.data_ptr(), memoryview(out.numpy()), 0, extents, "w")
+        assert torch.equal(out, expected)
+        os.truncate(path, row * 100)  # shrinks under the map: the copy stops, it never SIGBUSes
+        with pytest.raises(CheckpointError, match=r"data\.bin.*'w'.*shorter"):
+            pread._read_extents(opened, out.data_ptr(), memoryview(out.numpy()), 0, extents, "w")
+    finally:
+        opened.close()

@@ -19,9 +19,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
 
+import numpy
 import torch
 
 # A tensor of more than MIN_SPLIT_BYTES is copied in one piece per thread, each at most
@@ -29,6 +32,7 @@ import torch
 MIN_SPLIT_BYTES = 2 << 20
 CHUNK_BYTES = 16 << 20
 MAX_COPY_THREADS = 4
+IOV_BATCH = 1024  # IOV_MAX on Linux: the most ranges one process_vm_readv call takes
 
 
 def copy_threads() -> int:
@@ -142,3 +146,51 @@ def pread_into(dst: torch.Tensor, fd: int, offset: int) -> None:
         if got == 0:
             raise ShortCopy(done, nbytes)
         done += got
+
+
+class FileMap:
+    """A read-only map of an open file, for copies of many small ranges out of it
+    (:func:`copy_extents`); ``close()`` unmaps it."""
+
+    def __init__(self, fd: int):
+        self.size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, self.size, prot=mmap.PROT_READ) if self.size else None
+        # numpy gives the address of a read-only buffer (ctypes would need a writable one)
+        self._array = numpy.frombuffer(self._map, dtype=numpy.uint8) if self._map is not None else None
+        self.address = 0 if self._array is None else self._array.ctypes.data
+
+    def close(self) -> None:
+        self._array = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+def copy_extents(dst: int, src: int, extents: Sequence[tuple[int, int, int]]) -> int:
+    """Copy the ranges ``(src offset, dst offset, length)`` from the map at address ``src`` into
+    memory at ``dst``, up to IOV_BATCH ranges per call (a tensor's slice along a later dimension
+    is one small range per row: one call instead of one pread each). Returns the bytes copied
+    before the map ended: all of them unless its file was truncated since it was mapped."""
+    function = _process_vm_readv()
+    if function is None:
+        raise RuntimeError("process_vm_readv is not available here: check safe_copy_available() first")
+    pid = os.getpid()
+    done = 0
+    for first in range(0, len(extents), IOV_BATCH):
+        batch = extents[first:first + IOV_BATCH]
+        local = (_IoVec * len(batch))(*[_IoVec(dst + d, n) for _, d, n in batch])
+        remote = (_IoVec * len(batch))(*[_IoVec(src + s, n) for s, _, n in batch])
+        wanted = sum(n for _, _, n in batch)
+        while True:
+            got = function(pid, local, len(batch), remote, len(batch), 0)
+            if got >= 0 or ctypes.get_errno() != errno.EINTR:
+                break
+        if got < 0:
+            code = ctypes.get_errno()
+            if code == errno.EFAULT:  # the first range is already beyond the file's end
+                return done
+            raise OSError(code, os.strerror(code))
+        done += got
+        if got < wanted:  # the kernel stops at the first page the map no longer has
+            return done
+    return done

@@ -367,6 +367,13 @@ def batch_extents(extents: Sequence[Extent], chunk_bytes: int) -> list[list[Exte
     current: list[Extent] = []
     size = 0
     for src, dst, length in extents:
+        if length <= chunk_bytes:  # most extents (a row of a slice): no cutting
+            if current and size + length > chunk_bytes:
+                batches.append(current)
+                current, size = [], 0
+            current.append((src, dst, length))
+            size += length
+            continue
         for start in range(0, length, chunk_bytes):
             n = min(chunk_bytes, length - start)
             if current and size + n > chunk_bytes:
