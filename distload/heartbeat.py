@@ -61,12 +61,10 @@ class Beat:
 
     def stop(self, join_s: float = 0.0) -> None:
         """Stop beating; with ``join_s``, wait that long for the thread (a store call may be in
-        progress) and then drop the store, so that nothing of it outlives the group."""
+        progress)."""
         self._stop.set()
         if join_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(join_s)
-            if not self._thread.is_alive():
-                self.store = None
 
 
 class Heartbeat:

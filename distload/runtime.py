@@ -53,7 +53,7 @@ class Runtime:
             self.weight_syncs = 0
 
     def stop_heartbeats(self) -> None:
-        """Stop every heartbeat thread and let go of its store."""
+        """Stop every heartbeat thread, waiting for a store call in progress."""
         with self.lock:
             beats = list(getattr(self, "heartbeats", {}).values())
             self.heartbeats = {}

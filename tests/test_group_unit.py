@@ -288,7 +288,7 @@ def test_slurm_step_task_count_wins():
     assert (launch.launcher, launch.rank, launch.world_size) == ("slurm", 1, 2)
 
 
-def test_heartbeat_threads_stop_and_let_go_of_their_store_before_exit():
+def test_heartbeat_threads_stop_before_exit():
     """A heartbeat still calling into its store while the interpreter finalizes made a process
     abort at exit (a WorkerGroup left open beside a DTensor job); the runtime stops them at exit."""
     import threading
@@ -309,5 +309,5 @@ def test_heartbeat_threads_stop_and_let_go_of_their_store_before_exit():
         RUNTIME.heartbeats[id(store)] = beat = Beat(store, 0)
     assert any(t.name == "distload-heartbeat" for t in threading.enumerate())
     RUNTIME.stop_heartbeats()
-    assert not beat._thread.is_alive() and beat.store is None and RUNTIME.heartbeats == {}
+    assert not beat._thread.is_alive() and RUNTIME.heartbeats == {}
     assert store.count >= 1
