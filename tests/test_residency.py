@@ -156,8 +156,31 @@ def test_the_report_says_where_the_bytes_were_and_what_was_prefaulted(tmp_path, 
     assert "pread/storage" in "\n".join(distload.LoadReport(1, "auto", "x", [report]).summary_lines())
 
 
-def test_in_place_reads_prefault_nothing(tmp_path):
-    """Existing tensors are already backed: only new ones are prefaulted."""
+def test_in_place_reads_prefault_a_destination_only_where_it_is_not_backed_yet(tmp_path):
+    """A caller's tensor never written (torch.empty, a DTensor model before its first load) is
+    prefaulted like a new one; one already backed is not (the call would only cost)."""
+    import mmap
+
+    paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
+    region = mmap.mmap(-1, 4 * MIB)  # fresh anonymous memory: no page backed yet
+    fresh = torch.frombuffer(region, dtype=torch.float32)
+    memory = HostMemory(False)
+    assert not memory.backed(fresh.data_ptr(), 4 * MIB)
+    with distload.WorkerGroup(device="cpu") as group:
+        plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
+        run = PreadBackend().read(ReadRequest(plan.index, group.device, group, {}, destinations={"a": fresh},
+                                              host_memory=memory))
+        got = dict(run.tensors())
+    want = plain_read(paths)
+    assert got["a"] is fresh and torch.equal(fresh, want["a"]) and torch.equal(got["b"], want["b"])
+    if memory.why_not_prefault is None:
+        assert memory.prefaulted_bytes == 8 * MIB  # a (not backed yet) and b (new)
+    assert memory.backed(fresh.data_ptr(), 4 * MIB)
+    del got, fresh
+
+
+def test_in_place_reads_prefault_nothing_already_backed(tmp_path):
+    """Existing tensors that are already backed: only new ones are prefaulted."""
     paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
     target = torch.zeros(MIB)
     memory = HostMemory(False)

@@ -147,6 +147,14 @@ def _madvise():
     return fn
 
 
+def _mincore():
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.mincore
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class HostMemory:
     """Allocates a load's new host tensors; thread-safe; counts the bytes it marked for huge pages.
 
@@ -170,6 +178,7 @@ class HostMemory:
         self.why_not = self._reason_not_to_mark(huge_pages, local_ranks, mode, free_bytes, reporting)
         self.enabled = self.why_not is None
         self._madvise = _madvise()
+        self._mincore = _mincore()
 
     def _reason_not_to_mark(self, huge_pages: Optional[bool], local_ranks: int, mode: Optional[str],
                             free_bytes: Optional[int], reporting: Optional[str]) -> Optional[str]:
@@ -223,6 +232,16 @@ class HostMemory:
         # EINVAL: a kernel before 5.14; EPERM: a filter. ENOMEM (no memory to back it) would
         # come back on the first write as well: nothing to gain from trying the next tensor.
         self.why_not_prefault = f"madvise(MADV_POPULATE_WRITE) failed: {os.strerror(err)}"
+
+    def backed(self, address: int, length: int) -> bool:
+        """Whether every page of ``[address, address + length)`` already has memory (mincore):
+        a caller's tensor that was written before, as opposed to one made by torch.empty."""
+        first = address // PAGE_BYTES * PAGE_BYTES
+        span = address + length - first
+        vector = ctypes.create_string_buffer(-(-span // PAGE_BYTES))
+        if self._mincore(first, span, vector) != 0:
+            return False  # cannot tell: prefaulting is safe either way
+        return b"\x00" not in vector.raw  # one byte a page, its lowest bit set where resident
 
     def _mark(self, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()

@@ -132,13 +132,17 @@ class PreadBackend(Backend):
                 ctypes.memset(tensor.data_ptr() + offset, 0, length)
             extents = piece.extents
         view = host_view(tensor)
-        if request.destinations.get(info.name) is not tensor:  # new memory
-            futures = [pool.submit(_prefault_and_read, request.host_memory, tensor.data_ptr(), opened, view,
-                                   info.begin, unit, self.chunk_bytes, info.name)
-                       for unit in batch_extents(extents, PREFAULT_UNIT_BYTES)]
-        else:
-            futures = [pool.submit(_read_extents, opened, tensor.data_ptr(), view, info.begin, batch, info.name)
-                       for batch in batch_extents(extents, self.chunk_bytes)]
+        # New memory is prefaulted; so is a caller's tensor whose pages are not backed yet (one
+        # made by torch.empty: a DTensor model before its first load), where first touches are
+        # slow on this VM (memory its balloon gave back to the host). Measured, TP 2 x DP 2 into
+        # DTensors, 4 ranks, 2 GiB, cold, three runs in a row: 3.2-5.4 s without, 2.6-3.0 s with.
+        # A backed tensor is not: the call would walk its page tables for nothing (a warm reload
+        # of 2 GiB of backed memory took 0.21 s with it against 0.17 without).
+        new = request.destinations.get(info.name) is not tensor
+        futures = [pool.submit(_prefault_and_read if new or not _backed(request.host_memory, tensor, unit)
+                               else _read_unit, request.host_memory, tensor.data_ptr(), opened, view,
+                               info.begin, unit, self.chunk_bytes, info.name)
+                   for unit in batch_extents(extents, PREFAULT_UNIT_BYTES)]
         return info, tensor, futures, sum(length for _, _, length in extents)
 
 
@@ -200,9 +204,21 @@ def _read_extents(opened: _OpenFile, address: int, view: memoryview, begin: int,
         read_exactly(opened.fd, view[dst:dst + length], begin + src, opened.path, name)
 
 
+def _backed(host_memory, tensor: torch.Tensor, unit: list[Extent]) -> bool:
+    start = unit[0][1]
+    return host_memory.backed(tensor.data_ptr() + start, unit[-1][1] + unit[-1][2] - start)
+
+
+def _read_unit(host_memory, address: int, opened: _OpenFile, view: memoryview, begin: int,
+               unit: list[Extent], chunk_bytes: int, name: str) -> None:
+    """Read one unit of a tensor whose memory is already backed, in chunks."""
+    for batch in batch_extents(unit, chunk_bytes):
+        _read_extents(opened, address, view, begin, batch, name)
+
+
 def _prefault_and_read(host_memory, address: int, opened: _OpenFile, view: memoryview, begin: int,
                        unit: list[Extent], chunk_bytes: int, name: str) -> None:
-    """Back one unit of a new tensor with memory in one call, then read it in chunks."""
+    """Back one unit of a tensor with memory in one call, then read it in chunks."""
     start = unit[0][1]
     end = unit[-1][1] + unit[-1][2]
     host_memory.prefault(address + start, end - start)
