@@ -139,20 +139,16 @@ def free_page_reporting(devices: str = _VIRTIO_DEVICES) -> Optional[str]:
     return None
 
 
+def _libc_call(name: str, third: type):
+    """libc's ``name(void *address, size_t length, third)`` returning int (madvise, mincore)."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _madvise():
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _mincore():
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.mincore
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    fn.restype = ctypes.c_int
-    return fn
+    return _libc_call("madvise", ctypes.c_int)
 
 
 class HostMemory:
@@ -178,7 +174,7 @@ class HostMemory:
         self.why_not = self._reason_not_to_mark(huge_pages, local_ranks, mode, free_bytes, reporting)
         self.enabled = self.why_not is None
         self._madvise = _madvise()
-        self._mincore = _mincore()
+        self._mincore = _libc_call("mincore", ctypes.c_char_p)
 
     def _reason_not_to_mark(self, huge_pages: Optional[bool], local_ranks: int, mode: Optional[str],
                             free_bytes: Optional[int], reporting: Optional[str]) -> Optional[str]:
