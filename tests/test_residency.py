@@ -156,22 +156,28 @@ def test_the_report_says_where_the_bytes_were_and_what_was_prefaulted(tmp_path, 
     assert "pread/storage" in "\n".join(distload.LoadReport(1, "auto", "x", [report]).summary_lines())
 
 
+def _read_a_into(tmp_path, target: torch.Tensor, memory: HostMemory):
+    """A checkpoint of tensors a and b (4 MiB each) read by pread, a into ``target`` in place:
+    what the read handed out, a plain read of the same files, and the backend's run."""
+    paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
+    with distload.WorkerGroup(device="cpu") as group:
+        plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
+        run = PreadBackend().read(ReadRequest(plan.index, group.device, group, {}, destinations={"a": target},
+                                              host_memory=memory))
+        got = dict(run.tensors())
+    return got, plain_read(paths), run
+
+
 def test_in_place_reads_prefault_a_destination_only_where_it_is_not_backed_yet(tmp_path):
     """A caller's tensor never written (torch.empty, a DTensor model before its first load) is
     prefaulted like a new one; one already backed is not (the call would only cost)."""
     import mmap
 
-    paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
     region = mmap.mmap(-1, 4 * MIB)  # fresh anonymous memory: no page backed yet
     fresh = torch.frombuffer(region, dtype=torch.float32)
     memory = HostMemory(False)
     assert not memory.backed(fresh.data_ptr(), 4 * MIB)
-    with distload.WorkerGroup(device="cpu") as group:
-        plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
-        run = PreadBackend().read(ReadRequest(plan.index, group.device, group, {}, destinations={"a": fresh},
-                                              host_memory=memory))
-        got = dict(run.tensors())
-    want = plain_read(paths)
+    got, want, _ = _read_a_into(tmp_path, fresh, memory)
     assert got["a"] is fresh and torch.equal(fresh, want["a"]) and torch.equal(got["b"], want["b"])
     if memory.why_not_prefault is None:
         assert memory.prefaulted_bytes == 8 * MIB  # a (not backed yet) and b (new)
@@ -181,15 +187,9 @@ def test_in_place_reads_prefault_a_destination_only_where_it_is_not_backed_yet(t
 
 def test_in_place_reads_prefault_nothing_already_backed(tmp_path):
     """Existing tensors that are already backed: only new ones are prefaulted."""
-    paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
     target = torch.zeros(MIB)
     memory = HostMemory(False)
-    with distload.WorkerGroup(device="cpu") as group:
-        plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
-        run = PreadBackend().read(ReadRequest(plan.index, group.device, group, {}, destinations={"a": target},
-                                              host_memory=memory))
-        got = dict(run.tensors())
-    want = plain_read(paths)
+    got, want, run = _read_a_into(tmp_path, target, memory)
     assert got["a"] is target and torch.equal(target, want["a"]) and torch.equal(got["b"], want["b"])
     assert memory.prefaulted_bytes == 4 * MIB  # b only
     assert sum(run.reader_bytes.values()) == 8 * MIB
