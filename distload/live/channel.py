@@ -15,9 +15,9 @@ One update, numbered within its session:
    every member reads every answer: if any member refused, every member raises, and no byte moved;
 3. *data*: each trainer rank sends each inference rank exactly the bytes it keeps (its
    tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
-   receiver takes a bucket of small tensors into a buffer, checks it when the update is verified,
-   and only then copies it into its tensors in place; a big tensor lands in its tensor straight
-   (checked once it has landed: a mismatch fails the update). A verified bucket travels in frames
+   receiver takes a bucket of small tensors into a buffer and copies it into its tensors in place;
+   a big tensor lands in its tensor straight. A verified update is checked once all of it has
+   landed (a mismatch fails it, so the version does not advance). A verified bucket travels in frames
    of a few MiB: the trainer sums each while it is in flight, a receiver as soon as it lands
    (still in the CPU's cache), and after the last bucket the trainer sends each receiver the
    checksums of all its frames in one message; a receiver that finds a frame that differs fails
