@@ -30,16 +30,15 @@ import os
 import threading
 from typing import Any, Iterator, Mapping
 
+from distload import quiet_exit
+
 
 class Runtime:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._environment_lock = threading.Lock()
         self.reset()
-        # A heartbeat thread still inside a store call when the interpreter finalizes (a group
-        # never closed, the job's default group destroyed under it) made the process abort at
-        # exit ("terminate called without an active exception"): stop them first.
-        atexit.register(self.stop_heartbeats)
+        atexit.register(self._at_exit)
 
     def reset(self) -> None:
         """Forget everything (a new process's state); for tests and long-lived hosts."""
@@ -51,6 +50,14 @@ class Runtime:
             self.stop_heartbeats()
             self.heartbeats: dict[int, Any] = {}
             self.weight_syncs = 0
+
+    def _at_exit(self) -> None:
+        # A thread that wants the GIL once the interpreter finalizes makes the process abort
+        # ("terminate called without an active exception"): a heartbeat still inside a store call
+        # (a group never closed, the job's default group destroyed under it), or a gloo worker
+        # dropping its last collective's tensors. Stop the first, let the second finish.
+        self.stop_heartbeats()
+        quiet_exit.let_workers_finish()
 
     def stop_heartbeats(self) -> None:
         """Stop every heartbeat thread, waiting for a store call in progress."""
