@@ -1,53 +1,73 @@
 """distload.quiet_exit: at exit, wait for other threads that are still running (a gloo worker
-dropping its last collective's tensors), never for threads that wait."""
+dropping its last collective's tensors), never for threads that wait.
+
+Each case runs in a fresh interpreter: threads that earlier tests left in this one (servers,
+transports) would be counted too."""
 
 from __future__ import annotations
 
-import threading
-import time
+import json
+import subprocess
+import sys
+import textwrap
 
+_COMMON = """
+import json, threading, time
 from distload import quiet_exit
 
-
-def _spin(until: float, stop: threading.Event | None = None) -> None:
-    # runnable the whole time (the GIL is passed back and forth)
-    while time.monotonic() < until and not (stop and stop.is_set()):
+def spin(until, stop):  # runnable the whole time (the GIL is passed back and forth)
+    while time.monotonic() < until and not stop.is_set():
         pass
+"""
+
+
+def _run(body: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _COMMON + textwrap.dedent(body)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_waiting_thread_is_not_waited_for():
-    stop = threading.Event()
-    idle = threading.Thread(target=stop.wait, daemon=True)
-    idle.start()
-    try:
-        assert quiet_exit._runnable_threads() == 0
-        assert quiet_exit.let_workers_finish(limit_s=30.0) < 30.0
-    finally:
-        stop.set()
-        idle.join()
+    out = _run("""
+        stop = threading.Event()
+        idle = threading.Thread(target=stop.wait)
+        idle.start()
+        runnable = quiet_exit._runnable_threads()
+        waited = quiet_exit.let_workers_finish(limit_s=30.0)
+        stop.set(); idle.join()
+        print(json.dumps({"runnable": runnable, "waited": waited}))
+    """)
+    assert out["runnable"] == 0 and out["waited"] < 30.0
 
 
 def test_a_running_thread_is_waited_for_until_it_ends():
-    busy = threading.Thread(target=_spin, args=(time.monotonic() + 0.5,), daemon=True)
-    busy.start()
-    assert quiet_exit._runnable_threads() == 1
-    quiet_exit.let_workers_finish(limit_s=30.0)
-    assert not busy.is_alive()
+    out = _run("""
+        stop = threading.Event()
+        busy = threading.Thread(target=spin, args=(time.monotonic() + 0.5, stop))
+        busy.start()
+        runnable = quiet_exit._runnable_threads()
+        quiet_exit.let_workers_finish(limit_s=30.0)
+        print(json.dumps({"runnable": runnable, "alive_after": busy.is_alive()}))
+    """)
+    assert out == {"runnable": 1, "alive_after": False}
 
 
 def test_a_thread_that_never_ends_is_waited_for_at_most_the_limit():
-    stop = threading.Event()
-    busy = threading.Thread(target=_spin, args=(time.monotonic() + 30.0, stop), daemon=True)
-    busy.start()
-    try:
+    out = _run("""
+        stop = threading.Event()
+        busy = threading.Thread(target=spin, args=(time.monotonic() + 60.0, stop))
+        busy.start()
         waited = quiet_exit.let_workers_finish(limit_s=0.3)
-        assert busy.is_alive() and waited >= 0.3
-    finally:
-        stop.set()
-        busy.join()
+        alive = busy.is_alive()
+        stop.set(); busy.join()
+        print(json.dumps({"waited": waited, "alive": alive}))
+    """)
+    assert out["alive"] and 0.3 <= out["waited"] < 30.0
 
 
 def test_the_runtime_lets_workers_finish_at_exit(monkeypatch):
+    from distload import quiet_exit
     from distload.runtime import RUNTIME
 
     calls = []
