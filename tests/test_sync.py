@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from distload.live.transfer import (ALIGN, FRAME_BYTES, Entry, Piece, View, check_pieces, checksum, first_bad_frame,
+from distload.live.transfer import (ALIGN, Entry, Piece, View, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts)
 
 from dist_helpers import clean_env, free_port, run_script, write_script
@@ -34,24 +34,24 @@ def test_buckets_pack_in_order_aligned_and_a_big_tensor_alone():
     assert group_entries([], 128) == []
 
 
-def test_a_verified_bucket_travels_in_frames_and_a_changed_byte_names_its_frame():
-    size = 2 * FRAME_BYTES + 1000
-    (plain,) = layouts(entries(size), [(0,)], View(), verify=False)
-    (verified,) = layouts(entries(size), [(0,)], View(), verify=True)
-    assert plain.frames == [(0, size)] and plain.wire_bytes == size
-    assert verified.frames == [(0, FRAME_BYTES), (FRAME_BYTES, 2 * FRAME_BYTES), (2 * FRAME_BYTES, size)]
-    assert verified.wire_bytes == size + 3 * 16
-    data = torch.randint(0, 256, (size,), dtype=torch.uint8)
-    sent = torch.stack([checksum(data[a:b]) for a, b in verified.frames])
-    assert first_bad_frame(sent.clone(), sent) is None
-    for where, frame in ((5, 0), (FRAME_BYTES + 77, 1), (size - 1, 2)):
-        arrived = data.clone()
-        arrived[where] ^= 1
-        assert first_bad_frame(torch.stack([checksum(arrived[a:b]) for a, b in verified.frames]), sent) == frame
-    # two 4 KiB rows swapped within a frame: same words, other places
-    swapped = data.clone()
-    swapped[:4096], swapped[4096:8192] = data[4096:8192].clone(), data[:4096].clone()
-    assert first_bad_frame(torch.stack([checksum(swapped[a:b]) for a, b in verified.frames]), sent) == 0
+def test_a_verified_update_names_the_bucket_whose_bytes_changed():
+    sizes = (3 * 4096 + 1000, 200, 4096 * 5)
+    groups = [(0,), (1,), (2,)]
+    plain = layouts(entries(*sizes), groups, View(), verify=False)
+    verified = layouts(entries(*sizes), groups, View(), verify=True)
+    assert [b.wire_bytes for b in plain] == list(sizes)
+    assert [b.wire_bytes for b in verified] == [n + 16 for n in sizes]  # one checksum a bucket
+    buckets = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
+    sent = torch.stack([checksum(b) for b in buckets])
+    assert first_mismatch(sent.clone(), sent) is None
+    for bucket, where in ((0, 5), (0, sizes[0] - 1), (1, 77), (2, 4096 * 4 + 3)):
+        arrived = [b.clone() for b in buckets]
+        arrived[bucket][where] ^= 1
+        assert first_mismatch(torch.stack([checksum(b) for b in arrived]), sent) == bucket
+    # two 4 KiB rows swapped: the same words in other places
+    swapped = [b.clone() for b in buckets]
+    swapped[2][:4096], swapped[2][4096:8192] = buckets[2][4096:8192].clone(), buckets[2][:4096].clone()
+    assert first_mismatch(torch.stack([checksum(b) for b in swapped]), sent) == 2
 
 
 def test_check_pieces_names_every_problem():

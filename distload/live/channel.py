@@ -17,11 +17,10 @@ One update, numbered within its session:
    tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
    receiver takes a bucket of small tensors into a buffer and copies it into its tensors in place;
    a big tensor lands in its tensor straight. A verified update is checked once all of it has
-   landed (a mismatch fails it, so the version does not advance). A verified bucket travels in frames
-   of a few MiB: the trainer sums each while it is in flight, a receiver as soon as it lands
-   (still in the CPU's cache), and after the last bucket the trainer sends each receiver the
-   checksums of all its frames in one message; a receiver that finds a frame that differs fails
-   the update. One group per pair, so a
+   landed (a mismatch fails it, so the version does not advance): the trainer sums each bucket
+   while it is in flight, a receiver once it has landed, and after the last bucket the trainer
+   sends each receiver the checksums of all its buckets in one message; a receiver that finds a
+   bucket that differs fails the update. One group per pair, so a
    lost receiver stalls only its own stream. A given-up update's transfer that may still land in
    a tensor (its trainer stopped, not died) is waited for before the next update writes there;
    if it has not ended within SETTLE_S, that update is refused;
@@ -55,7 +54,7 @@ from distload.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors
-from distload.live.transfer import (Entry, Layout, View, check_pieces, checksum, first_bad_frame,
+from distload.live.transfer import (Entry, Layout, View, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.sharding import ShardingSpec, load_spec, spec_from_json
@@ -402,7 +401,7 @@ class SyncChannel:
         if self.rank != 0 and dtensors:
             _gather_with_leader(metas[0], dtensors)
         in_flight: dict[tuple[int, int], list[tuple[int, Any]]] = {}
-        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per view: its frames' checksums
+        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per view: its buckets' checksums
 
         def wait(works: list[tuple[int, Any]]) -> None:
             for dst, work in works:
@@ -423,16 +422,9 @@ class SyncChannel:
                 else:
                     data = self._buffer(("send",) + slot, layout.size)
                     pack(data, layout, {k: t.to(device) for k, t in whole.items()}, view)
-                frames = [data[start:stop] for start, stop in layout.frames]
-                works = [[(dst, self._post(session, dst, frame)) for dst in ranks] for frame in frames]
-                in_flight[slot] = [work for per_frame in works for work in per_frame]
-                if layout.verified:
-                    # Each frame is summed while the transport copies it (once the frame before it
-                    # has gone), so both read it from the CPU's cache: the sends never wait for a sum.
-                    for f, frame in enumerate(frames):
-                        if f:
-                            wait(works[f - 1][:1])
-                        sums[v].append(checksum(frame))
+                in_flight[slot] = [(dst, self._post(session, dst, data)) for dst in ranks]
+                if layout.verified:  # summed while the transport copies it: the sends never wait for a sum
+                    sums[v].append(checksum(data))
                 wire += layout.wire_bytes * len(ranks)
         for works in in_flight.values():
             wait(works)
@@ -590,9 +582,8 @@ class SyncChannel:
                      cancelled: threading.Event) -> int:
         wire = 0
         for sender, (meta, plan) in enumerate(zip(metas, plans)):
-            # bucket -> (where it lands, its frames, their transfers)
-            posted: dict[int, tuple[torch.Tensor, list[torch.Tensor], list[Any]]] = {}
-            sums: list[torch.Tensor] = []  # the checksum of every verified frame that arrived, in order
+            posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
+            sums: list[torch.Tensor] = []  # the checksum of every verified bucket that arrived, in order
 
             def post(i: int) -> None:
                 if i >= len(plan) or not plan[i].size:
@@ -602,22 +593,20 @@ class SyncChannel:
                 straight = into is not None
                 if into is None:
                     into = self._buffer(("recv", i % 2), layout.size)
-                frames = [into[start:stop] for start, stop in layout.frames]
-                works = [self._post(session, sender, frame) for frame in frames]
+                work = self._post(session, sender, into)
                 if straight:
-                    session.into_model.extend(works)
-                posted[i] = (into, frames, works)
+                    session.into_model.append(work)
+                posted[i] = (into, work)
 
             post(0)
             post(1)
             for i, layout in enumerate(plan):
                 if layout.size:
-                    data, frames, works = posted.pop(i)
-                    for frame, work in zip(frames, works):
-                        self._wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
-                                                                f"{self._name('trainer', sender)}")
-                        if layout.verified:  # summed as soon as it lands, while it is in the CPU's cache
-                            sums.append(checksum(frame))
+                    data, work = posted.pop(i)
+                    self._wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
+                                                            f"{self._name('trainer', sender)}")
+                    if layout.verified:
+                        sums.append(checksum(data))
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
                     if not layout.direct or not _same_memory(data, targets[meta["entries"][layout.items[0][0].entry].name]):
@@ -630,23 +619,19 @@ class SyncChannel:
 
     def _check_sums(self, session: _Session, sender: int, plan: Sequence[Layout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:
-        """Receive the trainer's checksums of every frame it sent this rank and compare them with
-        ``sums``, those of the frames that arrived: a mismatch fails the update, naming the bucket."""
+        """Receive the trainer's checksums of every verified bucket it sent this rank and compare
+        them with ``sums``, those of the buckets that arrived: a mismatch fails the update, naming
+        the bucket."""
         table = torch.empty_like(sums)
         self._wait(self._post(session, sender, table), cancelled,
                    lambda: f"receiving the checksums from {self._name('trainer', sender)}")
-        bad = first_bad_frame(sums, table)
+        bad = first_mismatch(sums, table)
         if bad is None:
             return
-        frame = 0
-        for i, layout in enumerate(plan):
-            spans = layout.frames if layout.verified else []
-            if bad < frame + len(spans):
-                start, stop = spans[bad - frame]
-                raise SyncError(f"bucket {i} from {self._name('trainer', sender)} failed its checksum on "
-                                f"{self._name(self.role, self.rank)} (its bytes {start}-{stop}): the bytes that "
-                                f"arrived are not the bytes sent")
-            frame += len(spans)
+        i = [i for i, layout in enumerate(plan) if layout.verified and layout.size][bad]
+        raise SyncError(f"bucket {i} from {self._name('trainer', sender)} failed its checksum on "
+                        f"{self._name(self.role, self.rank)} ({plan[i].size} bytes): the bytes that arrived are "
+                        f"not the bytes sent")
 
     def _direct_target(self, layout: Layout, meta: Mapping[str, Any], targets: Mapping[str, torch.Tensor]
                        ) -> torch.Tensor | None:

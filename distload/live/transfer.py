@@ -6,8 +6,8 @@ grouping for every receiver, so a sender gathers each group once (DTensor shards
 receiver layouts it packs. Each receiver keeps a *view* of every entry: the whole tensor, or its
 tensor-parallel slice under a sharding spec (distload/slicing.py, the rules ``save-sharded``
 writes). A bucket as one view sees it is a :class:`Layout`: its pieces at 64-byte aligned
-offsets. When the update is verified, its data travels in *frames* of at most FRAME_BYTES, and
-the checksum of every frame follows the update's last bucket in one message.
+offsets. When the update is verified, the checksum of every bucket follows the update's last
+bucket in one message.
 
 Sender and receivers compute the same layouts from the same metadata, so no layout travels.
 """
@@ -24,14 +24,13 @@ from distload.sharding import ShardingSpec
 from distload.slicing import Action, rank_slice, shard_shape
 
 ALIGN = 64  # every piece starts 64-byte aligned in a bucket, so a view as any dtype is legal
-CHECKSUM_BYTES = 16  # two int64 words a frame
-# A verified bucket travels in frames of at most this many bytes, so that each can be summed while
-# it is in the CPU's cache: by the trainer as the transport copies it, by a receiver as soon as it
-# lands. Measured on the 2-core VM (L2 1 MiB a core, L3 32 MiB; bench_sync.py --only-verify, 567
-# MiB to 2 receivers): the checksum runs at about 60 GiB/s over a cached 4-8 MiB frame and 25 GiB/s
-# from memory. Whole 64 MiB buckets summed after sending or landing cost 26-30% over a plain sync;
-# 8 MiB frames 13-17%; 4 MiB frames 39-45% and 16 MiB 15-20% (each message costs gloo ~0.25 ms).
-FRAME_BYTES = 8 * 1024**2
+CHECKSUM_BYTES = 16  # two int64 words a bucket
+# A verified bucket travels as one message, as a plain one does, and is summed whole: by the
+# trainer while the transport copies it, by a receiver once it has landed. Sending it in 8 MiB
+# frames, each summed while still in the CPU's cache, measured worse on the 2-core VM
+# (bench_sync.py --only-verify, 567 MiB to 2 receivers, alternating runs: 26.7-31.5% against
+# 14.5-22.0% whole): each extra message costs gloo more than the cache saves, and under the
+# transport's own copies a frame is not in the cache by the time it is summed anyway.
 # A tensor this big travels alone, and where what a receiver keeps of it is one contiguous run of
 # its bytes (whole, or a slice along dim 0), straight from the sender's tensor: no packing copy.
 # Below it, packing many tensors into one message costs less than a message each.
@@ -67,18 +66,11 @@ class Layout:
     items: tuple[tuple[Piece, int], ...]  # (piece, byte offset)
     size: int  # bytes of its data: up to the end of the last piece
     direct: bool = False  # one piece, sent from the tensor itself (no packing copy)
-    verified: bool = False  # sent in frames, followed by a message of their checksums
-
-    @property
-    def frames(self) -> list[tuple[int, int]]:
-        """[start, stop) of each message its data travels in: frames when verified, else one."""
-        if not self.verified:
-            return [(0, self.size)] if self.size else []
-        return [(start, min(start + FRAME_BYTES, self.size)) for start in range(0, self.size, FRAME_BYTES)]
+    verified: bool = False  # its checksum follows the update's last bucket
 
     @property
     def wire_bytes(self) -> int:
-        return self.size + (len(self.frames) * CHECKSUM_BYTES if self.verified else 0)
+        return self.size + (CHECKSUM_BYTES if self.verified and self.size else 0)
 
 
 @dataclass(frozen=True)
@@ -224,7 +216,7 @@ def unpack(buffer: torch.Tensor, layout: Layout, entries: Sequence[Entry],
 
 
 def checksum(data: torch.Tensor) -> torch.Tensor:
-    """Two int64 words over ``data`` (a 1-d uint8 tensor, one frame), on its device: the wrapping
+    """Two int64 words over ``data`` (a 1-d uint8 tensor, one bucket), on its device: the wrapping
     sum of its 8-byte words, and the sum of its 4 KiB row sums weighted by their position. One
     pass over the bytes; catches flipped, overwritten, shifted or misplaced blocks, not a swap of
     two words inside one 4 KiB row. Not cryptographic: it guards against transport and buffer
@@ -242,8 +234,8 @@ def checksum(data: torch.Tensor) -> torch.Tensor:
     return torch.stack([plain, weighted])
 
 
-def first_bad_frame(sums: torch.Tensor, expected: torch.Tensor) -> int | None:
-    """The index of the first frame whose checksum in ``sums`` (one row a frame, as received)
+def first_mismatch(sums: torch.Tensor, expected: torch.Tensor) -> int | None:
+    """The index of the first row of ``sums`` (one checksum a verified bucket, as received) that
     differs from ``expected`` (as sent); None when all match."""
     if torch.equal(sums, expected):
         return None
