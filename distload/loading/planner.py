@@ -59,8 +59,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
         instanttensor_installed=not src.remote and BACKENDS["instanttensor"].available(),
         remote=src.remote,
         sliced=(tp is not None or bool(blocks)) and not layout.sharded,
-        # Ranks that keep the same slices (or shard files): DTensor blocks may repeat too.
-        replicas=group.world_size // tp.size if tp is not None else (group.world_size if blocks else 1),
+        # Ranks that load the same shard files of a pre-sharded checkpoint (data-parallel replicas).
+        replicas=group.world_size // tp.size if tp is not None else 1,
     )
     if blocks and layout.sharded:
         raise ConfigError(f"{source} is sharded per rank; a model of DTensors loads from a whole checkpoint, "

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ import torch.distributed as dist
 from distload.errors import DistloadError, GroupError, RankFailedError
 from distload.loading.backends.base import BackendRun, ReadRequest
 from distload.loading.backends.exchange_plan import (
-    BUCKET_BYTES, ExchangePlan, Need, Piece, compact, contiguous, run_bytes, whole_need)
+    BUCKET_BYTES, ExchangePlan, Need, Piece, contiguous, run_bytes, whole_need)
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
@@ -87,12 +87,10 @@ def _rows(flat: torch.Tensor, start: int, n: int, count: int, step: int) -> torc
     return flat[start:start + (count - 1) * step + n].as_strided((count, n), (step, 1))
 
 
-def member_needs(request: ReadRequest, infos: Sequence[TensorInfo], k: int) -> list[list[Need]]:
-    """Each of the ``k`` members' need of each tensor: its runs where it keeps a slice, else the
-    whole tensor. Without ``request.needs``, every member keeps what this rank keeps."""
-    own = {name: compact(piece.extents) for name, piece in request.slices.items()}
-    members: Sequence[Mapping[str, Need]] = request.needs or (own,) * k
-    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in members]
+def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
+    """Each member's need of each tensor (``request.needs``, in ``request.sharing``'s order): its
+    runs where it keeps a slice, else the whole tensor."""
+    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in request.needs]
 
 
 class _Tensors:
@@ -261,8 +259,7 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The cooperative read: ``(name, tensor)`` in file order, each rank reading its share."""
     group = request.group
-    members = list(request.sharing) or list(range(group.world_size))
-    me = members.index(group.rank)
+    members = list(request.sharing)  # the load's agreement (distload/loading/agreement.py) fills both
     k = len(members)
     infos = [t for f in request.index.files for t in f.tensors]
 
@@ -270,14 +267,16 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
 
     def planning() -> tuple[int, str]:  # inside the agreement: a rank that cannot plan stops every rank
         nonlocal plan
-        needs = member_needs(request, infos, k)
-        if len(needs) != k:
-            raise DistloadError(f"rank {group.rank}: the shared read has {k} members but what {len(needs)} keep")
+        needs = member_needs(request, infos)
+        if group.rank not in members or len(needs) != k:
+            raise DistloadError(f"rank {group.rank}: the shared read has members {members} but what {len(needs)} "
+                                f"keep (the load's agreement fills both)")
         plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
         return math.ceil(len(plan.buckets) / k), plan.digest()
 
     planned = _agree(group, planning, "planning the shared read")
     assert plan is not None
+    me = members.index(group.rank)
     differing = [m for m in members if planned[m][1] != planned[group.rank][1]]
     if differing:  # every member sees the same digests, so all of them stop here
         raise GroupError(f"rank {group.rank}: rank(s) {', '.join(map(str, differing))} planned the shared read from "
