@@ -266,6 +266,26 @@ def test_whole_checkpoint_ranged_reads_bit_for_bit(store, store_env, ckpts):
     assert report.files == [one] and report.digest == plain_digest([ckpts.whole_files[1]])
 
 
+def test_an_object_written_again_during_a_load_fails_it(store, store_env, tmp_path):
+    """Ranged reads of an object that was written again after its header was read would mix two
+    versions (same size, other bytes: nothing else would notice): the load fails, naming it."""
+    folder = str(tmp_path / "rewritten")
+    files = write_whole(folder, {"a": torch.arange(4096, dtype=torch.int32), "b": torch.ones(64)}, num_files=2)
+    uri = store.upload_folder(folder, f"rewritten-{time.monotonic_ns()}")
+    with distload.WorkerGroup(device="cpu") as group:
+        loader = distload.Loader(uri, "safetensors", group=group)
+        plan = loader.plan()  # the headers (and each object's version) are read here
+        assert all(f.version for f in plan.index.files)
+        assert dict(loader.stream(plan))["a"].equal(torch.arange(4096, dtype=torch.int32))  # unchanged: loads
+        victim = os.path.basename(files[0])
+        with open(files[0], "rb") as f:
+            data = bytearray(f.read())
+        data[-1] ^= 0xFF  # the same size, one byte different
+        store.put(f"{uri.split('/', 3)[3]}/{victim}", bytes(data))
+        with pytest.raises(CheckpointError, match=f"{victim}: it was written again while it was being loaded"):
+            dict(loader.stream(plan))
+
+
 def test_dummy_reads_headers_only(store, store_env, ckpts):
     state, report = load_report(ckpts.uri["whole"], "dummy")
     expected = every_dtype_state(seed=1)

@@ -107,6 +107,9 @@ class FileInfo:
     # A local file's (device, inode, size, mtime in ns) when its header was read: a file changed
     # or replaced before its read ended is an error, never a mix of two versions.
     stamp: tuple[int, int, int, int] | None = None
+    # An object's version (S3 and Azure: its ETag; GCS: its generation) when its header was read:
+    # the same check for object stores.
+    version: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -272,9 +275,10 @@ class CheckpointIndex:
     def num_tensors(self) -> int:
         return sum(len(f.tensors) for f in self.files)
 
-    def signature(self) -> list[tuple[str, int]]:
-        """What ranks compare before a cooperative read: each file's path and size."""
-        return [(f.path, f.size) for f in self.files]
+    def signature(self) -> list[tuple]:
+        """What ranks compare before a cooperative read: each file's path and size (and an
+        object's version: ranks that read the headers of two versions must not mix them)."""
+        return [(f.path, f.size) if f.version is None else (f.path, f.size, f.version) for f in self.files]
 
 
 def build_index(files: Iterable[FileInfo], hint: str = "") -> CheckpointIndex:

@@ -71,4 +71,4 @@ class RankPlan:
         """What ranks compare before a cooperative read: path, size (and content) per file."""
         if not self.fingerprints:
             return self.index.signature()
-        return [(path, size, fp) for (path, size), fp in zip(self.index.signature(), self.fingerprints)]
+        return [(item[0], item[1], fp) for item, fp in zip(self.index.signature(), self.fingerprints)]

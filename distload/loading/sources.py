@@ -21,7 +21,7 @@ import os
 import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, Union
 
 from distload.loading.index import MAX_HEADER_BYTES, CheckpointIndex, FileInfo, parse_header
 from distload.errors import CheckpointError, ConfigError
@@ -137,8 +137,34 @@ def file_stamp(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+T = TypeVar("T")
+
+
+def _each(fn: Callable[[Any], T], items: Sequence[Any], thread_name: str) -> list[T]:
+    """``fn`` of every item, in order; several at a time (object-store requests wait on the network)."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(items)), thread_name_prefix=thread_name) as pool:
+        return list(pool.map(fn, items))
+
+
 def check_unchanged(files: "Iterable[FileInfo]") -> None:
-    """Raise if a local file was replaced, resized or rewritten since its header was read."""
+    """Raise if a local file was replaced, resized or rewritten, or an object written again,
+    since its header was read."""
+    files = list(files)
+    objects = [info for info in files if info.version is not None]
+    if objects:
+        from distload.loading.stores import store_for
+
+        def now(info: FileInfo) -> str | None:
+            store, location = store_for(info.path)
+            return store.version(location)
+
+        for info, version in zip(objects, _each(now, objects, "distload-version")):
+            if version != info.version:
+                raise CheckpointError(f"{info.path}: it was written again while it was being loaded (its version "
+                                      f"was {info.version}, now {version}), so the tensors read from it may mix two "
+                                      f"versions; load again once it is no longer written")
     for info in files:
         if info.stamp is None:
             continue
@@ -350,16 +376,8 @@ class ObjectSource:
             yield self.store.read(location, start, min(size, start + block))
 
     def read_headers(self, paths: list[str]) -> list[FileInfo]:
-        # The listing already gave each object's size: no HEAD (or size probe) per header.
-        sizes = {self.path(name): size for name, size in {**(self._deep or {}), **self._list().objects}.items()}
-
-        def one(path: str) -> FileInfo:
-            return self.store.read_header(path, sizes.get(path))
-
-        if len(paths) <= 1:
-            return [one(p) for p in paths]
-        with ThreadPoolExecutor(min(HEADER_READ_THREADS, len(paths)), thread_name_prefix="distload-header") as pool:
-            return list(pool.map(one, paths))
+        # One ranged GET each gives the header, the size and the version of the same object.
+        return _each(self.store.read_header, paths, "distload-header")
 
     def no_weights_message(self, names: list[str]) -> str:
         if not names:

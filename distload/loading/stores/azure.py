@@ -140,22 +140,23 @@ class AzureStore(ObjectStore):
     def _read(self, location: ObjectURI, start: int, end: int) -> bytes:
         return self._blob(location).download_blob(offset=start, length=end - start).readall()
 
-    def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int]:
+    def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int, str | None]:
         from azure.core.exceptions import HttpResponseError
 
         try:
             download = self._blob(location).download_blob(offset=0, length=nbytes)
         except HttpResponseError as exc:
             if getattr(exc, "error_code", None) == "InvalidRange":  # an empty blob
-                return b"", self._size(location)
+                return (b"",) + self._stat(location)
             raise
         data = download.readall()
         content_range = getattr(download.properties, "content_range", None) or ""
         size = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(data)
-        return data, size
+        return data, size, getattr(download.properties, "etag", None)
 
-    def _size(self, location: ObjectURI) -> int:
-        return int(self._blob(location).get_blob_properties().size)
+    def _stat(self, location: ObjectURI) -> tuple[int, str | None]:
+        properties = self._blob(location).get_blob_properties()
+        return int(properties.size), properties.etag
 
     def _bucket_exists(self, bucket: str) -> bool:
         return bool(self._client().get_container_client(bucket).exists())

@@ -12,6 +12,7 @@ credentials, endpoint unreachable) and the endpoint used, with every credential 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -314,12 +315,14 @@ class ObjectStore:
     def _read(self, location: ObjectURI, start: int, end: int) -> bytes:
         raise NotImplementedError
 
-    def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int]:
-        """The first ``nbytes`` (fewer if the object is shorter) and the object's size."""
-        size = self._size(location)
-        return (self._read(location, 0, min(nbytes, size)) if size else b""), size
+    def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int, str | None]:
+        """The first ``nbytes`` (fewer if the object is shorter), the object's size and version,
+        as one request gives them where the store allows (its version is that of those bytes)."""
+        size, version = self._stat(location)
+        return (self._read(location, 0, min(nbytes, size)) if size else b""), size, version
 
-    def _size(self, location: ObjectURI) -> int:
+    def _stat(self, location: ObjectURI) -> tuple[int, str | None]:
+        """The object's size and version (a new one whenever the object is written again)."""
         raise NotImplementedError
 
     def _bucket_exists(self, bucket: str) -> bool:
@@ -400,21 +403,21 @@ class ObjectStore:
         return data
 
     def size(self, location: ObjectURI) -> int:
-        return self.call(str(location), lambda: self._size(location))
+        return self.call(str(location), lambda: self._stat(location)[0])
 
-    def read_header(self, uri: str, size: int | None = None) -> FileInfo:
-        """The object's parsed header; ``size`` from a listing saves asking for it (one ranged GET
-        where the header fits in the first probe)."""
+    def version(self, location: ObjectURI) -> str | None:
+        return self.call(str(location), lambda: self._stat(location)[1])
+
+    def read_header(self, uri: str) -> FileInfo:
+        """The object's parsed header, with its size and version (one ranged GET where the header
+        fits in the first probe; GCS asks for the version first)."""
         location = parse_uri(uri)
-        if size is None:
-            head, size = self.call(uri, lambda: self._read_head(location, HEADER_PROBE_BYTES))
-        else:
-            head = self.read(location, 0, min(HEADER_PROBE_BYTES, size))
+        head, size, version = self.call(uri, lambda: self._read_head(location, HEADER_PROBE_BYTES))
         if len(head) >= 8:
             (header_len,) = struct.unpack("<Q", head[:8])
             if 2 <= header_len <= MAX_HEADER_BYTES and len(head) < 8 + header_len <= size:
                 head += self.read(location, len(head), 8 + header_len)
-        return parse_header(uri, head, size)
+        return dataclasses.replace(parse_header(uri, head, size), version=version)
 
     def diagnose(self, uris: list[str]) -> ObjectStoreError | None:
         """After a reader failed on ``uris``: the first fault a fresh request finds, or None."""

@@ -112,13 +112,13 @@ class GCSStore(ObjectStore):
         blob = self._client().bucket(location.bucket).blob(location.key)
         return blob.download_as_bytes(start=start, end=end - 1, checksum=None, **self._kw)
 
-    def _size(self, location: ObjectURI) -> int:
+    def _stat(self, location: ObjectURI) -> tuple[int, str | None]:
         from google.api_core.exceptions import NotFound
 
         blob = self._client().bucket(location.bucket).get_blob(location.key, **self._kw)
         if blob is None:
             raise NotFound(f"no object {location.key!r} in bucket {location.bucket!r}")
-        return int(blob.size or 0)
+        return int(blob.size or 0), None if blob.generation is None else str(blob.generation)
 
     def _bucket_exists(self, bucket: str) -> bool:
         return bool(self._client().bucket(bucket).exists(**self._kw))

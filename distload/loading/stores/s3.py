@@ -142,7 +142,7 @@ class S3Store(ObjectStore):
                                               Range=f"bytes={start}-{end - 1}")
         return response["Body"].read()
 
-    def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int]:
+    def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int, str | None]:
         from botocore.exceptions import ClientError
 
         try:
@@ -150,15 +150,16 @@ class S3Store(ObjectStore):
                                                   Range=f"bytes=0-{nbytes - 1}")
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "InvalidRange":  # an empty object
-                return b"", self._size(location)
+                return (b"",) + self._stat(location)
             raise
         data = response["Body"].read()
         content_range = response.get("ContentRange") or ""
         size = int(content_range.rsplit("/", 1)[1]) if "/" in content_range else len(data)
-        return data, size
+        return data, size, response.get("ETag")
 
-    def _size(self, location: ObjectURI) -> int:
-        return int(self._client().head_object(Bucket=location.bucket, Key=location.key)["ContentLength"])
+    def _stat(self, location: ObjectURI) -> tuple[int, str | None]:
+        head = self._client().head_object(Bucket=location.bucket, Key=location.key)
+        return int(head["ContentLength"]), head.get("ETag")
 
     def _bucket_exists(self, bucket: str) -> bool:
         from botocore.exceptions import ClientError
