@@ -11,14 +11,15 @@ What a user can rely on:
 
 - **Agreement first.** Every rank lists the source (files only, one level, as a load does) and
   the lists must be identical before any byte moves (names, sizes, and for a local source each
-  file's content fingerprint); a save still in progress (its marker) or a corrupt manifest is
-  refused.
+  file's content fingerprint, for an object its version); a save still in progress (its marker) or
+  a corrupt manifest is refused.
 - **Nothing half-written is visible.** A file is written under ``.NAME.distload-tmp`` in DEST
   (the name loaders skip), checked, fsynced and renamed into place. The weights go first, then
   the other files, and the index and the manifest last, so a folder that has its manifest has
   everything. A process killed mid-pull leaves only complete files and hidden partials.
 - **Checked.** Every file's size; where the source has a distload manifest, each shard's SHA-256
-  (computed as the chunks arrive, in order). A mismatch fails the pull naming the file.
+  (computed as the chunks arrive, in order); an object's version, still the one listed before the
+  file is renamed into place. A mismatch fails the pull naming the file.
 - **Rerun.** A file already in DEST with the right size (and SHA-256 where known) is kept on that
   node; the others are fetched again from the start (partials are rewritten). Only files some
   node lacks are read, once.
@@ -35,7 +36,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,9 @@ class SourceFile:
     name: str
     size: int
     sha256: Optional[str]  # from the source's distload manifest, where it has one
+    # An object's version when it was listed (its size is of that version): a file whose object is
+    # written again before its last byte is pulled fails, never a mix of two versions.
+    version: Optional[str] = None
 
 
 @dataclass
@@ -77,6 +81,9 @@ def list_source(src: Source) -> list[SourceFile]:
     """The files of the source folder (or the one file it names), in the order a pull writes them."""
     if src.is_file:  # one .safetensors file: that file only, not its folder
         name = os.path.basename(src.uri.rstrip("/"))
+        if src.remote:
+            ((size, version),) = src.stats([name])
+            return [SourceFile(name, size, None, version)]
         return [SourceFile(name, src.file_size(name), None)]
     names = src.names()
     if SAVING_MARKER in names:
@@ -93,7 +100,10 @@ def list_source(src: Source) -> list[SourceFile]:
             return (2, LAST_NAMES.index(name), name)
         return (0 if name.endswith(".safetensors") else 1, 0, name)
 
-    return [SourceFile(n, src.file_size(n), sha.get(n)) for n in sorted(files, key=order)]
+    files = sorted(files, key=order)
+    if src.remote:
+        return [SourceFile(n, size, sha.get(n), version) for n, (size, version) in zip(files, src.stats(files))]
+    return [SourceFile(n, src.file_size(n), sha.get(n)) for n in files]
 
 
 def _file_sha256(path: str) -> str:
@@ -128,9 +138,10 @@ def _read_range(src: Source, name: str, start: int, end: int) -> bytes:
 class _NodeCopy:
     """The files this node's writer is fetching: partial files, their hashes, their checks."""
 
-    def __init__(self, dest: str, report: PullReport):
+    def __init__(self, dest: str, report: PullReport, version_now: Callable[[str], Optional[str]] | None = None):
         self.dest = dest
         self.report = report
+        self.version_now = version_now  # an object's version now, by name (object-store sources)
         self._open: dict[str, tuple[int, "hashlib._Hash", SourceFile]] = {}
 
     def start(self, entry: SourceFile) -> None:
@@ -162,6 +173,13 @@ class _NodeCopy:
             raise CheckpointError(f"{name}: SHA-256 of the pulled bytes is {hasher.hexdigest()}, the "
                                   f"source's manifest says {entry.sha256}: the source file changed or is "
                                   f"corrupt (distload verify checks it); nothing was written under DEST")
+        if entry.version is not None and self.version_now is not None:
+            now = self.version_now(name)
+            if now != entry.version:
+                os.unlink(partial)
+                raise CheckpointError(f"{name}: the object was written again during the pull (version "
+                                      f"{entry.version} when listed, now {now}), so the pulled bytes may mix two "
+                                      f"versions; nothing was written under DEST for it: pull again")
         os.replace(partial, os.path.join(self.dest, name))
         self.report.fetched.append(name)
 
@@ -224,7 +242,7 @@ def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullRepor
     fetch = [entry for entry in listing if entry.name in wanted]
     chunks = [(entry, offset, min(entry.size, offset + chunk_bytes))
               for entry in fetch for offset in range(0, max(entry.size, 1), chunk_bytes)]
-    copy = _NodeCopy(dest, report)
+    copy = _NodeCopy(dest, report, (lambda name: src.stats([name])[0][1]) if src.remote else None)
     try:
         _transfer(src, g, chunks, here, copy, report)
     finally:
@@ -253,9 +271,9 @@ PLAIN_FILE_HEAD_BYTES = 64 * 1024
 
 def _fingerprints(src: Source, listing: list[SourceFile]) -> list[str]:
     """For a local source, each file's content fingerprint (as cooperative loads compare them: two
-    nodes may hold different files at the same path); an object names the same bytes everywhere."""
+    nodes may hold different files at the same path); for an object, its version."""
     if src.remote:
-        return [""] * len(listing)
+        return [entry.version or "" for entry in listing]
     from distload.loading.index import FileInfo
 
     prints = []

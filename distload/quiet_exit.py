@@ -44,7 +44,8 @@ def _runnable_threads() -> int:
         except OSError:  # the thread ended between the listing and the read
             continue
         # The state follows the command name, which is in parentheses and may hold spaces.
-        state = fields[fields.rindex(b")") + 2:fields.rindex(b")") + 3]
+        end = fields.rfind(b")")
+        state = fields[end + 2:end + 3] if end >= 0 else b""
         if state == b"R":
             count += 1
     return count

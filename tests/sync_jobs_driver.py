@@ -277,7 +277,7 @@ def verify(role, address, result, args):
 
                 def wrong_checksum(data):
                     summed.append(data.numel())
-                    return real_checksum(data) + 1
+                    return real_checksum(data) + (data.numel() == 4 * 1024 * 1024)  # the direct bucket's only
 
                 channel_module.checksum = wrong_checksum if version == 4 else real_checksum
                 try:

@@ -224,3 +224,39 @@ def test_a_dest_that_cannot_be_written_is_a_clear_error_on_every_rank(sharded, t
         result.stderr[-3000:]
     assert "error on rank 1: checking what each node has failed on rank(s) 0" in result.stderr
     assert 'distload/pull.py", line' not in result.stderr  # no traceback of ours (torchrun prints its own)
+
+
+def test_an_object_written_again_during_the_pull_fails_and_leaves_nothing_visible(tmp_path, monkeypatch):
+    """The object is rewritten (same size, other bytes) after its first chunk was read: the
+    pulled bytes would mix two versions, so the pull fails naming it and DEST holds no such file."""
+    import distload
+    import distload.pull as pull_mod
+    from object_store_servers import start_s3rver
+
+    source = str(tmp_path / "whole")
+    files = write_whole(source, {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
+    server = start_s3rver(str(tmp_path / "s3rver"))
+    try:
+        uri = server.upload_folder(source, "rewritten")
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        victim = os.path.basename(files[0])
+        with open(files[0], "rb") as f:
+            changed = bytearray(f.read())
+        changed[-1] ^= 0xFF
+        real_read = pull_mod._read_range
+
+        def read_then_rewrite(src, name, start, end):
+            data = real_read(src, name, start, end)
+            if name == victim and start == 0:
+                server.put(f"rewritten/{victim}", bytes(changed))
+            return data
+
+        monkeypatch.setattr(pull_mod, "_read_range", read_then_rewrite)
+        dest = str(tmp_path / "dest")
+        with distload.WorkerGroup(device="cpu") as group:
+            with pytest.raises(distload.errors.CheckpointError, match=f"{victim}: the object was written again"):
+                pull_mod.pull(uri, dest, group=group, chunk_bytes=MIB)
+        assert not os.path.exists(os.path.join(dest, victim))
+    finally:
+        server.stop()

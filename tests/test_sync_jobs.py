@@ -299,8 +299,9 @@ def test_verify_catches_a_bucket_corrupted_after_its_checksum(verify_run):
         assert "error" not in clean and clean["verified"], clean  # the inference side asked for it
     packed, direct = pushes[1], pushes[3]
     assert 1024 * 1024 * 4 in direct["summed"], direct  # the direct tensor's checksum was made wrong
-    for failed in (packed, direct):
-        assert "checksum" in failed.get("error", ""), failed
+    # buckets 0-3 hold two 16 KiB tensors each; bucket 4 is the 4 MiB tensor, sent directly
+    for failed, bucket in ((packed, 1), (direct, 4)):
+        assert f"bucket {bucket} from trainer rank 0 failed its checksum" in failed.get("error", ""), failed
     for rank in verify_run.inference:
         receives = rank["receives"]
         for clean in (receives[0], receives[2], receives[4]):

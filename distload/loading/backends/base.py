@@ -50,8 +50,8 @@ class ReadRequest:
     ``sharing`` (cooperative reads of a backend that ``shares_reads``): the ranks of the group
     (group ranks, this one included) that read this rank's files together, found by the agreement;
     ``needs``: what each of them keeps (in ``sharing``'s order): tensor name -> byte runs of its
-    slice (``exchange_plan.py``), the tensors it keeps whole left out. Empty: each keeps what this
-    rank keeps.
+    slice (``exchange_plan.py``), the tensors it keeps whole left out. The load's agreement fills
+    both; a shared read without them is refused.
     """
 
     index: CheckpointIndex

@@ -269,7 +269,7 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
         nonlocal plan
         needs = member_needs(request, infos)
         if group.rank not in members or len(needs) != k:
-            raise DistloadError(f"rank {group.rank}: the shared read has members {members} but what {len(needs)} "
+            raise DistloadError(f"the shared read has members {members} but what {len(needs)} "
                                 f"keep (the load's agreement fills both)")
         plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
         return math.ceil(len(plan.buckets) / k), plan.digest()

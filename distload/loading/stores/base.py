@@ -402,11 +402,15 @@ class ObjectStore:
                 f"shorter than its header says, or it was replaced during the load", "other")
         return data
 
+    def stat(self, location: ObjectURI) -> tuple[int, str | None]:
+        """The object's size and version, from one request."""
+        return self.call(str(location), lambda: self._stat(location))
+
     def size(self, location: ObjectURI) -> int:
-        return self.call(str(location), lambda: self._stat(location)[0])
+        return self.stat(location)[0]
 
     def version(self, location: ObjectURI) -> str | None:
-        return self.call(str(location), lambda: self._stat(location)[1])
+        return self.stat(location)[1]
 
     def read_header(self, uri: str) -> FileInfo:
         """The object's parsed header, with its size and version (one ranged GET where the header
