@@ -132,6 +132,11 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
         pread.LocalBytes.read = failing
     if kind == "bucket" and group.rank == int(who):
         shared.BUCKET_BYTES = 2 * int(bucket)
+    if kind == "needs" and group.rank == int(who):  # the agreement's answer lost on this rank
+        import dataclasses
+        real_stream = shared.shared_stream
+        shared_stream = lambda request, *a: real_stream(dataclasses.replace(request, needs=()), *a)
+        pread.shared_stream = shared_stream
     if kind == "pack" and group.rank == int(who):
         real_pack, packs = shared._pack, []
         def failing_pack(buffer, pieces):
@@ -294,6 +299,21 @@ def test_a_rank_that_cannot_prepare_its_messages_stops_every_rank_at_once(llama,
                       re.S)
     assert found, out[-3000:]
     assert float(found.group(1)) < 30  # at the round's agreement, not at the 60 s timeout
+
+
+@pytest.mark.dist
+def test_a_shared_read_without_the_agreements_needs_is_refused_on_every_rank_at_once(llama, tmp_path):
+    """Rank 1's read request lacks what each member keeps (which the load's agreement fills): it
+    refuses inside the planning agreement, so rank 0 stops at once too, naming it."""
+    result, _ = run_shared(tmp_path, llama[0], 2, tp=2, bucket=1024, fault="needs:1")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    for rank in (0, 1):  # rank 0's message names rank 1 and quotes it (over several lines)
+        found = re.search(rf"rank {rank} stopped after ([0-9.]+) s: .*the shared read has members \[0, 1\] but "
+                          rf"what 0 keep", out, re.S)
+        assert found, out[-3000:]
+        assert float(found.group(1)) < 30, out[-3000:]
+    assert re.search(r"rank 0 stopped after [0-9.]+ s: planning the shared read failed on rank\(s\) 1", out), out[-3000:]
 
 
 @pytest.mark.dist
