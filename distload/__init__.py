@@ -24,28 +24,28 @@ from distload.errors import (
     ShardLayoutError,
     SyncError,
 )
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.live.dtensors import load_dtensors
 from distload.live.reload import Destination, ReloadReport, reload_into
 from distload.live.sleep import WeightSleeper
 from distload.live.channel import SyncChannel
 from distload.live.sync import SyncStats, WeightSync
 from distload.loading.formats import LOAD_FORMATS, make_load_config
-from distload.loading.layout import DEFAULT_SHARD_PATTERN, Layout, detect_layout
+from distload.loading.layout import DEFAULT_SHARD_PATTERN, CheckpointLayout, detect_layout
 from distload.loading.loader import Loader, LoadResult, LoadStream, iter_tensors, load
 from distload.loading.report import LoadReport, RankReport, state_digest
-from distload.sharded.inspection import inspect_source as inspect
-from distload.sharded.reshard import ReshardReport, reshard
-from distload.sharded.save import save_sharded
-from distload.sharded.verify import verify_folder as verify
-from distload.sharding import ShardingSpec, load_spec
+from distload.checkpoints.inspection import inspect_source as inspect
+from distload.checkpoints.reshard import ReshardReport, reshard
+from distload.checkpoints.save import save_sharded
+from distload.checkpoints.verify import verify_folder as verify
+from distload.tp.spec import ShardingSpec, load_spec
 
 __version__ = "0.1.0"
 
 __all__ = [
     # loading
     "load", "iter_tensors", "Loader", "LoadResult", "LoadStream", "LoadConfig", "make_load_config",
-    "LOAD_FORMATS", "detect_layout", "Layout", "DEFAULT_SHARD_PATTERN",
+    "LOAD_FORMATS", "detect_layout", "CheckpointLayout", "DEFAULT_SHARD_PATTERN",
     # groups
     "WorkerGroup",
     # reports

@@ -189,7 +189,7 @@ def test_pattern_needs_rank(pattern):
 def test_loading_takes_vllms_patterns_saving_needs_a_part_and_a_file_name(pattern, tmp_path):
     """vLLM globs pattern.format(rank=r, part="*"): no {part}, or a subfolder, load; a save needs
     {part} (vLLM's saver would write every part over one file) and a plain name."""
-    from distload.sharded.output import check_save_args
+    from distload.checkpoints.output import check_save_args
 
     assert make_load_config("sharded_state", {"pattern": pattern}).pattern == pattern
     with pytest.raises(ConfigError, match="--file-pattern"):

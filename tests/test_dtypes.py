@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 import distload
 from distload.loading import index as index_module
 from distload.loading.index import DTYPES, parse_header
-from distload.sharding import spec_from_json
-from distload.slicing import take_shard
+from distload.tp.spec import spec_from_json
+from distload.tp.slices import take_shard
 
 from conftest import plain_digest, read_report, run_distload
 

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 import distload
 from distload.errors import CheckpointError
-from distload.group import WorkerGroup
-from distload.sharded.inspection import inspect_source
+from distload.dist.group import WorkerGroup
+from distload.checkpoints.inspection import inspect_source
 
 FORMATS = ["auto", "safetensors", "runai_streamer", "dummy"]
 
@@ -163,7 +163,7 @@ def test_verify_reads_headers_so_ok_means_loadable(tmp_path):
     import hashlib
 
     from distload.loading.manifest import MANIFEST_NAME
-    from distload.sharded.verify import verify_folder
+    from distload.checkpoints.verify import verify_folder
 
     whole, out = str(tmp_path / "whole"), str(tmp_path / "tp1")
     os.makedirs(whole)

@@ -30,12 +30,12 @@ from safetensors.torch import save_file
 
 import distload
 import distload.cli.main
-import distload.sharded.save
+import distload.checkpoints.save
 from distload.loading.backends import BACKENDS, ReadRequest
 from distload.loading.index import CheckpointIndex
 from distload.errors import BackendUnavailableError, CheckpointError, ObjectStoreError, ShardLayoutError
-from distload.sharded.inspection import inspect_source
-from distload.sharded.verify import verify_folder
+from distload.checkpoints.inspection import inspect_source
+from distload.checkpoints.verify import verify_folder
 
 from conftest import every_dtype_state, plain_digest, run_distload, write_sharded, write_whole
 from object_store_servers import (
@@ -237,17 +237,17 @@ def test_endpoints_and_reader_environment(monkeypatch):
 
 
 def test_ranged_reader_coalesces_requests():
-    from distload.loading.backends.ranged import Piece, coalesce
+    from distload.loading.backends.ranged import FileExtent, coalesce
     from distload.loading.index import TensorInfo
 
     tensors = [TensorInfo(f"t{i}", "U8", (size,), "f", begin, begin + size)
                for i, (begin, size) in enumerate([(100, 10), (110, 30), (140, 100), (240, 5)])]
-    pieces = [Piece(t, t.begin, 0, t.nbytes) for t in tensors]
+    pieces = [FileExtent(t, t.begin, 0, t.nbytes) for t in tensors]
     assert [(s, e, [p.info.name for p in m]) for s, e, m in coalesce(pieces, chunk_bytes=50)] == [
         (100, 140, ["t0", "t1"]), (140, 240, ["t2"]), (240, 245, ["t3"])]
     assert len(coalesce(pieces, chunk_bytes=1000)) == 1
     # A slice's rows: a short gap is fetched with its neighbours, a long one starts a new request.
-    rows = [Piece(tensors[0], start, i * 4, 4) for i, start in enumerate([0, 8, 16, 100, 108])]
+    rows = [FileExtent(tensors[0], start, i * 4, 4) for i, start in enumerate([0, 8, 16, 100, 108])]
     assert [(s, e) for s, e, _ in coalesce(rows, chunk_bytes=1000, gap_bytes=4)] == [(0, 20), (100, 112)]
     assert [(s, e) for s, e, _ in coalesce(rows, chunk_bytes=1000, gap_bytes=3)] == [
         (0, 4), (8, 12), (16, 20), (100, 104), (108, 112)]
@@ -630,7 +630,7 @@ import sys
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 import distload
 import distload.cli.main
-import distload.sharded.save
+import distload.checkpoints.save
 from distload.loading.backends import BACKENDS, ReadRequest
 from object_store_servers import StoreServer
 server = StoreServer({store.name!r}, {store.scheme!r}, {store.bucket!r}, {store.port}, {store.workdir!r}, None, {store.extra!r})
@@ -687,8 +687,8 @@ def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(sto
     (the dim-1 tensors too, whose rows each would otherwise fetch with the other's), so the
     server serves it once, and each receives from the other only bytes of its own slices."""
     from distload.loading.sources import read_local_header
-    from distload.sharding import load_spec
-    from distload.slicing import slice_bytes
+    from distload.tp.spec import load_spec
+    from distload.tp.slices import slice_bytes
 
     proxy = ByteCountingProxy(store.port)
     report_path = str(tmp_path / "report.json")

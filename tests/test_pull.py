@@ -47,7 +47,7 @@ def pull(source: str, dest: str, tmp_path, nproc: int = 2, *extra: str, **kwargs
 @pytest.fixture
 def sharded(tmp_path):
     """A distload-sharded checkpoint (manifest with SHA-256s) and a config file beside it."""
-    from distload.sharded.reshard import reshard
+    from distload.checkpoints.reshard import reshard
 
     folder = str(tmp_path / "src")
     write_whole(str(tmp_path / "whole"), every_dtype_state(seed=5), num_files=2)
@@ -223,14 +223,14 @@ def test_a_dest_that_cannot_be_written_is_a_clear_error_on_every_rank(sharded, t
     assert "error on rank 0:" in result.stderr and "DEST must be a writable local folder" in result.stderr, \
         result.stderr[-3000:]
     assert "error on rank 1: checking what each node has failed on rank(s) 0" in result.stderr
-    assert 'distload/pull.py", line' not in result.stderr  # no traceback of ours (torchrun prints its own)
+    assert 'distload/checkpoints/pull.py", line' not in result.stderr  # no traceback of ours (torchrun prints its own)
 
 
 def test_an_object_written_again_during_the_pull_fails_and_leaves_nothing_visible(tmp_path, monkeypatch):
     """The object is rewritten (same size, other bytes) after its first chunk was read: the
     pulled bytes would mix two versions, so the pull fails naming it and DEST holds no such file."""
     import distload
-    import distload.pull as pull_mod
+    import distload.checkpoints.pull as pull_mod
     from object_store_servers import start_s3rver
 
     source = str(tmp_path / "whole")

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 import distload
 from distload.live.reload import Destination, ReloadError, check_fit, reload_into
 from distload.errors import ConfigError
-from distload.sharding import load_spec
-from distload.slicing import take_shard
+from distload.tp.spec import load_spec
+from distload.tp.slices import take_shard
 
 from conftest import plain_read, write_whole
 from dist_helpers import run_script, write_script

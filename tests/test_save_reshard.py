@@ -26,10 +26,10 @@ from distload.cli.main import main as cli_main
 from distload.loading.sources import read_local_header
 from distload.errors import CheckpointError, ConfigError, ShardLayoutError
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER
-from distload.sharded.reshard import reshard
-from distload.sharded.save import save_sharded
-from distload.sharding import load_spec, spec_from_json
-from distload.slicing import reassemble
+from distload.checkpoints.reshard import reshard
+from distload.checkpoints.save import save_sharded
+from distload.tp.spec import load_spec, spec_from_json
+from distload.tp.slices import reassemble
 
 from conftest import plain_digest, plain_read, read_report, run_distload, write_sharded
 
@@ -269,7 +269,7 @@ def check_reassembly(out: str, state: dict[str, torch.Tensor], per_rank: list[di
             back = reassemble(shards, action, want.shape)
             assert tuple(back.shape) == tuple(want.shape), name
             assert raw(back) == raw(want), f"{name}: reassembled tensor differs from the source"
-    # Independently of distload/slicing.py: what rank r must hold, by vLLM's rules written out.
+    # Independently of distload/tp/slices.py: what rank r must hold, by vLLM's rules written out.
     p = "model.layers.2.self_attn" if "model.layers.2.self_attn.q_proj.weight" in state else "model.layers.0.self_attn"
     for r in range(n):
         q, o = state[f"{p}.q_proj.weight"], state[f"{p}.o_proj.weight"]
@@ -614,7 +614,7 @@ def test_missing_qkv_config_is_a_clear_error(tmp_path):
 
 KILL_SCRIPT = """
 import os, signal, sys
-import distload.sharded.reshard as reshard_module
+import distload.checkpoints.reshard as reshard_module
 
 calls = [0]
 real = reshard_module.take_shard
@@ -672,7 +672,7 @@ def full_reshard(src: str, tmp_path) -> str:
 
 
 def test_save_failing_midway_in_process(source, tmp_path, monkeypatch):
-    import distload.sharded.writer as writer_module
+    import distload.checkpoints.writer as writer_module
 
     src, _ = source
     out = str(tmp_path / "out")
@@ -1026,7 +1026,7 @@ MEASURE_SCRIPT = """
 import json, resource, sys, threading, time
 import psutil
 import torch
-import distload.sharded.save
+import distload.checkpoints.save
 from distload.loading.report import peak_rss_bytes
 
 proc = psutil.Process()
@@ -1138,7 +1138,7 @@ import json, sys
 import torch
 import distload
 from distload.loading.report import state_digest
-from distload.sharded.save import save_sharded
+from distload.checkpoints.save import save_sharded
 
 sys.path.insert(0, sys.argv[3])
 from test_save_reshard import job_state
@@ -1207,7 +1207,7 @@ def test_sub_tensors_follow_vllms_rule_and_come_back_as_views(tmp_path):
     """As vLLM's _filter_subtensors: inside a larger contiguous tensor -> dropped; the same bytes
     under two names and dtypes -> the smaller name kept; a non-contiguous container covers
     nothing; a non-contiguous tensor on its own is written. Every dropped one loads as a view."""
-    from distload.sharded.save import find_aliases
+    from distload.checkpoints.save import find_aliases
 
     base = torch.arange(24, dtype=torch.float32)
     grid = torch.arange(12, dtype=torch.float32).reshape(3, 4)

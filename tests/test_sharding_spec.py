@@ -1,4 +1,4 @@
-"""Unit tests for distload/sharding.py: specs, spec files, fused parts, shard shapes, and
+"""Unit tests for distload/tp/spec.py: specs, spec files, fused parts, shard shapes, and
 take_shard/reassemble (pure: no torch.distributed, no I/O besides spec files in tmp_path)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from distload.errors import ConfigError
-from distload.sharding import BUILTIN_SPECS, SPEC_ALIASES, Rule, ShardingSpec, attention_dims, load_spec, spec_from_json
-from distload.slicing import Action, Part, rank_slice, reassemble, shard_shape, take_shard
+from distload.tp.spec import BUILTIN_SPECS, SPEC_ALIASES, Rule, ShardingSpec, attention_dims, load_spec, spec_from_json
+from distload.tp.slices import Action, Part, rank_slice, reassemble, shard_shape, take_shard
 
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 8, 2, 128, 256
 HEAD_DIM = H // HEADS
@@ -330,7 +330,7 @@ def test_packed_fp4_last_dim_split_counts_header_values():
 
 
 def test_a_block_scale_beside_a_split_weight_is_refused():
-    from distload.sharding import check_scales
+    from distload.tp.spec import check_scales
 
     spec = load_spec("decoder", LLAMA_CONFIG)
     w, s = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distload.loading.agreement import sharing_ranks
-from distload.loading.backends.exchange_plan import (
+from distload.loading.shared_reads.plan import (
     ExchangePlan, Segment, assign_readers, clip_runs, compact, expand, plan_buckets)
 from distload.loading.report import state_digest
 
@@ -70,7 +70,7 @@ def test_the_exchange_plan_reads_the_union_once_and_gives_each_member_exactly_it
     """Two TP ranks keeping halves of every row (dim 1) of a 16 x 48-byte tensor, and a replica of
     the first: the union is the whole tensor, cut into 64-byte buckets (rows cut at their edges),
     each read once, and each member's pieces are exactly its half rows."""
-    import distload.loading.backends.exchange_plan as exchange_plan
+    import distload.loading.shared_reads.plan as exchange_plan
 
     monkeypatch.setattr(exchange_plan, "MIN_BUCKET_BYTES", 1)
     left = compact((r * 48, r * 24, 24) for r in range(16))
@@ -112,7 +112,7 @@ SCRIPT = r"""
 import json, os, signal, sys, time
 import distload
 import distload.loading.backends.pread as pread
-import distload.loading.backends.shared_reads as shared
+import distload.loading.shared_reads.stream as shared
 from distload.errors import CheckpointError
 
 source, out, tp, extra, bucket, fault = sys.argv[1:7]
@@ -194,8 +194,8 @@ def test_a_whole_checkpoint_is_read_once_by_the_ranks_together(tmp_path):
 def planned_exchange(folder: str, tp: int, nproc: int, bucket: int) -> list[dict[str, int]]:
     """Per rank, what the job-wide exchange plan says it reads, keeps of its own reads, and
     receives, from each rank's real plan (the exchange's facts: file order, every rank's slices)."""
-    from distload.group import WorkerGroup
-    from distload.loading.backends.exchange_plan import run_bytes, whole_need
+    from distload.dist.group import WorkerGroup
+    from distload.loading.shared_reads.plan import run_bytes, whole_need
     from distload.loading.loader import Loader
 
     plans = []
@@ -365,7 +365,7 @@ def test_a_rank_that_stops_consuming_still_lets_the_others_finish_their_reads(tm
 SUBGROUP_SCRIPT = r"""
 import json, sys
 import distload
-import distload.loading.backends.shared_reads as shared
+import distload.loading.shared_reads.stream as shared
 
 source, out = sys.argv[1:3]
 shared.BUCKET_BYTES = 4096
@@ -400,7 +400,7 @@ RELOAD_SCRIPT = r"""
 import json, sys
 import torch
 import distload
-import distload.loading.backends.shared_reads as shared
+import distload.loading.shared_reads.stream as shared
 from distload.loading.report import state_digest
 
 source, out, tp = sys.argv[1:4]
@@ -524,7 +524,7 @@ def test_a_send_that_fails_names_the_receiver_not_the_sending_rank(monkeypatch):
     from datetime import timedelta
     from types import SimpleNamespace
 
-    import distload.loading.backends.shared_reads as shared
+    import distload.loading.shared_reads.stream as shared
     from distload.errors import GroupError
 
     class Lost:

@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 
 import distload
 from distload.errors import ConfigError
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.loading.backends.pread import batch_extents
 from distload.loading.layout import DEFAULT_SHARD_PATTERN
 from distload.loading.report import state_digest
-from distload.slicing import Action, Part, slice_bytes, take_shard
+from distload.tp.slices import Action, Part, slice_bytes, take_shard
 
 from conftest import plain_read, read_report, run_distload, write_whole
 
@@ -371,7 +371,7 @@ def test_dtensor_targets_get_their_local_shards(llama, tmp_path, mesh):
 
 
 def test_block_bytes_of_a_2d_shard():
-    from distload.slicing import block_bytes
+    from distload.tp.slices import block_bytes
 
     t = torch.arange(6 * 8, dtype=torch.int16).reshape(6, 8)
     for offsets, sizes in [((0, 0), (6, 8)), ((3, 0), (3, 8)), ((0, 4), (6, 4)), ((2, 2), (3, 4)), ((0, 0), (0, 8))]:

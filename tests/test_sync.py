@@ -10,25 +10,26 @@ import time
 import pytest
 import torch
 
-from distload.live.transfer import (ALIGN, Entry, Piece, View, check_pieces, checksum, first_mismatch,
+from distload.tp.place import TPPlace
+from distload.live.transfer import (ALIGN, SyncTensor, KeptSlice, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts)
 
 from dist_helpers import clean_env, free_port, run_script, write_script
 
 
-def entries(*sizes: int) -> list[Entry]:
-    return [Entry(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+def entries(*sizes: int) -> list[SyncTensor]:
+    return [SyncTensor(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
 
 
 def test_buckets_pack_in_order_aligned_and_a_big_tensor_alone():
     sent = entries(10, 20, 100, 5, 300, 7)
     groups = group_entries(sent, bucket_bytes=128)
     assert groups == [(0, 1), (2,), (3,), (4,), (5,)]
-    buckets = layouts(sent, groups, View(), verify=False)
+    buckets = layouts(sent, groups, TPPlace(), verify=False)
     assert [[off for _, off in b.items] for b in buckets] == [[0, 64], [0], [0], [0], [0]]
     assert buckets[3].size == 300  # bigger than a bucket: travels alone
     assert all(off % ALIGN == 0 for b in buckets for _, off in b.items)
-    verified = layouts(sent, groups, View(), verify=True)
+    verified = layouts(sent, groups, TPPlace(), verify=True)
     assert [b.size for b in verified] == [84, 100, 5, 300, 7]  # the checksums travel apart
     assert [b.wire_bytes for b in verified] == [84 + 16, 100 + 16, 5 + 16, 300 + 16, 7 + 16]
     assert group_entries([], 128) == []
@@ -37,8 +38,8 @@ def test_buckets_pack_in_order_aligned_and_a_big_tensor_alone():
 def test_a_verified_update_names_the_bucket_whose_bytes_changed():
     sizes = (3 * 4096 + 1000, 200, 4096 * 5)
     groups = [(0,), (1,), (2,)]
-    plain = layouts(entries(*sizes), groups, View(), verify=False)
-    verified = layouts(entries(*sizes), groups, View(), verify=True)
+    plain = layouts(entries(*sizes), groups, TPPlace(), verify=False)
+    verified = layouts(entries(*sizes), groups, TPPlace(), verify=True)
     assert [b.wire_bytes for b in plain] == list(sizes)
     assert [b.wire_bytes for b in verified] == [n + 16 for n in sizes]  # one checksum a bucket
     buckets = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
@@ -57,9 +58,9 @@ def test_a_verified_update_names_the_bucket_whose_bytes_changed():
 def test_check_pieces_names_every_problem():
     targets = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16), "d": torch.zeros(8)}
     targets["d"].untyped_storage().resize_(0)  # what WeightSleeper leaves behind
-    sent = [Entry("a", "F32", (3, 2), 24), Entry("b", "F32", (4,), 16), Entry("c", "F32", (1,), 4),
-            Entry("d", "F32", (8,), 32)]
-    pieces = [Piece(i, e.shape, e.nbytes, None) for i, e in enumerate(sent)]
+    sent = [SyncTensor("a", "F32", (3, 2), 24), SyncTensor("b", "F32", (4,), 16), SyncTensor("c", "F32", (1,), 4),
+            SyncTensor("d", "F32", (8,), 32)]
+    pieces = [KeptSlice(i, e.shape, e.nbytes, None) for i, e in enumerate(sent)]
     problems = check_pieces(sent, pieces, targets)
     assert problems == ["a: sent F32 [3, 2], here torch.float32 [2, 3]",
                         "b: sent F32 [4], here torch.bfloat16 [4]", "c: no such tensor here",

@@ -356,14 +356,15 @@ def test_a_sleeping_model_with_storages_that_cannot_resize_is_refused_as_asleep(
     import numpy as np
 
     import distload
-    from distload.live.transfer import Entry, View, check_pieces, group_entries, layouts
+    from distload.live.transfer import SyncTensor, check_pieces, group_entries, layouts
+    from distload.tp.place import TPPlace
 
     target = {"w": torch.from_numpy(np.zeros((48, 40), dtype=np.float32))}
     assert not target["w"].untyped_storage().resizable()
     sleeper = distload.WeightSleeper(target)
     sleeper.sleep(level=2)
-    sent = [Entry("w", "F32", (48, 40), 48 * 40 * 4)]
-    pieces = [piece for layout in layouts(sent, group_entries(sent, 1 << 20), View(), False)
+    sent = [SyncTensor("w", "F32", (48, 40), 48 * 40 * 4)]
+    pieces = [piece for layout in layouts(sent, group_entries(sent, 1 << 20), TPPlace(), False)
               for piece, _ in layout.items]
     problems = check_pieces(sent, pieces, target)
     sleeper.wake()

@@ -48,7 +48,7 @@ def vllm_python() -> str:
     if not os.path.exists(path):
         problem = f"no vLLM environment at {path}"
     else:
-        check = subprocess.run([path, "-c", "import vllm, distload.vllm_plugin"], capture_output=True, text=True,
+        check = subprocess.run([path, "-c", "import vllm, distload.vllm.plugin"], capture_output=True, text=True,
                                timeout=300)
         if check.returncode != 0:
             problem = f"{path} cannot import vllm and distload: {check.stderr.strip().splitlines()[-1:]}"
@@ -222,7 +222,7 @@ def test_a_dummy_engine_switches_to_the_real_weights_in_place(tp, request):
 def test_the_extra_config_is_checked_as_distload_load_checks_it():
     """What the engine's workers raise at start (seen there: the engine stops, its log naming the
     key); checked here without an engine."""
-    from distload.vllm_plugin import reader_config
+    from distload.vllm.plugin import reader_config
 
     assert reader_config(None).load_format == "auto"
     assert reader_config({"reader": "runai_streamer", "concurrency": 8}).extra == {"concurrency": 8}

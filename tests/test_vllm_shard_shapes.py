@@ -1,7 +1,7 @@
 """The ``decoder`` sharding spec holds what vLLM's engine holds, rank for rank.
 
 The expected rows are written here from vLLM 0.32's own rules, independently of
-distload/slicing.py:
+distload/tp/slices.py:
 
 - ``QKVParallelLinear``: with tp_size >= total_num_kv_heads each rank has one KV head and
   ``num_kv_head_replicas = tp_size // total_num_kv_heads``; rank r loads KV head
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from distload.errors import ConfigError
-from distload.sharding import load_spec, spec_from_json
-from distload.slicing import reassemble, shard_shape, take_shard
+from distload.tp.spec import load_spec, spec_from_json
+from distload.tp.slices import reassemble, shard_shape, take_shard
 
 
 def config(heads, kv_heads, head_dim, vocab):

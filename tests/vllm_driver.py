@@ -34,7 +34,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    import distload.vllm_plugin as plugin
+    import distload.vllm.plugin as plugin
 
     params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
     results = {}

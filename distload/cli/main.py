@@ -17,10 +17,11 @@ import logging
 import sys
 
 from distload.errors import ConfigError, DistloadError
-from distload.group import DEFAULT_TIMEOUT_S, WorkerGroup, detect_launch
+from distload.dist.group import DEFAULT_TIMEOUT_S, WorkerGroup
+from distload.dist.launch import detect_launch
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
-from distload.sharded.output import DEFAULT_MAX_FILE_SIZE
+from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE
 
 log = logging.getLogger("distload")
 
@@ -154,7 +155,7 @@ def run_load(args: argparse.Namespace) -> int:
 
 
 def run_save_sharded(args: argparse.Namespace) -> int:
-    from distload.sharded.reshard import reshard
+    from distload.checkpoints.reshard import reshard
 
     report = reshard(args.source, args.output, args.tensor_parallel_size, pattern=args.file_pattern,
                      max_file_size=args.max_file_size, sharding=args.sharding)
@@ -164,7 +165,7 @@ def run_save_sharded(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from distload.sharded.verify import verify_folder
+    from distload.checkpoints.verify import verify_folder
 
     manifest, problems = verify_folder(args.folder)
     if problems:
@@ -181,7 +182,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from distload.sharded.inspection import inspect_source, summary_lines
+    from distload.checkpoints.inspection import inspect_source, summary_lines
 
     if args.pattern is not None:
         check_pattern("--pattern", args.pattern)
@@ -194,7 +195,7 @@ def run_pull(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from distload.fileio import write_json_atomic
-    from distload.pull import pull
+    from distload.checkpoints.pull import pull
 
     chunk_bytes = int(args.chunk_mib * 1024 * 1024)
     if chunk_bytes <= 0:

@@ -22,12 +22,12 @@ import json
 import torch
 
 from distload.cli.demo import llama_layers, llama_shapes
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.live.channel import SyncChannel
 from distload.live.sync import WeightSync
 from distload.loading.report import state_digest
-from distload.sharding import load_spec
-from distload.slicing import take_shard
+from distload.tp.spec import load_spec
+from distload.tp.slices import take_shard
 
 HIDDEN, VOCAB, HEAD_DIM = 512, 8192, 64
 

@@ -49,15 +49,16 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import ConfigError, SyncError
-from distload.group import DEFAULT_TIMEOUT_S, detect_launch, resolve_device
-from distload.heartbeat import Beat, PeerWatch
+from distload.dist.group import DEFAULT_TIMEOUT_S
+from distload.dist.launch import detect_launch, resolve_device
+from distload.dist.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors
-from distload.live.transfer import (Entry, Layout, View, check_pieces, checksum, first_mismatch,
+from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
-from distload.sharding import ShardingSpec, load_spec, spec_from_json
+from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
@@ -147,7 +148,7 @@ class SyncChannel:
         self.timeout_s = float(timeout_s)
         self.bucket_bytes = bucket_bytes
         self.verify = bool(verify)
-        self.view = self._view(tensor_parallel_size, sharding, model_config)
+        self.place = self._place(tensor_parallel_size, sharding, model_config)
         if store is None and rendezvous_address is None:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
                               "inside one job use distload.WeightSync")
@@ -163,19 +164,19 @@ class SyncChannel:
         self.last_error: str | None = None
         self.consistent = True
 
-    def _view(self, tp_size: int, sharding: Any, model_config: Any) -> View:
+    def _place(self, tp_size: int, sharding: Any, model_config: Any) -> TPPlace:
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive int, got {tp_size!r}")
         if self.role == "trainer":
             if tp_size != 1 or sharding is not None:
                 raise ConfigError("tensor_parallel_size and sharding describe what an inference rank keeps; "
                                   "a trainer sends whole tensors (pass them on the inference side)")
-            return View()
+            return TPPlace()
         if self.size % tp_size:
             raise ConfigError(f"the inference side has {self.size} ranks, not a multiple of "
                               f"tensor_parallel_size {tp_size}")
         if tp_size == 1:
-            return View()
+            return TPPlace()
         spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding)
         if spec.engine is not None:
             raise ConfigError(f"sharding {spec.name!r} writes {spec.engine}'s engine names, for saves only; "
@@ -185,12 +186,12 @@ class SyncChannel:
                 raise ConfigError(f"sharding {spec.name!r} splits attention heads: pass model_config= (the "
                                   f"model's config.json, as a dict or a path) so every rank cuts between heads")
             spec = ShardingSpec(spec.name, spec.rules, _config(model_config), spec.engine)
-        return View(tp_size, self.rank % tp_size, spec)
+        return TPPlace(tp_size, self.rank % tp_size, spec)
 
     # -- sessions ----------------------------------------------------------------------------
     def _info(self) -> dict[str, Any]:
-        spec = self.view.spec
-        return {"tp_size": self.view.tp_size, "spec": None if spec is None else spec.to_json(),
+        spec = self.place.spec
+        return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
                 "device": self.device.type, "verify": self.verify, "pid": os.getpid()}
 
     def _join(self, deadline: float) -> _Session:
@@ -380,28 +381,28 @@ class SyncChannel:
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify)
 
-    def _routes(self, session: _Session, entries: Sequence[Entry], groups: Sequence[Sequence[int]],
-                verify: bool) -> list[tuple[View, list[int], list[Layout]]]:
-        """Each distinct receiver view, the session ranks that keep it, and its bucket layouts."""
-        by_view: dict[tuple, tuple[View, list[int]]] = {}
+    def _routes(self, session: _Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
+                verify: bool) -> list[tuple[TPPlace, list[int], list[BucketLayout]]]:
+        """Each distinct receiver place, the session ranks that keep it, and its bucket layouts."""
+        by_place: dict[tuple, tuple[TPPlace, list[int]]] = {}
         record = session.record
         for rank in range(record.inference_size):
             info = record.infos[rendezvous.member_key("inference", rank)]
             tp_size = info["tp_size"]
             key = (tp_size, rank % tp_size)
-            if key not in by_view:
+            if key not in by_place:
                 spec = None if info["spec"] is None else spec_from_json(info["spec"])
-                by_view[key] = (View(tp_size, rank % tp_size, spec), [])
-            by_view[key][1].append(record.channel_rank("inference", rank))
-        return [(view, ranks, layouts(entries, groups, view, verify)) for view, ranks in by_view.values()]
+                by_place[key] = (TPPlace(tp_size, rank % tp_size, spec), [])
+            by_place[key][1].append(record.channel_rank("inference", rank))
+        return [(place, ranks, layouts(entries, groups, place, verify)) for place, ranks in by_place.values()]
 
-    def _send(self, session: _Session, routes: Sequence[tuple[View, list[int], list[Layout]]],
+    def _send(self, session: _Session, routes: Sequence[tuple[TPPlace, list[int], list[BucketLayout]]],
               tensors: Mapping[int, torch.Tensor], dtensors: Mapping[str, torch.Tensor],
               metas: Sequence[Mapping[str, Any]], groups: Sequence[Sequence[int]], cancelled: threading.Event) -> int:
         if self.rank != 0 and dtensors:
             _gather_with_leader(metas[0], dtensors)
         in_flight: dict[tuple[int, int], list[tuple[int, Any]]] = {}
-        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per view: its buckets' checksums
+        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per place: its buckets' checksums
 
         def wait(works: list[tuple[int, Any]]) -> None:
             for dst, work in works:
@@ -410,7 +411,7 @@ class SyncChannel:
         wire = 0
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}
-            for v, (view, ranks, lays) in enumerate(routes):
+            for v, (place, ranks, lays) in enumerate(routes):
                 slot = (v, i % 2)
                 wait(in_flight.pop(slot, []))  # two buckets in flight; a slot's buffer is free again
                 layout = lays[i]
@@ -421,7 +422,7 @@ class SyncChannel:
                     data = run_bytes(whole[layout.items[0][0].entry].to(device), layout.items[0][0])
                 else:
                     data = self._buffer(("send",) + slot, layout.size)
-                    pack(data, layout, {k: t.to(device) for k, t in whole.items()}, view)
+                    pack(data, layout, {k: t.to(device) for k, t in whole.items()}, place)
                 in_flight[slot] = [(dst, self._post(session, dst, data)) for dst in ranks]
                 if layout.verified:  # summed while the transport copies it: the sends never wait for a sum
                     sums[v].append(checksum(data))
@@ -540,7 +541,7 @@ class SyncChannel:
         version = metas[0]["version"]
         try:
             try:  # what this rank keeps; a spec that cannot cut a tensor is this rank's refusal
-                plans = [layouts(m["entries"], m["groups"], self.view, m["verify"]) for m in metas]
+                plans = [layouts(m["entries"], m["groups"], self.place, m["verify"]) for m in metas]
             except ConfigError as exc:
                 plans, problems = [], [str(exc)]
             else:
@@ -578,7 +579,7 @@ class SyncChannel:
                          time.perf_counter() - start, wire, bool(metas[0]["verify"]))
 
     def _receive_all(self, session: _Session, metas: Sequence[Mapping[str, Any]],
-                     plans: Sequence[Sequence[Layout]], targets: Mapping[str, torch.Tensor],
+                     plans: Sequence[Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
                      cancelled: threading.Event) -> int:
         wire = 0
         for sender, (meta, plan) in enumerate(zip(metas, plans)):
@@ -617,7 +618,7 @@ class SyncChannel:
                 self._check_sums(session, sender, plan, torch.stack(sums), cancelled)
         return wire
 
-    def _check_sums(self, session: _Session, sender: int, plan: Sequence[Layout], sums: torch.Tensor,
+    def _check_sums(self, session: _Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:
         """Receive the trainer's checksums of every verified bucket it sent this rank and compare
         them with ``sums``, those of the buckets that arrived: a mismatch fails the update, naming
@@ -633,7 +634,7 @@ class SyncChannel:
                         f"{self._name(self.role, self.rank)} ({plan[i].size} bytes): the bytes that arrived are "
                         f"not the bytes sent")
 
-    def _direct_target(self, layout: Layout, meta: Mapping[str, Any], targets: Mapping[str, torch.Tensor]
+    def _direct_target(self, layout: BucketLayout, meta: Mapping[str, Any], targets: Mapping[str, torch.Tensor]
                        ) -> torch.Tensor | None:
         """The receiver's own tensor as bytes, where a direct bucket can land in it straight (one
         copy less; checked, when verified, once it has landed): contiguous, on the transport's
@@ -729,7 +730,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _describe_state(state: Mapping[str, torch.Tensor], leader: bool
-                    ) -> tuple[list[Entry], dict[int, torch.Tensor], dict[str, torch.Tensor]]:
+                    ) -> tuple[list[SyncTensor], dict[int, torch.Tensor], dict[str, torch.Tensor]]:
     """This trainer rank's entries, its tensors by entry index, and its DTensors by name. A
     DTensor is an entry of trainer rank 0 only (whole shape): every trainer rank takes part in
     gathering it while rank 0 sends, and rank 0 sends it."""
@@ -747,7 +748,7 @@ def _describe_state(state: Mapping[str, torch.Tensor], leader: bool
             if not leader:
                 continue
         tensors[len(entries)] = tensor
-        entries.append(Entry(name, dtype_code(tensor.dtype), tuple(tensor.shape),
+        entries.append(SyncTensor(name, dtype_code(tensor.dtype), tuple(tensor.shape),
                              tensor.numel() * tensor.element_size()))
     return entries, tensors, dtensors
 

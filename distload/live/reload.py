@@ -32,12 +32,12 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 
 from distload.errors import DistloadError, ReloadError
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.live.targets import dtensor_blocks, local_tensor, model_tensors, non_persistent_buffers
 from distload.loading.index import DTYPES, PACKED
 from distload.loading.loader import Loader
-from distload.sharding import ShardingSpec
-from distload.slicing import Action, shard_shape
+from distload.tp.spec import ShardingSpec
+from distload.tp.slices import Action, shard_shape
 
 
 @dataclass(frozen=True)

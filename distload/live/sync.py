@@ -14,10 +14,10 @@ import torch
 from torch.distributed import PrefixStore
 
 from distload.errors import ConfigError, SyncError
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.live.channel import DEFAULT_BUCKET_BYTES, SyncChannel, SyncStats
 from distload.runtime import RUNTIME
-from distload.sharding import ShardingSpec
+from distload.tp.spec import ShardingSpec
 
 __all__ = ["WeightSync", "SyncStats", "SyncError", "DEFAULT_BUCKET_BYTES"]
 

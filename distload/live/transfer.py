@@ -1,11 +1,11 @@
 """What one weight-sync update moves, and how it sits in buckets: pure planning, no transport.
 
-A sender describes its tensors as :class:`Entry` (name, dtype, whole shape). Entries are grouped
+A sender describes its tensors as :class:`SyncTensor` (name, dtype, whole shape). Entries are grouped
 in order into buckets of at most ``bucket_bytes`` whole bytes (a bigger tensor alone): the same
 grouping for every receiver, so a sender gathers each group once (DTensor shards) however many
-receiver layouts it packs. Each receiver keeps a *view* of every entry: the whole tensor, or its
-tensor-parallel slice under a sharding spec (distload/slicing.py, the rules ``save-sharded``
-writes). A bucket as one view sees it is a :class:`Layout`: its pieces at 64-byte aligned
+receiver layouts it packs. Each receiver keeps, by its place (distload/tp/place.py), the whole tensor or its
+tensor-parallel slice under a sharding spec (distload/tp/slices.py, the rules ``save-sharded``
+writes). A bucket as one place sees it is a :class:`BucketLayout`: its pieces at 64-byte aligned
 offsets. When the update is verified, the checksum of every bucket follows the update's last
 bucket in one message.
 
@@ -20,8 +20,9 @@ from typing import Mapping, Sequence
 import torch
 
 from distload.loading.index import DTYPES
-from distload.sharding import ShardingSpec
-from distload.slicing import Action, rank_slice, shard_shape
+from distload.tp.place import TPPlace
+from distload.tp.spec import ShardingSpec
+from distload.tp.slices import Action, rank_slice, shard_shape
 
 ALIGN = 64  # every piece starts 64-byte aligned in a bucket, so a view as any dtype is legal
 CHECKSUM_BYTES = 16  # two int64 words a bucket
@@ -39,7 +40,7 @@ _ROW_WORDS = 512  # checksum rows: 4 KiB of int64 words
 
 
 @dataclass(frozen=True)
-class Entry:
+class SyncTensor:
     """One tensor of an update, as the sender holds it (whole)."""
 
     name: str
@@ -49,7 +50,7 @@ class Entry:
 
 
 @dataclass(frozen=True)
-class Piece:
+class KeptSlice:
     """What one receiver keeps of one entry."""
 
     entry: int  # index into the update's entries
@@ -60,10 +61,10 @@ class Piece:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One bucket as one receiver view sees it."""
+class BucketLayout:
+    """One bucket as receivers at one place see it."""
 
-    items: tuple[tuple[Piece, int], ...]  # (piece, byte offset)
+    items: tuple[tuple[KeptSlice, int], ...]  # (piece, byte offset)
     size: int  # bytes of its data: up to the end of the last piece
     direct: bool = False  # one piece, sent from the tensor itself (no packing copy)
     verified: bool = False  # its checksum follows the update's last bucket
@@ -73,29 +74,24 @@ class Layout:
         return self.size + (CHECKSUM_BYTES if self.verified and self.size else 0)
 
 
-@dataclass(frozen=True)
-class View:
-    """Which part of every tensor a receiver keeps: whole (``tp_size`` 1), or its TP slice."""
-
-    tp_size: int = 1
-    tp_rank: int = 0
-    spec: ShardingSpec | None = None
-
-    def piece(self, index: int, entry: Entry) -> Piece:
-        whole = Piece(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
-        if self.spec is None or self.tp_size == 1:
-            return whole
-        action = self.spec.action(entry.name, entry.shape)
-        if action.replicated:
-            return whole
-        shape = shard_shape(entry.name, entry.shape, action, self.tp_size)
-        nbytes = _numel(shape) * DTYPES[entry.dtype].itemsize
-        cut = rank_slice(entry.name, entry.shape, action, self.tp_rank, self.tp_size)
-        run = None
-        if action.dim == 0 and cut is not None and len(cut.ranges) == 1 and not cut.padding:
-            row = entry.nbytes // max(1, entry.shape[0])
-            run = (cut.ranges[0][0] * row, cut.ranges[0][1] * row)
-        return Piece(index, shape, nbytes, action, run)
+def kept_slice(place: TPPlace, index: int, entry: SyncTensor) -> KeptSlice:
+    """What a receiver at ``place`` keeps of ``entry``: the whole tensor, or its TP slice."""
+    whole = KeptSlice(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
+    spec = place.spec
+    if spec is None or place.size == 1:
+        return whole
+    assert isinstance(spec, ShardingSpec), "a receiver's spec is resolved when its channel is made"
+    action = spec.action(entry.name, entry.shape)
+    if action.replicated:
+        return whole
+    shape = shard_shape(entry.name, entry.shape, action, place.size)
+    nbytes = _numel(shape) * DTYPES[entry.dtype].itemsize
+    cut = rank_slice(entry.name, entry.shape, action, place.rank, place.size)
+    run = None
+    if action.dim == 0 and cut is not None and len(cut.ranges) == 1 and not cut.padding:
+        row = entry.nbytes // max(1, entry.shape[0])
+        run = (cut.ranges[0][0] * row, cut.ranges[0][1] * row)
+    return KeptSlice(index, shape, nbytes, action, run)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -105,8 +101,8 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-def group_entries(entries: Sequence[Entry], bucket_bytes: int) -> list[tuple[int, ...]]:
-    """Entry indices, in order, grouped into buckets of at most ``bucket_bytes`` whole bytes
+def group_entries(entries: Sequence[SyncTensor], bucket_bytes: int) -> list[tuple[int, ...]]:
+    """SyncTensor indices, in order, grouped into buckets of at most ``bucket_bytes`` whole bytes
     (aligned as they would be packed whole; a bigger tensor alone)."""
     groups: list[tuple[int, ...]] = []
     current: list[int] = []
@@ -130,26 +126,26 @@ def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def layouts(entries: Sequence[Entry], groups: Sequence[Sequence[int]], view: View,
-            verify: bool) -> list[Layout]:
-    """Every bucket as ``view`` sees it (one whose pieces are all empty has size 0: nothing of it
+def layouts(entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]], place: TPPlace,
+            verify: bool) -> list[BucketLayout]:
+    """Every bucket as a receiver at ``place`` sees it (one whose pieces are all empty has size 0: nothing of it
     travels, on either side)."""
     out = []
     for group in groups:
         items = []
         size = 0
         for index in group:
-            piece = view.piece(index, entries[index])
+            piece = kept_slice(place, index, entries[index])
             offset = _aligned(size)
             items.append((piece, offset))
             size = offset + piece.nbytes
         direct = (len(group) == 1 and entries[group[0]].nbytes >= DIRECT_BYTES and items[0][0].run is not None
                   and size > 0)
-        out.append(Layout(tuple(items), size, direct, verify))
+        out.append(BucketLayout(tuple(items), size, direct, verify))
     return out
 
 
-def run_bytes(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+def run_bytes(tensor: torch.Tensor, piece: KeptSlice) -> torch.Tensor:
     """The bytes of ``tensor`` that ``piece`` keeps (its run), as a 1-d uint8 view where the
     tensor is contiguous (a copy where not)."""
     assert piece.run is not None
@@ -159,7 +155,7 @@ def run_bytes(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 
-def check_pieces(entries: Sequence[Entry], pieces: Sequence[Piece],
+def check_pieces(entries: Sequence[SyncTensor], pieces: Sequence[KeptSlice],
                  targets: Mapping[str, torch.Tensor]) -> list[str]:
     """What prevents receiving ``pieces`` into ``targets`` (empty: nothing), one line each."""
     problems = []
@@ -180,7 +176,7 @@ def check_pieces(entries: Sequence[Entry], pieces: Sequence[Piece],
     return problems
 
 
-def pack(buffer: torch.Tensor, layout: Layout, tensors: Mapping[int, torch.Tensor], view: View) -> None:
+def pack(buffer: torch.Tensor, layout: BucketLayout, tensors: Mapping[int, torch.Tensor], place: TPPlace) -> None:
     """Copy each piece of ``layout`` from the whole ``tensors`` (by entry index) into ``buffer``."""
     for piece, offset in layout.items:
         if not piece.nbytes:
@@ -193,7 +189,7 @@ def pack(buffer: torch.Tensor, layout: Layout, tensors: Mapping[int, torch.Tenso
         dst = region.view(source.dtype).view(piece.shape)
         dim = piece.action.dim
         assert dim is not None
-        cut = rank_slice("", tuple(source.shape), piece.action, view.tp_rank, view.tp_size)
+        cut = rank_slice("", tuple(source.shape), piece.action, place.rank, place.size)
         assert cut is not None
         at = 0
         for start, stop in cut.ranges:
@@ -203,7 +199,7 @@ def pack(buffer: torch.Tensor, layout: Layout, tensors: Mapping[int, torch.Tenso
             dst.narrow(dim, at, cut.padding).zero_()
 
 
-def unpack(buffer: torch.Tensor, layout: Layout, entries: Sequence[Entry],
+def unpack(buffer: torch.Tensor, layout: BucketLayout, entries: Sequence[SyncTensor],
            targets: Mapping[str, torch.Tensor]) -> None:
     """Copy each piece of ``layout`` out of ``buffer`` into its target tensor, in place."""
     with torch.no_grad():

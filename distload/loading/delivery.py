@@ -14,7 +14,7 @@ import torch
 
 from distload.errors import CheckpointError
 from distload.loading.index import DTYPES
-from distload.loading.manifest import View
+from distload.loading.manifest import Subtensor
 from distload.loading.plan import RankPlan
 from distload.loading.report import Progress
 
@@ -25,7 +25,7 @@ def missing_keys_error(missing: set[str], why: str) -> CheckpointError:
     return CheckpointError(f"Missing keys {tuple(sorted(missing))} in loaded state! ({why})")
 
 
-def view_of(base: torch.Tensor, view: View, name: str) -> torch.Tensor:
+def view_of(base: torch.Tensor, view: Subtensor, name: str) -> torch.Tensor:
     """``view`` of the loaded ``base``: the same memory, as in the model it was saved from."""
     dtype = DTYPES[view.dtype]
     start = base.storage_offset() * base.element_size() + view.offset

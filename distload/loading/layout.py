@@ -163,7 +163,7 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
 
 
 @dataclass(frozen=True)
-class Layout:
+class CheckpointLayout:
     """What a source holds, as :func:`detect_layout` found it."""
 
     source: Source
@@ -192,7 +192,7 @@ class Layout:
         return [self.source.path(name) for name in self.rank_files(rank, world_size)]
 
 
-def detect_layout(source: "str | Source", pattern: str | None = None) -> Layout:
+def detect_layout(source: "str | Source", pattern: str | None = None) -> CheckpointLayout:
     """The layout of ``source`` (a local file or folder, or an object-store URI).
 
     ``pattern``: the shard file-name pattern to look for; None takes the manifest's, else
@@ -200,13 +200,13 @@ def detect_layout(source: "str | Source", pattern: str | None = None) -> Layout:
     """
     src = open_source(source)
     if src.is_file:
-        return Layout(src, pattern or DEFAULT_SHARD_PATTERN, ShardLayout(pattern or DEFAULT_SHARD_PATTERN, {}),
+        return CheckpointLayout(src, pattern or DEFAULT_SHARD_PATTERN, ShardLayout(pattern or DEFAULT_SHARD_PATTERN, {}),
                       None, ())
     names = tuple(src.names())
     manifest = read_manifest(src)
     pattern = pattern or (manifest.pattern if manifest else DEFAULT_SHARD_PATTERN)
     if "/" in pattern:  # shards in subfolders: the names below the folder that the pattern globs
-        return Layout(src, pattern, find_shard_layout(src.glob(pattern.format(rank="*", part="*")), pattern),
+        return CheckpointLayout(src, pattern, find_shard_layout(src.glob(pattern.format(rank="*", part="*")), pattern),
                       manifest, names)
     shards = find_shard_layout(list(names), pattern)
     if (src.remote and not shards.parts_by_rank and manifest is None
@@ -215,4 +215,4 @@ def detect_layout(source: "str | Source", pattern: str | None = None) -> Layout:
         # only here, where the prefix holds nothing else to load: a whole checkpoint's listing
         # stays one level deep (a prefix of many models is never walked to load one of them).
         shards = find_shard_layout(src.glob("*"), pattern, any_depth=True)
-    return Layout(src, pattern, shards, manifest, names)
+    return CheckpointLayout(src, pattern, shards, manifest, names)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generator, Iterator, Mapping
 import torch
 
 from distload.errors import DistloadError
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.loading.agreement import agree_on_read
 from distload.loading.backends import BACKENDS, BackendRun, ReadRequest
 from distload.loading.delivery import Delivery
@@ -35,7 +35,7 @@ from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
 from distload.loading.planner import plan_rank
-from distload.loading.slices import Block, TensorParallel
+from distload.loading.rank_slices import Block, TPPlace
 from distload.loading.sources import check_unchanged, source_string
 from distload.loading.report import (
     LoadReport,
@@ -48,7 +48,7 @@ from distload.loading.report import (
 )
 
 if TYPE_CHECKING:
-    from distload.sharding import ShardingSpec
+    from distload.tp.spec import ShardingSpec
 
 log = logging.getLogger("distload")
 
@@ -119,7 +119,7 @@ class Loader:
         self.group = group
         self.progress = progress
         # With a size: rank r keeps TP rank r % size's slices (or, pre-sharded, its files).
-        self.tensor_parallel = TensorParallel.of(group, tensor_parallel_size, sharding, tensor_parallel_rank)
+        self.tensor_parallel = TPPlace.of(group, tensor_parallel_size, sharding, tensor_parallel_rank)
         # Set by reload_into for DTensor targets: tensor name -> (offsets, sizes) of its local shard.
         self.blocks: dict[str, Block] = {}
 

@@ -35,7 +35,7 @@ class ShardFile:
 
 
 @dataclass(frozen=True)
-class View:
+class Subtensor:
     """A tensor saved inside another one: vLLM's saver drops a tensor whose bytes lie within
     another saved tensor (``_filter_subtensors``), and so does distload, recording here where it
     lies so that a load gives it back as a view of that tensor (sharing its memory, as in the
@@ -57,7 +57,7 @@ class Manifest:
     # rank -> {alias name: name of the tensor it shares storage with}
     aliases: dict[int, dict[str, str]] = field(default_factory=dict)
     # rank -> {name: where it lies in a saved tensor}
-    views: dict[int, dict[str, View]] = field(default_factory=dict)
+    views: dict[int, dict[str, Subtensor]] = field(default_factory=dict)
     replicated_unmatched: list[str] = field(default_factory=list)
     source: str | None = None
     format: str = MANIFEST_FORMAT
@@ -80,7 +80,7 @@ class Manifest:
         return {"format": out.pop("format"), "version": out.pop("version"), **out}
 
 
-def _view_from_json(name: str, raw: Any) -> View:
+def _view_from_json(name: str, raw: Any) -> Subtensor:
     """A view entry, checked: a damaged one is a corrupt manifest, not a torch error at load."""
     def counts(value: Any) -> bool:
         return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
@@ -91,7 +91,7 @@ def _view_from_json(name: str, raw: Any) -> View:
             or offset < 0 or not counts(raw.get("shape")) or not counts(raw.get("stride"))
             or len(raw["shape"]) != len(raw["stride"]) or raw.get("dtype") not in DTYPES):
         raise ValueError(f"view {name!r} is malformed: {raw!r}")
-    return View(raw["of"], offset, tuple(raw["shape"]), tuple(raw["stride"]), raw["dtype"])
+    return Subtensor(raw["of"], offset, tuple(raw["shape"]), tuple(raw["stride"]), raw["dtype"])
 
 
 def write_manifest(folder: str, manifest: Manifest) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from distload.loading.backends.exchange_plan import compact
+from distload.loading.shared_reads.plan import compact
 from distload.loading.choice import ReadChoice
 from distload.loading.index import CheckpointIndex
-from distload.loading.manifest import View
-from distload.loading.slices import RankSlices, TensorParallel
+from distload.loading.manifest import Subtensor
+from distload.loading.rank_slices import RankSlices, TPPlace
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,11 @@ class RankPlan:
     expected_keys: frozenset[str] | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     # From a distload manifest: tensors saved inside another one, handed out as views of it.
-    views: Mapping[str, View] = field(default_factory=dict)
+    views: Mapping[str, Subtensor] = field(default_factory=dict)
     # For a cooperative read of local files: each file's content fingerprint, compared across ranks.
     fingerprints: tuple[str, ...] = ()
     # With a tensor-parallel size: where this rank sits, and (whole checkpoint) its slices.
-    tensor_parallel: TensorParallel | None = None
+    tensor_parallel: TPPlace | None = None
     slices: RankSlices | None = None
     # After the agreement, for a cooperative read that shares by need (Backend.shares_reads): the
     # group ranks that read this rank's files with it, this one included, and what each keeps of

@@ -16,17 +16,17 @@ from distload.loading.backends import BACKENDS
 from distload.loading.choice import ReadChoice, choose_read
 from distload.loading.formats import FORMATS
 from distload.loading.index import build_index
-from distload.loading.layout import Layout, detect_layout
+from distload.loading.layout import CheckpointLayout, detect_layout
 from distload.loading.plan import RankPlan
-from distload.loading.slices import Block, TensorParallel, plan_blocks, plan_slices
+from distload.loading.rank_slices import Block, TPPlace, plan_blocks, plan_slices
 from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
 
 if TYPE_CHECKING:
-    from distload.group import WorkerGroup
+    from distload.dist.group import WorkerGroup
 
 
 def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
-              tensor_parallel: TensorParallel | None = None, blocks: Mapping[str, Block] | None = None) -> RankPlan:
+              tensor_parallel: TPPlace | None = None, blocks: Mapping[str, Block] | None = None) -> RankPlan:
     """Plan this rank's read of ``source`` (the same on a local folder and an object-store prefix:
     both go through a Source, one listing, headers by ranged reads on object stores).
 
@@ -43,7 +43,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     tp = tensor_parallel
     if tp is not None:
         tp.check()
-    if tp is not None and layout.sharded and tp.sharding is not None:
+    if tp is not None and layout.sharded and tp.spec is not None:
         raise ConfigError(
             f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
             f"without a sharding spec (--tensor-parallel-size alone gives each data-parallel replica "
@@ -87,7 +87,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     return plan
 
 
-def _whole_plan(source: str, choice: ReadChoice, layout: Layout) -> RankPlan:
+def _whole_plan(source: str, choice: ReadChoice, layout: CheckpointLayout) -> RankPlan:
     src = layout.source
     paths, weight_map = whole_checkpoint(src)
     hint = ""

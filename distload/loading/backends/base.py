@@ -23,10 +23,10 @@ import torch
 
 from distload.loading.host_memory import HostMemory
 from distload.loading.index import CheckpointIndex
-from distload.slicing import SliceBytes
+from distload.tp.slices import SliceBytes
 
 if TYPE_CHECKING:
-    from distload.group import WorkerGroup
+    from distload.dist.group import WorkerGroup
     from distload.loading.plan import RankPlan
 
 # An extra-config value check: raises ConfigError naming the key.
@@ -50,7 +50,7 @@ class ReadRequest:
     ``sharing`` (cooperative reads of a backend that ``shares_reads``): the ranks of the group
     (group ranks, this one included) that read this rank's files together, found by the agreement;
     ``needs``: what each of them keeps (in ``sharing``'s order): tensor name -> byte runs of its
-    slice (``exchange_plan.py``), the tensors it keeps whole left out. The load's agreement fills
+    slice (``shared_reads/plan.py``), the tensors it keeps whole left out. The load's agreement fills
     both; a shared read without them is refused.
     """
 

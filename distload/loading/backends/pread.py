@@ -41,7 +41,7 @@ from distload.config import check_bool, check_positive_int
 from distload.errors import CheckpointError
 from distload.fileio import open_for_reading, read_exactly
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
-from distload.loading.backends.shared_reads import Extent, batch_extents, shared_stream
+from distload.loading.shared_reads.stream import Extent, batch_extents, shared_stream
 from distload.loading.index import TensorInfo
 from distload.loading.mapped import FileMap, copy_extents, safe_copy_available
 from distload.loading.residency import Residency, probe

@@ -24,7 +24,7 @@ import torch
 
 from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
-from distload.loading.backends.shared_reads import Extent, shared_stream
+from distload.loading.shared_reads.stream import Extent, shared_stream
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
@@ -34,7 +34,7 @@ SHARED_CONCURRENCY = 2  # GETs in flight per rank in a shared read (its next buc
 
 
 @dataclass(frozen=True)
-class Piece:
+class FileExtent:
     """Bytes ``[start, start + length)`` of a file that go to ``offset`` in tensor ``info``'s piece."""
 
     info: TensorInfo
@@ -47,10 +47,10 @@ class Piece:
         return self.start + self.length
 
 
-def coalesce(pieces: list[Piece], chunk_bytes: int = CHUNK_BYTES,
-             gap_bytes: int = GAP_BYTES) -> list[tuple[int, int, list[Piece]]]:
+def coalesce(pieces: list[FileExtent], chunk_bytes: int = CHUNK_BYTES,
+             gap_bytes: int = GAP_BYTES) -> list[tuple[int, int, list[FileExtent]]]:
     """Group pieces (of one file) into requests ``[start, end)`` of at most ``chunk_bytes``."""
-    groups: list[tuple[int, int, list[Piece]]] = []
+    groups: list[tuple[int, int, list[FileExtent]]] = []
     for piece in sorted(pieces, key=lambda p: p.start):
         if (groups and piece.end - groups[-1][0] <= chunk_bytes
                 and groups[-1][1] <= piece.start <= groups[-1][1] + gap_bytes):
@@ -61,11 +61,11 @@ def coalesce(pieces: list[Piece], chunk_bytes: int = CHUNK_BYTES,
     return groups
 
 
-def pieces_of(info: TensorInfo, request: ReadRequest) -> list[Piece]:
+def pieces_of(info: TensorInfo, request: ReadRequest) -> list[FileExtent]:
     piece = request.slices.get(info.name)
     if piece is None:
-        return [Piece(info, info.begin, 0, info.nbytes)]
-    return [Piece(info, info.begin + src, dst, length) for src, dst, length in piece.extents]
+        return [FileExtent(info, info.begin, 0, info.nbytes)]
+    return [FileExtent(info, info.begin + src, dst, length) for src, dst, length in piece.extents]
 
 
 class RangedBackend(Backend):
@@ -94,7 +94,7 @@ class StoreBytes:
         from distload.loading.stores import store_for
 
         store, location = store_for(info.file)
-        pieces = [Piece(info, info.begin + src, dst, length) for src, dst, length in extents]
+        pieces = [FileExtent(info, info.begin + src, dst, length) for src, dst, length in extents]
         for start, end, members in coalesce(pieces):
             data = memoryview(store.read(location, start, end))
             for piece in members:

@@ -9,7 +9,7 @@ of its processes; nothing here is imported unless vLLM is there. In each worker 
    there) with ``tensor_parallel_size`` = vLLM's: a checkpoint pre-sharded for that size gives each
    TP rank its own files, a whole one each rank only the bytes of its slices (the ``decoder``
    spec, vLLM's layout);
-3. writes each tensor into the engine parameter vLLM names it by (``distload.vllm_names``: slices
+3. writes each tensor into the engine parameter vLLM names it by (``distload.vllm.names``: slices
    of q/k/v and gate/up concatenated into ``qkv_proj``/``gate_up_proj``; a save of the ``vllm``
    layout already has those names), narrowed where vLLM pads, as vLLM's sharded_state loader
    does, and fails naming every parameter left without a tensor.
@@ -76,7 +76,7 @@ def _loader_class():
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
     class DistloadModelLoader(BaseModelLoader):
-        """vLLM's model weights, read by distload (see distload/vllm_plugin.py)."""
+        """vLLM's model weights, read by distload (see distload/vllm/plugin.py)."""
 
         def __init__(self, load_config):
             super().__init__(load_config)
@@ -110,7 +110,7 @@ def checkpoint_weights(source: str, reader, device: str):
     tensor-parallel group: what vLLM's ``model.load_weights`` takes."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    from distload.group import WorkerGroup
+    from distload.dist.group import WorkerGroup
     from distload.loading.loader import Loader
 
     tp = get_tp_group()
@@ -123,12 +123,12 @@ def checkpoint_weights(source: str, reader, device: str):
             group.close()
 
 
-WORKER_EXTENSION = "distload.vllm_plugin.WorkerExtension"
+WORKER_EXTENSION = "distload.vllm.plugin.WorkerExtension"
 
 
 class WorkerExtension:
     """What vLLM adds to each of its workers when an engine is started with
-    ``worker_extension_cls="distload.vllm_plugin.WorkerExtension"`` (vLLM's way to call code on
+    ``worker_extension_cls="distload.vllm.plugin.WorkerExtension"`` (vLLM's way to call code on
     every worker by name, without pickled functions)."""
 
     def distload_reload(self, source: str, extra: dict) -> None:
@@ -244,11 +244,11 @@ def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    from distload.group import WorkerGroup
+    from distload.dist.group import WorkerGroup
     from distload.loading.layout import detect_layout
     from distload.loading.loader import Loader
     from distload.loading.sources import model_config
-    from distload.vllm_names import vllm_state
+    from distload.vllm.names import vllm_state
 
     if get_pp_group().world_size > 1:
         raise ConfigError("--load-format distload: pipeline parallelism is not supported yet; run with "

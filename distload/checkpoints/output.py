@@ -1,7 +1,7 @@
 """The output folder of a save: argument checks, parts, per-rank writers, the metadata copy.
 
-Both savers (from a running job, :mod:`distload.sharded.save`; offline from a whole checkpoint,
-:mod:`distload.sharded.reshard`) write ``pattern.format(rank=r, part=p)`` files, a new part
+Both savers (from a running job, :mod:`distload.checkpoints.save`; offline from a whole checkpoint,
+:mod:`distload.checkpoints.reshard`) write ``pattern.format(rank=r, part=p)`` files, a new part
 whenever the next tensor would push a part's tensor bytes past ``max_file_size`` (vLLM's rule; a
 tensor larger than that gets a part of its own), then the source's non-weight files, and last the manifest
 (:mod:`distload.loading.manifest`), so a save that dies midway is never mistaken for a complete
@@ -21,20 +21,20 @@ from distload.fileio import TEMPORARY_SUFFIX, copy_file_atomic
 from distload.loading.layout import check_pattern, detect_layout
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, ShardFile
 from distload.loading.sources import INDEX_FILE, list_names
-from distload.sharded.writer import Entry, SafetensorsWriter
+from distload.checkpoints.writer import HeaderEntry, SafetensorsWriter
 
 DEFAULT_MAX_FILE_SIZE = 5 * 1024**3
 
 
-def split_into_parts(entries: Sequence[Entry], max_file_size: int) -> list[list[Entry]]:
+def split_into_parts(entries: Sequence[HeaderEntry], max_file_size: int) -> list[list[HeaderEntry]]:
     """Group entries, in order, into parts by vLLM's rule (``ShardedStateLoader.save_model``): a new
     part starts when the next tensor would push the part's tensor bytes past ``max_file_size``
     (headers are not counted, so a file may exceed it by its header). A tensor larger than the
     limit gets a part of its own; where vLLM would first write an empty part, distload does not.
     A rank with no tensors still gets one (empty) part, so its loader finds a file.
     """
-    parts: list[list[Entry]] = []
-    current: list[Entry] = []
+    parts: list[list[HeaderEntry]] = []
+    current: list[HeaderEntry] = []
     size = 0
     for entry in entries:
         if current and size + entry.nbytes > max_file_size:
@@ -82,7 +82,7 @@ def prepare_output(output: str, pattern: str) -> None:
 class RankWriter:
     """Writes one rank's parts in order, opening part p+1 when part p is complete."""
 
-    def __init__(self, output: str, pattern: str, rank: int, parts: list[list[Entry]]):
+    def __init__(self, output: str, pattern: str, rank: int, parts: list[list[HeaderEntry]]):
         self.output, self.pattern, self.rank = output, pattern, rank
         self.parts = parts
         self.part = -1

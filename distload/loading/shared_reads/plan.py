@@ -193,7 +193,7 @@ class Span:
     reads: tuple[Interval, ...]
 
 
-Piece = tuple[int, Run]  # (tensor, run from the bucket's buffer into that tensor)
+TensorRun = tuple[int, Run]  # (tensor, run from the bucket's buffer into that tensor)
 
 
 class ExchangePlan:
@@ -238,9 +238,9 @@ class ExchangePlan:
     def read_bytes(self, b: int) -> int:
         return sum(e - s for span in self.spans[b] for s, e in span.reads)
 
-    def pieces(self, b: int, member: int) -> list[Piece]:
+    def pieces(self, b: int, member: int) -> list[TensorRun]:
         """What ``member`` keeps of bucket ``b``: runs from the buffer into its tensors."""
-        out: list[Piece] = []
+        out: list[TensorRun] = []
         for span in self.spans[b]:
             for src, dst, n, count, ss, ds in clip_runs(self.needs[member][span.tensor], span.lo, span.hi):
                 out.append((span.tensor, (src - span.lo + span.at, dst, n, count, ss, ds)))

@@ -23,7 +23,7 @@ from distload.tensor_io import tensor_bytes
 
 
 @dataclass(frozen=True)
-class Entry:
+class HeaderEntry:
     name: str
     dtype: str  # safetensors code
     shape: tuple[int, ...]  # as torch holds it
@@ -40,7 +40,7 @@ class Entry:
 
 
 class SafetensorsWriter:
-    def __init__(self, path: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None):
+    def __init__(self, path: str, entries: Sequence[HeaderEntry], metadata: Mapping[str, str] | None = None):
         self.path = path
         self._entries = list(entries)
         self._next = 0

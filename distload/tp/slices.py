@@ -1,7 +1,7 @@
 """What one tensor-parallel rank holds of one tensor: the ranges of its split dimension, its shape,
 its piece, and the way back to the whole tensor.
 
-A sharding spec (distload/sharding.py) decides an :class:`Action` per tensor; this module is the
+A sharding spec (distload/tp/spec.py) decides an :class:`Action` per tensor; this module is the
 one place that turns an action into rank r's slice, so the offline reshard, ``reload_into`` and
 every later reader of slices agree to the row. The rules are vLLM's and Megatron's:
 

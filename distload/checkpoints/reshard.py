@@ -21,7 +21,7 @@ from distload.loading.layout import DEFAULT_SHARD_PATTERN, detect_layout
 from distload.loading.manifest import Manifest, ShardFile, write_manifest
 from distload.loading.sources import (check_source, is_object_store, model_config, read_header, source_string,
                                      whole_checkpoint)
-from distload.sharded.output import (
+from distload.checkpoints.output import (
     DEFAULT_MAX_FILE_SIZE,
     RankWriter,
     check_save_args,
@@ -29,10 +29,10 @@ from distload.sharded.output import (
     prepare_output,
     split_into_parts,
 )
-from distload.sharded.writer import Entry
-from distload.sharding import ShardingSpec, check_scales, spec_with_config
-from distload.vllm_names import EngineTensor, vllm_state
-from distload.slicing import shard_shape, take_shard
+from distload.checkpoints.writer import HeaderEntry
+from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
+from distload.vllm.names import EngineTensor, vllm_state
+from distload.tp.slices import shard_shape, take_shard
 from distload.tensor_io import host_view
 
 
@@ -186,16 +186,16 @@ def _output_tensors(index, spec: ShardingSpec, config: Mapping[str, Any], source
     return [EngineTensor(name, (name,)) for name in names]
 
 
-def _entry(out: EngineTensor, tensors: Mapping[str, TensorInfo], actions, world_size: int) -> Entry:
+def _entry(out: EngineTensor, tensors: Mapping[str, TensorInfo], actions, world_size: int) -> HeaderEntry:
     """The header entry of one output tensor: a part's shard shape, or the parts' shards stacked."""
     if out.constant is not None:
-        return Entry(out.name, "F32", ())
+        return HeaderEntry(out.name, "F32", ())
     shapes = [shard_shape(n, tensors[n].shape, actions[n], world_size) for n in out.parts]
     dtypes = {tensors[n].dtype for n in out.parts}
     if len(out.parts) == 1:
-        return Entry(out.name, dtypes.pop(), shapes[0])
+        return HeaderEntry(out.name, dtypes.pop(), shapes[0])
     if len(dtypes) > 1 or any(not s or len(s) != len(shapes[0]) or s[1:] != shapes[0][1:] for s in shapes):
         described = ", ".join(f"{n} {tensors[n].dtype} {list(tensors[n].shape)}" for n in out.parts)
         raise CheckpointError(f"{out.name}: its parts cannot be stacked into one tensor ({described}): "
                               f"they need one dtype and equal trailing dimensions")
-    return Entry(out.name, dtypes.pop(), (sum(s[0] for s in shapes),) + tuple(shapes[0][1:]))
+    return HeaderEntry(out.name, dtypes.pop(), (sum(s[0] for s in shapes),) + tuple(shapes[0][1:]))

@@ -14,7 +14,7 @@ TP rank for a pre-sharded one (they need the same shard files). ``request.needs`
 member keeps of each split tensor (byte runs; the others whole). The load's agreement step found
 both, and checked that the members hold identical file lists.
 
-**What each reads and receives** (``exchange_plan.py``): the union of the members' needs, tensor by
+**What each reads and receives** (``plan.py``): the union of the members' needs, tensor by
 tensor in file order, is cut into *buckets* of at most BUCKET_BYTES (smaller for a small load, so
 that each member reads several). Each bucket has one reader: each *round* of k buckets (k members)
 gives each member one to read, the largest to the member that has read least so far, counting
@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 from distload.errors import DistloadError, GroupError, RankFailedError
 from distload.loading.backends.base import BackendRun, ReadRequest
-from distload.loading.backends.exchange_plan import (
-    BUCKET_BYTES, ExchangePlan, Need, Piece, contiguous, run_bytes, whole_need)
+from distload.loading.shared_reads.plan import (
+    BUCKET_BYTES, ExchangePlan, Need, TensorRun, contiguous, run_bytes, whole_need)
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
@@ -150,7 +150,7 @@ class _Tensors:
             yield self.infos[i].name, tensor
 
 
-def _place(tensors: _Tensors, pieces: Sequence[Piece]) -> torch.Tensor | None:
+def _place(tensors: _Tensors, pieces: Sequence[TensorRun]) -> torch.Tensor | None:
     """The tensor memory that ``pieces`` fill in one unbroken range, if they do (then the bytes
     land there directly); None where they need placing piece by piece."""
     if not pieces or len({i for i, _ in pieces}) != 1 or not contiguous([r for _, r in pieces], dst=True):
@@ -159,7 +159,7 @@ def _place(tensors: _Tensors, pieces: Sequence[Piece]) -> torch.Tensor | None:
     return tensors.flat(i)[first[1]:first[1] + run_bytes(r for _, r in pieces)]
 
 
-def _pack(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Tensor:
+def _pack(buffer: torch.Tensor, pieces: Sequence[TensorRun]) -> torch.Tensor:
     """``pieces`` of a bucket's buffer as one message, in order (a view where they are one range)."""
     runs = [r for _, r in pieces]
     if contiguous(runs, dst=False):
@@ -172,7 +172,7 @@ def _pack(buffer: torch.Tensor, pieces: Sequence[Piece]) -> torch.Tensor:
     return message
 
 
-def _unpack(message: torch.Tensor, pieces: Sequence[Piece], tensors: _Tensors) -> None:
+def _unpack(message: torch.Tensor, pieces: Sequence[TensorRun], tensors: _Tensors) -> None:
     """A packed message's pieces into the tensors they belong to."""
     at = 0
     for i, (_, dst, n, count, _, ds) in pieces:

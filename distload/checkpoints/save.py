@@ -14,11 +14,11 @@ from typing import Mapping
 import torch
 
 from distload.errors import ConfigError
-from distload.group import WorkerGroup
+from distload.dist.group import WorkerGroup
 from distload.loading.index import dtype_code
 from distload.loading.layout import DEFAULT_SHARD_PATTERN
-from distload.loading.manifest import Manifest, ShardFile, View, write_manifest
-from distload.sharded.output import (
+from distload.loading.manifest import Manifest, ShardFile, Subtensor, write_manifest
+from distload.checkpoints.output import (
     DEFAULT_MAX_FILE_SIZE,
     RankWriter,
     check_save_args,
@@ -26,10 +26,10 @@ from distload.sharded.output import (
     prepare_output,
     split_into_parts,
 )
-from distload.sharded.writer import Entry
+from distload.checkpoints.writer import HeaderEntry
 
 
-def find_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, View]]:
+def find_aliases(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, Subtensor]]:
     """Split a state dict into the tensors to write, the aliases of them, and the views into them.
 
     Aliases are the very same view under two names (same storage, offset, shape, strides and
@@ -71,7 +71,7 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
 
 
-def _views(tensors: Mapping[str, torch.Tensor]) -> dict[str, View]:
+def _views(tensors: Mapping[str, torch.Tensor]) -> dict[str, Subtensor]:
     """vLLM's rule: a tensor is dropped when a contiguous tensor of the same storage covers its
     bytes and is larger, or covers the same bytes and is contiguous where it is not, or is the
     same bytes under a smaller name. Each dropped one is a view of the largest tensor covering it."""
@@ -79,7 +79,7 @@ def _views(tensors: Mapping[str, torch.Tensor]) -> dict[str, View]:
     for name, tensor in tensors.items():
         if tensor.numel() and all(s >= 0 for s in tensor.stride()):
             groups.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(name)
-    views: dict[str, View] = {}
+    views: dict[str, Subtensor] = {}
     for names in groups.values():
         spans = {name: _span(tensors[name]) for name in names}
         for name in names:
@@ -94,13 +94,13 @@ def _views(tensors: Mapping[str, torch.Tensor]) -> dict[str, View]:
             offset = start - spans[base][0]
             if offset % tensors[name].element_size():
                 continue  # not expressible as a view of it: written whole instead
-            views[name] = View(base, offset, tuple(tensors[name].shape), tuple(tensors[name].stride()),
+            views[name] = Subtensor(base, offset, tuple(tensors[name].shape), tuple(tensors[name].stride()),
                                dtype_code(tensors[name].dtype))
     # A cover of the same bytes as a larger cover is itself dropped: point at what is kept.
     for name, view in list(views.items()):
         while view.of in views:
             outer = views[view.of]
-            view = View(outer.of, outer.offset + view.offset, view.shape, view.stride, view.dtype)
+            view = Subtensor(outer.of, outer.offset + view.offset, view.shape, view.stride, view.dtype)
         views[name] = view
     return views
 
@@ -125,7 +125,7 @@ def _save(state_dict: Mapping[str, torch.Tensor], output: str, group: WorkerGrou
     group.agree("preparing the save", lambda: prepare_output(output, pattern) if group.rank == 0 else None)
 
     def write_rank() -> list[ShardFile]:
-        entries = [Entry(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in unique.items()]
+        entries = [HeaderEntry(n, dtype_code(t.dtype), tuple(t.shape)) for n, t in unique.items()]
         writer = RankWriter(output, pattern, group.rank, split_into_parts(entries, max_file_size))
         try:
             for name, tensor in unique.items():

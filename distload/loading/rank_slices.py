@@ -1,9 +1,7 @@
 """A tensor-parallel rank's slices of a whole checkpoint: which bytes of which tensor it reads.
 
-With a tensor-parallel size T, rank r of the group is TP rank ``r % T`` (vLLM's and Megatron's
-order): the T consecutive ranks holding r form its tensor-parallel group, and ranks with the same
-TP rank in different groups are data-parallel replicas, which hold the same slices. The sharding
-spec (distload/sharding.py) decides each tensor's action, distload/slicing.py the rank's rows;
+A rank's place (distload/tp/place.py) says which TP rank it is; the sharding
+spec (distload/tp/spec.py) decides each tensor's action, distload/tp/slices.py the rank's rows;
 here they become the byte ranges a reader asks the source for, so that a rank reads its own
 slices only.
 """
@@ -11,53 +9,15 @@ slices only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 
-from distload.config import is_int
 from distload.errors import ConfigError
 from distload.loading.index import PACKED, CheckpointIndex
-from distload.sharding import ShardingSpec, check_scales, spec_with_config
-from distload.slicing import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
-
-if TYPE_CHECKING:
-    from distload.group import WorkerGroup
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """Where this rank sits: TP rank ``rank`` of ``size``, and the sharding spec to slice with."""
-
-    size: int
-    rank: int
-    sharding: str | ShardingSpec | None = None  # None: the decoder spec
-
-    @staticmethod
-    def of(group: "WorkerGroup", size: int | None, sharding: str | ShardingSpec | None = None,
-           rank: int | None = None) -> "TensorParallel | None":
-        """The group's layout for ``size`` (None: no tensor parallelism, unless a spec is given:
-        then the whole group is one tensor-parallel group, as ``reload_into`` has always done)."""
-        if size is None and sharding is None and rank is None:
-            return None
-        if size is None:
-            size = group.world_size
-        if not is_int(size) or size < 1:
-            raise ConfigError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
-        if rank is None:
-            if group.world_size % size:
-                raise ConfigError(
-                    f"--tensor-parallel-size {size} does not divide the group's {group.world_size} ranks: "
-                    f"a job holds whole tensor-parallel groups (N = k x T ranks, k data-parallel replicas)")
-            rank = group.rank % size
-        # An explicit rank is checked by check(), inside the planning step: it may differ by rank,
-        # and a rank failing alone before any collective would leave the others waiting.
-        return TensorParallel(int(size), rank, sharding)
-
-    def check(self) -> None:
-        if not is_int(self.rank) or not 0 <= self.rank < self.size:
-            raise ConfigError(f"tensor-parallel rank {self.rank!r} is not in 0..{self.size - 1}")
-
+from distload.tp.place import TPPlace
+from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
+from distload.tp.slices import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a DTensor's local shard
 
@@ -72,7 +32,7 @@ class RankSlices:
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
     blocks: Mapping[str, Block] = field(default_factory=dict)
 
-    def cut(self, name: str, tensor: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    def cut(self, name: str, tensor: torch.Tensor, tp: TPPlace | None) -> torch.Tensor:
         """This rank's piece of a whole tensor a library reader delivered (the rest is dropped)."""
         action = self.actions.get(name)
         if action is not None:
@@ -101,12 +61,12 @@ def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, Block]) -> RankSlic
     return RankSlices(None, {}, slices, dict(blocks))
 
 
-def plan_slices(index: CheckpointIndex, tp: TensorParallel, read_config: Callable[[], Mapping]) -> RankSlices:
+def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], Mapping]) -> RankSlices:
     """Every split tensor's slice for this rank; raises naming the tensor when one cannot split.
 
     Every rank's split is checked (shard_shape checks them all), so all ranks fail alike.
     """
-    spec = spec_with_config(tp.sharding, read_config)
+    spec = spec_with_config(tp.spec, read_config)
     if spec.engine is not None:
         raise ConfigError(
             f"--sharding {spec.name} gives a save vLLM's engine names (fused qkv_proj and gate_up_proj); "

@@ -4,7 +4,7 @@ A sharding spec is an ordered list of rules; the first rule whose glob matches a
 wins. A rule either replicates the tensor or splits it along ``dim`` (column-parallel layers split
 the output rows, dim 0; row-parallel layers split the input columns, dim 1). What rank r then
 holds of a tensor (head boundaries, KV-head replication, vocabulary padding) is decided in one
-place, distload/slicing.py.
+place, distload/tp/slices.py.
 
 Built-in specs:
 
@@ -14,7 +14,7 @@ Built-in specs:
 - ``vllm``: the ``decoder`` slices under the names vLLM's engine holds (fused ``qkv_proj`` and
   ``gate_up_proj``, the attention layers' 0-d scales, tied embeddings as ``lm_head``), so that
   vLLM's ``sharded_state`` loaders read a save; the default of ``save-sharded``. For the
-  architectures distload/vllm_names.py names.
+  architectures distload/vllm/names.py names.
 - ``plain``: the same tensors split evenly, ignoring heads and padding (for models that are not
   served by vLLM, and for checkpoints saved before vLLM's layout was the default).
 - ``replicate``: every tensor whole on every rank.
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from distload.errors import ConfigError
-from distload.slicing import Action, Part
+from distload.tp.slices import Action, Part
 
 
 HEAD_KINDS = ("attention", "kv", "none")  # what a "heads" rule counts; "none": split evenly, ignore heads
@@ -84,7 +84,7 @@ class ShardingSpec:
     rules: tuple[Rule, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for heads
     # Whose state-dict names a save writes: None, the checkpoint's own; "vllm", vLLM's engine's
-    # (fused q/k/v and gate/up, its attention scales, tied embeddings: distload/vllm_names.py).
+    # (fused q/k/v and gate/up, its attention scales, tied embeddings: distload/vllm/names.py).
     engine: str | None = None
 
     @property
