@@ -17,7 +17,7 @@ import distload
 from distload.errors import ConfigError
 from distload.tp.spec import load_spec
 from distload.tp.slices import take_shard
-from distload.vllm.names import ATTENTION_SCALES, vllm_state
+from distload.tp.vllm_names import ATTENTION_SCALES, vllm_state
 
 HEADS, KV_HEADS, HIDDEN, INTER, VOCAB, LAYERS = 4, 2, 64, 96, 200, 2
 

@@ -31,7 +31,7 @@ from distload.checkpoints.output import (
 )
 from distload.checkpoints.writer import HeaderEntry
 from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
-from distload.vllm.names import EngineTensor, vllm_state
+from distload.tp.vllm_names import EngineTensor, vllm_state
 from distload.tp.slices import shard_shape, take_shard
 from distload.tensor_io import host_view
 

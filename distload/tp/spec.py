@@ -14,7 +14,7 @@ Built-in specs:
 - ``vllm``: the ``decoder`` slices under the names vLLM's engine holds (fused ``qkv_proj`` and
   ``gate_up_proj``, the attention layers' 0-d scales, tied embeddings as ``lm_head``), so that
   vLLM's ``sharded_state`` loaders read a save; the default of ``save-sharded``. For the
-  architectures distload/vllm/names.py names.
+  architectures distload/tp/vllm_names.py names.
 - ``plain``: the same tensors split evenly, ignoring heads and padding (for models that are not
   served by vLLM, and for checkpoints saved before vLLM's layout was the default).
 - ``replicate``: every tensor whole on every rank.
@@ -84,7 +84,7 @@ class ShardingSpec:
     rules: tuple[Rule, ...]
     config: Mapping[str, Any] = field(default_factory=dict)  # the source's config.json, for heads
     # Whose state-dict names a save writes: None, the checkpoint's own; "vllm", vLLM's engine's
-    # (fused q/k/v and gate/up, its attention scales, tied embeddings: distload/vllm/names.py).
+    # (fused q/k/v and gate/up, its attention scales, tied embeddings: distload/tp/vllm_names.py).
     engine: str | None = None
 
     @property

@@ -1,2 +1,2 @@
-"""distload inside vLLM: ``--load-format distload`` (plugin.py) and the names vLLM's engine gives
-the checkpoint's tensors (names.py)."""
+"""distload inside vLLM: ``--load-format distload`` and reloading an engine's weights (plugin.py),
+imported only inside vLLM."""

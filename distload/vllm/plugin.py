@@ -9,7 +9,7 @@ of its processes; nothing here is imported unless vLLM is there. In each worker 
    there) with ``tensor_parallel_size`` = vLLM's: a checkpoint pre-sharded for that size gives each
    TP rank its own files, a whole one each rank only the bytes of its slices (the ``decoder``
    spec, vLLM's layout);
-3. writes each tensor into the engine parameter vLLM names it by (``distload.vllm.names``: slices
+3. writes each tensor into the engine parameter vLLM names it by (``distload.tp.vllm_names``: slices
    of q/k/v and gate/up concatenated into ``qkv_proj``/``gate_up_proj``; a save of the ``vllm``
    layout already has those names), narrowed where vLLM pads, as vLLM's sharded_state loader
    does, and fails naming every parameter left without a tensor.
@@ -248,7 +248,7 @@ def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:
     from distload.loading.layout import detect_layout
     from distload.loading.loader import Loader
     from distload.loading.sources import model_config
-    from distload.vllm.names import vllm_state
+    from distload.tp.vllm_names import vllm_state
 
     if get_pp_group().world_size > 1:
         raise ConfigError("--load-format distload: pipeline parallelism is not supported yet; run with "
