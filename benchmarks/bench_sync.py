@@ -53,7 +53,7 @@ def one_job(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from distload.cli.sync_demo import demo_state
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.live.sync import WeightSync
 
     with WorkerGroup(device="cpu") as group:
@@ -107,7 +107,7 @@ def trainer(args: argparse.Namespace) -> None:
 
 def inference(args: argparse.Namespace) -> None:
     from distload.cli.sync_demo import demo_config, demo_state, kept_slices
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.live.channel import SyncChannel
 
     with WorkerGroup(device="cpu") as group:

@@ -24,7 +24,7 @@ from distload.errors import (
     ShardLayoutError,
     SyncError,
 )
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.live.dtensors import load_dtensors
 from distload.live.reload import Destination, ReloadReport, reload_into
 from distload.live.sleep import WeightSleeper

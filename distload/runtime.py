@@ -13,7 +13,7 @@ outlive one load:
 - ``runai_store_scheme``: the object-store type Run:ai's reader served first (it serves only one
   per process);
 - ``heartbeats``: the thread that counts this process's heartbeat up in a rendezvous store,
-  one per store (``distload.dist.heartbeat``), shared by every group on it;
+  one per store (``distload.workers.heartbeat``), shared by every group on it;
 - ``weight_syncs``: how many WeightSyncs this process has made: every rank of a job makes them
   in the same order, so the n-th of each rank meets the others' n-th in the job's store;
 - the environment: Run:ai reads its settings from ``os.environ``; :meth:`Runtime.environment` is

@@ -16,7 +16,7 @@ from distload.loading.formats import make_load_config
 from distload.loading.index import DTYPES, build_index, dtype_code, parse_header
 from distload.loading.sources import content_fingerprint, read_local_header
 from distload.errors import CheckpointError, ConfigError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.loading.planner import plan_rank
 from distload.loading.sources import INDEX_FILE, check_source, list_whole_checkpoint, read_header
 

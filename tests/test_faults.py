@@ -69,7 +69,7 @@ def test_a_refused_unfinished_save_after_a_failed_write(tmp_path):
 @pytest.mark.parametrize("change", ["rewritten", "replaced", "resized"])
 def test_a_file_changed_between_planning_and_the_end_of_its_read_fails(tmp_path, fmt, change):
     """Issue 13, item 7: never a silent mix of two versions of a file."""
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
 
     folder = str(tmp_path / "ck")
     os.makedirs(folder)
@@ -100,7 +100,7 @@ def test_a_file_changed_between_planning_and_the_end_of_its_read_fails(tmp_path,
 @pytest.mark.parametrize("fmt", ["runai_streamer", "auto", "safetensors"])
 def test_a_file_truncated_after_planning_is_an_error_naming_it(tmp_path, fmt):
     """Issue 13, item 4: Run:ai's 'End of file reached' (and every reader's) as a DistloadError."""
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
 
     folder = str(tmp_path / "ck")
     os.makedirs(folder)
@@ -118,7 +118,7 @@ def test_a_file_truncated_after_planning_is_an_error_naming_it(tmp_path, fmt):
 _TRUNCATE_DURING_READ = r"""
 import os, sys
 import distload
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 folder, fmt, path = sys.argv[1:4]
 with WorkerGroup(device="cpu") as group:
     loader = distload.Loader(folder, fmt, group=group)
@@ -167,7 +167,7 @@ def test_safetensors_reads_by_pread_where_process_vm_readv_is_refused(tmp_path, 
     g = torch.Generator().manual_seed(1)
     save_file({"a": torch.randn(300, 70, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16),
                "empty": torch.zeros(0, 4)}, path)
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
 
     with WorkerGroup(device="cpu") as group:
         result = distload.Loader(str(folder), "safetensors", group=group).load()

@@ -1,4 +1,4 @@
-"""Unit tests for distload/dist/group.py without any process group: launcher detection and devices."""
+"""Unit tests for distload/workers/group.py without any process group: launcher detection and devices."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import stat
 import pytest
 import torch
 
-from distload.dist import launch as launch_mod
+from distload.workers import launch as launch_mod
 from distload.errors import ConfigError, DistloadError
-from distload.dist.group import WorkerGroup
-from distload.dist.launch import LaunchInfo, detect_launch, first_slurm_host, resolve_device
+from distload.workers.group import WorkerGroup
+from distload.workers.launch import LaunchInfo, detect_launch, first_slurm_host, resolve_device
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
@@ -294,7 +294,7 @@ def test_heartbeat_threads_stop_before_exit():
     abort at exit (a WorkerGroup left open beside a DTensor job); the runtime stops them at exit."""
     import threading
 
-    from distload.dist.heartbeat import Beat
+    from distload.workers.heartbeat import Beat
     from distload.runtime import RUNTIME
 
     class Store:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import distload
 from distload.errors import CheckpointError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.checkpoints.inspection import inspect_source
 
 FORMATS = ["auto", "safetensors", "runai_streamer", "dummy"]

@@ -194,7 +194,7 @@ def test_a_whole_checkpoint_is_read_once_by_the_ranks_together(tmp_path):
 def planned_exchange(folder: str, tp: int, nproc: int, bucket: int) -> list[dict[str, int]]:
     """Per rank, what the job-wide exchange plan says it reads, keeps of its own reads, and
     receives, from each rank's real plan (the exchange's facts: file order, every rank's slices)."""
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.loading.shared_reads.plan import run_bytes, whole_need
     from distload.loading.loader import Loader
 

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 import distload
 from distload.errors import ConfigError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.loading.backends.pread import batch_extents
 from distload.loading.layout import DEFAULT_SHARD_PATTERN
 from distload.loading.report import state_digest

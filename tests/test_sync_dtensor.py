@@ -14,7 +14,7 @@ from dist_helpers import clean_env, free_port, write_script
 
 _JOB = """
 import json, sys, torch
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.live.channel import SyncChannel
 role, address, out = sys.argv[1], sys.argv[2], sys.argv[3]
 

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from distload.errors import CheckpointError, GroupError, RankFailedError
 from distload.fileio import TEMPORARY_SUFFIX, temporary_name
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, read_manifest
 from distload.loading.sources import Source, content_fingerprint, open_source
 

@@ -14,7 +14,7 @@ from typing import Mapping
 import torch
 
 from distload.errors import ConfigError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.loading.index import dtype_code
 from distload.loading.layout import DEFAULT_SHARD_PATTERN
 from distload.loading.manifest import Manifest, ShardFile, Subtensor, write_manifest

@@ -17,8 +17,8 @@ import logging
 import sys
 
 from distload.errors import ConfigError, DistloadError
-from distload.dist.group import DEFAULT_TIMEOUT_S, WorkerGroup
-from distload.dist.launch import detect_launch
+from distload.workers.group import DEFAULT_TIMEOUT_S, WorkerGroup
+from distload.workers.launch import detect_launch
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
 from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE

@@ -22,7 +22,7 @@ import json
 import torch
 
 from distload.cli.demo import llama_layers, llama_shapes
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.live.channel import SyncChannel
 from distload.live.sync import WeightSync
 from distload.loading.report import state_digest

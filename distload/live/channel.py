@@ -49,9 +49,9 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import ConfigError, SyncError
-from distload.dist.group import DEFAULT_TIMEOUT_S
-from distload.dist.launch import detect_launch, resolve_device
-from distload.dist.heartbeat import Beat, PeerWatch
+from distload.workers.group import DEFAULT_TIMEOUT_S
+from distload.workers.launch import detect_launch, resolve_device
+from distload.workers.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, SessionRecord, describe
 from distload.live.targets import model_tensors

@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.live.reload import reload_into
 from distload.loading.loader import Loader
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import torch
 
 from distload.errors import DistloadError, ReloadError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.live.targets import dtensor_blocks, local_tensor, model_tensors, non_persistent_buffers
 from distload.loading.index import DTYPES, PACKED
 from distload.loading.loader import Loader

@@ -14,7 +14,7 @@ import torch
 from torch.distributed import PrefixStore
 
 from distload.errors import ConfigError, SyncError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.live.channel import DEFAULT_BUCKET_BYTES, SyncChannel, SyncStats
 from distload.runtime import RUNTIME
 from distload.tp.spec import ShardingSpec

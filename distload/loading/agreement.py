@@ -14,7 +14,7 @@ from distload.loading.backends import BACKENDS
 from distload.loading.choice import ReadChoice
 
 if TYPE_CHECKING:
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.loading.plan import RankPlan
 
 

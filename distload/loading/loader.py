@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Generator, Iterator, Mapping
 import torch
 
 from distload.errors import DistloadError
-from distload.dist.group import WorkerGroup
+from distload.workers.group import WorkerGroup
 from distload.loading.agreement import agree_on_read
 from distload.loading.backends import BACKENDS, BackendRun, ReadRequest
 from distload.loading.delivery import Delivery

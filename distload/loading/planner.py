@@ -22,7 +22,7 @@ from distload.loading.rank_slices import Block, TPPlace, plan_blocks, plan_slice
 from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
 
 if TYPE_CHECKING:
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
 
 
 def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",

@@ -17,7 +17,7 @@ from distload.errors import ConfigError
 from distload.tp.spec import ShardingSpec
 
 if TYPE_CHECKING:
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
 
 
 @dataclass(frozen=True)

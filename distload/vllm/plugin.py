@@ -110,7 +110,7 @@ def checkpoint_weights(source: str, reader, device: str):
     tensor-parallel group: what vLLM's ``model.load_weights`` takes."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.loading.loader import Loader
 
     tp = get_tp_group()
@@ -244,7 +244,7 @@ def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.loading.layout import detect_layout
     from distload.loading.loader import Loader
     from distload.loading.sources import model_config

@@ -26,7 +26,7 @@ from distload.loading.index import CheckpointIndex
 from distload.tp.slices import SliceBytes
 
 if TYPE_CHECKING:
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.loading.plan import RankPlan
 
 # An extra-config value check: raises ConfigError naming the key.

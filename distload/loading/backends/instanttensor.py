@@ -16,7 +16,7 @@ from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.sources import is_object_store
 
 if TYPE_CHECKING:
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
 
 # InstantTensor's I/O backends, as its `backend` knob names them (comma-separated: tried in order).
 IO_BACKENDS = ("URING", "AIO", "URING_BUFFERED", "AIO_BUFFERED", "CUFILE", "MMAP", "BUFFERED")

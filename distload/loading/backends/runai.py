@@ -27,7 +27,7 @@ from distload.loading.sources import is_object_store
 from distload.runtime import RUNTIME
 
 if TYPE_CHECKING:
-    from distload.dist.group import WorkerGroup
+    from distload.workers.group import WorkerGroup
     from distload.loading.plan import RankPlan
 
 log = logging.getLogger("distload")

@@ -1,6 +1,6 @@
 """The worker group: who this process is, which device it owns, and how ranks agree.
 
-A group comes from what its launcher said (distload/dist/launch.py: torchrun, Slurm's ``srun``, or
+A group comes from what its launcher said (distload/workers/launch.py: torchrun, Slurm's ``srun``, or
 nothing: one process, no process group at all).
 
 Every collective that distload issues goes through :meth:`WorkerGroup.agree` or
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
-from distload.dist.heartbeat import Heartbeat
-from distload.dist.launch import LaunchInfo, detect_launch, resolve_device
+from distload.workers.heartbeat import Heartbeat
+from distload.workers.launch import LaunchInfo, detect_launch, resolve_device
 
 DEFAULT_TIMEOUT_S = 300.0
 
