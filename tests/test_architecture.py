@@ -298,3 +298,124 @@ def test_s3_instance_metadata_follows_the_users_setting(monkeypatch, setting, pr
     chain = S3Store()._credential_session().get_component("credential_provider")
     # With the user's own setting botocore decides ("true" disables the probe itself).
     assert any(p.METHOD == "iam-role" for p in chain.providers) is probes
+
+
+# -- layering: the import direction of every area ---------------------------------------------
+
+# Each area may import only the areas on lower floors (and itself). A new folder must be placed
+# here, so that where it sits is decided, not drifted into.
+FLOORS = [
+    {"errors", "fileio", "tensor_io", "quiet_exit", "config", "runtime"},  # plumbing, top-level modules
+    {"workers"},  # the worker group, its launch facts and heartbeats
+    {"tp"},  # tensor parallelism as pure data
+    {"loading"},  # the load path: the base every feature stands on
+    {"checkpoints", "live"},  # checkpoints as files; live updates to a loaded model (peers: neither imports the other)
+    {"vllm", "cli"},  # the integrations and the command line
+    {"__init__", "__main__"},  # the package's face
+]
+# Within the plumbing: a lower module never imports a higher one.
+PLUMBING_ORDER = ["errors", "tensor_io", "quiet_exit", "fileio", "config", "runtime"]
+
+
+def _area(module: str) -> str:
+    parts = module.split(".")
+    assert parts[0] == "distload", module
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """The distload modules ``path`` imports at run time (imports under ``if TYPE_CHECKING:`` are
+    annotations only and do not count)."""
+    tree = ast.parse(path.read_text())
+    typing_only = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    module = ".".join(("distload",) + path.relative_to(PACKAGE).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("distload")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                name = f"{base}.{node.module}" if node.module else base
+            else:
+                name = node.module or ""
+            if name == "distload":  # from distload import quiet_exit: the names are modules
+                found += [(node.lineno, f"distload.{alias.name}") for alias in node.names]
+            elif name.startswith("distload."):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_every_area_imports_only_the_floors_below_it():
+    floor_of = {area: level for level, areas in enumerate(FLOORS) for area in areas}
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = path.relative_to(PACKAGE)
+        area = where.parts[0].removesuffix(".py")
+        assert area in floor_of, f"{where}: distload/{area} is on no floor of tests/test_architecture.py"
+        for line, name in _imports(path):
+            target = _area(name)
+            if target == area:
+                continue
+            assert target in floor_of, f"{where}:{line} imports {name}, on no floor"
+            # Same floor: the plumbing's own order is checked below; any other pair are peers.
+            if floor_of[target] > floor_of[area] or (floor_of[target] == floor_of[area] and floor_of[area] > 0):
+                offenders.append(f"{where}:{line}: {area} (floor {floor_of[area]}) imports {name} "
+                                 f"(floor {floor_of[target]})")
+    assert offenders == []
+
+
+def test_the_plumbing_imports_downwards_only():
+    offenders = []
+    for name in PLUMBING_ORDER:
+        for line, imported in _imports(PACKAGE / f"{name}.py"):
+            target = _area(imported)
+            if target in PLUMBING_ORDER and PLUMBING_ORDER.index(target) >= PLUMBING_ORDER.index(name):
+                offenders.append(f"{name}.py:{line} imports {imported}")
+    assert offenders == []
+
+
+def test_loading_parts_import_downwards_only():
+    """Inside the load path, the readers' shared parts (stores, shared reads, the index) sit below
+    the backends and the planner: a backend may use them, never the other way round."""
+    below_backends = ["stores", "shared_reads", "index", "host_memory", "mapped", "residency", "report"]
+    offenders = []
+    for part in below_backends:
+        paths = sorted((PACKAGE / "loading" / part).rglob("*.py")) if (PACKAGE / "loading" / part).is_dir() \
+            else [PACKAGE / "loading" / f"{part}.py"]
+        for path in paths:
+            for line, name in _imports(path):
+                if name.startswith(("distload.loading.backends", "distload.loading.loader",
+                                    "distload.loading.planner", "distload.loading.agreement")):
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{line} imports {name}")
+    assert offenders == []
+
+
+def test_the_import_checker_sees_relative_typing_and_package_imports(tmp_path, monkeypatch):
+    """The rules above are only as good as the parser: each kind of import it must see (or skip)."""
+    sample = PACKAGE / "loading" / "_architecture_probe.py"
+    try:
+        sample.write_text("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+                          "import distload.live.sync\nfrom distload import runtime\nfrom . import index\n"
+                          "from .backends import base\nif TYPE_CHECKING:\n    from distload.cli import main\n")
+        assert [name for _, name in _imports(sample)] == [
+            "distload.live.sync", "distload.runtime", "distload.loading", "distload.loading.backends"]
+    finally:
+        sample.unlink()
+
+
+def test_the_top_level_holds_at_most_eight_modules_and_no_class_is_defined_twice():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 8, top
+    defined: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                defined.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: where for name, where in defined.items() if len(where) > 1} == {}
