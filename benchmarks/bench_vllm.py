@@ -4,7 +4,7 @@
     python benchmarks/bench_vllm.py --hidden 1024 --layers 4 --repeats 1
 
 Runs in vLLM's environment (``.vllm-venv``, made by ``bash .ci/run``; ``--python`` for another).
-A random Llama (bf16) saved by transformers, and its ``distload save-sharded`` output for the same
+A random Llama (bf16) saved by transformers, and its ``distload reshard`` output for the same
 TP size. In ONE run, each case an engine start (``LLM(...)``) with the model's files evicted from
 the page cache first (posix_fadvise DONTNEED, no root):
 
@@ -12,7 +12,7 @@ the page cache first (posix_fadvise DONTNEED, no root):
   fills the weights with random values, which is not free either);
 - **vLLM default**: ``load_format="auto"`` on the whole checkpoint;
 - **distload**: ``load_format="distload"`` on the whole checkpoint (each TP rank its slices' bytes);
-- **vLLM sharded_state** and **distload, pre-sharded**: the save-sharded output.
+- **vLLM sharded_state** and **distload, pre-sharded**: the reshard output.
 
 Load seconds: what each loader logs as "Loading weights took" in its worker (vLLM's default and
 sharded_state loaders, and distload's, the same line); medians of ``--repeats``; ratios against

@@ -1,4 +1,4 @@
-"""Faults injected with real processes (issue 13): a disk that fills during save-sharded.
+"""Faults injected with real processes (issue 13): a disk that fills during reshard.
 
 The output folder is a 1 MiB tmpfs mounted inside a private user and mount namespace
 (``unshare -rm``, no root needed, the machine's mounts untouched).
@@ -42,7 +42,7 @@ def test_disk_full_during_save_sharded_names_the_file_and_leaves_the_folder_refu
     os.makedirs(mount)
     out = os.path.join(mount, "tp1")
     script = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(mount)} && "
-              f"{shlex.quote(sys.executable)} -m distload save-sharded {shlex.quote(whole)} {shlex.quote(out)} "
+              f"{shlex.quote(sys.executable)} -m distload reshard {shlex.quote(whole)} {shlex.quote(out)} "
               f"--tensor-parallel-size 1 --sharding replicate; echo exit=$?; ls -a {shlex.quote(out)}")
     result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     text = result.stdout + result.stderr

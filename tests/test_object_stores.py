@@ -143,7 +143,7 @@ class Checkpoints:
             f.write("{}")
         save_file({"x": torch.ones(1)}, os.path.join(self.nothing, "sub", "model.safetensors"))
 
-        # a Llama-shaped whole checkpoint with its config.json, and its save-sharded TP 2 output
+        # a Llama-shaped whole checkpoint with its config.json, and its reshard TP 2 output
         # (local: the reference for sliced loads)
         from distload.cli.demo import write_demo_checkpoint
         self.llama, _ = write_demo_checkpoint(os.path.join(root, "llama-src"), 1, size_mib=8)
@@ -683,7 +683,7 @@ def test_two_ranks_cooperative_read_fetches_each_byte_once(store, ckpts, tmp_pat
 
 def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(store, ckpts, tmp_path):
     """TP 2 from a whole checkpoint in the store (auto, no replicas): each rank ends with
-    save-sharded's files for its TP rank; the two ranks split the reading of the whole checkpoint
+    reshard's files for its TP rank; the two ranks split the reading of the whole checkpoint
     (the dim-1 tensors too, whose rows each would otherwise fetch with the other's), so the
     server serves it once, and each receives from the other only bytes of its own slices."""
     from distload.loading.sources import read_local_header

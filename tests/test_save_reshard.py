@@ -441,7 +441,7 @@ def test_files_on_disk_respect_max_file_size(resharded):
 def test_cli_save_sharded(source, resharded, tmp_path):
     src, _ = source
     out = str(tmp_path / "cli-tp2")
-    result = run_distload(["save-sharded", src, out, "--tensor-parallel-size", "2",
+    result = run_distload(["reshard", src, out, "--tensor-parallel-size", "2",
                            "--max-file-size", str(16 * 1024)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "replicated because no rule of the sharding spec matched them" in result.stdout
@@ -465,7 +465,7 @@ def test_cli_save_sharded_with_plan_file_and_pattern(source, tmp_path):
     plan_path.write_text(json.dumps(plan))
     out = str(tmp_path / "out")
     pattern = "w_{part}_r{rank}.safetensors"
-    result = run_distload(["save-sharded", src, out, "-tp", "2", "--sharding", str(plan_path),
+    result = run_distload(["reshard", src, out, "-tp", "2", "--sharding", str(plan_path),
                            "--file-pattern", pattern])
     assert result.returncode == 0, result.stdout + result.stderr
     m = read_manifest_json(out)
@@ -494,7 +494,7 @@ def test_output_already_holding_a_checkpoint_is_refused(resharded, source, tmp_p
         reshard(src, vllm, 2)
     assert not os.path.exists(os.path.join(vllm, SAVING_MARKER))
     # and through the CLI
-    result = run_distload(["save-sharded", src, out, "--tensor-parallel-size", "2"])
+    result = run_distload(["reshard", src, out, "--tensor-parallel-size", "2"])
     assert result.returncode == 1
     assert "already holds a sharded checkpoint" in result.stderr
 
@@ -541,7 +541,7 @@ def test_bad_file_pattern_cli(source, tmp_path, pattern):
         reshard(src, out, 2, pattern=pattern)
     assert not os.path.exists(out)
     if pattern == "model-rank-{rank}.safetensors":  # one CLI run is enough
-        result = run_distload(["save-sharded", src, out, "-tp", "2", "--file-pattern", pattern])
+        result = run_distload(["reshard", src, out, "-tp", "2", "--file-pattern", pattern])
         assert result.returncode == 1
         # An offline command names no rank (it runs in one process).
         assert result.stderr.startswith("distload: error: ") and "--file-pattern" in result.stderr
@@ -557,16 +557,33 @@ def test_output_that_is_a_file_is_a_clear_error(source, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,needle", [
-    ({"world_size": 0}, "--tensor-parallel-size"),
-    ({"world_size": True}, "--tensor-parallel-size"),
-    ({"world_size": 2, "max_file_size": 0}, "--max-file-size"),
-    ({"world_size": 2, "max_file_size": -5}, "--max-file-size"),
+    ({"tensor_parallel_size": 0}, "--tensor-parallel-size"),
+    ({"tensor_parallel_size": True}, "--tensor-parallel-size"),
+    ({"tensor_parallel_size": 2, "max_file_size": 0}, "--max-file-size"),
+    ({"tensor_parallel_size": 2, "max_file_size": -5}, "--max-file-size"),
+    ({}, "tensor_parallel_size .* is required"),
+    ({"tensor_parallel_size": 2, "world_size": 2}, "world_size is its old name"),
 ])
 def test_bad_save_arguments(source, tmp_path, kwargs, needle):
     out = str(tmp_path / "out")
     with pytest.raises(ConfigError, match=needle):
         reshard(source[0], out, **kwargs)
     assert not os.path.exists(out)
+
+
+def test_the_old_names_still_work_and_say_so(source, tmp_path, capsys):
+    """reshard(world_size=) and the CLI's save-sharded are the old spellings of one operation."""
+    with pytest.warns(DeprecationWarning, match="old name of tensor_parallel_size"):
+        old = reshard(source[0], str(tmp_path / "old"), world_size=2)
+    new = reshard(source[0], str(tmp_path / "new"), 2)
+    assert old.world_size == new.world_size == 2
+    for name in sorted(os.listdir(tmp_path / "new")):
+        if name.endswith(".safetensors"):
+            assert (tmp_path / "old" / name).read_bytes() == (tmp_path / "new" / name).read_bytes()
+    capsys.readouterr()
+    assert cli_main(["save-sharded", source[0], str(tmp_path / "cli"), "-tp", "2"]) == 0
+    assert "'save-sharded' is the old name of 'reshard'" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "cli")) == sorted(os.listdir(tmp_path / "new"))
 
 
 def test_indivisible_dimension_writes_nothing(source, tmp_path):
@@ -581,7 +598,7 @@ def test_indivisible_dimension_writes_nothing(source, tmp_path):
     assert not out.exists()
     # an existing empty folder stays empty, through the CLI too
     out.mkdir()
-    result = run_distload(["save-sharded", src, str(out), "--tensor-parallel-size", "6"])
+    result = run_distload(["reshard", src, str(out), "--tensor-parallel-size", "6"])
     assert result.returncode == 1
     assert "distload: error: " in result.stderr and "cannot be split over 6 ranks" in result.stderr
     assert "on rank" not in result.stderr
@@ -701,7 +718,7 @@ def test_load_world_size_mismatch_single_process(resharded):
         distload.load(out, "runai_streamer_sharded")
     msg = str(err.value)
     assert "saved for 2 ranks, but this job has 1" in msg
-    assert "python -m distload save-sharded" in msg and "--tensor-parallel-size 1" in msg
+    assert "python -m distload reshard" in msg and "--tensor-parallel-size 1" in msg
     result = run_distload(["load", out, "--load-format", "runai_streamer_sharded", "--no-progress"])
     assert result.returncode == 1
     assert "error on rank 0" in result.stderr and "saved for 2 ranks, but this job has 1" in result.stderr
@@ -1130,7 +1147,7 @@ def test_world_size_mismatch_fails_on_every_rank(resharded):
         lines = [ln for ln in output.splitlines() if ln.startswith(f"distload: error on rank {rank}:")]
         assert lines, f"rank {rank} printed no error:\n{output[-6000:]}"
         assert "saved for 2 ranks, but this job has 4" in lines[0], lines[0]
-        assert "python -m distload save-sharded" in lines[0] and "--tensor-parallel-size 4" in lines[0]
+        assert "python -m distload reshard" in lines[0] and "--tensor-parallel-size 4" in lines[0]
 
 
 JOB_SCRIPT = """

@@ -2,7 +2,7 @@
 their shares, so each byte leaves storage once per job (whole checkpoints, tensor-parallel slices
 kept by data-parallel replicas, shard files of a TP rank, loads over a subgroup).
 
-Every load is checked bit for bit against a plain safetensors read (or ``save-sharded``'s slices),
+Every load is checked bit for bit against a plain safetensors read (or ``reshard``'s slices),
 and the bytes each rank asked the source for are asserted, not just reported. The buckets are made
 tiny here so that every checkpoint spans many of them (large tensors split, small ones grouped).
 """
@@ -470,7 +470,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path, tp):
     """moto behind a byte-counting proxy, auto: the server sends the objects' bytes once (listings,
     headers and HTTP framing included), every rank bit-identical to a plain read. A whole
-    checkpoint on 3 ranks; a Llama-shaped one with TP 2 x DP 2 on 4 ranks (save-sharded's slices):
+    checkpoint on 3 ranks; a Llama-shaped one with TP 2 x DP 2 on 4 ranks (reshard's slices):
     the dim-1 tensors too leave the store once, and each rank receives only bytes it keeps."""
     from conftest import read_report, run_distload
     from object_store_servers import ByteCountingProxy, start_moto

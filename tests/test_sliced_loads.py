@@ -1,6 +1,6 @@
 """Sharding-aware loads (issue 14): a tensor-parallel rank reads only the bytes of its own slices.
 
-The reference for every rank is what ``save-sharded --tensor-parallel-size T`` writes for its TP
+The reference for every rank is what ``reshard --tensor-parallel-size T`` writes for its TP
 rank, read back with the safetensors library (and the slicing itself is checked against vLLM's
 rules in test_vllm_shard_shapes.py). ``requested_bytes`` is asserted against the bytes of the
 rank's slices, computed here from the shapes alone.
@@ -58,7 +58,7 @@ def llama_state(layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """(whole folder, {T: save-sharded folder}) for T = 1, 2, 4."""
+    """(whole folder, {T: reshard folder}) for T = 1, 2, 4."""
     root = str(tmp_path_factory.mktemp("llama"))
     whole = os.path.join(root, "whole")
     write_whole(whole, llama_state(), num_files=2)

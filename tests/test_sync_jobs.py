@@ -174,14 +174,14 @@ def _saved_rank(folder: str, tp_rank: int) -> dict[str, torch.Tensor]:
 @pytest.mark.dist
 @pytest.mark.parametrize("inference_nproc", [2, 4], ids=["tp2", "tp2x2-replicas"])
 def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
-    """Each inference rank (TP 2, decoder spec) holds exactly what ``save-sharded
+    """Each inference rank (TP 2, decoder spec) holds exactly what ``reshard
     --tensor-parallel-size 2 --sharding decoder`` writes for its TP rank, and received little more
     than those bytes. With 4 ranks, ranks 2 and 3 are a second replica of TP ranks 0 and 1."""
     src, saved = str(tmp_path / "src"), str(tmp_path / "saved")
     whole = _write_llama_checkpoint(src)
-    # `python -m distload save-sharded SRC DEST -tp 2 --sharding decoder`, run in this process
+    # `python -m distload reshard SRC DEST -tp 2 --sharding decoder`, run in this process
     # (the same entry point as `python -m distload`; a third interpreter would only slow the jobs).
-    assert cli_main(["save-sharded", src, saved, "--tensor-parallel-size", "2", "--sharding", "decoder"]) == 0
+    assert cli_main(["reshard", src, saved, "--tensor-parallel-size", "2", "--sharding", "decoder"]) == 0
     results = run_driver(tmp_path, "sliced", 1, inference_nproc, src, "2")
 
     (trainer,) = results.trainer
@@ -192,7 +192,7 @@ def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
     assert not torch.equal(slices[0]["model.layers.0.self_attn.q_proj.weight"],
                            slices[1]["model.layers.0.self_attn.q_proj.weight"])  # really different slices
     for tp in (0, 1):
-        assert {n: tuple(t.shape) for n, t in slices[tp].items()} == shapes, "save-sharded's shapes"
+        assert {n: tuple(t.shape) for n, t in slices[tp].items()} == shapes, "reshard's shapes"
         embed = slices[tp]["model.embed_tokens.weight"]
         if tp == 1:  # 16500 rows padded to 16512: TP rank 1 holds rows 8256..16499 and 12 zero rows
             assert not embed[-12:].view(torch.uint8).any() and embed[-13].view(torch.uint8).any()

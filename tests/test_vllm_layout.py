@@ -1,4 +1,4 @@
-"""save-sharded's vllm layout (issue 17, item 1): the names, fusions, scales and ties of vLLM's
+"""reshard's vllm layout (issue 17, item 1): the names, fusions, scales and ties of vLLM's
 engine state dict, checked tensor for tensor against the decoder spec's slices. That vLLM's own
 loaders read it and generate the original's tokens is tests/test_vllm_engine.py."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -73,19 +74,31 @@ def _read_tensor(f, info: TensorInfo, buffer: torch.Tensor) -> torch.Tensor:
     return buffer[: info.nbytes].view(info.torch_dtype).reshape(info.shape)
 
 
-def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT_SHARD_PATTERN,
-            max_file_size: int = DEFAULT_MAX_FILE_SIZE, sharding: str | ShardingSpec | None = None) -> ReshardReport:
-    """Turn a whole safetensors checkpoint into ``world_size`` per-rank shards, streaming.
+def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *,
+            pattern: str = DEFAULT_SHARD_PATTERN, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+            sharding: str | ShardingSpec | None = None, world_size: int | None = None) -> ReshardReport:
+    """Turn a whole safetensors checkpoint into one shard per TP rank (``tensor_parallel_size``
+    of them), streaming; ``distload reshard`` on the command line.
 
     Every tensor's action and shard shape is decided from the headers before a byte is written,
     so a sharding spec that does not fit the model (an indivisible dimension) fails with nothing written.
+    ``world_size`` is the old name of ``tensor_parallel_size``.
     """
+    if world_size is not None:
+        if tensor_parallel_size is not None:
+            raise ConfigError("reshard: pass tensor_parallel_size only (world_size is its old name)")
+        warnings.warn("reshard(world_size=...) is the old name of tensor_parallel_size", DeprecationWarning,
+                      stacklevel=2)
+        tensor_parallel_size = world_size
+    if tensor_parallel_size is None:
+        raise ConfigError("reshard: tensor_parallel_size (the number of TP ranks to write shards for) is required")
+    world_size = tensor_parallel_size  # the saved checkpoint's ranks, as its manifest counts them
     start = time.perf_counter()
     check_save_args(output, pattern, max_file_size, world_size)
     path = check_source(source)
     if is_object_store(path):
         raise ConfigError(
-            f"{source}: save-sharded reads a local checkpoint; copy it from the object store first "
+            f"{source}: reshard reads a local checkpoint; copy it from the object store first "
             f"(the sharded output can then be uploaded and loaded straight from there)"
         )
     folder = path if os.path.isdir(path) else os.path.dirname(path)
@@ -151,7 +164,7 @@ def reshard(source: str, output: str, world_size: int, *, pattern: str = DEFAULT
     all_files = [f for writer in writers for f in writer.files]
     write_manifest(output, Manifest(
         world_size=world_size, pattern=pattern, files=all_files, sharding=spec.to_json(),
-        replicated_unmatched=unmatched, source=source_string(source), created_by="distload save-sharded",
+        replicated_unmatched=unmatched, source=source_string(source), created_by="distload reshard",
     ))
     return ReshardReport(
         output=output, world_size=world_size, files=all_files, replicated_unmatched=unmatched,

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m distload load /ckpt --load-format runai_streamer \
         --model-loader-extra-config '{"distributed": true}' --report-json report.json
-    python -m distload save-sharded /ckpt /ckpt-tp2 --tensor-parallel-size 2
+    python -m distload reshard /ckpt /ckpt-tp2 --tensor-parallel-size 2
     python -m distload verify /ckpt-tp2
     python -m distload inspect /ckpt [--pattern P] [--json]
     torchrun --nproc-per-node 8 -m distload pull s3://models/llama /local/llama
@@ -24,6 +24,8 @@ from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
 from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE
 
 log = logging.getLogger("distload")
+
+OLD_RESHARD = "save-sharded"  # the first name of the reshard command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                       help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
 
-    save = sub.add_parser("save-sharded", help="reshard a whole checkpoint into per-rank files, offline")
+    # Python's reshard() does the same; "save-sharded" was its first name (Python's save_sharded()
+    # saves from a running job), kept as an alias that says so.
+    save = sub.add_parser("reshard", aliases=[OLD_RESHARD], help="reshard a whole checkpoint into per-rank files, "
+                          f"offline (Python: distload.reshard; '{OLD_RESHARD}' is its old name)")
     save.add_argument("source", help="a whole safetensors checkpoint: a file or a folder (index.json honoured)")
     save.add_argument("output", help="a new or empty folder")
     save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N",
@@ -154,8 +159,12 @@ def run_load(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_save_sharded(args: argparse.Namespace) -> int:
+def run_reshard(args: argparse.Namespace) -> int:
     from distload.checkpoints.reshard import reshard
+
+    if args.command == OLD_RESHARD:
+        sys.stderr.write(f"distload: '{OLD_RESHARD}' is the old name of 'reshard' (the same command); "
+                         f"use 'distload reshard'\n")
 
     report = reshard(args.source, args.output, args.tensor_parallel_size, pattern=args.file_pattern,
                      max_file_size=args.max_file_size, sharding=args.sharding)
@@ -219,7 +228,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 # Commands that run in one process, outside any group.
-OFFLINE_COMMANDS = ("save-sharded", "verify", "inspect")
+OFFLINE_COMMANDS = ("reshard", OLD_RESHARD, "verify", "inspect")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(rank)
         if args.command == "load":
             return run_load(args)
-        if args.command == "save-sharded":
-            return run_save_sharded(args)
+        if args.command in ("reshard", OLD_RESHARD):
+            return run_reshard(args)
         if args.command == "verify":
             return run_verify(args)
         if args.command == "inspect":

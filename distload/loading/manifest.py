@@ -153,7 +153,7 @@ def manifest_files_for_rank(manifest: Manifest, folder: "str | Source", pattern:
         raise ShardLayoutError(
             f"{folder} was saved for {manifest.world_size} ranks, but this job has {world_size}: "
             f"start the job with {manifest.world_size} ranks, or reshard the whole checkpoint for "
-            f"{world_size}: python -m distload save-sharded <whole checkpoint> <new folder> "
+            f"{world_size}: python -m distload reshard <whole checkpoint> <new folder> "
             f"--tensor-parallel-size {world_size}{replicas_hint(manifest.world_size, world_size)}"
         )
     entries = manifest.files_for_rank(rank)

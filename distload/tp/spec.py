@@ -13,7 +13,7 @@ Built-in specs:
   lm_head padded to a multiple of 64 rows first. Heads come from the model's config.json.
 - ``vllm``: the ``decoder`` slices under the names vLLM's engine holds (fused ``qkv_proj`` and
   ``gate_up_proj``, the attention layers' 0-d scales, tied embeddings as ``lm_head``), so that
-  vLLM's ``sharded_state`` loaders read a save; the default of ``save-sharded``. For the
+  vLLM's ``sharded_state`` loaders read a save; the default of ``reshard``. For the
   architectures distload/tp/vllm_names.py names.
 - ``plain``: the same tensors split evenly, ignoring heads and padding (for models that are not
   served by vLLM, and for checkpoints saved before vLLM's layout was the default).
