@@ -799,12 +799,3 @@ def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:
 def _short(exc: BaseException) -> str:
     text = str(exc).split(". This is typically caused")[0]
     return text.split("] ", 1)[-1] if text.startswith("[") else text
-
-
-def _quietly(fn: Callable[[], Any]) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - tearing down a failed session's group
-            pass
-    return run
