@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from distload.errors import SyncError
-from distload.live.channel import DEAD_AFTER_S, SyncChannel
+from distload.live.channel import SyncChannel
+from distload.live.session import DEAD_AFTER_S
 
 from dist_helpers import ABORT_MARKERS, clean_env, free_port, write_script
 

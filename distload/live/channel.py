@@ -5,8 +5,10 @@ own loads) that meet at a TCP rendezvous address, or ranks of one job (:class:`~
 sync.WeightSync` runs this channel over the job's own store). Neither job's default group is used.
 
 Control goes through the store; data through a two-member process group between each trainer
-rank and each inference rank, built on the store (distload/live/rendezvous.py forms the session).
-One update, numbered within its session:
+rank and each inference rank, built on the store: both belong to the session
+(distload/live/session.py), which every update runs over. Every trainer rank calls
+:meth:`SyncChannel.push` for a version, every inference rank :meth:`SyncChannel.receive` (which
+first waits for the metadata); one update, numbered within its session:
 
 1. *metadata*: each trainer rank posts its version, tensors (name, dtype, whole shape) and bucket
    grouping;
@@ -30,30 +32,26 @@ One update, numbered within its session:
 Any failure (a checksum, a peer that died or stopped, a deadline) is posted as the update's abort
 reason: every member raises it within its timeout, receivers keep their old ``version``
 (``consistent`` False once data moved), and the session is over: the next push or receive forms a
-new one (a restarted trainer rejoins the same address). While data moves a transfer thread posts
-and polls the transfers, and the calling thread watches the abort key and every member's
-heartbeat; on a failure it stops the transfer thread (whose waits poll, because a gloo wait can
-be neither interrupted nor timed out without closing its connection) before it raises.
+new one (a restarted trainer rejoins the same address). The data step runs under the session's
+supervisor, which watches the abort key and every member's heartbeat while it moves.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 
 from distload.errors import ConfigError, SyncError
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
-from distload.workers.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
-from distload.live.rendezvous import ROLES, SessionRecord, describe
+from distload.live.rendezvous import ROLES, describe
+from distload.live.session import Session, join, leave, store_lost
 from distload.live.targets import model_tensors
 from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
@@ -61,13 +59,8 @@ from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
-DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
 SETTLE_S = 10.0  # how long a receiver waits for a given-up update's transfers before it refuses
 _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
-
-
-class _GivenUp(SyncError):
-    """Raised in a transfer thread whose update was given up (the supervisor says why)."""
 
 
 class _Refused(SyncError):
@@ -89,20 +82,6 @@ class SyncStats:
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
-
-
-@dataclass
-class _Session:
-    record: SessionRecord
-    store: Any  # the session's part of the rendezvous store
-    pairs: dict[int, Any]  # a two-member process group with each peer (trainer: rank 0 in it)
-    backend: str
-    me: int  # this member's rank in the session
-    beat: Beat
-    watch: PeerWatch
-    seq: int = 0  # the next update's number
-    issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
-    into_model: list[Any] = field(default_factory=list)  # its receives straight into the model
 
 
 class SyncChannel:
@@ -157,7 +136,7 @@ class SyncChannel:
         self._reconnects = store is None and not self._serving  # a restarted host serves again
         self._store = store if store is not None else rendezvous.open_store(self.address, self._serving,
                                                                             self.timeout_s)
-        self._session: _Session | None = None
+        self._session: Session | None = None
         self._into_model: list[Any] = []  # given-up transfers still landing in this rank's tensors
         self._buffers: dict[tuple, torch.Tensor] = {}
         self.version: int | None = None
@@ -188,163 +167,27 @@ class SyncChannel:
             spec = ShardingSpec(spec.name, spec.rules, _config(model_config), spec.engine)
         return TPPlace(tp_size, self.rank % tp_size, spec)
 
-    # -- sessions ----------------------------------------------------------------------------
+    # -- sessions (distload/live/session.py) --------------------------------------------------
     def _info(self) -> dict[str, Any]:
         spec = self.place.spec
         return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
                 "device": self.device.type, "verify": self.verify, "pid": os.getpid()}
 
-    def _join(self, deadline: float) -> _Session:
+    def _join(self, deadline: float) -> Session:
         if self._session is not None:
-            if self.role == "trainer" and self.rank == 0:
-                return self._session  # the leader's session lasts until an update fails
-            if rendezvous.session_id(self._store) == self._session.record.id:
+            if self._session.current(self._store):
                 return self._session
             self._drop_session()
-        nonce = rendezvous.post_hello(self._store, self.role, self.rank, self.size, self._info())
-        if self.role == "trainer" and self.rank == 0:
-            record = rendezvous.form_session(self._store, self.size, rendezvous.Hello(nonce, self.size, self._info()),
-                                             deadline, self.address)
-        else:
-            record = rendezvous.await_session(self._store, self.role, self.rank, nonce, deadline, self.address)
-        me = record.channel_rank(self.role, self.rank)
-        store = dist.PrefixStore(f"s/{record.id}/", self._store)
-        backend = "nccl" if all(i["device"] == "cuda" for i in record.infos.values()) else "gloo"
-        root = self._store
-        beat = Beat(store, me, until=lambda: root.check([rendezvous.CLOSING]))
-        peers = (range(record.trainer_size, record.world_size) if self.role == "trainer"
-                 else range(record.trainer_size))
-        pairs: dict[int, Any] = {}
-        try:
-            # Every member makes its pairs in (trainer, inference) order, so no two wait on each other.
-            for peer in peers:
-                trainer, receiver = (me, peer) if self.role == "trainer" else (peer, me)
-                pairs[peer] = rendezvous.process_group(dist.PrefixStore(f"pg/{trainer}-{receiver}/", store),
-                                                       0 if self.role == "trainer" else 1, 2, backend,
-                                                       max(1.0, deadline - time.monotonic()))
-        except Exception as exc:
-            beat.stop()
-            raise SyncError(f"{self._name(self.role, self.rank)}: the sync session at {self.address} did not come "
-                            f"together (a member died while joining, or the timeout passed): {_short(exc)}") from None
-        others = [r for r in range(record.world_size) if r != me]
-        self._session = _Session(record, store, pairs, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S))
+        self._session = join(self._store, self.role, self.rank, self.size, self._info(), deadline,
+                             address=self.address, timeout_s=self.timeout_s, name=self._name)
         return self._session
 
     def _drop_session(self) -> None:
         session, self._session = self._session, None
         if session is None:
             return
-        session.beat.stop()
         self._buffers.clear()
-        self._into_model += [work for work in session.into_model if not work.is_completed()]
-        for peer, pair in session.pairs.items():
-            if any(not work.is_completed() for work in session.issued.get(peer, ())):
-                # A given-up transfer still waits in this pair's worker thread, until its peer
-                # goes or the group's timeout passes; destroying the group would wait with it
-                # (at interpreter exit too). Kept alive for the life of the process instead.
-                _keep_forever(pair)
-        # Destroying the others closes their connections: a peer still waiting on this member
-        # gets an error at once.
-        session.pairs, session.issued = {}, {}
-
-    # -- the update protocol -------------------------------------------------------------------
-    def _key(self, session: _Session, what: str, member: int | None = None) -> str:
-        return f"u/{session.seq}/{what}" + ("" if member is None else f"/{member}")
-
-    def _interruption(self, session: _Session) -> str | None:
-        abort = self._key(session, "abort")
-        try:
-            if session.store.check([abort]):
-                return rendezvous.get(session.store, abort)
-            silent = session.watch.silent(time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-            return self._store_lost(exc)
-        if silent:
-            names = ", ".join(self._name(*session.record.member(r)) for r in silent)
-            return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: killed, stopped "
-                    f"or hung)")
-        return None
-
-    def _store_lost(self, exc: BaseException) -> str:
-        return (f"lost the rendezvous store at {self.address} (the process serving it stopped: "
-                f"{_short(exc)})")
-
-    def _fail(self, session: _Session, reason: str) -> str:
-        """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
-        abort = self._key(session, "abort")
-        try:
-            if not session.store.check([abort]):
-                rendezvous.put(session.store, abort, f"{self._name(self.role, self.rank)}: {reason}")
-            return rendezvous.get(session.store, abort)
-        except Exception:  # noqa: BLE001 - the store itself is gone: our own reason stands
-            return f"{self._name(self.role, self.rank)}: {reason}"
-
-    def _await(self, session: _Session, what: str, deadline: float, members: int | None = None) -> list[Any]:
-        """The value for ``what`` in this update of every member (or of the first ``members``:
-        the trainer ranks), in session-rank order."""
-        count = session.record.world_size if members is None else members
-        keys = [self._key(session, what, r) for r in range(count)]
-        backoff = rendezvous.Backoff()
-        while not self._check(session, keys):
-            reason = self._interruption(session)
-            if reason is None and time.monotonic() > deadline:
-                late = [self._name(*session.record.member(r)) for r, k in enumerate(keys)
-                        if not session.store.check([k])]
-                reason = f"{', '.join(late)} did not reach the {what} step within {self.timeout_s:.0f} s"
-            if reason is not None:
-                raise SyncError(self._fail(session, reason))
-            backoff.pause()
-        return [rendezvous.get(session.store, k) for k in keys]
-
-    def _check(self, session: _Session, keys: list[str]) -> bool:
-        try:
-            return session.store.check(keys)
-        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-            raise SyncError(f"{self._name(self.role, self.rank)}: {self._store_lost(exc)}") from exc
-
-    def _supervise(self, session: _Session, work: Callable[[threading.Event], Any], deadline: float) -> Any:
-        """Run ``work(cancelled)`` in a thread while watching for an abort, a silent member and
-        the deadline; raise SyncError (posting the reason) on any of them."""
-        cancelled = threading.Event()
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["result"] = work(cancelled)
-            except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
-                box["error"] = exc
-
-        session.issued = {}
-        thread = threading.Thread(target=run, name="distload-sync-transfer", daemon=True)
-        thread.start()
-        while True:
-            thread.join(rendezvous.POLL_S)
-            if not thread.is_alive():
-                break
-            reason = self._interruption(session)
-            if reason is None and time.monotonic() > deadline:
-                reason = f"the data did not move within {self.timeout_s:.0f} s"
-            if reason is not None:
-                cancelled.set()
-                # Its waits poll ``cancelled``: it ends within one copy, and after that nothing
-                # of this update is written anywhere.
-                thread.join()
-                raise SyncError(self._fail(session, reason))
-        if "error" in box:
-            error = box.pop("error")
-            text = str(error) if isinstance(error, SyncError) else f"{type(error).__name__}: {_short(error)}"
-            # Its traceback holds the thread's frames and their pending transfers: let them go
-            # now, before the session's group is released.
-            error.__traceback__ = None
-            del error
-            raise SyncError(self._fail(session, text))
-        return box["result"]
-
-    def _buffer(self, key: tuple, size: int) -> torch.Tensor:
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < size:
-            buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self._transport_device())
-        return buffer[:size]
+        self._into_model += session.end()
 
     # -- trainer ------------------------------------------------------------------------------
     def push(self, state: Mapping[str, torch.Tensor], version: int) -> SyncStats:
@@ -361,17 +204,16 @@ class SyncChannel:
         groups = group_entries(entries, self.bucket_bytes)
         verify = self.verify or any(i.get("verify") for i in session.record.infos.values())
         try:
-            rendezvous.put(session.store, self._key(session, "meta", self.rank),
-                           {"version": version, "entries": entries, "groups": groups, "verify": verify,
-                            "gathered": list(dtensors)})
-            rendezvous.put(session.store, self._key(session, "ready", session.me), [])
-            metas = self._await(session, "meta", deadline, session.record.trainer_size)
-            self._check_refusals(session, self._await(session, "ready", deadline), metas, version)
+            session.put("meta", {"version": version, "entries": entries, "groups": groups, "verify": verify,
+                                 "gathered": list(dtensors)})
+            session.put("ready", [])
+            metas = session.collect("meta", deadline, session.record.trainer_size)
+            self._check_refusals(session, session.collect("ready", deadline), metas, version)
             routes = self._routes(session, entries, groups, verify)
-            sent = self._supervise(session, lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
-                                                                        groups, cancelled), deadline)
-            rendezvous.put(session.store, self._key(session, "done", session.me), None)
-            self._await(session, "done", deadline)
+            sent = session.supervise(lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
+                                                                  groups, cancelled), deadline)
+            session.put("done", None)
+            session.collect("done", deadline)
         except _Refused:
             raise
         except BaseException:
@@ -381,7 +223,7 @@ class SyncChannel:
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify)
 
-    def _routes(self, session: _Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
+    def _routes(self, session: Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
                 verify: bool) -> list[tuple[TPPlace, list[int], list[BucketLayout]]]:
         """Each distinct receiver place, the session ranks that keep it, and its bucket layouts."""
         by_place: dict[tuple, tuple[TPPlace, list[int]]] = {}
@@ -396,7 +238,7 @@ class SyncChannel:
             by_place[key][1].append(record.channel_rank("inference", rank))
         return [(place, ranks, layouts(entries, groups, place, verify)) for place, ranks in by_place.values()]
 
-    def _send(self, session: _Session, routes: Sequence[tuple[TPPlace, list[int], list[BucketLayout]]],
+    def _send(self, session: Session, routes: Sequence[tuple[TPPlace, list[int], list[BucketLayout]]],
               tensors: Mapping[int, torch.Tensor], dtensors: Mapping[str, torch.Tensor],
               metas: Sequence[Mapping[str, Any]], groups: Sequence[Sequence[int]], cancelled: threading.Event) -> int:
         if self.rank != 0 and dtensors:
@@ -406,7 +248,7 @@ class SyncChannel:
 
         def wait(works: list[tuple[int, Any]]) -> None:
             for dst, work in works:
-                self._wait(work, cancelled, lambda d=dst: f"sending to {self._name(*session.record.member(d))}")
+                session.wait(work, cancelled, lambda d=dst: f"sending to {session.who(d)}")
 
         wire = 0
         for i, group in enumerate(groups):
@@ -423,7 +265,7 @@ class SyncChannel:
                 else:
                     data = self._buffer(("send",) + slot, layout.size)
                     pack(data, layout, {k: t.to(device) for k, t in whole.items()}, place)
-                in_flight[slot] = [(dst, self._post(session, dst, data)) for dst in ranks]
+                in_flight[slot] = [(dst, session.post(dst, data)) for dst in ranks]
                 if layout.verified:  # summed while the transport copies it: the sends never wait for a sum
                     sums[v].append(checksum(data))
                 wire += layout.wire_bytes * len(ranks)
@@ -432,35 +274,8 @@ class SyncChannel:
         for v, (_, ranks, _) in enumerate(routes):
             if sums[v]:  # the update's checksums, one message to each receiver after its data
                 table = torch.stack(sums[v])
-                wait([(dst, self._post(session, dst, table)) for dst in ranks])
+                wait([(dst, session.post(dst, table)) for dst in ranks])
         return wire
-
-    def _post(self, session: _Session, peer: int, tensor: torch.Tensor) -> Any:
-        """Start moving ``tensor`` between this member and ``peer`` (a broadcast in their pair
-        group, from the trainer): sent by a trainer, received by an inference rank."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        try:
-            work = session.pairs[peer].broadcast([tensor], options)
-        except Exception as exc:  # noqa: BLE001 - a closed connection fails at once
-            verb = "sending to" if self.role == "trainer" else "receiving from"
-            raise SyncError(f"{verb} {self._name(*session.record.member(peer))} failed: {_short(exc)}") from None
-        session.issued.setdefault(peer, []).append(work)
-        return work
-
-    @staticmethod
-    def _wait(work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
-        """Wait for ``work`` by polling, so that a given-up update's thread can stop at once."""
-        pause = 0.00005
-        while not work.is_completed():
-            if cancelled.is_set():
-                raise _GivenUp()
-            time.sleep(pause)
-            pause = min(0.002, pause * 2)
-        try:
-            work.wait()
-        except Exception as exc:  # noqa: BLE001 - the peer died, or the group's timeout passed
-            raise SyncError(f"{what()} failed: {_short(exc)}") from None
 
     # -- inference ----------------------------------------------------------------------------
     def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[dict], Mapping[str, torch.Tensor]],
@@ -494,7 +309,7 @@ class SyncChannel:
             self.last_error = str(exc)
             raise
 
-    def _next_update(self, wait_deadline: float, wait_s: float) -> tuple[_Session, list[Mapping[str, Any]]]:
+    def _next_update(self, wait_deadline: float, wait_s: float) -> tuple[Session, list[Mapping[str, Any]]]:
         """Wait for the next update's metadata; a trainer that goes away meanwhile (or restarts,
         or the process serving the store restarts) is waited for until the deadline."""
         while True:
@@ -505,10 +320,10 @@ class SyncChannel:
             except Exception as exc:  # noqa: BLE001 - the store went away (DistNetworkError)
                 self._drop_session()
                 if not self._reconnects:
-                    raise SyncError(f"{self._name(self.role, self.rank)}: {self._store_lost(exc)}") from exc
+                    raise SyncError(f"{self._name(self.role, self.rank)}: {store_lost(self.address, exc)}") from exc
                 remaining = wait_deadline - time.monotonic()
                 if remaining <= 0:
-                    raise SyncError(f"{self._name(self.role, self.rank)}: {self._store_lost(exc)}; no update "
+                    raise SyncError(f"{self._name(self.role, self.rank)}: {store_lost(self.address, exc)}; no update "
                                     f"within {wait_s:.0f} s, still at version {self.version}") from exc
                 self._store = rendezvous.open_store(self.address, False, remaining)
                 continue
@@ -517,16 +332,15 @@ class SyncChannel:
             self._drop_session()
 
     def _wait_metadata(self, wait_deadline: float, wait_s: float
-                       ) -> tuple[_Session, list[Mapping[str, Any]]] | None:
+                       ) -> tuple[Session, list[Mapping[str, Any]]] | None:
         session = self._join(wait_deadline)
-        keys = [self._key(session, "meta", t) for t in range(session.record.trainer_size)]
+        keys = [session.key("meta", t) for t in range(session.record.trainer_size)]
         backoff = rendezvous.Backoff()
         while not session.store.check(keys):
             if self._store.check([rendezvous.CLOSING]):
                 raise SyncError(f"{self._name(self.role, self.rank)}: the channel at {self.address} was closed "
                                 f"by the process serving it; still at version {self.version}")
-            trainers_silent = any(r < session.record.trainer_size for r in session.watch.silent(time.monotonic()))
-            if rendezvous.session_id(self._store) != session.record.id or trainers_silent:
+            if session.trainer_gone(self._store):
                 return None  # the trainer went away (or restarted): join its next session
             if time.monotonic() > wait_deadline:
                 raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
@@ -534,7 +348,7 @@ class SyncChannel:
             backoff.pause()
         return session, [rendezvous.get(session.store, k) for k in keys]
 
-    def _receive_update(self, session: _Session, metas: Sequence[Mapping[str, Any]],
+    def _receive_update(self, session: Session, metas: Sequence[Mapping[str, Any]],
                         targets_for: Callable[[dict], Mapping[str, torch.Tensor]]) -> SyncStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
@@ -552,8 +366,8 @@ class SyncChannel:
                 for meta, plan in zip(metas, plans):
                     pieces = [piece for layout in plan for piece, _ in layout.items]
                     problems += check_pieces(meta["entries"], pieces, targets)
-            rendezvous.put(session.store, self._key(session, "ready", session.me), problems)
-            self._check_refusals(session, self._await(session, "ready", deadline), metas, version)
+            session.put("ready", problems)
+            self._check_refusals(session, session.collect("ready", deadline), metas, version)
         except _Refused:
             raise
         except BaseException:
@@ -561,10 +375,10 @@ class SyncChannel:
             raise
         self.consistent = False  # from here on, a failure may leave a mix of two versions
         try:
-            wire = self._supervise(session, lambda cancelled: self._receive_all(session, metas, plans, targets,
-                                                                               cancelled), deadline)
-            rendezvous.put(session.store, self._key(session, "done", session.me), None)
-            self._await(session, "done", deadline)
+            wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, cancelled),
+                                     deadline)
+            session.put("done", None)
+            session.collect("done", deadline)
         except SyncError as exc:
             self._drop_session()
             raise SyncError(f"version {version} did not arrive whole; still at version {self.version}: "
@@ -578,7 +392,7 @@ class SyncChannel:
         return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas), sum(len(p) for p in plans),
                          time.perf_counter() - start, wire, bool(metas[0]["verify"]))
 
-    def _receive_all(self, session: _Session, metas: Sequence[Mapping[str, Any]],
+    def _receive_all(self, session: Session, metas: Sequence[Mapping[str, Any]],
                      plans: Sequence[Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
                      cancelled: threading.Event) -> int:
         wire = 0
@@ -594,7 +408,7 @@ class SyncChannel:
                 straight = into is not None
                 if into is None:
                     into = self._buffer(("recv", i % 2), layout.size)
-                work = self._post(session, sender, into)
+                work = session.post(sender, into)
                 if straight:
                     session.into_model.append(work)
                 posted[i] = (into, work)
@@ -604,8 +418,8 @@ class SyncChannel:
             for i, layout in enumerate(plan):
                 if layout.size:
                     data, work = posted.pop(i)
-                    self._wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
-                                                            f"{self._name('trainer', sender)}")
+                    session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
+                                                              f"{self._name('trainer', sender)}")
                     if layout.verified:
                         sums.append(checksum(data))
                     if cancelled.is_set():
@@ -618,14 +432,14 @@ class SyncChannel:
                 self._check_sums(session, sender, plan, torch.stack(sums), cancelled)
         return wire
 
-    def _check_sums(self, session: _Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
+    def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:
         """Receive the trainer's checksums of every verified bucket it sent this rank and compare
         them with ``sums``, those of the buckets that arrived: a mismatch fails the update, naming
         the bucket."""
         table = torch.empty_like(sums)
-        self._wait(self._post(session, sender, table), cancelled,
-                   lambda: f"receiving the checksums from {self._name('trainer', sender)}")
+        session.wait(session.post(sender, table), cancelled,
+                     lambda: f"receiving the checksums from {self._name('trainer', sender)}")
         bad = first_mismatch(sums, table)
         if bad is None:
             return
@@ -661,12 +475,18 @@ class SyncChannel:
         return [f"{len(self._into_model)} transfer(s) of an update given up earlier may still land in this rank's "
                 f"tensors (its trainer stopped mid-update and has not resumed or died); not receiving over them"]
 
+    # -- shared ------------------------------------------------------------------------------------
+    def _buffer(self, key: tuple, size: int) -> torch.Tensor:
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self._transport_device())
+        return buffer[:size]
+
     def _transport_device(self) -> torch.device:
         """Where buffers live: the device with NCCL, host memory with gloo."""
         return self.device if self._session is not None and self._session.backend == "nccl" else torch.device("cpu")
 
-    # -- shared ------------------------------------------------------------------------------------
-    def _check_refusals(self, session: _Session, answers: Sequence[list[str]], metas: Sequence[Mapping[str, Any]],
+    def _check_refusals(self, session: Session, answers: Sequence[list[str]], metas: Sequence[Mapping[str, Any]],
                         version: int) -> None:
         """Raise on every member, identically, when any member refused (nothing has moved)."""
         refusals = []
@@ -675,7 +495,7 @@ class SyncChannel:
                 shown = "; ".join(problems[:_SHOWN])
                 more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
                 what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
-                refusals.append(f"{self._name(*session.record.member(rank))}: {len(problems)} {what}: {shown}{more}")
+                refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}")
         refusals += _sender_conflicts(metas)
         if refusals:
             session.seq += 1  # nothing moved: the session stays, the next update takes the next number
@@ -689,21 +509,8 @@ class SyncChannel:
         session = self._session
         self._drop_session()
         self._buffers = {}
-        if store is None:
-            return
-        try:
-            if not self._serving:
-                if session is not None:
-                    session.store.set(f"left/{session.me}", b"1")
-                return
-            store.set(rendezvous.CLOSING, b"1")
-            if session is not None:
-                keys = [f"left/{r}" for r in range(session.record.world_size) if r != session.me]
-                deadline = time.monotonic() + rendezvous.CLOSE_WAIT_S
-                while keys and not session.store.check(keys) and time.monotonic() < deadline:
-                    time.sleep(rendezvous.POLL_S)
-        except Exception:  # noqa: BLE001 - the store is already gone: nothing to tell anyone
-            pass
+        if store is not None:
+            leave(store, session, self._serving)
 
     def __enter__(self) -> "SyncChannel":
         return self
@@ -788,23 +595,5 @@ def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
-def _keep_forever(group: Any) -> None:
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
 def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:
     return data.device == tensor.device and data.data_ptr() == tensor.data_ptr()
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).split(". This is typically caused")[0]
-    return text.split("] ", 1)[-1] if text.startswith("[") else text
-
-
-def _quietly(fn: Callable[[], Any]) -> Callable[[], None]:
-    def run() -> None:
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - tearing down a failed session's group
-            pass
-    return run

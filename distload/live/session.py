@@ -1,0 +1,287 @@
+"""The sync session: the members of a weight-sync channel working together, until a failure.
+
+Members come and go, so a session is formed afresh after every failure over the channel's
+rendezvous store (distload/live/rendezvous.py: hellos, the leader's record). Everything a
+protocol run over the members needs lives here: the session's part of the store, a two-member
+process group with each peer on the other side (a *pair*), the heartbeats, the abort and the
+supervisor. The update protocol (distload/live/channel.py) runs over it. On every member:
+
+1. :func:`join` forms it: trainer rank 0 (the leader) writes the record, every other member
+   waits for a record that lists it; each makes its pairs (gloo, or NCCL where every member is
+   on CUDA) and starts its heartbeat. Before the next update :meth:`Session.current` says
+   whether to keep it (the leader's lasts until an update fails; another member's while the
+   rendezvous still names it); an inference rank waiting for an update asks
+   :meth:`Session.trainer_gone` (the leader formed a new one, or a trainer went silent);
+2. each step of an update (numbered ``seq``): :meth:`Session.put` posts this member's answer
+   under :meth:`Session.key`; :meth:`Session.collect` waits for every member's;
+3. the data step runs in :meth:`Session.supervise`: a transfer thread posts transfers
+   (:meth:`Session.post`: a trainer sends to its peer, an inference rank receives from it) and
+   polls them (:meth:`Session.wait`), while the calling thread watches the abort key and every
+   member's heartbeat; on a failure it stops the transfer thread (whose waits poll, because a
+   gloo wait can be neither interrupted nor timed out without closing its connection) before
+   it raises;
+4. any failure (a peer that died or stopped, a deadline, the protocol's own) is posted as the
+   update's abort reason (:meth:`Session.fail`: the first one posted wins) and every member
+   raises it within its timeout; each then ends its session (:meth:`Session.end`: its heartbeat
+   stops, its pairs are released) and the next update forms a new one;
+5. :func:`leave` when the channel closes: a member says it left; the process serving the store
+   first tells the members and waits for them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from distload.errors import SyncError
+from distload.workers.heartbeat import Beat, PeerWatch
+from distload.live import rendezvous
+from distload.live.rendezvous import SessionRecord
+
+DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
+
+
+class _GivenUp(SyncError):
+    """Raised in a transfer thread whose update was given up (the supervisor says why)."""
+
+
+@dataclass
+class Session:
+    """One member's part of a formed session."""
+
+    record: SessionRecord
+    store: Any  # the session's part of the rendezvous store
+    pairs: dict[int, Any]  # a two-member process group with each peer (trainer: rank 0 in it)
+    backend: str
+    me: int  # this member's rank in the session
+    beat: Beat
+    watch: PeerWatch
+    address: str  # the rendezvous's, for messages
+    timeout_s: float  # the channel's, for messages
+    name: Callable[[str, int], str]  # how messages call a member ("inference rank 1", or a job's rank)
+    seq: int = 0  # the next update's number
+    issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
+    into_model: list[Any] = field(default_factory=list)  # its receives straight into the model
+
+    def who(self, member: int | None = None) -> str:
+        """A member (by default this one) as messages name it."""
+        return self.name(*self.record.member(self.me if member is None else member))
+
+    def current(self, root: Any) -> bool:
+        """Whether this member keeps the session for its next update (``root``: the channel's store)."""
+        if self.record.member(self.me) == ("trainer", 0):
+            return True  # the leader's session lasts until an update fails
+        return rendezvous.session_id(root) == self.record.id
+
+    def trainer_gone(self, root: Any) -> bool:
+        """Whether an inference rank waiting for an update should join the next session: the
+        leader formed a new one (a trainer restarted), or a trainer stopped beating."""
+        silent = any(r < self.record.trainer_size for r in self.watch.silent(time.monotonic()))
+        return rendezvous.session_id(root) != self.record.id or silent
+
+    # -- the steps of an update ----------------------------------------------------------------
+    def key(self, what: str, member: int | None = None) -> str:
+        return f"u/{self.seq}/{what}" + ("" if member is None else f"/{member}")
+
+    def put(self, what: str, value: Any) -> None:
+        """Post this member's answer to step ``what`` of this update."""
+        rendezvous.put(self.store, self.key(what, self.me), value)
+
+    def collect(self, what: str, deadline: float, members: int | None = None) -> list[Any]:
+        """The value for ``what`` in this update of every member (or of the first ``members``:
+        the trainer ranks), in session-rank order."""
+        count = self.record.world_size if members is None else members
+        keys = [self.key(what, r) for r in range(count)]
+        backoff = rendezvous.Backoff()
+        while not self._check(keys):
+            reason = self._interruption()
+            if reason is None and time.monotonic() > deadline:
+                late = [self.who(r) for r, k in enumerate(keys) if not self.store.check([k])]
+                reason = f"{', '.join(late)} did not reach the {what} step within {self.timeout_s:.0f} s"
+            if reason is not None:
+                raise SyncError(self.fail(reason))
+            backoff.pause()
+        return [rendezvous.get(self.store, k) for k in keys]
+
+    def _check(self, keys: list[str]) -> bool:
+        try:
+            return self.store.check(keys)
+        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+            raise SyncError(f"{self.who()}: {store_lost(self.address, exc)}") from exc
+
+    def _interruption(self) -> str | None:
+        abort = self.key("abort")
+        try:
+            if self.store.check([abort]):
+                return rendezvous.get(self.store, abort)
+            silent = self.watch.silent(time.monotonic())
+        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+            return store_lost(self.address, exc)
+        if silent:
+            names = ", ".join(self.who(r) for r in silent)
+            return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: killed, stopped "
+                    f"or hung)")
+        return None
+
+    def fail(self, reason: str) -> str:
+        """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
+        abort = self.key("abort")
+        try:
+            if not self.store.check([abort]):
+                rendezvous.put(self.store, abort, f"{self.who()}: {reason}")
+            return rendezvous.get(self.store, abort)
+        except Exception:  # noqa: BLE001 - the store itself is gone: our own reason stands
+            return f"{self.who()}: {reason}"
+
+    # -- the data step ------------------------------------------------------------------------
+    def supervise(self, work: Callable[[threading.Event], Any], deadline: float) -> Any:
+        """Run ``work(cancelled)`` in a thread while watching for an abort, a silent member and
+        the deadline; raise SyncError (posting the reason) on any of them."""
+        cancelled = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["result"] = work(cancelled)
+            except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
+                box["error"] = exc
+
+        self.issued = {}
+        thread = threading.Thread(target=run, name="distload-sync-transfer", daemon=True)
+        thread.start()
+        while True:
+            thread.join(rendezvous.POLL_S)
+            if not thread.is_alive():
+                break
+            reason = self._interruption()
+            if reason is None and time.monotonic() > deadline:
+                reason = f"the data did not move within {self.timeout_s:.0f} s"
+            if reason is not None:
+                cancelled.set()
+                # Its waits poll ``cancelled``: it ends within one copy, and after that nothing
+                # of this update is written anywhere.
+                thread.join()
+                raise SyncError(self.fail(reason))
+        if "error" in box:
+            error = box.pop("error")
+            text = str(error) if isinstance(error, SyncError) else f"{type(error).__name__}: {_short(error)}"
+            # Its traceback holds the thread's frames and their pending transfers: let them go
+            # now, before the session's group is released.
+            error.__traceback__ = None
+            del error
+            raise SyncError(self.fail(text))
+        return box["result"]
+
+    def post(self, peer: int, tensor: torch.Tensor) -> Any:
+        """Start moving ``tensor`` between this member and ``peer`` (a broadcast in their pair
+        group, from the trainer): sent by a trainer, received by an inference rank."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            work = self.pairs[peer].broadcast([tensor], options)
+        except Exception as exc:  # noqa: BLE001 - a closed connection fails at once
+            verb = "sending to" if self.record.member(self.me)[0] == "trainer" else "receiving from"
+            raise SyncError(f"{verb} {self.who(peer)} failed: {_short(exc)}") from None
+        self.issued.setdefault(peer, []).append(work)
+        return work
+
+    @staticmethod
+    def wait(work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
+        """Wait for ``work`` by polling, so that a given-up update's thread can stop at once."""
+        pause = 0.00005
+        while not work.is_completed():
+            if cancelled.is_set():
+                raise _GivenUp()
+            time.sleep(pause)
+            pause = min(0.002, pause * 2)
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - the peer died, or the group's timeout passed
+            raise SyncError(f"{what()} failed: {_short(exc)}") from None
+
+    # -- its end ------------------------------------------------------------------------------
+    def end(self) -> list[Any]:
+        """Stop this member's heartbeat and release its pairs. Returns the receives into the
+        model that have not ended (a given-up update's, whose trainer stopped, not died)."""
+        self.beat.stop()
+        landing = [work for work in self.into_model if not work.is_completed()]
+        for peer, pair in self.pairs.items():
+            if any(not work.is_completed() for work in self.issued.get(peer, ())):
+                # A given-up transfer still waits in this pair's worker thread, until its peer
+                # goes or the group's timeout passes; destroying the group would wait with it
+                # (at interpreter exit too). Kept alive for the life of the process instead.
+                _keep_forever(pair)
+        # Destroying the others closes their connections: a peer still waiting on this member
+        # gets an error at once.
+        self.pairs, self.issued = {}, {}
+        return landing
+
+
+def join(root: Any, role: str, rank: int, size: int, info: Mapping[str, Any], deadline: float, *,
+         address: str, timeout_s: float, name: Callable[[str, int], str]) -> Session:
+    """Form a new session with this member (``role`` rank ``rank`` of ``size``; ``info``: what it
+    keeps, its device type) over ``root``, the channel's store."""
+    nonce = rendezvous.post_hello(root, role, rank, size, info)
+    if role == "trainer" and rank == 0:
+        record = rendezvous.form_session(root, size, rendezvous.Hello(nonce, size, info), deadline, address)
+    else:
+        record = rendezvous.await_session(root, role, rank, nonce, deadline, address)
+    me = record.channel_rank(role, rank)
+    store = dist.PrefixStore(f"s/{record.id}/", root)
+    backend = "nccl" if all(i["device"] == "cuda" for i in record.infos.values()) else "gloo"
+    beat = Beat(store, me, until=lambda: root.check([rendezvous.CLOSING]))
+    peers = range(record.trainer_size, record.world_size) if role == "trainer" else range(record.trainer_size)
+    pairs: dict[int, Any] = {}
+    try:
+        # Every member makes its pairs in (trainer, inference) order, so no two wait on each other.
+        for peer in peers:
+            trainer, receiver = (me, peer) if role == "trainer" else (peer, me)
+            pairs[peer] = rendezvous.process_group(dist.PrefixStore(f"pg/{trainer}-{receiver}/", store),
+                                                   0 if role == "trainer" else 1, 2, backend,
+                                                   max(1.0, deadline - time.monotonic()))
+    except Exception as exc:
+        beat.stop()
+        raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together (a member "
+                        f"died while joining, or the timeout passed): {_short(exc)}") from None
+    others = [r for r in range(record.world_size) if r != me]
+    return Session(record, store, pairs, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S), address,
+                   timeout_s, name)
+
+
+def leave(root: Any, session: Session | None, serving: bool) -> None:
+    """Leave the channel's store ``root`` (``session``: the one this member was in, already
+    ended). A member says it left; the process serving the store first tells the members (their
+    heartbeats stop, a waiting receive raises) and gives them CLOSE_WAIT_S to leave."""
+    try:
+        if not serving:
+            if session is not None:
+                session.store.set(f"left/{session.me}", b"1")
+            return
+        root.set(rendezvous.CLOSING, b"1")
+        if session is not None:
+            keys = [f"left/{r}" for r in range(session.record.world_size) if r != session.me]
+            deadline = time.monotonic() + rendezvous.CLOSE_WAIT_S
+            while keys and not session.store.check(keys) and time.monotonic() < deadline:
+                time.sleep(rendezvous.POLL_S)
+    except Exception:  # noqa: BLE001 - the store is already gone: nothing to tell anyone
+        pass
+
+
+def store_lost(address: str, exc: BaseException) -> str:
+    return (f"lost the rendezvous store at {address} (the process serving it stopped: "
+            f"{_short(exc)})")
+
+
+def _keep_forever(group: Any) -> None:
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).split(". This is typically caused")[0]
+    return text.split("] ", 1)[-1] if text.startswith("[") else text
