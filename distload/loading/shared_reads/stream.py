@@ -54,9 +54,10 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import DistloadError, GroupError, RankFailedError
+from distload.loading import buckets
 from distload.loading.backends.base import BackendRun, ReadRequest
-from distload.loading.shared_reads.plan import (
-    BUCKET_BYTES, ExchangePlan, Need, TensorRun, contiguous, run_bytes, whole_need)
+from distload.loading.buckets import TensorRun, contiguous, flat_bytes, run_bytes
+from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, Need, whole_need
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
@@ -74,17 +75,6 @@ class ByteReader(Protocol):
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _rows(flat: torch.Tensor, start: int, n: int, count: int, step: int) -> torch.Tensor:
-    """``count`` rows of ``n`` bytes from ``start``, ``step`` apart, as a (count, n) view."""
-    if count == 1 or step == n:
-        return flat[start:start + n * count].view(count, n)
-    return flat[start:start + (count - 1) * step + n].as_strided((count, n), (step, 1))
 
 
 def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
@@ -114,7 +104,7 @@ class _Tensors:
         return tensor
 
     def flat(self, i: int) -> torch.Tensor:
-        return _flat_bytes(self.get(i))
+        return flat_bytes(self.get(i))
 
     def _allocate(self, i: int) -> torch.Tensor:
         info, request = self.infos[i], self.request
@@ -130,7 +120,7 @@ class _Tensors:
         else:
             tensor = torch.empty(shape, dtype=info.torch_dtype, device=request.device)
         if piece is not None and piece.zeros:  # vocabulary padding: zero rows, never read nor sent
-            flat = _flat_bytes(tensor)
+            flat = flat_bytes(tensor)
             for offset, length in piece.zeros:
                 flat[offset:offset + length].zero_()
         return tensor
@@ -157,27 +147,6 @@ def _place(tensors: _Tensors, pieces: Sequence[TensorRun]) -> torch.Tensor | Non
         return None
     i, first = pieces[0]
     return tensors.flat(i)[first[1]:first[1] + run_bytes(r for _, r in pieces)]
-
-
-def _pack(buffer: torch.Tensor, pieces: Sequence[TensorRun]) -> torch.Tensor:
-    """``pieces`` of a bucket's buffer as one message, in order (a view where they are one range)."""
-    runs = [r for _, r in pieces]
-    if contiguous(runs, dst=False):
-        return buffer[runs[0][0]:runs[0][0] + run_bytes(runs)]
-    message = torch.empty(run_bytes(runs), dtype=torch.uint8, device=buffer.device)
-    at = 0
-    for _, (src, _, n, count, ss, _) in pieces:
-        message[at:at + n * count].view(count, n).copy_(_rows(buffer, src, n, count, ss))
-        at += n * count
-    return message
-
-
-def _unpack(message: torch.Tensor, pieces: Sequence[TensorRun], tensors: _Tensors) -> None:
-    """A packed message's pieces into the tensors they belong to."""
-    at = 0
-    for i, (_, dst, n, count, _, ds) in pieces:
-        _rows(tensors.flat(i), dst, n, count, ds).copy_(message[at:at + n * count].view(count, n))
-        at += n * count
 
 
 class _Bucket:
@@ -224,7 +193,7 @@ class _Bucket:
                 continue
             key = tuple(pieces)
             if key not in packed:
-                packed[key] = _pack(self.buffer, pieces)
+                packed[key] = buckets.pack_runs(self.buffer, pieces)
             if broadcast:  # every member keeps these same pieces
                 self.messages.append((None, packed[key]))
                 break
@@ -246,13 +215,12 @@ class _Bucket:
         """On the reader: its own pieces out of the buffer (nothing to do where it read in place)."""
         assert self.buffer is not None
         if not self.placed and self.mine:
-            for i, (src, dst, n, count, ss, ds) in self.mine:
-                _rows(self.tensors.flat(i), dst, n, count, ds).copy_(_rows(self.buffer, src, n, count, ss))
+            buckets.copy_runs(self.buffer, self.mine, self.tensors.flat)
 
     def arrived(self) -> None:
         """On a receiver: its message into its tensors (nothing to do where it landed in place)."""
         if self.landing is not None and not self.placed:
-            _unpack(self.landing, self.mine, self.tensors)
+            buckets.unpack_runs(self.landing, self.mine, self.tensors.flat)
 
 
 def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, concurrency: int
