@@ -48,19 +48,21 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from distload.errors import DistloadError, GroupError
 from distload.loading import buckets
-from distload.loading.backends.base import BackendRun, ReadRequest
 from distload.loading.buckets import TensorRun, contiguous, flat_bytes, run_bytes
 from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, Need, whole_need
 from distload.loading.shared_reads.rounds import agree, run_rounds
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
+
+if TYPE_CHECKING:  # a backend's request and run, named in annotations only: shared reads sit below the backends
+    from distload.loading.backends.base import BackendRun, ReadRequest
 
 Extent = tuple[int, int, int]  # (offset in the tensor's data in its file, offset in the buffer, length)
 
