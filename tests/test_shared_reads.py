@@ -138,13 +138,14 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
         shared_stream = lambda request, *a: real_stream(dataclasses.replace(request, needs=()), *a)
         pread.shared_stream = shared_stream
     if kind == "pack" and group.rank == int(who):
-        real_pack, packs = shared._pack, []
+        import distload.loading.buckets as buckets
+        real_pack, packs = buckets.pack_runs, []
         def failing_pack(buffer, pieces):
             packs.append(1)
             if len(packs) == 2:
                 raise MemoryError("no memory left for a message")
             return real_pack(buffer, pieces)
-        shared._pack = failing_pack
+        buckets.pack_runs = failing_pack
     start = time.monotonic()
     loader = distload.Loader(source, "auto", extra, group=group, tensor_parallel_size=tp)
     try:
@@ -195,7 +196,8 @@ def planned_exchange(folder: str, tp: int, nproc: int, bucket: int) -> list[dict
     """Per rank, what the job-wide exchange plan says it reads, keeps of its own reads, and
     receives, from each rank's real plan (the exchange's facts: file order, every rank's slices)."""
     from distload.workers.group import WorkerGroup
-    from distload.loading.shared_reads.plan import run_bytes, whole_need
+    from distload.loading.buckets import run_bytes
+    from distload.loading.shared_reads.plan import whole_need
     from distload.loading.loader import Loader
 
     plans = []

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -41,14 +40,17 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from distload.errors import CheckpointError, GroupError, RankFailedError
+from distload.errors import CheckpointError, GroupError
 from distload.fileio import TEMPORARY_SUFFIX, temporary_name
 from distload.workers.group import WorkerGroup
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, read_manifest
+from distload.loading.shared_reads.rounds import run_rounds
 from distload.loading.sources import Source, content_fingerprint, open_source
 
 CHUNK_BYTES = 64 * 1024 * 1024
-READ_AHEAD_ROUNDS = 2  # each rank reads this many of its chunks ahead of the broadcasts
+# Each rank has at most this many of its chunks read or being read: this round's and the next
+# round's (the round engine one round ahead).
+CHUNKS_IN_FLIGHT = 2
 # Written last, in this order: a folder with its index (and its manifest) has every other file.
 LAST_NAMES = ("model.safetensors.index.json", MANIFEST_NAME)
 
@@ -290,38 +292,35 @@ def _fingerprints(src: Source, listing: list[SourceFile]) -> list[str]:
 
 def _transfer(src: Source, g: WorkerGroup, chunks: list, here: set[str], copy: _NodeCopy,
               report: PullReport) -> None:
-    """Rounds of one chunk per rank: each rank reads its own (ahead), every rank says it is fine,
-    then each chunk is broadcast from its reader and written where this node needs it."""
+    """Rounds of one chunk per rank (the round engine of shared reads): each rank reads its own
+    (ahead), every rank says it is fine, then each chunk is broadcast from its reader and written
+    where this node needs it. A write that failed is told to every rank in the next round's
+    agreement, or after the last round."""
     world = g.world_size
-    mine = [k for k in range(len(chunks)) if k % world == g.rank]
     reads: dict[int, Future] = {}
-    queue = deque(mine)
     error: Optional[BaseException] = None
-    with ThreadPoolExecutor(READ_AHEAD_ROUNDS, thread_name_prefix="distload-pull") as pool:
+    with ThreadPoolExecutor(CHUNKS_IN_FLIGHT, thread_name_prefix="distload-pull") as pool:
 
-        def read_ahead() -> None:
-            while queue and len(reads) < READ_AHEAD_ROUNDS:
-                k = queue.popleft()
+        def read(r: int) -> None:  # this rank's chunk of round r
+            k = r * world + g.rank
+            if k < len(chunks):
                 entry, start, end = chunks[k]
                 reads[k] = pool.submit(_read_range, src, entry.name, start, end)
 
-        for round_start in range(0, len(chunks), world):
-            read_ahead()
-            own = round_start + g.rank
-            data = None
-            if error is None and own < len(chunks):
-                try:
-                    data = reads.pop(own).result()
-                    report.requested_bytes += len(data)
-                except BaseException as exc:  # noqa: B902 - every rank must hear of it
-                    error = exc
-            statuses = g.exchange(None if error is None else f"{type(error).__name__}: {error}")
-            failed = {rank: message for rank, message in enumerate(statuses) if message is not None}
-            if failed:
-                if error is not None:
-                    raise error
-                raise RankFailedError("pulling", failed)
-            for k in range(round_start, min(round_start + world, len(chunks))):
+        def take(r: int) -> Optional[bytes]:
+            if error is not None:  # a write of the round before
+                raise error
+            own = r * world + g.rank
+            if own >= len(chunks):
+                return None
+            data = reads.pop(own).result()
+            report.requested_bytes += len(data)
+            return data
+
+        rounds = run_rounds(g, -(-len(chunks) // world), "pulling", read, take, ahead=CHUNKS_IN_FLIGHT - 1,
+                            describe=lambda exc: f"{type(exc).__name__}: {exc}")
+        for r, data in enumerate(rounds):
+            for k in range(r * world, min((r + 1) * world, len(chunks))):
                 entry, start, end = chunks[k]
                 owner = k % world
                 buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if owner == g.rank and end > start

@@ -6,8 +6,10 @@ grouping for every receiver, so a sender gathers each group once (DTensor shards
 receiver layouts it packs. Each receiver keeps, by its place (distload/tp/place.py), the whole tensor or its
 tensor-parallel slice under a sharding spec (distload/tp/slices.py, the rules ``save-sharded``
 writes). A bucket as one place sees it is a :class:`BucketLayout`: its pieces at 64-byte aligned
-offsets. When the update is verified, the checksum of every bucket follows the update's last
-bucket in one message.
+offsets (the grouping and the offsets are distload/loading/buckets.py's, as for shared reads; the
+copies are typed here: a TP slice of a tensor of any strides, its padding rows sent as zeros, into
+a target of any strides). When the update is verified, the checksum of every bucket follows the
+update's last bucket in one message.
 
 Sender and receivers compute the same layouts from the same metadata, so no layout travels.
 """
@@ -19,12 +21,12 @@ from typing import Mapping, Sequence
 
 import torch
 
+from distload.loading.buckets import ALIGN, flat_bytes, group_in_order, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
 from distload.tp.spec import ShardingSpec
 from distload.tp.slices import Action, rank_slice, shard_shape
 
-ALIGN = 64  # every piece starts 64-byte aligned in a bucket, so a view as any dtype is legal
 CHECKSUM_BYTES = 16  # two int64 words a bucket
 # A verified bucket travels as one message, as a plain one does, and is summed whole: by the
 # trainer while the transport copies it, by a receiver once it has landed. Sending it in 8 MiB
@@ -104,26 +106,8 @@ def _numel(shape: Sequence[int]) -> int:
 def group_entries(entries: Sequence[SyncTensor], bucket_bytes: int) -> list[tuple[int, ...]]:
     """SyncTensor indices, in order, grouped into buckets of at most ``bucket_bytes`` whole bytes
     (aligned as they would be packed whole; a bigger tensor alone)."""
-    groups: list[tuple[int, ...]] = []
-    current: list[int] = []
-    size = 0
-    for index, entry in enumerate(entries):
-        offset = _aligned(size)
-        if current and (offset + entry.nbytes > bucket_bytes or entry.nbytes >= DIRECT_BYTES):
-            groups.append(tuple(current))
-            current, offset = [], 0
-        current.append(index)
-        size = offset + entry.nbytes
-        if entry.nbytes >= DIRECT_BYTES:
-            groups.append(tuple(current))
-            current, size = [], 0
-    if current:
-        groups.append(tuple(current))
-    return groups
-
-
-def _aligned(size: int) -> int:
-    return -(-size // ALIGN) * ALIGN
+    return group_in_order([entry.nbytes for entry in entries], bucket_bytes, align=ALIGN,
+                          alone=lambda nbytes: nbytes >= DIRECT_BYTES)
 
 
 def layouts(entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]], place: TPPlace,
@@ -132,13 +116,9 @@ def layouts(entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]], plac
     travels, on either side)."""
     out = []
     for group in groups:
-        items = []
-        size = 0
-        for index in group:
-            piece = kept_slice(place, index, entries[index])
-            offset = _aligned(size)
-            items.append((piece, offset))
-            size = offset + piece.nbytes
+        pieces = [kept_slice(place, index, entries[index]) for index in group]
+        at, size = offsets([piece.nbytes for piece in pieces], ALIGN)  # so a piece can be viewed as its dtype
+        items = list(zip(pieces, at))
         direct = (len(group) == 1 and entries[group[0]].nbytes >= DIRECT_BYTES and items[0][0].run is not None
                   and size > 0)
         out.append(BucketLayout(tuple(items), size, direct, verify))
@@ -149,9 +129,7 @@ def run_bytes(tensor: torch.Tensor, piece: KeptSlice) -> torch.Tensor:
     """The bytes of ``tensor`` that ``piece`` keeps (its run), as a 1-d uint8 view where the
     tensor is contiguous (a copy where not)."""
     assert piece.run is not None
-    data = tensor.detach()
-    data = data if data.is_contiguous() else data.contiguous()
-    return data.reshape(-1).view(torch.uint8)[piece.run[0]:piece.run[1]]
+    return flat_bytes(tensor.detach().contiguous())[piece.run[0]:piece.run[1]]
 
 
 
@@ -184,7 +162,7 @@ def pack(buffer: torch.Tensor, layout: BucketLayout, tensors: Mapping[int, torch
         source = tensors[piece.entry]
         region = buffer[offset:offset + piece.nbytes]
         if piece.action is None:
-            region.copy_(source.detach().reshape(-1).view(torch.uint8))
+            region.copy_(flat_bytes(source.detach()))
             continue
         dst = region.view(source.dtype).view(piece.shape)
         dim = piece.action.dim

@@ -30,7 +30,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
 
-Run = tuple[int, int, int, int, int, int]  # (src, dst, length, count, src_step, dst_step)
+from distload.loading.buckets import ALIGN, Run, TensorRun, aligned, group_in_order, run_bytes
+
 Need = tuple[Run, ...]  # one member's runs of one tensor, in its destination order
 Interval = tuple[int, int]  # [start, end) of a tensor's data in its file
 
@@ -40,7 +41,6 @@ BUCKET_BYTES = 64 * 1024 * 1024
 # 64 MiB buckets left one rank reading 37% of it).
 MIN_BUCKET_BYTES = 4 * 1024 * 1024
 BUCKETS_PER_MEMBER = 4
-ALIGN = 64  # a large tensor's buckets start on this many bytes (of its union)
 
 
 def whole_need(nbytes: int) -> Need:
@@ -69,10 +69,6 @@ def expand(runs: Iterable[Run]) -> Iterator[tuple[int, int, int]]:
     for src, dst, n, count, ss, ds in runs:
         for j in range(count):
             yield src + j * ss, dst + j * ds, n
-
-
-def run_bytes(runs: Iterable[Run]) -> int:
-    return sum(n * count for _, _, n, count, _, _ in runs)
 
 
 def clip_runs(runs: Iterable[Run], lo: int, hi: int) -> list[Run]:
@@ -134,28 +130,19 @@ Bucket = tuple[Segment, ...]
 def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     """Buckets over tensors of ``sizes`` bytes (in order): a tensor of at least ``bucket_bytes``
     in equal buckets of its own, smaller neighbours grouped up to ``bucket_bytes``."""
+    tensors = [i for i, n in enumerate(sizes) if n]  # an empty tensor travels in no bucket
     buckets: list[Bucket] = []
-    group: list[Segment] = []
-    size = 0
-    for i, n in enumerate(sizes):
-        if n == 0:
+    for group in group_in_order([sizes[i] for i in tensors], bucket_bytes, alone=lambda n: n >= bucket_bytes):
+        i = tensors[group[0]]
+        n = sizes[i]
+        if n < bucket_bytes:
+            buckets.append(tuple(Segment(tensors[j], 0, sizes[tensors[j]]) for j in group))
             continue
-        if n >= bucket_bytes:
-            if group:
-                buckets.append(tuple(group))
-                group, size = [], 0
-            parts = math.ceil(n / bucket_bytes)
-            share = -(-n // parts)  # ceil(n / parts), then up to a multiple of ALIGN
-            step = -(-share // ALIGN) * ALIGN
-            buckets += [(Segment(i, start, min(step, n - start)),) for start in range(0, n, step)]
-            continue
-        if group and size + n > bucket_bytes:
-            buckets.append(tuple(group))
-            group, size = [], 0
-        group.append(Segment(i, 0, n))
-        size += n
-    if group:
-        buckets.append(tuple(group))
+        parts = math.ceil(n / bucket_bytes)
+        # ceil(n / parts), then up to a multiple of ALIGN: a large tensor's buckets start on
+        # ALIGN bytes (of its union)
+        step = aligned(-(-n // parts), ALIGN)
+        buckets += [(Segment(i, start, min(step, n - start)),) for start in range(0, n, step)]
     return buckets
 
 
@@ -191,9 +178,6 @@ class Span:
     hi: int
     at: int
     reads: tuple[Interval, ...]
-
-
-TensorRun = tuple[int, Run]  # (tensor, run from the bucket's buffer into that tensor)
 
 
 class ExchangePlan:
@@ -272,16 +256,3 @@ def _cumulative(intervals: Sequence[Interval]) -> list[int]:
         total += b - a
         out.append(total)
     return out
-
-
-def contiguous(runs: Sequence[Run], dst: bool) -> bool:
-    """Whether ``runs`` cover one unbroken range, on their destination side (``dst``) or source."""
-    at = None
-    for src, d, n, count, ss, ds in runs:
-        start, step = (d, ds) if dst else (src, ss)
-        if count > 1 and step != n:
-            return False
-        if at is not None and start != at:
-            return False
-        at = start + n * count
-    return True

@@ -23,7 +23,7 @@ reader keeps are sent to fewer members). So a tensor
 that two TP ranks split along dim 1 is read once, as one range, not once per TP rank row by row.
 Each member's *pieces* of a bucket are its need clipped to it.
 
-**A round:**
+**A round** (the engine in ``rounds.py``, which ``distload pull`` runs too):
 
 1. each member waits for its bucket's read (its threads read READ_AHEAD_ROUNDS rounds ahead),
    packs the messages it sends, and makes room for the pieces it receives;
@@ -48,19 +48,21 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from distload.errors import DistloadError, GroupError, RankFailedError
-from distload.loading.backends.base import BackendRun, ReadRequest
-from distload.loading.shared_reads.plan import (
-    BUCKET_BYTES, ExchangePlan, Need, TensorRun, contiguous, run_bytes, whole_need)
+from distload.errors import DistloadError, GroupError
+from distload.loading import buckets
+from distload.loading.buckets import TensorRun, contiguous, flat_bytes, run_bytes
+from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, Need, whole_need
+from distload.loading.shared_reads.rounds import agree, run_rounds
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
-READ_AHEAD_ROUNDS = 2  # each member reads this many of its buckets ahead of the sends
+if TYPE_CHECKING:  # a backend's request and run, named in annotations only: shared reads sit below the backends
+    from distload.loading.backends.base import BackendRun, ReadRequest
 
 Extent = tuple[int, int, int]  # (offset in the tensor's data in its file, offset in the buffer, length)
 
@@ -74,17 +76,6 @@ class ByteReader(Protocol):
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None: ...
 
     def close(self) -> None: ...
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _rows(flat: torch.Tensor, start: int, n: int, count: int, step: int) -> torch.Tensor:
-    """``count`` rows of ``n`` bytes from ``start``, ``step`` apart, as a (count, n) view."""
-    if count == 1 or step == n:
-        return flat[start:start + n * count].view(count, n)
-    return flat[start:start + (count - 1) * step + n].as_strided((count, n), (step, 1))
 
 
 def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
@@ -114,7 +105,7 @@ class _Tensors:
         return tensor
 
     def flat(self, i: int) -> torch.Tensor:
-        return _flat_bytes(self.get(i))
+        return flat_bytes(self.get(i))
 
     def _allocate(self, i: int) -> torch.Tensor:
         info, request = self.infos[i], self.request
@@ -130,7 +121,7 @@ class _Tensors:
         else:
             tensor = torch.empty(shape, dtype=info.torch_dtype, device=request.device)
         if piece is not None and piece.zeros:  # vocabulary padding: zero rows, never read nor sent
-            flat = _flat_bytes(tensor)
+            flat = flat_bytes(tensor)
             for offset, length in piece.zeros:
                 flat[offset:offset + length].zero_()
         return tensor
@@ -157,27 +148,6 @@ def _place(tensors: _Tensors, pieces: Sequence[TensorRun]) -> torch.Tensor | Non
         return None
     i, first = pieces[0]
     return tensors.flat(i)[first[1]:first[1] + run_bytes(r for _, r in pieces)]
-
-
-def _pack(buffer: torch.Tensor, pieces: Sequence[TensorRun]) -> torch.Tensor:
-    """``pieces`` of a bucket's buffer as one message, in order (a view where they are one range)."""
-    runs = [r for _, r in pieces]
-    if contiguous(runs, dst=False):
-        return buffer[runs[0][0]:runs[0][0] + run_bytes(runs)]
-    message = torch.empty(run_bytes(runs), dtype=torch.uint8, device=buffer.device)
-    at = 0
-    for _, (src, _, n, count, ss, _) in pieces:
-        message[at:at + n * count].view(count, n).copy_(_rows(buffer, src, n, count, ss))
-        at += n * count
-    return message
-
-
-def _unpack(message: torch.Tensor, pieces: Sequence[TensorRun], tensors: _Tensors) -> None:
-    """A packed message's pieces into the tensors they belong to."""
-    at = 0
-    for i, (_, dst, n, count, _, ds) in pieces:
-        _rows(tensors.flat(i), dst, n, count, ds).copy_(message[at:at + n * count].view(count, n))
-        at += n * count
 
 
 class _Bucket:
@@ -224,7 +194,7 @@ class _Bucket:
                 continue
             key = tuple(pieces)
             if key not in packed:
-                packed[key] = _pack(self.buffer, pieces)
+                packed[key] = buckets.pack_runs(self.buffer, pieces)
             if broadcast:  # every member keeps these same pieces
                 self.messages.append((None, packed[key]))
                 break
@@ -246,13 +216,12 @@ class _Bucket:
         """On the reader: its own pieces out of the buffer (nothing to do where it read in place)."""
         assert self.buffer is not None
         if not self.placed and self.mine:
-            for i, (src, dst, n, count, ss, ds) in self.mine:
-                _rows(self.tensors.flat(i), dst, n, count, ds).copy_(_rows(self.buffer, src, n, count, ss))
+            buckets.copy_runs(self.buffer, self.mine, self.tensors.flat)
 
     def arrived(self) -> None:
         """On a receiver: its message into its tensors (nothing to do where it landed in place)."""
         if self.landing is not None and not self.placed:
-            _unpack(self.landing, self.mine, self.tensors)
+            buckets.unpack_runs(self.landing, self.mine, self.tensors.flat)
 
 
 def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, concurrency: int
@@ -274,7 +243,7 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
         plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
         return math.ceil(len(plan.buckets) / k), plan.digest()
 
-    planned = _agree(group, planning, "planning the shared read")
+    planned = agree(group, planning, "planning the shared read")
     assert plan is not None
     me = members.index(group.rank)
     differing = [m for m in members if planned[m][1] != planned[group.rank][1]]
@@ -283,42 +252,37 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                          f"other facts than this rank (tensor sizes, what each member keeps, bucket size: a file "
                          f"replaced between their header reads?), so their messages would not pair up; load again")
     rounds = max(n for n, _ in planned)  # the same count on every rank
-    own_rounds = math.ceil(len(plan.buckets) / k)
     tensors = _Tensors(request, infos, plan)
     run.requested_bytes = 0
     run.received_bytes = 0
     broadcast = plan.identical and k == group.world_size
     reads: dict[int, _Bucket] = {}
+
+    def in_round(r: int) -> range:
+        return range(r * k, min((r + 1) * k, len(plan.buckets)))
+
+    def prepare(r: int) -> list[_Bucket]:
+        this_round = []
+        for b in in_round(r):
+            bucket = reads.pop(b) if b in reads else _Bucket(b, plan, me, tensors)
+            this_round.append(bucket)
+            if bucket.reader == me:
+                for future in bucket.reads:
+                    future.result()
+                bucket.pack(plan, me, k, broadcast)
+            else:
+                bucket.receive()
+        return this_round
+
     try:
         with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="distload-shared") as pool:
-            def in_round(r: int) -> range:
-                return range(r * k, min((r + 1) * k, len(plan.buckets)))
-
-            def read_ahead(first_round: int) -> None:
-                for r in range(first_round, min(own_rounds, first_round + READ_AHEAD_ROUNDS + 1)):
-                    for b in in_round(r):
-                        if plan.readers[b] == me and b not in reads:
-                            reads[b] = _start_read(pool, _Bucket(b, plan, me, tensors), plan, reader)
+            def start(r: int) -> None:  # a round past this rank's last has none of its buckets
+                for b in in_round(r):
+                    if plan.readers[b] == me:
+                        reads[b] = _start_read(pool, _Bucket(b, plan, me, tensors), plan, reader)
 
             yield from tensors.ready()  # leading empty tensors
-            for r in range(rounds):
-                this_round: list[_Bucket] = []
-
-                def prepare_round() -> None:
-                    # All that can fail on this rank comes before any message travels, so that
-                    # every rank hears of it here instead of waiting for a message that never comes.
-                    read_ahead(r)
-                    for b in in_round(r):
-                        bucket = reads.pop(b) if b in reads else _Bucket(b, plan, me, tensors)
-                        this_round.append(bucket)
-                        if bucket.reader == me:
-                            for future in bucket.reads:
-                                future.result()
-                            bucket.pack(plan, me, k, broadcast)
-                        else:
-                            bucket.receive()
-
-                _agree(group, prepare_round, "reading its share")
+            for this_round in run_rounds(group, rounds, "reading its share", start, prepare):
                 _send(group, members, me, this_round, broadcast)
                 for bucket in this_round:
                     if bucket.reader == me:
@@ -393,40 +357,7 @@ def _read(reader: ByteReader, info: TensorInfo, extents: list[Extent], view: mem
     reader.read(info, extents, view)
 
 
-def _agree(group, step: Callable, what: str) -> list:
-    """``step()`` on this rank, then every rank's result; a failure anywhere ends every rank here.
-
-    The payloads are those of check_all_ok and report_failure, so a rank that failed outside the
-    read and reported it is heard here too. An exception raised here has been reported to every
-    rank already: it carries ``reported = True``, and the loader does not report it again."""
-    try:
-        value = step()
-    except BaseException as exc:
-        if group.world_size > 1:
-            try:
-                group.exchange((False, str(exc) if isinstance(exc, DistloadError) else f"{type(exc).__name__}: {exc}"),
-                               explain=False)
-            except GroupError:
-                pass  # the others are gone; this rank's own error is what matters
-        _mark_reported(exc)
-        raise
-    statuses = group.exchange((True, value))
-    failures = {rank: message for rank, (ok, message) in enumerate(statuses) if not ok}
-    if failures:
-        error = RankFailedError(what, failures)
-        _mark_reported(error)
-        raise error
-    return [value for _, value in statuses]
-
-
-def _mark_reported(exc: BaseException) -> None:
-    try:
-        exc.reported = True  # type: ignore[attr-defined]
-    except AttributeError:  # an exception type without a __dict__: the loader reports it again
-        pass
-
-
-def _send(group, members: list[int], me: int, buckets: list[_Bucket], broadcast: bool) -> None:
+def _send(group, members: list[int], me: int, this_round: list[_Bucket], broadcast: bool) -> None:
     """Each bucket's messages from its reader to the members that keep some of it, packed and
     made room for already (collective over the group's members)."""
     if len(members) == 1:
@@ -434,10 +365,10 @@ def _send(group, members: list[int], me: int, buckets: list[_Bucket], broadcast:
     pg = group.process_group
     ranks = group.ranks  # job-wide ranks: torch's collectives and sends take those
     works = []  # (bucket, the member at the other end: None for the reader's broadcast, work)
-    bucket = buckets[0] if buckets else None
+    bucket = this_round[0] if this_round else None
     peer = None
     try:
-        for bucket in buckets:
+        for bucket in this_round:
             reader = ranks[members[bucket.reader]]
             if bucket.reader == me:
                 for m, message in bucket.messages:
