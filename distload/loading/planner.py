@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Mapping
 from distload.config import LoadConfig
 from distload.errors import CheckpointError, ConfigError
 from distload.loading.backends import BACKENDS
-from distload.loading.choice import ReadChoice, choose_read
+from distload.loading.choice import ReadChoice, ReadFacts
 from distload.loading.formats import FORMATS
 from distload.loading.index import build_index
 from distload.loading.layout import CheckpointLayout, detect_layout
@@ -35,7 +35,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     ``blocks``: tensor name -> (offsets, sizes) of the local shard of a DTensor it goes to; only
     those bytes of a whole checkpoint are read.
     """
-    only = FORMATS[config.load_format].backends
+    fmt = FORMATS[config.load_format]
+    only = fmt.backends
     if len(only) == 1:  # the format fixes the reader: refuse what it can never serve before listing
         BACKENDS[only[0]].check_source(source, group)
     layout = detect_layout(source, config.pattern)
@@ -48,8 +49,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
             f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
             f"without a sharding spec (--tensor-parallel-size alone gives each data-parallel replica "
             f"its TP rank's files)")
-    choice = choose_read(
-        config.load_format,
+    choice = fmt.choose(ReadFacts(
         sharded_layout_found=layout.sharded,
         device_type=group.device.type,
         world_size=group.world_size,
@@ -61,7 +61,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
         sliced=(tp is not None or bool(blocks)) and not layout.sharded,
         # Ranks that load the same shard files of a pre-sharded checkpoint (data-parallel replicas).
         replicas=group.world_size // tp.size if tp is not None else 1,
-    )
+    ))
     if blocks and layout.sharded:
         raise ConfigError(f"{source} is sharded per rank; a model of DTensors loads from a whole checkpoint, "
                           f"each rank reading its local shards' bytes")
