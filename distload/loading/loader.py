@@ -210,9 +210,9 @@ class Loader:
         if host_memory.why_not:
             log.debug("not marking new host tensors for huge pages: %s", host_memory.why_not)
         slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
-        return ReadRequest(plan.index, self.group.device, self.group, self.config.extra,
-                           plan.choice.cooperative, destinations, host_memory, slices,
-                           plan.choice.scope, plan.sharing, plan.needs)
+        return ReadRequest(index=plan.index, device=self.group.device, group=self.group,
+                           cooperative=plan.choice.cooperative, destinations=destinations,
+                           host_memory=host_memory, slices=slices, options=backend.options(self.config.extra, plan))
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
                      read_before: int | None, host_memory: HostMemory) -> RankReport:

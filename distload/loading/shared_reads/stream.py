@@ -7,10 +7,10 @@ tensor-parallel slices (with or without data-parallel replicas), shard files tha
 local files shared job-wide (a network file system). The readers give it a ``ByteReader``; it does
 the rest.
 
-**Who shares** (``request.sharing``): the *members*, the ranks of the load's group that read a
+**Who shares** (the request's :class:`SharedReadOptions`, ``sharing``): the *members*, the ranks of the load's group that read a
 checkpoint together, on this rank's node or in the whole job (the read choice's scope): every rank
 of a whole checkpoint (each keeping all of it, or its tensor-parallel slices), the replicas of a
-TP rank for a pre-sharded one (they need the same shard files). ``request.needs`` says what each
+TP rank for a pre-sharded one (they need the same shard files). ``needs`` says what each
 member keeps of each split tensor (byte runs; the others whole). The load's agreement step found
 both, and checked that the members hold identical file lists.
 
@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from distload.errors import DistloadError, GroupError, RankFailedError
-from distload.loading.backends.base import BackendRun, ReadRequest
+from distload.loading.request import BackendRun, ReadOptions, ReadRequest
 from distload.loading.shared_reads.plan import (
     BUCKET_BYTES, ExchangePlan, Need, TensorRun, contiguous, run_bytes, whole_need)
 from distload.loading.index import TensorInfo
@@ -87,10 +88,26 @@ def _rows(flat: torch.Tensor, start: int, n: int, count: int, step: int) -> torc
     return flat[start:start + (count - 1) * step + n].as_strided((count, n), (step, 1))
 
 
+@dataclass(frozen=True)
+class SharedReadOptions(ReadOptions):
+    """The part of a request a reader that ``shares_reads`` needs for its cooperative read.
+
+    ``sharing``: the ranks of the group (group ranks, this one included) that read this rank's
+    files together, found by the agreement; ``needs``: what each of them keeps (in ``sharing``'s
+    order): tensor name -> byte runs of its slice (``shared_reads/plan.py``), the tensors it keeps
+    whole left out. The load's agreement fills both (``RankPlan.sharing``, ``RankPlan.needs``); a
+    shared read without them is refused.
+    """
+
+    sharing: tuple[int, ...] = ()
+    needs: tuple[Mapping[str, tuple], ...] = ()
+
+
 def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
-    """Each member's need of each tensor (``request.needs``, in ``request.sharing``'s order): its
-    runs where it keeps a slice, else the whole tensor."""
-    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in request.needs]
+    """Each member's need of each tensor (``needs``, in ``sharing``'s order): its runs where it
+    keeps a slice, else the whole tensor."""
+    needs = request.options_as(SharedReadOptions).needs
+    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in needs]
 
 
 class _Tensors:
@@ -259,7 +276,8 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The cooperative read: ``(name, tensor)`` in file order, each rank reading its share."""
     group = request.group
-    members = list(request.sharing)  # the load's agreement (distload/loading/agreement.py) fills both
+    # the load's agreement (distload/loading/agreement.py) fills both
+    members = list(request.options_as(SharedReadOptions).sharing)
     k = len(members)
     infos = [t for f in request.index.files for t in f.tensors]
 
