@@ -11,6 +11,7 @@
     backends/    the readers (one object each), onto cuda:<local_rank> or cpu
     delivery     what the backend hands over is checked against the rank plan
     loader       the steps above, end to end, with a timeout on every collective
+    dtensors     a load whose targets are DTensors (each rank reads its local shards' bytes)
     report       digest, progress, the per-rank and job report
 
 ``stores/`` holds the object-store clients the sources and readers share; ``host_memory`` the
