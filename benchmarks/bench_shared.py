@@ -62,9 +62,10 @@ import json, sys
 import distload
 uri, fmt, extra, tp, force, out = sys.argv[1:7]
 if force == "shared":
-    import distload.loading.planner as planner
+    import dataclasses
     from distload.loading.choice import ReadChoice
-    planner.choose_read = lambda *a, **k: ReadChoice(False, "ranged", True, "job")
+    from distload.loading.formats import FORMATS
+    FORMATS[fmt] = dataclasses.replace(FORMATS[fmt], choose=lambda facts: ReadChoice(False, "ranged", True, "job"))
 with distload.WorkerGroup(device="cpu") as group:
     result = distload.Loader(uri, fmt, json.loads(extra), group=group,
                              tensor_parallel_size=int(tp) or None).load(digest=True, gather=True)

@@ -25,11 +25,11 @@ from distload.errors import (
     SyncError,
 )
 from distload.workers.group import WorkerGroup
-from distload.live.dtensors import load_dtensors
 from distload.live.reload import Destination, ReloadReport, reload_into
 from distload.live.sleep import WeightSleeper
 from distload.live.channel import SyncChannel
 from distload.live.sync import SyncStats, WeightSync
+from distload.loading.dtensors import load_dtensors
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, CheckpointLayout, detect_layout
 from distload.loading.loader import Loader, LoadResult, LoadStream, iter_tensors, load

@@ -232,7 +232,10 @@ def test_subgroups_come_from_the_job_group():
 
 
 def test_auto_on_a_subgroup_shares_with_distloads_readers_where_run_ai_cannot_cooperate():
-    from distload.loading.choice import choose_read
+    from distload.loading.choice import ReadFacts
+
+    def choose_read(fmt, **facts):
+        return FORMATS[fmt].choose(ReadFacts(**facts))
 
     facts = dict(sharded_layout_found=False, world_size=2, distributed=None,
                  instanttensor_installed=False, remote=True)

@@ -312,7 +312,12 @@ def test_non_object_json_is_a_config_error(text, kind):
 
 def runai_environment(extra) -> dict[str, str]:
     """What Run:ai's backend asks for, for a local read with this extra config."""
-    request = ReadRequest(CheckpointIndex(()), torch.device("cpu"), None, extra)
+    from distload.loading.choice import ReadChoice
+    from distload.loading.plan import RankPlan
+
+    plan = RankPlan("/ckpt", ReadChoice(False, "runai", False), CheckpointIndex(()))
+    request = ReadRequest(index=CheckpointIndex(()), device=torch.device("cpu"), group=None,
+                          options=BACKENDS["runai"].options(extra, plan))
     return BACKENDS["runai"].environment(request)
 
 

@@ -14,7 +14,7 @@ from conftest import every_dtype_state, plain_digest, plain_read, read_report, r
 from dist_helpers import run_script, write_script
 from distload.loading.backends.dummy import dummy_tensor
 from distload.loading.sources import read_local_header
-from distload.loading.choice import AUTO_CPU_BACKEND
+from distload.loading.formats import AUTO_CPU_BACKEND
 from distload.loading.report import state_digest
 
 pytestmark = pytest.mark.dist

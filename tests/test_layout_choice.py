@@ -1,5 +1,5 @@
 """The pure parts of the load path: shard patterns and layouts (distload.loading.layout), the read
-choice (distload.loading.choice), and the file-list comparison (distload.loading.agreement)."""
+choice (each load format's choose, distload.loading.formats), and the file-list comparison (distload.loading.agreement)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from distload.errors import CheckpointError, ShardLayoutError
 from distload.loading.agreement import mismatched_ranks
-from distload.loading.choice import AUTO_CPU_BACKEND, ReadChoice, choose_read
-from distload.loading.formats import LOAD_FORMATS
+from distload.loading.choice import ReadChoice, ReadFacts
+from distload.loading.formats import AUTO_CPU_BACKEND, FORMATS, LOAD_FORMATS
 from distload.loading.layout import (
     DEFAULT_SHARD_PATTERN,
     find_shard_layout,
@@ -217,7 +217,11 @@ def test_mismatched_ranks_several_differences():
     assert result[3] == "lists the same files in another order"
 
 
-# -- choose_read -----------------------------------------------------------------------------
+# -- each format's choose --------------------------------------------------------------------
+
+def choose_read(fmt, **facts):
+    return FORMATS[fmt].choose(ReadFacts(**facts))
+
 
 def choose(fmt, *, sharded=False, device="cpu", world=2, distributed=None, instant=False):
     return choose_read(fmt, sharded_layout_found=sharded, device_type=device, world_size=world,
@@ -316,7 +320,7 @@ def test_every_format_has_a_choice_and_unknown_is_a_programming_error():
     for fmt in LOAD_FORMATS:
         choice = choose(fmt, device="cuda", instant=True)
         assert choice.backend in {"safetensors", "runai", "instanttensor", "dummy"}
-    with pytest.raises(AssertionError, match="unvalidated load format"):
+    with pytest.raises(KeyError, match="'pt'"):  # a name make_load_config refused has no entry
         choose("pt")
 
 

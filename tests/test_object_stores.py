@@ -583,7 +583,7 @@ def test_reader_checks_the_endpoint_before_run_ai(store, store_env, ckpts, monke
         port = closed_port()
         for key, value in store.env(port).items():
             monkeypatch.setenv(key, value)
-        request = ReadRequest(CheckpointIndex(plan.index.files), group.device, group, {}, False)
+        request = ReadRequest(index=CheckpointIndex(plan.index.files), device=group.device, group=group)
         start = time.monotonic()
         with pytest.raises(ObjectStoreError) as info:
             list(BACKENDS["runai"].read(request).tensors())
@@ -638,7 +638,7 @@ with distload.WorkerGroup(device="cpu") as group:
     plan = distload.loading.planner.plan_rank({store.uri('whole-vanishing')!r}, distload.make_load_config("runai_streamer"), group)
     server.delete("whole-vanishing/{victim}")
     try:
-        list(BACKENDS["runai"].read(ReadRequest(plan.index, group.device, group, {{}}, False)).tensors())
+        list(BACKENDS["runai"].read(ReadRequest(index=plan.index, device=group.device, group=group)).tensors())
     except distload.DistloadError as exc:
         print("ERROR", type(exc).__name__, getattr(exc, "cause", None), exc)
 """

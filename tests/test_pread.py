@@ -21,7 +21,8 @@ from conftest import every_dtype_state, plain_read, write_whole
 
 def read_all(folder: str, group, backend: PreadBackend = PreadBackend(), **extra) -> dict[str, torch.Tensor]:
     plan = plan_rank(folder, make_load_config("auto"), group)
-    return dict(backend.read(ReadRequest(plan.index, group.device, group, extra)).tensors())
+    request = ReadRequest(index=plan.index, device=group.device, group=group, options=backend.options(extra, plan))
+    return dict(backend.read(request).tensors())
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_file_shrinking_after_planning_names_file_and_tensor(tmp_path, group):
     plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
     os.truncate(paths[0], os.path.getsize(paths[0]) - 100)  # a copy still in progress, say
     with pytest.raises(CheckpointError, match=r"ended while reading tensor 'b'") as info:
-        dict(PreadBackend().read(ReadRequest(plan.index, group.device, group, {})).tensors())
+        dict(PreadBackend().read(ReadRequest(index=plan.index, device=group.device, group=group)).tensors())
     assert paths[0] in str(info.value)
 
 
@@ -87,7 +88,7 @@ def test_reads_straight_into_fitting_destinations(tmp_path, group):
     paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(64, 8), "b": torch.randn(16)}, num_files=1)
     plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
     fits, misfit = torch.zeros(64, 8), torch.zeros(16, dtype=torch.float64)
-    request = ReadRequest(plan.index, group.device, group, {}, destinations={"a": fits, "b": misfit})
+    request = ReadRequest(index=plan.index, device=group.device, group=group, destinations={"a": fits, "b": misfit})
     got = dict(PreadBackend().read(request).tensors())
     want = plain_read(paths)
     assert got["a"] is fits and torch.equal(fits, want["a"])

@@ -162,8 +162,8 @@ def _read_a_into(tmp_path, target: torch.Tensor, memory: HostMemory):
     paths = write_whole(str(tmp_path / "ck"), {"a": torch.randn(MIB), "b": torch.randn(MIB)}, num_files=1)
     with distload.WorkerGroup(device="cpu") as group:
         plan = plan_rank(str(tmp_path / "ck"), make_load_config("auto"), group)
-        run = PreadBackend().read(ReadRequest(plan.index, group.device, group, {}, destinations={"a": target},
-                                              host_memory=memory))
+        run = PreadBackend().read(ReadRequest(index=plan.index, device=group.device, group=group,
+                                              destinations={"a": target}, host_memory=memory))
         got = dict(run.tensors())
     return got, plain_read(paths), run
 

@@ -135,7 +135,8 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
     if kind == "needs" and group.rank == int(who):  # the agreement's answer lost on this rank
         import dataclasses
         real_stream = shared.shared_stream
-        shared_stream = lambda request, *a: real_stream(dataclasses.replace(request, needs=()), *a)
+        shared_stream = lambda request, *a: real_stream(
+            dataclasses.replace(request, options=dataclasses.replace(request.options, needs=())), *a)
         pread.shared_stream = shared_stream
     if kind == "pack" and group.rank == int(who):
         import distload.loading.buckets as buckets

@@ -33,7 +33,8 @@ import torch
 
 from distload.errors import DistloadError, ReloadError
 from distload.workers.group import WorkerGroup
-from distload.live.targets import dtensor_blocks, local_tensor, model_tensors, non_persistent_buffers
+from distload.live.targets import local_tensor, model_tensors, non_persistent_buffers
+from distload.loading.dtensors import dtensor_blocks
 from distload.loading.index import DTYPES, PACKED
 from distload.loading.loader import Loader
 from distload.tp.spec import ShardingSpec
@@ -208,25 +209,24 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
     if tensor_parallel_size is not None and tp_size is not None and tensor_parallel_size != tp_size:
         raise ReloadError(f"tensor_parallel_size={tensor_parallel_size} and tp_size={tp_size} disagree; pass one")
     with WorkerGroup.for_call(group) as g:
+        start = time.perf_counter()
+        targets = model_tensors(target)
+        blocks = dtensor_blocks(targets)  # each rank reads its DTensors' local shards only
         loader = Loader(source, load_format, extra_config, group=g, progress=progress,
                         tensor_parallel_size=tensor_parallel_size if tensor_parallel_size is not None else tp_size,
-                        sharding=sharding, tensor_parallel_rank=tp_rank)
-        return _reload(target, loader, strict=strict, name_map=name_map)
+                        sharding=sharding, tensor_parallel_rank=tp_rank, blocks=blocks)
+        if blocks:
+            if name_map is not None:
+                raise ReloadError("a name map onto DTensor parameters is not supported: load with the model's own names")
+            if loader.tensor_parallel is not None:
+                raise ReloadError("the model's parameters are DTensors: their placements already say which shard "
+                                  "each rank holds; drop tensor_parallel_size/sharding")
+        return _reload(target, targets, loader, strict=strict, name_map=name_map, start=start)
 
 
-def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], loader: Loader, *, strict: bool,
-            name_map: NameMap | None) -> ReloadReport:
-    start = time.perf_counter()
+def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],
+            loader: Loader, *, strict: bool, name_map: NameMap | None, start: float) -> ReloadReport:
     group = loader.group
-    targets = model_tensors(target)
-    blocks = dtensor_blocks(targets)
-    if blocks:  # each rank reads its DTensors' local shards only
-        if name_map is not None:
-            raise ReloadError("a name map onto DTensor parameters is not supported: load with the model's own names")
-        if loader.tensor_parallel is not None:
-            raise ReloadError("the model's parameters are DTensors: their placements already say which shard "
-                              "each rank holds; drop tensor_parallel_size/sharding")
-        loader.blocks = blocks
     local = {name: local_tensor(t) for name, t in targets.items()}  # what this rank writes
     rank_plan = loader.plan()
     sources = [(t.name, t.dtype, t.shape) for t in rank_plan.index.tensors]

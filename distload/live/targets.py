@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Mapping
 
 import torch
 
-from distload.errors import ConfigError, ReloadError
+from distload.errors import ConfigError
 
 
 def model_tensors(target: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -35,33 +34,6 @@ def non_persistent_buffers(target: torch.nn.Module | Mapping[str, torch.Tensor])
         for name in getattr(module, "_non_persistent_buffers_set", ()):
             names.add(f"{prefix}.{name}" if prefix else name)
     return frozenset(names)
-
-
-def dtensor_blocks(targets: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Name -> (offsets, sizes) of the local shard of each DTensor target (FSDP2, torch's tensor
-    parallel API): the block of the checkpoint tensor this rank holds."""
-    if "torch.distributed.tensor" not in sys.modules:
-        # No DTensor can exist before its module is imported, and importing it costs 0.7 s: the
-        # whole of a small in-place reload (benchmarks/results/load.md, "in place").
-        return {}
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    blocks = {}
-    for name, tensor in targets.items():
-        if not isinstance(tensor, DTensor):
-            continue
-        odd = [p for p in tensor.placements if type(p) not in (Shard, Replicate)]
-        if odd:
-            raise ReloadError(
-                f"parameter {name!r} is a DTensor placed as {odd[0]}: distload fills Shard(d) and "
-                f"Replicate() placements, whose local shards are blocks of the checkpoint tensor; "
-                f"redistribute it to those first"
-            )
-        chunks = tensor.__create_chunk_list__()  # the protocol torch.distributed.checkpoint uses
-        if len(chunks) != 1:
-            raise ReloadError(f"parameter {name!r}: a DTensor whose local shard is {len(chunks)} blocks")
-        blocks[name] = (tuple(int(x) for x in chunks[0].offsets), tuple(int(x) for x in chunks[0].sizes))
-    return blocks
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
 from distload.loading.planner import plan_rank
-from distload.loading.rank_slices import Block, TPPlace
+from distload.loading.rank_slices import Blocks, TPPlace
 from distload.loading.sources import check_unchanged, source_string
 from distload.loading.report import (
     LoadReport,
@@ -113,21 +113,23 @@ class Loader:
     def __init__(self, source: "str | os.PathLike[str]", load_format: str = "auto",
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup,
                  progress: bool = False, tensor_parallel_size: int | None = None,
-                 sharding: "str | ShardingSpec | None" = None, tensor_parallel_rank: int | None = None):
+                 sharding: "str | ShardingSpec | None" = None, tensor_parallel_rank: int | None = None,
+                 blocks: Blocks | None = None):
         self.config = make_load_config(load_format, extra_config)
         self.source = source_string(source)  # a pathlib.Path or S3:// works as it does in vLLM
         self.group = group
         self.progress = progress
         # With a size: rank r keeps TP rank r % size's slices (or, pre-sharded, its files).
         self.tensor_parallel = TPPlace.of(group, tensor_parallel_size, sharding, tensor_parallel_rank)
-        # Set by reload_into for DTensor targets: tensor name -> (offsets, sizes) of its local shard.
-        self.blocks: dict[str, Block] = {}
+        # DTensor targets: tensor name -> (offsets, sizes) of its local shard, or a function of the
+        # checkpoint's index giving them; only those bytes are read. None (or none): no DTensors.
+        self._blocks = blocks if callable(blocks) or blocks else None
 
     def plan(self) -> RankPlan:
         """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves."""
         plan = self.group.agree("planning the load",
                                 lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel,
-                                                  self.blocks))
+                                                  self._blocks))
         sharing, needs = agree_on_read(self.group, plan)
         return replace(plan, sharing=sharing, needs=needs) if sharing else plan
 
@@ -210,9 +212,9 @@ class Loader:
         if host_memory.why_not:
             log.debug("not marking new host tensors for huge pages: %s", host_memory.why_not)
         slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
-        return ReadRequest(plan.index, self.group.device, self.group, self.config.extra,
-                           plan.choice.cooperative, destinations, host_memory, slices,
-                           plan.choice.scope, plan.sharing, plan.needs)
+        return ReadRequest(index=plan.index, device=self.group.device, group=self.group,
+                           cooperative=plan.choice.cooperative, destinations=destinations,
+                           host_memory=host_memory, slices=slices, options=backend.options(self.config.extra, plan))
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
                      read_before: int | None, host_memory: HostMemory) -> RankReport:

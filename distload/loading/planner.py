@@ -8,17 +8,17 @@ fault on one rank stops every rank before any data moves.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from distload.config import LoadConfig
 from distload.errors import CheckpointError, ConfigError
 from distload.loading.backends import BACKENDS
-from distload.loading.choice import ReadChoice, choose_read
+from distload.loading.choice import ReadChoice, ReadFacts
 from distload.loading.formats import FORMATS
 from distload.loading.index import build_index
 from distload.loading.layout import CheckpointLayout, detect_layout
 from distload.loading.plan import RankPlan
-from distload.loading.rank_slices import Block, TPPlace, plan_blocks, plan_slices
+from distload.loading.rank_slices import Blocks, TPPlace, plan_blocks, plan_slices
 from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
 
 if TYPE_CHECKING:
@@ -26,16 +26,18 @@ if TYPE_CHECKING:
 
 
 def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
-              tensor_parallel: TPPlace | None = None, blocks: Mapping[str, Block] | None = None) -> RankPlan:
+              tensor_parallel: TPPlace | None = None, blocks: Blocks | None = None) -> RankPlan:
     """Plan this rank's read of ``source`` (the same on a local folder and an object-store prefix:
     both go through a Source, one listing, headers by ranged reads on object stores).
 
     ``tensor_parallel``: a whole checkpoint is sliced for its TP rank; a pre-sharded one saved
     for its TP size gives TP rank r's files to every data-parallel replica of r.
-    ``blocks``: tensor name -> (offsets, sizes) of the local shard of a DTensor it goes to; only
-    those bytes of a whole checkpoint are read.
+    ``blocks``: tensor name -> (offsets, sizes) of the local shard of a DTensor it goes to, or a
+    function of this rank's index that gives them (called once, here); only those bytes of a
+    whole checkpoint are read. None: no DTensor targets.
     """
-    only = FORMATS[config.load_format].backends
+    fmt = FORMATS[config.load_format]
+    only = fmt.backends
     if len(only) == 1:  # the format fixes the reader: refuse what it can never serve before listing
         BACKENDS[only[0]].check_source(source, group)
     layout = detect_layout(source, config.pattern)
@@ -48,8 +50,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
             f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
             f"without a sharding spec (--tensor-parallel-size alone gives each data-parallel replica "
             f"its TP rank's files)")
-    choice = choose_read(
-        config.load_format,
+    choice = fmt.choose(ReadFacts(
         sharded_layout_found=layout.sharded,
         device_type=group.device.type,
         world_size=group.world_size,
@@ -58,11 +59,11 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
         # InstantTensor reads local files only; `auto` takes Run:ai for an object store.
         instanttensor_installed=not src.remote and BACKENDS["instanttensor"].available(),
         remote=src.remote,
-        sliced=(tp is not None or bool(blocks)) and not layout.sharded,
+        sliced=(tp is not None or blocks is not None) and not layout.sharded,
         # Ranks that load the same shard files of a pre-sharded checkpoint (data-parallel replicas).
         replicas=group.world_size // tp.size if tp is not None else 1,
-    )
-    if blocks and layout.sharded:
+    ))
+    if blocks is not None and layout.sharded:
         raise ConfigError(f"{source} is sharded per rank; a model of DTensors loads from a whole checkpoint, "
                           f"each rank reading its local shards' bytes")
     rank, world_size = (tp.rank, tp.size) if tp is not None else (group.rank, group.world_size)
@@ -70,8 +71,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
         plan = _whole_plan(source, choice, layout)
         if tp is not None:
             plan = replace(plan, tensor_parallel=tp, slices=plan_slices(plan.index, tp, lambda: model_config(src)))
-        elif blocks:
-            plan = replace(plan, slices=plan_blocks(plan.index, blocks))
+        elif blocks is not None:
+            plan = replace(plan, slices=plan_blocks(plan.index, blocks(plan.index) if callable(blocks) else blocks))
     elif src.is_file:
         raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
     else:

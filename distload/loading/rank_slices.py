@@ -9,7 +9,7 @@ slices only.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Union
 
 import torch
 
@@ -20,6 +20,9 @@ from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
 from distload.tp.slices import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a DTensor's local shard
+# What a load into DTensors is given: tensor name -> the block of the DTensor it goes to, or a
+# function of the checkpoint's index that gives them (DTensors made from the headers).
+Blocks = Union[Mapping[str, Block], Callable[[CheckpointIndex], Mapping[str, Block]]]
 
 
 @dataclass(frozen=True)

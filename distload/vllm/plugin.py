@@ -58,17 +58,20 @@ def _request_amx() -> None:
 
 def reader_config(extra: Mapping[str, Any] | None):
     """distload's LoadConfig from vLLM's ``--model-loader-extra-config`` (ConfigError naming the key)."""
-    from distload.loading.formats import LOAD_FORMATS, make_load_config
+    from distload.loading.formats import FORMATS, did_you_mean, make_load_config
 
     extra = dict(extra or {})
     reader = extra.pop("reader", "auto")
-    if not isinstance(reader, str) or reader.strip().lower() not in LOAD_FORMATS or reader == LOAD_FORMAT:
-        choices = ", ".join(f for f in LOAD_FORMATS if f != "dummy")
-        raise ConfigError(f"--model-loader-extra-config 'reader': {reader!r} is not a distload reader; choose "
-                          f"one of {choices} (default auto)")
-    if reader.strip().lower() == "dummy":
-        raise ConfigError("--model-loader-extra-config 'reader': dummy weights come from vLLM's own "
-                          "--load-format dummy")
+    name = reader.strip().lower() if isinstance(reader, str) else None
+    fmt = FORMATS.get(name) if name is not None and reader != LOAD_FORMAT else None
+    if fmt is None:
+        readers = [f.name for f in FORMATS.values() if f.reads_checkpoint]
+        guess = did_you_mean(name, readers) if name is not None else ""
+        raise ConfigError(f"--model-loader-extra-config 'reader': {reader!r} is not a distload reader; "
+                          f"{guess}choose one of {', '.join(readers)} (default auto)")
+    if not fmt.reads_checkpoint:
+        raise ConfigError(f"--model-loader-extra-config 'reader': {fmt.name} weights come from vLLM's own "
+                          f"--load-format {fmt.name}")
     return make_load_config(reader, extra)
 
 

@@ -6,16 +6,18 @@ It cannot run without CUDA; distload says so at once instead of falling back to 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
 from distload.config import check_fraction, check_positive_int
 from distload.errors import BackendUnavailableError, ConfigError
-from distload.loading.backends.base import Backend, BackendRun, ReadRequest
+from distload.loading.backends.base import Backend, BackendRun, ReadOptions, ReadRequest
 from distload.loading.sources import is_object_store
 
 if TYPE_CHECKING:
+    from distload.loading.plan import RankPlan
     from distload.workers.group import WorkerGroup
 
 # InstantTensor's I/O backends, as its `backend` knob names them (comma-separated: tried in order).
@@ -51,6 +53,14 @@ def check_instanttensor_device(device: torch.device) -> None:
         )
 
 
+@dataclass(frozen=True)
+class InstantTensorOptions(ReadOptions):
+    """InstantTensor's own extra-config keys and values (``instanttensor_knobs`` turns them into
+    ``safe_open``'s arguments once the module is imported)."""
+
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+
 class InstantTensorBackend(Backend):
     name = "instanttensor"
     keys = {
@@ -73,12 +83,15 @@ class InstantTensorBackend(Backend):
             )
         check_instanttensor_device(group.device)
 
+    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> InstantTensorOptions:
+        return InstantTensorOptions(settings={key: value for key, value in extra.items() if key in self.keys})
+
     def read(self, request: ReadRequest) -> BackendRun:
         check_instanttensor_device(request.device)
         module = _import_instanttensor()
         group = request.group
         process_group = group.process_group if (request.cooperative and group.world_size > 1) else None
-        knobs = instanttensor_knobs(request.extra, module)
+        knobs = instanttensor_knobs(request.options_as(InstantTensorOptions).settings, module)
         path = "instanttensor-group" if process_group is not None else "instanttensor"
         return BackendRun(path).start(_stream(module, request, process_group, knobs))
 

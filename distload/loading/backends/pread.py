@@ -33,7 +33,7 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ from distload.config import check_bool, check_positive_int
 from distload.errors import CheckpointError
 from distload.fileio import open_for_reading, read_exactly
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
-from distload.loading.shared_reads.stream import Extent, batch_extents, shared_stream
+from distload.loading.shared_reads.stream import Extent, SharedReadOptions, batch_extents, shared_stream
 from distload.loading.index import TensorInfo
 from distload.loading.mapped import FileMap, copy_extents, safe_copy_available
 from distload.loading.residency import Residency, probe
@@ -63,6 +63,16 @@ PREFAULT_UNIT_BYTES = 32 * 1024 * 1024
 # call per row cost a TP 2 x DP 2 load on 4 ranks most of its CPU time in Python.
 SMALL_RANGE_BYTES = 64 * 1024
 
+if TYPE_CHECKING:
+    from distload.loading.plan import RankPlan
+
+
+@dataclass(frozen=True)
+class PreadOptions(SharedReadOptions):
+    """pread's settings: its reader threads (extra config ``concurrency``), and for a shared read
+    the ranks that share it."""
+
+    concurrency: int = DEFAULT_CONCURRENCY
 
 
 class PreadBackend(Backend):
@@ -77,8 +87,12 @@ class PreadBackend(Backend):
         self.chunk_bytes = chunk_bytes  # one read's size: several reads per tensor are in flight
         self.read_ahead_bytes = read_ahead_bytes  # bytes read ahead of what the caller took
 
+    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> PreadOptions:
+        return PreadOptions(sharing=plan.sharing, needs=plan.needs,
+                            concurrency=int(extra.get("concurrency", DEFAULT_CONCURRENCY)))
+
     def read(self, request: ReadRequest) -> BackendRun:
-        concurrency = int(request.extra.get("concurrency", DEFAULT_CONCURRENCY))
+        concurrency = request.options_as(PreadOptions).concurrency
         if request.cooperative:
             run = BackendRun("pread-shared", requested_bytes=0)
             return run.start(shared_stream(request, run, LocalBytes(), concurrency))
@@ -87,7 +101,7 @@ class PreadBackend(Backend):
         return run.start(self._stream(request, run))
 
     def _stream(self, request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.Tensor]]:
-        concurrency = int(request.extra.get("concurrency", DEFAULT_CONCURRENCY))
+        concurrency = request.options_as(PreadOptions).concurrency
         tensors = [t for f in request.index.files for t in f.tensors]
         fds: dict[str, _OpenFile] = {}
         residency: dict[str, Residency | None] = {}

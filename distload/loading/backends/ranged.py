@@ -18,19 +18,22 @@ from __future__ import annotations
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 
 from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
-from distload.loading.shared_reads.stream import Extent, shared_stream
+from distload.loading.shared_reads.stream import Extent, SharedReadOptions, shared_stream
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
 GAP_BYTES = 1024 * 1024
 SHARED_CONCURRENCY = 2  # GETs in flight per rank in a shared read (its next buckets)
+
+if TYPE_CHECKING:
+    from distload.loading.plan import RankPlan
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,9 @@ class RangedBackend(Backend):
     creates_host_tensors = True
     reads_slices = True
     shares_reads = True
+
+    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> SharedReadOptions:
+        return SharedReadOptions(sharing=plan.sharing, needs=plan.needs)
 
     def read(self, request: ReadRequest) -> BackendRun:
         if request.cooperative:

@@ -15,14 +15,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
 from distload.config import check_positive_int, is_int
 from distload.errors import (BackendUnavailableError, CheckpointError, ConfigError, DistloadError, GroupError,
                              ObjectStoreError)
-from distload.loading.backends.base import Backend, BackendRun, ReadRequest
+from distload.loading.backends.base import Backend, BackendRun, ReadOptions, ReadRequest
 from distload.loading.sources import is_object_store
 from distload.runtime import RUNTIME
 
@@ -56,6 +57,16 @@ def _import_streamer():
     return SafetensorsStreamer
 
 
+@dataclass(frozen=True)
+class RunaiOptions(ReadOptions):
+    """Run:ai's settings: its extra-config keys (None: the library's default), and for a
+    cooperative read which ranks split it, each node's (``node``) or the whole job's (``job``)."""
+
+    concurrency: int | None = None
+    memory_limit: int | None = None
+    scope: str = "node"
+
+
 class RunaiBackend(Backend):
     name = "runai"
     keys = {"concurrency": check_positive_int, "memory_limit": check_memory_limit}
@@ -84,12 +95,17 @@ class RunaiBackend(Backend):
         if store is not None and paths:
             _preflight(store, paths[0])
 
+    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> RunaiOptions:
+        return RunaiOptions(concurrency=extra.get("concurrency"), memory_limit=extra.get("memory_limit"),
+                            scope=plan.choice.scope)
+
     def environment(self, request: ReadRequest) -> dict[str, str]:
         env: dict[str, str] = {}
-        if "concurrency" in request.extra:
-            env["RUNAI_STREAMER_CONCURRENCY"] = str(request.extra["concurrency"])
-        if "memory_limit" in request.extra:
-            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(request.extra["memory_limit"])
+        options = request.options_as(RunaiOptions)
+        if options.concurrency is not None:
+            env["RUNAI_STREAMER_CONCURRENCY"] = str(options.concurrency)
+        if options.memory_limit is not None:
+            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(options.memory_limit)
         store = _object_store([info.path for info in request.index.files])
         if store is not None:
             env.update(store.reader_environment())
@@ -98,7 +114,7 @@ class RunaiBackend(Backend):
             env["RUNAI_STREAMER_DIST"] = "1"
             # Job-wide: one group of every rank splits the reads (each byte once per job), not one
             # group per node (each node reads everything).
-            env["RUNAI_STREAMER_DIST_GLOBAL"] = "1" if request.scope == "job" else "0"
+            env["RUNAI_STREAMER_DIST_GLOBAL"] = "1" if options.scope == "job" else "0"
             env["RUNAI_STREAMER_DIST_TIMEOUT"] = str(max(1, int(request.group.timeout.total_seconds())))
         return env
 
@@ -113,7 +129,7 @@ class RunaiBackend(Backend):
 def _path(request: ReadRequest, distributed: bool) -> str:
     if not distributed:
         return "runai"
-    return "runai-distributed-job" if request.scope == "job" else "runai-distributed"
+    return "runai-distributed-job" if request.options_as(RunaiOptions).scope == "job" else "runai-distributed"
 
 
 def _distributed(request: ReadRequest) -> bool:

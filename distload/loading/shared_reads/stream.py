@@ -7,10 +7,10 @@ tensor-parallel slices (with or without data-parallel replicas), shard files tha
 local files shared job-wide (a network file system). The readers give it a ``ByteReader``; it does
 the rest.
 
-**Who shares** (``request.sharing``): the *members*, the ranks of the load's group that read a
+**Who shares** (the request's :class:`SharedReadOptions`, ``sharing``): the *members*, the ranks of the load's group that read a
 checkpoint together, on this rank's node or in the whole job (the read choice's scope): every rank
 of a whole checkpoint (each keeping all of it, or its tensor-parallel slices), the replicas of a
-TP rank for a pre-sharded one (they need the same shard files). ``request.needs`` says what each
+TP rank for a pre-sharded one (they need the same shard files). ``needs`` says what each
 member keeps of each split tensor (byte runs; the others whole). The load's agreement step found
 both, and checked that the members hold identical file lists.
 
@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterator, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,13 +57,11 @@ import torch.distributed as dist
 from distload.errors import DistloadError, GroupError
 from distload.loading import buckets
 from distload.loading.buckets import TensorRun, contiguous, flat_bytes, run_bytes
+from distload.loading.request import BackendRun, ReadOptions, ReadRequest
 from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, Need, whole_need
 from distload.loading.shared_reads.rounds import agree, run_rounds
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
-
-if TYPE_CHECKING:  # a backend's request and run, named in annotations only: shared reads sit below the backends
-    from distload.loading.backends.base import BackendRun, ReadRequest
 
 Extent = tuple[int, int, int]  # (offset in the tensor's data in its file, offset in the buffer, length)
 
@@ -78,10 +77,26 @@ class ByteReader(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class SharedReadOptions(ReadOptions):
+    """The part of a request a reader that ``shares_reads`` needs for its cooperative read.
+
+    ``sharing``: the ranks of the group (group ranks, this one included) that read this rank's
+    files together, found by the agreement; ``needs``: what each of them keeps (in ``sharing``'s
+    order): tensor name -> byte runs of its slice (``shared_reads/plan.py``), the tensors it keeps
+    whole left out. The load's agreement fills both (``RankPlan.sharing``, ``RankPlan.needs``); a
+    shared read without them is refused.
+    """
+
+    sharing: tuple[int, ...] = ()
+    needs: tuple[Mapping[str, tuple], ...] = ()
+
+
 def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
-    """Each member's need of each tensor (``request.needs``, in ``request.sharing``'s order): its
-    runs where it keeps a slice, else the whole tensor."""
-    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in request.needs]
+    """Each member's need of each tensor (``needs``, in ``sharing``'s order): its runs where it
+    keeps a slice, else the whole tensor."""
+    needs = request.options_as(SharedReadOptions).needs
+    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in needs]
 
 
 class _Tensors:
@@ -228,7 +243,8 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """The cooperative read: ``(name, tensor)`` in file order, each rank reading its share."""
     group = request.group
-    members = list(request.sharing)  # the load's agreement (distload/loading/agreement.py) fills both
+    # the load's agreement (distload/loading/agreement.py) fills both
+    members = list(request.options_as(SharedReadOptions).sharing)
     k = len(members)
     infos = [t for f in request.index.files for t in f.tensors]
 
