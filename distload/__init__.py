@@ -50,7 +50,7 @@ __all__ = [
     "WorkerGroup",
     # reports
     "LoadReport", "RankReport", "state_digest",
-    # sharded checkpoints
+    # pre-sharded checkpoints
     "save_sharded", "reshard", "ReshardReport", "inspect", "verify", "ShardingSpec", "load_spec",
     # live updates
     "reload_into", "load_dtensors", "Destination", "ReloadReport", "WeightSync", "SyncChannel", "SyncStats", "WeightSleeper",

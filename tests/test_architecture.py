@@ -117,7 +117,7 @@ def test_every_caller_uses_the_same_rule_for_a_custom_pattern(tmp_path, capsys):
     write_whole(str(tmp_path / "whole"), every_dtype_state(), num_files=2)
     custom = "w-{rank}-{part}.safetensors"
     distload.reshard(str(tmp_path / "whole"), str(tmp_path / "custom"), 1, pattern=custom, sharding="replicate")
-    with pytest.raises(distload.CheckpointError, match="already a per-rank sharded checkpoint"):
+    with pytest.raises(distload.CheckpointError, match=r"already a pre-sharded \(per-rank\) checkpoint"):
         distload.reshard(str(tmp_path / "custom"), str(tmp_path / "again"), 2)
     info = distload.inspect(str(tmp_path / "custom"))
     assert info["layout"] == "sharded" and info["pattern"] == custom and info["manifest"]
@@ -137,7 +137,7 @@ def test_save_into_a_folder_holding_shards_is_refused(tmp_path):
     folder = tmp_path / "out"
     folder.mkdir()
     save_file({"w": torch.ones(2)}, str(folder / "model-rank-0-part-0.safetensors"))
-    with pytest.raises(distload.CheckpointError, match="already holds a sharded checkpoint"):
+    with pytest.raises(distload.CheckpointError, match="already holds a pre-sharded checkpoint"):
         distload.save_sharded({"w": torch.ones(2)}, str(folder))
 
 
@@ -241,10 +241,10 @@ def test_auto_on_a_subgroup_shares_with_distloads_readers_where_run_ai_cannot_co
                  instanttensor_installed=False, remote=True)
     assert choose_read("auto", **facts, device_type="cuda").backend == "runai"
     assert choose_read("auto", **facts, device_type="cuda", whole_job=False).backend == "ranged"
-    assert choose_read("auto", **facts, device_type="cuda", whole_job=False).cooperative
+    assert choose_read("auto", **facts, device_type="cuda", whole_job=False).shared
     # An explicit request stays what it is (and Run:ai's preflight says why it cannot run).
     assert choose_read("runai_streamer", **{**facts, "distributed": True}, device_type="cpu",
-                       whole_job=False).cooperative
+                       whole_job=False).shared
 
 
 def test_instanttensor_refuses_an_object_store_before_any_request(monkeypatch):

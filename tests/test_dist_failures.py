@@ -128,7 +128,7 @@ def test_cooperative_read_refuses_different_file_lists(tmp_path):
             kind, exc_type, message = outcomes[label]
             assert kind == "GroupError", f"rank {rank} {label}: {outcomes[label]}"  # never RETURNED
             assert exc_type == "GroupError"
-            assert "cooperative read refused" in message and "identical file list" in message
+            assert "shared read refused" in message and "identical file list" in message
             assert "rank 1" in message
             assert "distributed=false" in message  # the way out
         assert "has [" in outcomes["different folders"][2] and str(tmp_path / "src1") in outcomes["different folders"][2]

@@ -332,7 +332,7 @@ def test_auto_reads_an_object_store_cooperatively():
         ReadChoice(False, "ranged", True, "job")
     assert choose_read("auto", sharded_layout_found=True, world_size=2, **common) == ReadChoice(True, "runai", False)
     assert choose_read("auto", sharded_layout_found=False, world_size=1, **common) == ReadChoice(False, "runai", False)
-    assert choose_read("runai_streamer", sharded_layout_found=False, world_size=2, **common).cooperative is False
+    assert choose_read("runai_streamer", sharded_layout_found=False, world_size=2, **common).shared is False
     # safetensors' reader needs a local file: on an object store the same tensors come by ranged GETs.
     assert choose_read("safetensors", sharded_layout_found=False, world_size=2, **common) == \
         ReadChoice(False, "ranged", False)

@@ -485,29 +485,29 @@ def test_output_already_holding_a_checkpoint_is_refused(resharded, source, tmp_p
     before = {n: sha256(os.path.join(out, n)) for n in os.listdir(out)}
     with pytest.raises(CheckpointError) as err:
         reshard(src, out, 2)
-    assert "already holds a sharded checkpoint" in str(err.value) and out in str(err.value)
+    assert "already holds a pre-sharded checkpoint" in str(err.value) and out in str(err.value)
     assert {n: sha256(os.path.join(out, n)) for n in os.listdir(out)} == before  # untouched, no marker
     # shard files without a manifest (written by vLLM) are refused too
     vllm = str(tmp_path / "vllm")
     write_sharded(vllm, world_size=2, parts=1)
-    with pytest.raises(CheckpointError, match="already holds a sharded checkpoint"):
+    with pytest.raises(CheckpointError, match="already holds a pre-sharded checkpoint"):
         reshard(src, vllm, 2)
     assert not os.path.exists(os.path.join(vllm, SAVING_MARKER))
     # and through the CLI
     result = run_distload(["reshard", src, out, "--tensor-parallel-size", "2"])
     assert result.returncode == 1
-    assert "already holds a sharded checkpoint" in result.stderr
+    assert "already holds a pre-sharded checkpoint" in result.stderr
 
 
 def test_already_sharded_source_is_refused(resharded, tmp_path):
     out = str(tmp_path / "out")
     with pytest.raises(CheckpointError) as err:
         reshard(resharded[0][2], out, 4)
-    assert "already a per-rank sharded checkpoint" in str(err.value)
+    assert "already a pre-sharded (per-rank) checkpoint" in str(err.value)
     assert not os.path.exists(out)
     vllm = str(tmp_path / "vllm")
     write_sharded(vllm, world_size=2, parts=1)
-    with pytest.raises(CheckpointError, match="already a per-rank sharded checkpoint"):
+    with pytest.raises(CheckpointError, match=r"already a pre-sharded \(per-rank\) checkpoint"):
         reshard(vllm, out, 1)
     assert not os.path.exists(out)
 

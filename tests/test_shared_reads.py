@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from distload.loading.agreement import sharing_ranks
+from distload.loading.agreement import member_ranks
 from distload.loading.shared_reads.plan import (
     ExchangePlan, Segment, assign_readers, clip_runs, compact, expand, plan_buckets)
 from distload.loading.report import state_digest
@@ -95,10 +95,10 @@ def test_the_exchange_plan_reads_the_union_once_and_gives_each_member_exactly_it
 
 def test_sharing_ranks_by_need_and_by_node():
     needs = [(("slices", "a"), "n0"), (("slices", "b"), "n0"), (("slices", "a"), "n1"), (("slices", "b"), "n1")]
-    assert sharing_ranks(needs, 0, "job") == (0, 2)  # the replicas of TP rank 0
-    assert sharing_ranks(needs, 3, "job") == (1, 3)
-    assert sharing_ranks(needs, 2, "node") == (2,)  # alone on its node
-    assert sharing_ranks([(("whole",), "n0")] * 3, 1, "node") == (0, 1, 2)
+    assert member_ranks(needs, 0, "job") == (0, 2)  # the replicas of TP rank 0
+    assert member_ranks(needs, 3, "job") == (1, 3)
+    assert member_ranks(needs, 2, "node") == (2,)  # alone on its node
+    assert member_ranks([(("whole",), "n0")] * 3, 1, "node") == (0, 1, 2)
 
 
 # -- under torchrun -------------------------------------------------------------------------------
@@ -463,7 +463,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
     result = run_script(script, [str(tmp_path)], nproc=2, timeout=120)
     assert result.returncode != 0
     for rank in (0, 1):
-        assert re.search(rf"rank {rank} refused: .*cooperative read refused: every rank must read the identical "
+        assert re.search(rf"rank {rank} refused: .*shared read refused: every rank must read the identical "
                          rf"file list, but rank 1 has \[.*copy1/model.safetensors'\] that rank 0 lacks", result.stdout), \
             result.stdout[-3000:]
 

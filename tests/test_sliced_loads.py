@@ -162,13 +162,23 @@ def test_sliced_read_fills_existing_tensors_in_place(llama, tmp_path):
     model = {name: torch.zeros_like(t) for name, t in want.items()}
     pointers = {name: t.data_ptr() for name, t in model.items()}
     with WorkerGroup(device="cpu") as group:
-        report = distload.reload_into(model, whole, group=group, sharding="decoder", tp_rank=1, tp_size=2)
-    assert {name: t.data_ptr() for name, t in model.items()} == pointers
-    for name, tensor in want.items():
-        assert torch.equal(model[name].view(torch.uint8), tensor.view(torch.uint8)), name
-    assert report.nbytes == sum(t.numel() * t.element_size() for t in want.values())
-    state = llama_state()
-    assert report.requested_bytes == slice_request_bytes(state, 1, 2)
+        report = distload.reload_into(model, whole, group=group, sharding="decoder", tensor_parallel_rank=1,
+                                      tensor_parallel_size=2)
+        assert {name: t.data_ptr() for name, t in model.items()} == pointers
+        for name, tensor in want.items():
+            assert torch.equal(model[name].view(torch.uint8), tensor.view(torch.uint8)), name
+        assert report.nbytes == sum(t.numel() * t.element_size() for t in want.values())
+        state = llama_state()
+        assert report.requested_bytes == slice_request_bytes(state, 1, 2)
+        # tp_rank/tp_size are the first names of those keywords: the same load, with a warning
+        for tensor in model.values():
+            tensor.zero_()
+        with pytest.warns(DeprecationWarning, match="old name of tensor_parallel_rank"):
+            distload.reload_into(model, whole, group=group, sharding="decoder", tp_rank=1, tp_size=2)
+        for name, tensor in want.items():
+            assert torch.equal(model[name].view(torch.uint8), tensor.view(torch.uint8)), name
+        with pytest.raises(distload.ReloadError, match="tensor_parallel_size=4 and tp_size=2 disagree"):
+            distload.reload_into(model, whole, group=group, tensor_parallel_size=4, tp_size=2)
 
 
 def test_reload_into_a_model_shaped_for_another_layout_is_refused(llama):
@@ -176,7 +186,7 @@ def test_reload_into_a_model_shaped_for_another_layout_is_refused(llama):
     model = {name: torch.zeros_like(t) for name, t in rank_reference(saved[2], 0).items()}
     model["model.embed_tokens.weight"] = torch.zeros(VOCAB // 2, HIDDEN, dtype=torch.bfloat16)  # unpadded
     with WorkerGroup(device="cpu") as group, pytest.raises(distload.ReloadError) as err:
-        distload.reload_into(model, whole, group=group, tensor_parallel_size=2, tp_rank=0)
+        distload.reload_into(model, whole, group=group, tensor_parallel_size=2, tensor_parallel_rank=0)
     assert "model.embed_tokens.weight: the rank's slice [128, 16] in the checkpoint, [100, 16]" in str(err.value)
 
 

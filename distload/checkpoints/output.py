@@ -72,7 +72,7 @@ def prepare_output(output: str, pattern: str) -> None:
         existing = [name for name in list_names(output) if name in (MANIFEST_NAME, SAVING_MARKER)]
     if existing:
         raise CheckpointError(
-            f"{output} already holds a sharded checkpoint ({', '.join(existing)}); save into a new or "
+            f"{output} already holds a pre-sharded checkpoint ({', '.join(existing)}); save into a new or "
             f"empty folder, or remove the old checkpoint first"
         )
     with open(os.path.join(output, SAVING_MARKER), "w") as f:

@@ -272,7 +272,7 @@ PLAIN_FILE_HEAD_BYTES = 64 * 1024
 
 
 def _fingerprints(src: Source, listing: list[SourceFile]) -> list[str]:
-    """For a local source, each file's content fingerprint (as cooperative loads compare them: two
+    """For a local source, each file's content fingerprint (as shared reads compare them: two
     nodes may hold different files at the same path); for an object, its version."""
     if src.remote:
         return [entry.version or "" for entry in listing]

@@ -104,7 +104,7 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     if detect_layout(path).sharded:
         raise CheckpointError(
-            f"{source} is already a per-rank sharded checkpoint; reshard from the whole "
+            f"{source} is already a pre-sharded (per-rank) checkpoint; reshard from the whole "
             f"(Hugging Face style) checkpoint it was made from"
         )
     if os.path.abspath(folder) == os.path.abspath(output):

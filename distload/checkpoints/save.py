@@ -1,4 +1,4 @@
-"""Saving a sharded checkpoint from a running job: each rank writes its own shard files.
+"""Saving a pre-sharded checkpoint from a running job: each rank writes its own shard files.
 
 Order of calls (every rank of the group): ``agree("preparing the save")`` (rank 0 creates OUTPUT
 and the saving marker), ``agree("writing the shards")``, ``exchange`` of every rank's files, and

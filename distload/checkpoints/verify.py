@@ -1,4 +1,4 @@
-"""``python -m distload verify FOLDER``: every file of a sharded checkpoint against its manifest."""
+"""``python -m distload verify FOLDER``: every file of a pre-sharded checkpoint against its manifest."""
 
 from __future__ import annotations
 

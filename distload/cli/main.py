@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "under the checkpoint's names; plain; replicate) or a JSON spec file (default vllm "
                            "where the engine's names are known, else decoder); --plan is its old name")
 
-    verify = sub.add_parser("verify", help="check a sharded checkpoint's files against its manifest")
-    verify.add_argument("folder", help="a sharded checkpoint saved by distload (a folder or an object-store prefix)")
+    verify = sub.add_parser("verify", help="check a pre-sharded checkpoint's files against its manifest")
+    verify.add_argument("folder", help="a pre-sharded checkpoint saved by distload (a folder or an object-store prefix)")
 
     inspect = sub.add_parser("inspect", help="files, tensors, bytes, dtypes and layout of a checkpoint")
     inspect.add_argument("source", help="a safetensors file, a folder, or an object-store URI")

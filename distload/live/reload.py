@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -194,27 +195,28 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
                 load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None, *,
                 group: WorkerGroup | None = None, strict: bool = True, name_map: NameMap | None = None,
                 sharding: str | ShardingSpec | None = None, tensor_parallel_size: int | None = None,
-                tp_rank: int | None = None, tp_size: int | None = None,
-                progress: bool = False) -> ReloadReport:
+                tensor_parallel_rank: int | None = None, progress: bool = False,
+                tp_rank: int | None = None, tp_size: int | None = None) -> ReloadReport:
     """Load ``source`` into ``target``'s existing tensors, in place, all-or-nothing on mismatch.
 
     Call on every rank of ``group`` (None: a group from the environment, for this call).
     ``tensor_parallel_size`` T (or ``sharding``, a sharding spec: built-in name, JSON file or
     object; default ``decoder``): each rank fills TP rank ``r % T``'s slices of a whole
     checkpoint, reading only their bytes where the reader can (T defaults to the group's size
-    when only a spec is given). ``tp_rank``/``tp_size`` place the rank explicitly (a
+    when only a spec is given). ``tensor_parallel_rank`` places the rank explicitly (a
     tensor-parallel group that is not consecutive ranks). A checkpoint pre-sharded for T fills
-    every data-parallel replica with its TP rank's files.
+    every data-parallel replica with its TP rank's files. ``tp_size`` and ``tp_rank`` are the old
+    names of ``tensor_parallel_size`` and ``tensor_parallel_rank``.
     """
-    if tensor_parallel_size is not None and tp_size is not None and tensor_parallel_size != tp_size:
-        raise ReloadError(f"tensor_parallel_size={tensor_parallel_size} and tp_size={tp_size} disagree; pass one")
+    tensor_parallel_size = _renamed("tp_size", tp_size, "tensor_parallel_size", tensor_parallel_size)
+    tensor_parallel_rank = _renamed("tp_rank", tp_rank, "tensor_parallel_rank", tensor_parallel_rank)
     with WorkerGroup.for_call(group) as g:
         start = time.perf_counter()
         targets = model_tensors(target)
         blocks = dtensor_blocks(targets)  # each rank reads its DTensors' local shards only
         loader = Loader(source, load_format, extra_config, group=g, progress=progress,
-                        tensor_parallel_size=tensor_parallel_size if tensor_parallel_size is not None else tp_size,
-                        sharding=sharding, tensor_parallel_rank=tp_rank, blocks=blocks)
+                        tensor_parallel_size=tensor_parallel_size, sharding=sharding,
+                        tensor_parallel_rank=tensor_parallel_rank, blocks=blocks)
         if blocks:
             if name_map is not None:
                 raise ReloadError("a name map onto DTensor parameters is not supported: load with the model's own names")
@@ -222,6 +224,16 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
                 raise ReloadError("the model's parameters are DTensors: their placements already say which shard "
                                   "each rank holds; drop tensor_parallel_size/sharding")
         return _reload(target, targets, loader, strict=strict, name_map=name_map, start=start)
+
+
+def _renamed(old: str, old_value: Any, new: str, value: Any) -> Any:
+    """``new``'s value, taking ``old`` (its first name) with a DeprecationWarning."""
+    if old_value is None:
+        return value
+    if value is not None and value != old_value:
+        raise ReloadError(f"{new}={value} and {old}={old_value} disagree; pass {new} only ({old} is its old name)")
+    warnings.warn(f"reload_into({old}=...) is the old name of {new}", DeprecationWarning, stacklevel=3)
+    return old_value
 
 
 def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],

@@ -3,10 +3,10 @@
     sources      a source URI -> its files (local folder, s3://, gs://, az://), one listing
     index        file headers -> the checkpoint index (names, dtypes, shapes, byte ranges)
     layout       whole or pre-sharded (patterns, the manifest): which files are this rank's
-    choice       the read choice: which backend, cooperative or not (pure)
+    choice       the read choice: which backend, shared or not (pure)
     plan         the rank plan: source, choice, index and what the rank must end up with
     planner      makes the rank plan (the steps above, on one rank) and asks the backend's preflight
-    agreement    every rank planned the same read, and cooperative readers hold identical lists
+    agreement    every rank planned the same read, and the ranks of a shared read hold identical lists
     request      what a reader is given (files, device, slices... and its own typed options)
     backends/    the readers (one object each), onto cuda:<local_rank> or cpu
     delivery     what the backend hands over is checked against the rank plan

@@ -1,6 +1,6 @@
 """Cross-rank agreement on a read, before any tensor data moves.
 
-Every rank of the group must have taken the same read choice, and ranks that read cooperatively
+Every rank of the group must have taken the same read choice, and ranks that share a read
 must hold the identical file list (path, size, and for local files a content fingerprint): Run:ai's
 distributed mode silently hands ranks each other's data otherwise.
 """
@@ -20,10 +20,10 @@ if TYPE_CHECKING:
 
 def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[tuple[int, ...], tuple[dict, ...]]:
     """Collective over ``group``: the same choice everywhere, identical lists where ranks read
-    cooperatively. Returns, for a backend that shares reads, the ranks that read this rank's files
+    in a shared read. Returns, for a backend that shares reads, the ranks that read this rank's files
     with it (this one included; on its node only for the ``node`` scope) and what each of them
     keeps (``RankPlan.slice_runs``, in the same order); else ((), ())."""
-    shares = plan.choice.cooperative and BACKENDS[plan.choice.backend].shares_reads
+    shares = plan.choice.shared and BACKENDS[plan.choice.backend].shares_reads
     runs = plan.slice_runs() if shares else None  # only a shared read needs the others' slices
     everyone = group.exchange((plan.choice, plan.signature(), plan.share_key(), group.hostname, runs))
     choices = {rank: choice for rank, (choice, _, _, _, _) in enumerate(everyone)}
@@ -33,24 +33,24 @@ def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[tuple[int, ..
             + "; ".join(f"rank {r}: {_describe(c)}" for r, c in choices.items())
             + ". Every rank must run the same command with the same extra config."
         )
-    if not plan.choice.cooperative:
+    if not plan.choice.shared:
         return (), ()
-    sharing: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
     compared = list(range(group.world_size))
     if shares:
-        sharing = sharing_ranks([(key, host) for _, _, key, host, _ in everyone], group.rank, plan.choice.scope)
-        compared = list(sharing)
+        members = member_ranks([(key, host) for _, _, key, host, _ in everyone], group.rank, plan.choice.scope)
+        compared = list(members)
     differing = mismatched_ranks([everyone[r][1] for r in compared], compared)
     if differing:
         details = "; ".join(f"rank {r} {what}" for r, what in differing.items())
         raise GroupError(
-            f"cooperative read refused: every rank must read the identical file list, but {details}. Make the checkpoint visible at the same path with the "
-            f"same files on every node, or read without cooperation (extra config distributed=false)."
+            f"shared read refused: every rank must read the identical file list, but {details}. Make the checkpoint visible at the same path with the "
+            f"same files on every node, or let each rank read alone (extra config distributed=false)."
         )
-    return sharing, tuple(everyone[r][4] for r in sharing)
+    return members, tuple(everyone[r][4] for r in members)
 
 
-def sharing_ranks(needs: list[tuple[tuple, str]], rank: int, scope: str) -> tuple[int, ...]:
+def member_ranks(needs: list[tuple[tuple, str]], rank: int, scope: str) -> tuple[int, ...]:
     """The ranks that read ``rank``'s files with it: ``needs`` holds every rank's share key (equal
     where ranks read the same files) and host; the ``node`` scope keeps those on ``rank``'s host."""
     key, host = needs[rank]
@@ -60,7 +60,7 @@ def sharing_ranks(needs: list[tuple[tuple, str]], rank: int, scope: str) -> tupl
 
 def _describe(choice: ReadChoice) -> str:
     return (f"{choice.backend} ({'per-rank shards' if choice.sharded else 'whole checkpoint'}"
-            f"{f', cooperative per {choice.scope}' if choice.cooperative else ''})")
+            f"{f', shared per {choice.scope}' if choice.shared else ''})")
 
 
 def mismatched_ranks(signatures: list[list[tuple]], ranks: list[int] | None = None) -> dict[int, str]:

@@ -1,14 +1,14 @@
-"""The read choice: which backend reads, from which layout, and whether ranks cooperate.
+"""The read choice: which backend reads, from which layout, and whether ranks share their reads.
 
 Each load format takes it from the facts of one rank's load (:class:`ReadFacts`) with its own
 ``choose`` (``distload.loading.formats``). Pure and deterministic: every rank has the same facts
-and so takes the same decision, which cooperative backends rely on (the agreement step still
+and so takes the same decision, which shared reads rely on (the agreement step still
 cross-checks it).
 
 A *read group* is the set of ranks that need exactly the same files:
 
 - whole checkpoint: every rank needs every tensor, so all ranks form one group and may read
-  cooperatively (Run:ai distributed, InstantTensor with the group's handle);
+  in a shared read (Run:ai distributed, InstantTensor with the group's handle, distload's own);
 - per-rank shards saved for the job's world size: each rank is its own group and reads only its
   files, with no collective in the read path.
 """
@@ -20,22 +20,22 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ReadChoice:
-    """How one rank reads: which layout, which backend, and whether ranks read cooperatively.
+    """How one rank reads: which layout, which backend, and whether the read is shared.
 
-    ``scope`` (cooperative reads only): which ranks split the reading of bytes they all need,
+    ``scope`` (shared reads only): which ranks split the reading of bytes they all need,
     those of each node (``node``: Run:ai's default mode) or those of the whole job (``job``:
     each byte leaves storage once per job).
     """
 
     sharded: bool
     backend: str  # a backend's name (distload.loading.backends.BACKENDS)
-    cooperative: bool
+    shared: bool
     scope: str = "node"
 
 
-def sharing_scope(distributed: bool | str | None) -> str | bool | None:
+def scope_from_key(distributed: bool | str | None) -> str | bool | None:
     """The extra config's ``distributed`` as a scope: None (unset: the format decides), False
-    (never cooperate), ``node`` (true means what it means in Run:ai: per node) or ``job``."""
+    (never share), ``node`` (true means what it means in Run:ai: per node) or ``job``."""
     if distributed is True:
         return "node"
     return distributed
@@ -45,7 +45,7 @@ def sharing_scope(distributed: bool | str | None) -> str | bool | None:
 class ReadFacts:
     """What a format's read choice depends on, for one rank; the same on every rank of a load.
 
-    ``distributed``: the extra config's value (None where it is not set; see sharing_scope).
+    ``distributed``: the extra config's value (None where it is not set; see scope_from_key).
     ``remote``: the source is an object store. safetensors' reader needs a local file, so there
     the safetensors formats read the same tensors with ranged GETs (backend ``ranged``).
     ``whole_job``: the group is the job's default group. Run:ai's distributed mode runs only
@@ -75,7 +75,7 @@ class ReadFacts:
 
     @property
     def scope(self) -> str | bool | None:
-        return sharing_scope(self.distributed)
+        return scope_from_key(self.distributed)
 
     @property
     def asked(self) -> str | None:

@@ -1,12 +1,12 @@
 """Load formats (vLLM's ``--load-format`` names): one entry each, in ``FORMATS``.
 
 An entry says everything about its format: the backends it may read with, the extra-config keys
-it takes, and its ``choose``: the read choice (backend, layout, cooperation) from one rank's facts,
+it takes, and its ``choose``: the read choice (backend, layout, shared or not) from one rank's facts,
 as vLLM registers a loader class per format. A new format is one entry; the CLI, the Python API
 (:func:`make_load_config`) and the vLLM plugin all validate names and keys against ``FORMATS``.
 
-A format's keys are its own (``pattern`` for the pre-sharded layouts, ``distributed`` for the
-cooperative reads: Run:ai's, and distload's own shared reads under ``auto``) plus those of the backends it reads with, each checked by the backend's own
+A format's keys are its own (``pattern`` for the pre-sharded layouts, ``distributed`` for
+shared reads: Run:ai's, and distload's own shared reads under ``auto``) plus those of the backends it reads with, each checked by the backend's own
 check: adding a key to a backend adds it to every format that reads with it. ``auto`` takes only
 the keys that mean something whichever backend it picks.
 """
@@ -28,7 +28,7 @@ from distload.loading.layout import check_pattern
 @dataclass(frozen=True)
 class LoadFormat:
     """One load format. ``choose`` is pure and deterministic: every rank of a job calls it with
-    the same facts and so takes the same decision, which the cooperative backends rely on (the
+    the same facts and so takes the same decision, which shared reads rely on (the
     caller still cross-checks the file lists)."""
 
     name: str
@@ -91,12 +91,12 @@ def _dummy(facts: ReadFacts) -> ReadChoice:
 # and 2 ranks, whole and per-rank shards; a file truncated under it is an error naming the file
 # and tensor, where a memcpy out of a memory map dies of SIGBUS. With the page cache already
 # sharing reads between a node's ranks, each rank reading alone beats Run:ai's distributed mode
-# over gloo, so local loads cooperate only when asked to (``distributed``). The same for TP slices
+# over gloo, so local loads share reads only when asked to (``distributed``). The same for TP slices
 # of local files: pread asks for each rank's slices only, so TP ranks read each byte once per job
 # already; sharing them anyway took a median 0.56 s against 0.32 s alone (TP 2 on 2 ranks,
 # 315 MiB, warm page cache, 6 runs each: the exchange over gloo is the cost).
 # On an object store nothing shares the reads, so ranks that need the same bytes read them
-# cooperatively, across the whole job, with distload's own shared ranged reads: on two nodes x 2
+# in a shared read, across the whole job, with distload's own shared ranged reads: on two nodes x 2
 # ranks they served each byte once, as Run:ai's job-wide mode does, and loaded faster than it
 # (benchmarks/results/shared.md); they also split what Run:ai cannot (a subgroup, the slices of
 # TP ranks and their data-parallel replicas, shard files replicas share). A GPU job keeps Run:ai's
@@ -107,7 +107,7 @@ AUTO_CPU_BACKEND = "pread"
 def _auto(facts: ReadFacts) -> ReadChoice:
     """The measured pick for this machine and source (see the comment above)."""
     many, scope, asked, remote = facts.many, facts.scope, facts.asked, facts.remote
-    runai_cooperative = many and not facts.sharded_layout_found and facts.whole_job
+    runai_shared = many and not facts.sharded_layout_found and facts.whole_job
     own = "ranged" if remote else AUTO_CPU_BACKEND  # distload's readers of byte ranges
     # Whether ranks that need the same bytes share their reading: where asked, or by default on
     # an object store (job-wide: on one node that is the same ranks).
@@ -127,7 +127,7 @@ def _auto(facts: ReadFacts) -> ReadChoice:
             return ReadChoice(False, "instanttensor", many and scope is not False)
         # Run:ai over NCCL reads each byte once per node (each node has its own files) and
         # broadcasts device to device.
-        return ReadChoice(False, "runai", runai_cooperative and scope is not False, asked or "node")
+        return ReadChoice(False, "runai", runai_shared and scope is not False, asked or "node")
     if not (share and many):
         return ReadChoice(False, "runai" if remote else AUTO_CPU_BACKEND, False)
     if remote and facts.whole_job and facts.device_type == "cuda":

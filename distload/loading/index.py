@@ -276,7 +276,7 @@ class CheckpointIndex:
         return sum(len(f.tensors) for f in self.files)
 
     def signature(self) -> list[tuple]:
-        """What ranks compare before a cooperative read: each file's path and size (and an
+        """What ranks compare before a shared read: each file's path and size (and an
         object's version: ranks that read the headers of two versions must not mix them)."""
         return [(f.path, f.size) if f.version is None else (f.path, f.size, f.version) for f in self.files]
 

@@ -7,7 +7,7 @@ gloo control group, with the group's timeout):
    read the headers, run the backend's preflight (:mod:`distload.loading.plan`). A fault on any
    rank (missing file, bad header, wrong shard layout) stops every rank here, before any data.
 2. ``exchange`` (:mod:`distload.loading.agreement`): every rank's read choice and file list;
-   ranks that will read cooperatively must hold the identical list, or every rank stops naming
+   ranks that will share a read must hold the identical list, or every rank stops naming
    the ranks that differ.
 3. The backend streams ``(name, tensor)`` pairs onto the rank's device; each is checked against
    the rank plan on its way out (:mod:`distload.loading.delivery`).
@@ -130,8 +130,8 @@ class Loader:
         plan = self.group.agree("planning the load",
                                 lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel,
                                                   self._blocks))
-        sharing, needs = agree_on_read(self.group, plan)
-        return replace(plan, sharing=sharing, needs=needs) if sharing else plan
+        members, needs = agree_on_read(self.group, plan)
+        return replace(plan, members=members, needs=needs) if members else plan
 
     def stream(self, plan: RankPlan | None = None,
                destinations: Mapping[str, torch.Tensor] | None = None) -> LoadStream:
@@ -185,7 +185,7 @@ class Loader:
                 torch.cuda.synchronize(group.device)
         except GeneratorExit:
             # A shared read that failed meanwhile has already told every rank (and they left).
-            if not (plan.choice.cooperative and run is not None and _drain(run)):
+            if not (plan.choice.shared and run is not None and _drain(run)):
                 group.report_failure("loading", DistloadError(
                     f"rank {group.rank} stopped consuming tensors before the load finished"))
             raise
@@ -213,7 +213,7 @@ class Loader:
             log.debug("not marking new host tensors for huge pages: %s", host_memory.why_not)
         slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
         return ReadRequest(index=plan.index, device=self.group.device, group=self.group,
-                           cooperative=plan.choice.cooperative, destinations=destinations,
+                           shared=plan.choice.shared, destinations=destinations,
                            host_memory=host_memory, slices=slices, options=backend.options(self.config.extra, plan))
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
@@ -237,7 +237,7 @@ class Loader:
 
 
 def _drain(run: BackendRun) -> bool:
-    """The consumer stopped early during a cooperative read: the other ranks are inside the
+    """The consumer stopped early during a shared read: the other ranks are inside the
     backend's collectives, waiting for this rank's share, so finish the read (dropping the
     tensors) to let them complete. True if the read failed in a way every rank already heard of."""
     try:

@@ -1,4 +1,4 @@
-"""The manifest of a sharded checkpoint (``distload.json``), written last by every save.
+"""The manifest of a pre-sharded checkpoint (``distload.json``), written last by every save.
 
 A checkpoint is complete only when its manifest exists. A save first drops a marker
 (``distload.saving``) and removes it only after the manifest is in place, so a save that died

@@ -26,15 +26,15 @@ class RankPlan:
     aliases: Mapping[str, str] = field(default_factory=dict)
     # From a distload manifest: tensors saved inside another one, handed out as views of it.
     views: Mapping[str, Subtensor] = field(default_factory=dict)
-    # For a cooperative read of local files: each file's content fingerprint, compared across ranks.
+    # For a shared read of local files: each file's content fingerprint, compared across ranks.
     fingerprints: tuple[str, ...] = ()
     # With a tensor-parallel size: where this rank sits, and (whole checkpoint) its slices.
     tensor_parallel: TPPlace | None = None
     slices: RankSlices | None = None
-    # After the agreement, for a cooperative read that shares by need (Backend.shares_reads): the
+    # After the agreement, for a shared read that splits by need (Backend.shares_reads): the
     # group ranks that read this rank's files with it, this one included, and what each keeps of
     # the split tensors (slice_runs, in the same order).
-    sharing: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
     needs: tuple[Mapping[str, tuple], ...] = ()
 
     @property
@@ -68,7 +68,7 @@ class RankPlan:
         return {name: compact(piece.extents) for name, piece in self.slices.slices.items()}
 
     def signature(self) -> list[tuple]:
-        """What ranks compare before a cooperative read: path, size (and content) per file."""
+        """What ranks compare before a shared read: path, size (and content) per file."""
         if not self.fingerprints:
             return self.index.signature()
         return [(item[0], item[1], fp) for item, fp in zip(self.index.signature(), self.fingerprints)]

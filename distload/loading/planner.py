@@ -103,8 +103,8 @@ def _whole_plan(source: str, choice: ReadChoice, layout: CheckpointLayout) -> Ra
 
 
 def _fingerprints(choice: ReadChoice, src, index) -> tuple[str, ...]:
-    """For a cooperative read of local files, each file's content fingerprint: an object key names
+    """For a shared read of local files, each file's content fingerprint: an object key names
     the same bytes for every rank, a local path on two nodes may not."""
-    if not choice.cooperative or src.remote:
+    if not choice.shared or src.remote:
         return ()
     return tuple(content_fingerprint(info) for info in index.files)

@@ -31,7 +31,7 @@ T = TypeVar("T", bound=ReadOptions)
 class ReadRequest:
     """One rank's read: its files, where the tensors go, and how (built by keyword only).
 
-    ``cooperative`` means every rank of the group holds this very index (checked by the caller
+    ``shared`` means every rank of the group holds this very index (checked by the caller
     before the backend runs) and the backend may split the reading across them.
     ``destinations``: existing tensors (by checkpoint name) that a backend able to read in place
     may read straight into and yield, instead of allocating (an in-place reload); a backend that
@@ -46,7 +46,7 @@ class ReadRequest:
     index: CheckpointIndex
     device: torch.device
     group: Any  # the WorkerGroup; backends use its process_group, rank and timeout
-    cooperative: bool = False
+    shared: bool = False
     destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
     host_memory: HostMemory = field(default_factory=lambda: HostMemory(False))
     # A tensor-parallel rank's slices (tensor name -> the byte extents of its piece), for a
@@ -79,7 +79,7 @@ class BackendRun:
         # Bytes by the way they were read ("pread/page-cache", "pread/storage", ...), for a reader
         # that takes each tensor the way its bytes' place calls for; None for the others.
         self.reader_bytes: dict[str, int] | None = None
-        # Bytes that came from other ranks over the group (a cooperative read); None: not counted.
+        # Bytes that came from other ranks over the group (a shared read); None: not counted.
         self.received_bytes: int | None = None
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 

@@ -211,7 +211,7 @@ def content_fingerprint(info: FileInfo, data_start: int | None = None) -> str:
     """SHA-256 of a local file's header and of a 4 KiB block every 1 MiB of its data.
 
     Two nodes can hold different versions of a checkpoint at the same path with the same sizes
-    (a fine-tune of the same model, a copy corrupted in transit); cooperative readers would then
+    (a fine-tune of the same model, a copy corrupted in transit); the ranks of a shared read would then
     silently hand one node's bytes to the other. The samples catch every difference of more than
     a stride, and every tensor that differs throughout, at the cost of 0.4% of the file's bytes
     (measured in benchmarks/results/fingerprint.md). What they cannot catch is a difference that

@@ -42,7 +42,7 @@ class WorkerGroup:
     stands for the whole job; made from a ``torch.distributed`` group the caller already has
     (``WorkerGroup(process_group=tp_group)``), or by :meth:`subgroup`, it stands for those ranks
     only: ``rank`` and ``world_size`` are then within the group, and its agreements and
-    cooperative reads involve only its members.
+    shared reads involve only its members.
 
     Use as a context manager (or call :meth:`close`): the process groups distload made are always
     torn down, on failing paths too, because a gloo group still alive at interpreter exit can

@@ -7,7 +7,7 @@ the object. Order of calls, on every rank of the group:
 1. ``check_source(source, group)`` first, when the load format reads with this backend only:
    what it can refuse from the source's kind and the rank's device alone, before any request;
    ``preflight(plan, group)`` at the end of planning. Both run inside the group's agreement
-   step: a refusal there reaches every rank at once (inside a cooperative read the others would
+   step: a refusal there reaches every rank at once (inside a shared read the others would
    wait the timeout);
 2. ``options(extra, plan)``: the backend's own settings for the request (a
    :class:`~distload.loading.request.ReadOptions` subclass it defines), made by the loader;
@@ -40,8 +40,8 @@ class Backend:
     ``reads_object_stores``: it can read ``s3://``/``gs://``/``az://`` sources.
     ``package``: the optional module it needs (None: always there).
     ``reads_slices``: it reads only a tensor-parallel rank's byte ranges (``request.slices``).
-    ``shares_reads``: its cooperative read splits the bytes among the ranks that read the same
-        files (its options' ``sharing``, shared_reads.stream.SharedReadOptions: a whole checkpoint's
+    ``shares_reads``: its shared read splits the bytes among the ranks that read the same
+        files (its options' ``members``, shared_reads.stream.SharedReadOptions: a whole checkpoint's
         ranks, the replicas of a TP rank's shard files; a node's only, for the node scope) and
         sends each only what it keeps.
     """

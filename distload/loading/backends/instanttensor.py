@@ -90,7 +90,7 @@ class InstantTensorBackend(Backend):
         check_instanttensor_device(request.device)
         module = _import_instanttensor()
         group = request.group
-        process_group = group.process_group if (request.cooperative and group.world_size > 1) else None
+        process_group = group.process_group if (request.shared and group.world_size > 1) else None
         knobs = instanttensor_knobs(request.options_as(InstantTensorOptions).settings, module)
         path = "instanttensor-group" if process_group is not None else "instanttensor"
         return BackendRun(path).start(_stream(module, request, process_group, knobs))

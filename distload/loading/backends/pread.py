@@ -88,12 +88,12 @@ class PreadBackend(Backend):
         self.read_ahead_bytes = read_ahead_bytes  # bytes read ahead of what the caller took
 
     def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> PreadOptions:
-        return PreadOptions(sharing=plan.sharing, needs=plan.needs,
+        return PreadOptions(members=plan.members, needs=plan.needs,
                             concurrency=int(extra.get("concurrency", DEFAULT_CONCURRENCY)))
 
     def read(self, request: ReadRequest) -> BackendRun:
         concurrency = request.options_as(PreadOptions).concurrency
-        if request.cooperative:
+        if request.shared:
             run = BackendRun("pread-shared", requested_bytes=0)
             return run.start(shared_stream(request, run, LocalBytes(), concurrency))
         run = BackendRun("pread", requested_bytes=0)

@@ -79,10 +79,10 @@ class RangedBackend(Backend):
     shares_reads = True
 
     def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> SharedReadOptions:
-        return SharedReadOptions(sharing=plan.sharing, needs=plan.needs)
+        return SharedReadOptions(members=plan.members, needs=plan.needs)
 
     def read(self, request: ReadRequest) -> BackendRun:
-        if request.cooperative:
+        if request.shared:
             run = BackendRun("ranged-shared", requested_bytes=0)
             return run.start(shared_stream(request, run, StoreBytes(), SHARED_CONCURRENCY))
         run = BackendRun("ranged-reads", requested_bytes=0)

@@ -1,4 +1,4 @@
-"""Run:ai Model Streamer: concurrent chunked reads, optionally cooperative across ranks.
+"""Run:ai Model Streamer: concurrent chunked reads, optionally shared across ranks (Run:ai's distributed mode).
 
 Distributed mode splits the chunks of ONE file list across the ranks of the default process group
 (grouped by host), each rank reads its share and broadcasts it. Two quirks shape this module:
@@ -7,7 +7,7 @@ Distributed mode splits the chunks of ONE file list across the ranks of the defa
   ``RUNAI_STREAMER_DIST=1``, too little GPU memory, ...), so we set the variable ourselves and
   report the path the library actually took (``runai-distributed`` or ``runai``);
 - ranks with different file lists silently receive each other's data, so the caller must have
-  checked that every rank holds the same list before ``cooperative`` is set.
+  checked that every rank holds the same list before ``shared`` is set.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _import_streamer():
 @dataclass(frozen=True)
 class RunaiOptions(ReadOptions):
     """Run:ai's settings: its extra-config keys (None: the library's default), and for a
-    cooperative read which ranks split it, each node's (``node``) or the whole job's (``job``)."""
+    shared read which ranks split it, each node's (``node``) or the whole job's (``job``)."""
 
     concurrency: int | None = None
     memory_limit: int | None = None
@@ -75,11 +75,11 @@ class RunaiBackend(Backend):
     def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
         """The refusals Run:ai's reader would otherwise meet only once reading starts."""
         super().preflight(plan, group)
-        if plan.choice.cooperative and not group.is_world:
+        if plan.choice.shared and not group.is_world:
             raise BackendUnavailableError(
                 f"Run:ai's distributed mode runs only over the job's default process group, and this "
-                f"load runs over a subgroup of {group.world_size} of its ranks; load without "
-                f"cooperation (extra config distributed=false), or over the whole job"
+                f"load runs over a subgroup of {group.world_size} of its ranks; let each rank read alone "
+                f"(extra config distributed=false), or load over the whole job"
             )
         unreadable = [t for t in plan.index.tensors if t.dtype in UNSUPPORTED_DTYPES]
         if unreadable:
@@ -133,7 +133,7 @@ def _path(request: ReadRequest, distributed: bool) -> str:
 
 
 def _distributed(request: ReadRequest) -> bool:
-    return request.cooperative and request.group.world_size > 1
+    return request.shared and request.group.world_size > 1
 
 
 def _check_one_store_kind(scheme: str) -> None:

@@ -1,13 +1,13 @@
 """Shared reads: each byte a group of ranks needs is read once, by one of them, and each rank
 receives from the others exactly the bytes it keeps.
 
-This is the cooperative read of distload's own readers (``pread`` on local files, ``ranged`` on
+This is the shared read of distload's own readers (``pread`` on local files, ``ranged`` on
 object stores), for what Run:ai's distributed mode cannot split: a load over a subgroup,
 tensor-parallel slices (with or without data-parallel replicas), shard files that replicas share,
 local files shared job-wide (a network file system). The readers give it a ``ByteReader``; it does
 the rest.
 
-**Who shares** (the request's :class:`SharedReadOptions`, ``sharing``): the *members*, the ranks of the load's group that read a
+**Who shares** (the request's :class:`SharedReadOptions`, ``members``): the *members*, the ranks of the load's group that read a
 checkpoint together, on this rank's node or in the whole job (the read choice's scope): every rank
 of a whole checkpoint (each keeping all of it, or its tensor-parallel slices), the replicas of a
 TP rank for a pre-sharded one (they need the same shard files). ``needs`` says what each
@@ -79,21 +79,21 @@ class ByteReader(Protocol):
 
 @dataclass(frozen=True)
 class SharedReadOptions(ReadOptions):
-    """The part of a request a reader that ``shares_reads`` needs for its cooperative read.
+    """The part of a request a reader that ``shares_reads`` needs for its shared read.
 
-    ``sharing``: the ranks of the group (group ranks, this one included) that read this rank's
-    files together, found by the agreement; ``needs``: what each of them keeps (in ``sharing``'s
+    ``members``: the ranks of the group (group ranks, this one included) that read this rank's
+    files together, found by the agreement; ``needs``: what each of them keeps (in ``members``'s
     order): tensor name -> byte runs of its slice (``shared_reads/plan.py``), the tensors it keeps
-    whole left out. The load's agreement fills both (``RankPlan.sharing``, ``RankPlan.needs``); a
+    whole left out. The load's agreement fills both (``RankPlan.members``, ``RankPlan.needs``); a
     shared read without them is refused.
     """
 
-    sharing: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()
     needs: tuple[Mapping[str, tuple], ...] = ()
 
 
 def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
-    """Each member's need of each tensor (``needs``, in ``sharing``'s order): its runs where it
+    """Each member's need of each tensor (``needs``, in ``members``'s order): its runs where it
     keeps a slice, else the whole tensor."""
     needs = request.options_as(SharedReadOptions).needs
     return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in needs]
@@ -241,10 +241,10 @@ class _Bucket:
 
 def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, concurrency: int
                   ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The cooperative read: ``(name, tensor)`` in file order, each rank reading its share."""
+    """The shared read: ``(name, tensor)`` in file order, each rank reading its share."""
     group = request.group
     # the load's agreement (distload/loading/agreement.py) fills both
-    members = list(request.options_as(SharedReadOptions).sharing)
+    members = list(request.options_as(SharedReadOptions).members)
     k = len(members)
     infos = [t for f in request.index.files for t in f.tensors]
 
