@@ -29,6 +29,45 @@ DEFAULT_TIMEOUT_S = 300.0
 T = TypeVar("T")
 
 
+def carries(backend: str | None, device_type: str) -> bool:
+    """Whether a process group whose backend torch names ``backend`` (``dist.get_backend``:
+    ``nccl``, ``gloo``, or per device type ``cpu:gloo,cuda:nccl``) moves tensors on
+    ``device_type`` from their own memory.
+
+    NCCL carries CUDA tensors only: torch registers it for "cuda" alone
+    (``Backend.default_device_backend_map``), so a CPU tensor on an NCCL-only group raises "No
+    backend type associated with device type cpu". gloo is registered for "cuda" too, but its
+    send and recv hand a CUDA tensor's device pointer to a TCP buffer
+    (``ProcessGroupGloo::send``: ``tensor.const_data_ptr()`` into ``createUnboundBuffer``, with
+    no device check), so only host tensors travel through gloo point to point.
+    """
+    if not backend:
+        return False
+    names: dict[str, str] = {}
+    for part in backend.lower().split(","):
+        kind, _, name = part.rpartition(":")
+        if kind:
+            names[kind.strip()] = name.strip()
+        else:
+            names = {"cpu": name.strip(), "cuda": name.strip()}
+    return names.get(device_type) == ("nccl" if device_type == "cuda" else "gloo")
+
+
+def subgroup_backend(device_type: str) -> str:
+    """The backend of a subgroup's one process group, data and control together.
+
+    For CUDA both in one group: with the default group bound to a device (``device_id``), torch
+    2.13's ``new_group`` makes every rank left out of *any* new group, gloo ones too, take part
+    in an ``ncclCommSplit`` of the default communicator, while a gloo group's members take part
+    in none (``_new_process_group_helper``: ``split_from.perform_nocolor_split`` for
+    non-members; ``split_from`` used only for NCCL). An NCCL group and a gloo group made one
+    after the other thus leave the ranks left out in a second split nobody else joins (pytorch
+    issue 145376). One ``cpu:gloo,cuda:nccl`` group is one split on every rank, and its object
+    collectives run on "cpu", i.e. gloo (``_get_object_coll_device``).
+    """
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, DistloadError):
         return str(exc)
@@ -73,6 +112,11 @@ class WorkerGroup:
         else:
             self.launch = detect_launch(environ)
         self.device = resolve_device(device, self.launch.local_rank)
+        if self.device.type == "cuda":
+            # The readers work on the current device's streams (InstantTensor synchronizes
+            # torch.cuda.current_stream() before handing out each tensor, _impl.py:1006, and
+            # clones on it): it must be this group's device, on every path into a group.
+            torch.cuda.set_device(self.device)
         self.hostname = socket.gethostname()
         if process_group is not None:
             self._join(process_group)
@@ -82,13 +126,13 @@ class WorkerGroup:
             self._init_default_group()
         if self.launch.world_size > 1:
             self._heartbeat = Heartbeat(dist.get_rank())
-            self._data = dist.group.WORLD
             # Control messages (errors, file lists, reports) always travel over gloo so they work
             # the same next to NCCL, and never touch device memory.
-            if dist.get_backend() == "gloo":
+            if carries(dist.get_backend(), "cpu"):
                 self._control = dist.group.WORLD
             else:
                 self._control = self._new_group(None, "gloo")
+            self._data = self._data_group(dist.group.WORLD)
 
     @classmethod
     @contextlib.contextmanager
@@ -130,7 +174,7 @@ class WorkerGroup:
         ranks = dist.get_process_group_ranks(process_group)
         self._ranks = None if ranks == list(range(dist.get_world_size())) else list(ranks)
         self._data = process_group
-        if dist.get_backend(process_group) == "gloo":
+        if carries(dist.get_backend(process_group), "cpu"):
             self._control = process_group
             return
         try:
@@ -140,6 +184,16 @@ class WorkerGroup:
             # A gloo group over exactly these ranks was already made the same way (torch names
             # such groups by their ranks): collectives then use the caller's group itself.
             self._control = process_group
+        self._data = self._data_group(process_group)
+
+    def _data_group(self, group: Any) -> Any:
+        """The group that carries this rank's tensors: ``group``, or for a CPU device where
+        ``group`` is NCCL only (a training job's ``init_process_group("nccl")``), the gloo
+        control group. A CUDA device over a gloo group keeps it, its buckets staged through the
+        host (:attr:`wire_device`)."""
+        if self.device.type == "cpu" and not carries(dist.get_backend(group), "cpu"):
+            return self._control
+        return group
 
     def _new_group(self, ranks: list[int] | None, backend: str, **kwargs: Any) -> Any:
         group = dist.new_group(ranks, backend=backend, timeout=self.timeout, **kwargs)
@@ -170,13 +224,11 @@ class WorkerGroup:
             sub._ranks = None
             return sub
         global_ranks = [self.ranks[r] for r in members]
-        data_backend = "nccl" if self.device.type == "cuda" else "gloo"
-        data = dist.new_group(global_ranks, backend=data_backend, timeout=self.timeout)
-        control = dist.new_group(global_ranks, backend="gloo", timeout=self.timeout) if data_backend != "gloo" else data
+        data = dist.new_group(global_ranks, backend=subgroup_backend(self.device.type), timeout=self.timeout)
         if self.launch.rank not in global_ranks:
             return None
-        sub._owned = [data] if control is data else [data, control]
-        sub._data, sub._control = data, control
+        sub._owned = [data]
+        sub._data = sub._control = data
         sub._heartbeat = Heartbeat(self.launch.rank)
         sub._ranks = None if global_ranks == list(range(self.launch.world_size)) else global_ranks
         self._subgroups = [s for s in self._subgroups if s._owned] + [sub]  # forget the closed ones
@@ -230,6 +282,14 @@ class WorkerGroup:
     @property
     def backend(self) -> str | None:
         return dist.get_backend(self._data) if self.world_size > 1 else None
+
+    @property
+    def wire_device(self) -> torch.device:
+        """Where this rank's tensors travel between ranks: the device where the data group
+        carries it, else the host (a CUDA device over a gloo group: see :func:`carries`)."""
+        if self.world_size > 1 and not carries(self.backend, self.device.type):
+            return torch.device("cpu")
+        return self.device
 
     @property
     def process_group(self) -> Any:
