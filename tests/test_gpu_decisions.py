@@ -161,3 +161,46 @@ def test_runai_distributed_is_agreed_across_ranks(tmp_path):
     got = [json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(3)]
     assert got == [[False, True]] * 3
     assert "rank(s) 1 have less" in result.stderr
+
+
+def test_a_watched_nccl_step_aborts_the_communicator_when_a_member_stops(monkeypatch):
+    """Findings 8 and 14: on NCCL nothing fails for a lost peer before the group's timeout; the
+    watch aborts the data group's communicator once a member's heartbeat stands still, and the
+    step raises GroupError naming it. (The NCCL abort itself: benchmarks/gpu_check.sh.)"""
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from distload.errors import GroupError
+    from distload.workers import group as group_mod
+    from distload.workers.group import WorkerGroup
+    from distload.workers.heartbeat import _key
+
+    store = dist.HashStore()
+    aborted = threading.Event()
+    group = object.__new__(WorkerGroup)
+    group.launch = SimpleNamespace(rank=0, world_size=2)
+    group._ranks, group.timeout, group.device = None, timedelta(seconds=60), torch.device("cpu")
+    group._heartbeat = SimpleNamespace(store=store)
+    group._data = SimpleNamespace(_get_backend=lambda device: SimpleNamespace(abort=aborted.set))
+    monkeypatch.setattr(WorkerGroup, "backend", property(lambda self: "nccl"))
+    monkeypatch.setattr(group_mod, "PEER_DEAD_S", 0.6)
+    monkeypatch.setattr(group_mod, "carries", lambda backend, device_type: True)
+    store.add(_key(1), 1)  # rank 1 beat once, then stopped
+    start = time.monotonic()
+    with pytest.raises(GroupError, match=r"rank\(s\) 1 \(job-wide\) stopped answering during the shared read"):
+        with group.watched("the shared read"):
+            while not aborted.is_set():  # a wait that ends only when the communicator is aborted
+                assert time.monotonic() - start < 20, "never aborted"
+                time.sleep(0.05)
+            raise RuntimeError("NCCL communicator was aborted")
+    # A member that keeps beating is left alone.
+    aborted.clear()
+    with group.watched("the shared read"):
+        for _ in range(20):
+            store.add(_key(1), 1)
+            time.sleep(0.1)
+    assert not aborted.is_set()

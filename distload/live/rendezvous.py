@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from distload.errors import ConfigError, SyncError
 from distload.runtime import RUNTIME
+from distload.workers.group import NCCL_CLEANUP_ONLY
 
 ROLES = ("trainer", "inference")
 _SESSION = "session"
@@ -236,7 +237,7 @@ def _split(key: str) -> tuple[str, int]:
     return role, int(rank)
 
 
-PAIR_NCCL_ENV = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"), ("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"))
+PAIR_NCCL_ENV = NCCL_CLEANUP_ONLY + (("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),)
 
 
 def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
@@ -246,8 +247,7 @@ def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: flo
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         # Read by the constructor. A failed or timed-out transfer in a pair is this update's
-        # failure (SyncError), not the process's: 2 (CleanUpOnly) aborts the communicator where
-        # the default (3, SkipCleanUp; 1 under torchrun) ends the process. No flight-recorder dump
+        # failure (SyncError), not the process's (NCCL_CLEANUP_ONLY). No flight-recorder dump
         # either: its signal goes through the store under the pair's, the job's own for
         # WeightSync, and ends every rank of the job (ProcessGroupNCCL's heartbeat monitor).
         with RUNTIME.environment(dict(PAIR_NCCL_ENV), restore_prefix=""):

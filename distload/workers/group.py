@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
@@ -21,10 +23,19 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
-from distload.workers.heartbeat import Heartbeat
+from distload.runtime import RUNTIME
+from distload.workers.heartbeat import INTERVAL_S, Heartbeat, PeerWatch
 from distload.workers.launch import LaunchInfo, detect_launch, resolve_device
 
 DEFAULT_TIMEOUT_S = 300.0
+# How long a member's heartbeat may stand still, in a watched NCCL step, before it counts as lost.
+PEER_DEAD_S = 5.0
+# The NCCL groups distload makes: a failed or timed-out operation is an error of that step, raised
+# where distload waits, not the end of the process. Read by ProcessGroupNCCL's constructor; its
+# default, 3 (SkipCleanUp; 1 under torchrun, whose agent sets it), makes the watchdog rethrow in
+# its own thread ("we are taking the entire process down"), while 2 (CleanUpOnly) only aborts
+# the communicator.
+NCCL_CLEANUP_ONLY = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),)
 
 T = TypeVar("T")
 
@@ -162,7 +173,8 @@ class WorkerGroup:
         if backend == "nccl":
             kwargs["device_id"] = self.device
         try:
-            dist.init_process_group(**kwargs)
+            with RUNTIME.environment(dict(NCCL_CLEANUP_ONLY), restore_prefix=""):
+                dist.init_process_group(**kwargs)
         except Exception as exc:  # a peer that never started, a port in use, a bad address
             raise GroupError(self._rendezvous_failure(exc)) from exc
         self._owns_default_group = True
@@ -224,7 +236,8 @@ class WorkerGroup:
             sub._ranks = None
             return sub
         global_ranks = [self.ranks[r] for r in members]
-        data = dist.new_group(global_ranks, backend=subgroup_backend(self.device.type), timeout=self.timeout)
+        with RUNTIME.environment(dict(NCCL_CLEANUP_ONLY), restore_prefix=""):
+            data = dist.new_group(global_ranks, backend=subgroup_backend(self.device.type), timeout=self.timeout)
         if self.launch.rank not in global_ranks:
             return None
         sub._owned = [data]
@@ -327,6 +340,49 @@ class WorkerGroup:
         if os.environ.get("TORCHELASTIC_RUN_ID") and exc is not None and "time" not in str(exc).lower():
             return "; a peer's process ended (torchrun's failure summary names its rank)"
         return self._heartbeat.describe_silent(self.ranks, self.launch.rank)
+
+    @contextlib.contextmanager
+    def watched(self, step: str) -> Iterator[None]:
+        """Around a step that waits on NCCL: a lost member ends it in seconds, naming the member.
+
+        On NCCL a peer that died or stopped leaves kernels waiting on the GPU; no connection
+        closes, and torch ends them only at the group's timeout (minutes). Here a thread watches
+        the members' heartbeats; when one stands still for PEER_DEAD_S it aborts the data group's
+        communicator (``ProcessGroupNCCL.abort``: ncclCommAbort), so the blocked calls return
+        with an error, and the step raises GroupError naming the member. On gloo (a closed
+        connection fails at once) and for one process it does nothing."""
+        store = None if self._heartbeat is None else self._heartbeat.store
+        if self.world_size == 1 or store is None or not carries(self.backend, "cuda"):
+            yield
+            return
+        watch = PeerWatch(store, [r for r in self.ranks if r != self.launch.rank], PEER_DEAD_S)
+        stop, lost = threading.Event(), []
+
+        def run() -> None:
+            while not stop.wait(INTERVAL_S):
+                try:
+                    silent = watch.silent(time.monotonic())
+                except Exception:  # noqa: BLE001 - the store went away with its host: the timeout decides
+                    return
+                if silent:
+                    lost.extend(silent)
+                    self._data._get_backend(self.device).abort()
+                    return
+
+        thread = threading.Thread(target=run, name="distload-peer-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        except Exception as exc:
+            if lost:
+                raise GroupError(
+                    f"rank {self.rank}: rank(s) {', '.join(map(str, lost))} (job-wide) stopped answering during "
+                    f"{step} (no heartbeat for {PEER_DEAD_S:g} s: killed, stopped or hung); the NCCL communicator "
+                    f"was aborted: {exc}") from exc
+            raise
+        finally:
+            stop.set()
+            thread.join()
 
     def agree(self, step: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it fails anywhere, raise on every rank.

@@ -6,6 +6,7 @@ It cannot run without CUDA; distload says so at once instead of falling back to 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -152,6 +153,11 @@ def instanttensor_knobs(extra: Mapping[str, Any], module) -> dict[str, Any]:
 
 def _stream(module, request: ReadRequest, process_group, knobs) -> Iterator[tuple[str, torch.Tensor]]:
     paths = [info.path for info in request.index.files]
-    with module.safe_open(paths, framework="pt", device=request.device,
-                          process_group=process_group, **knobs) as handle:
+    # InstantTensor's all-gathers run on torch's communicator from its own thread and stream,
+    # which torch's watchdog does not track: neither the group's timeout nor NCCL's applies,
+    # and a lost peer would leave the others waiting for good. The watch aborts the communicator.
+    watch = request.group.watched("InstantTensor's shared read") if process_group is not None \
+        else contextlib.nullcontext()
+    with watch, module.safe_open(paths, framework="pt", device=request.device,
+                                 process_group=process_group, **knobs) as handle:
         yield from handle.tensors()

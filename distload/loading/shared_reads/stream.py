@@ -406,8 +406,9 @@ def _send(group, members: list[int], me: int, this_round: list[_Bucket], broadca
                     works.append((bucket, peer, dist.broadcast(bucket.landing, src=reader, group=pg, async_op=True)))
                 else:
                     works.append((bucket, peer, dist.irecv(bucket.landing, src=reader, group=pg)))
-        for bucket, peer, work in works:
-            work.wait(group.timeout)
+        with group.watched("the shared read"):
+            for bucket, peer, work in works:
+                work.wait(group.timeout)
     except Exception as exc:  # a member died or the timeout passed
         assert bucket is not None
         other = f"rank {peer}" if peer is not None else "the other ranks"
