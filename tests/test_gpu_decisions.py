@@ -83,10 +83,11 @@ def test_a_given_up_gloo_transfer_keeps_its_pair(monkeypatch):
 def test_a_failed_work_is_a_sync_error_not_an_arrival():
     """Finding 16: WorkNCCL::isCompleted is true on an exception, and wait() without a timeout
     does not raise it."""
+    session = _session("nccl", {}, {})
     with pytest.raises(SyncError, match="receiving bucket 3 failed: NCCL error"):
-        Session.wait(_Work(done=True, failure=RuntimeError("NCCL error: remote process exited")),
+        session.wait(_Work(done=True, failure=RuntimeError("NCCL error: remote process exited")),
                      threading.Event(), lambda: "receiving bucket 3")
-    Session.wait(_Work(done=True), threading.Event(), lambda: "receiving bucket 3")
+    session.wait(_Work(done=True), threading.Event(), lambda: "receiving bucket 3")
 
 
 def test_pairs_time_out_after_the_channel_timeout_and_abort_only_their_communicator(monkeypatch):

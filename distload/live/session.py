@@ -191,8 +191,7 @@ class Session:
         self.issued.setdefault(peer, []).append(work)
         return work
 
-    @staticmethod
-    def wait(work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
+    def wait(self, work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
         """Wait for ``work`` by polling, so that a given-up update's thread can stop at once."""
         pause = 0.00005
         while not work.is_completed():
@@ -201,8 +200,8 @@ class Session:
             time.sleep(pause)
             pause = min(0.002, pause * 2)
         # A failed NCCL work is completed too (WorkNCCL::isCompleted: exception() or finished),
-        # and wait() without a timeout does not raise it: ask for it first.
-        failure = work.exception()
+        # and wait() without a timeout does not raise it: ask for it first (gloo's wait raises).
+        failure = work.exception() if self.backend == "nccl" else None
         if failure is not None:
             raise SyncError(f"{what()} failed: {_short(failure)}")
         try:
