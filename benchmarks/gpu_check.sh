@@ -53,6 +53,7 @@ plan() {
     echo "  3. one process onto cuda:0, from /dev/shm and disk: safetensors, instanttensor (alone), auto, runai_streamer (to the device, alone), fastsafetensors"
     echo "  4b. Run:ai's host memory within memory_limit"
     echo "  6a. reload_into and WeightSleeper on cuda:0: sleep gives the memory to the driver, level 1 wakes with the values [13]"
+    echo "      auto with a TP place of 1: pread onto the device (step 3's auto is InstantTensor where it is installed) [11]"
     echo "  6b. weight sync between two jobs on the device, then with the trainer SIGKILLed mid-update: SyncError, the receiver lives [1, 2, 16]"
     if [[ "$g" -lt 2 ]]; then
         echo "      both jobs on one GPU: the pairs use gloo (NCCL refuses one GPU twice) [7]"
@@ -453,6 +454,9 @@ else
     say "writing a ~$MATRIX_MIB MiB checkpoint for the GPU path cases to $MATRIX_CKPT"
     make_ckpt "$MATRIX_CKPT" "$MATRIX_MIB"
     case_run reload-sleep "$PY" "$PATHS_PY" reload-sleep "$MATRIX_CKPT"
+    # auto picks InstantTensor on a GPU where it is installed (step 3's auto row is InstantTensor's):
+    # with a TP place (size 1) it reads with pread, onto the device.
+    case_run pread-device "$PY" "$PATHS_PY" load "$MATRIX_CKPT" auto "" 1 pread
     if [[ "$MATRIX_GPUS" -ge 2 ]]; then
         two_jobs sync-two-gpus 0 1
         two_jobs sync-two-gpus-kill 0 1 kill
