@@ -69,6 +69,7 @@ plan() {
     echo "      auto {distributed: job} TP $g (pread-shared: shared reads over NCCL, P2P) and safetensors TP $g, peak GPU memory about 1/$g [9];"
     echo "      gloo data group on CUDA: shared read staged through the host, instanttensor refused [3, 4];"
     echo "      subgroup of the first half: the others go on [5]"
+    echo "  6e. ranks started by hand, the last SIGKILLed after its first tensor: shared read over NCCL and instanttensor-group end in GroupError within a minute [8, 14]"
 }
 if [[ "${GPU_CHECK_PLAN:-0}" == 1 ]]; then
     plan 1
@@ -446,6 +447,27 @@ two_jobs() {  # two_jobs NAME TRAINER_GPU INFERENCE_GPU [kill]: a two-job sync o
     case_run "$name" env CUDA_VISIBLE_DEVICES="$igpu" "$PY" "$PATHS_PY" sync-peer inference "tcp://127.0.0.1:$port" 512 $kill
     wait "$trainer" || true
 }
+by_hand() {  # by_hand NAME ARGS...: MATRIX_GPUS ranks started without torchrun; the last one kills itself
+    local name="$1" port r rc=0; shift
+    port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    say "case $name: $MATRIX_GPUS ranks by hand: $*"
+    local pids=()
+    for ((r = 0; r < MATRIX_GPUS; r++)); do
+        RANK=$r WORLD_SIZE=$MATRIX_GPUS LOCAL_RANK=$r LOCAL_WORLD_SIZE=$MATRIX_GPUS MASTER_ADDR=127.0.0.1 \
+            MASTER_PORT=$port timeout "$CASE_TIMEOUT" "$PY" "$PATHS_PY" "$@" > "$DISK_WORK/case-$name-$r.log" 2>&1 &
+        pids+=($!)
+    done
+    for ((r = 0; r < MATRIX_GPUS - 1; r++)); do
+        wait "${pids[$r]}" || rc=$?
+        grep -E "^CASE " "$DISK_WORK/case-$name-$r.log" | sed 's/^/    /'
+    done
+    wait "${pids[$((MATRIX_GPUS - 1))]}" || true  # the rank that killed itself
+    if [[ $rc != 0 ]]; then
+        failed=1
+        say "case $name FAILED (a surviving rank exited $rc): last lines of rank 0's output:"
+        grep -vE "^frame #|^Exception raised from|^$" "$DISK_WORK/case-$name-0.log" | tail -n 15 | sed 's/^/    /'
+    fi
+}
 MATRIX_CKPT="$DISK_WORK/matrix"
 if [[ "$MODE" == cpu-smoke ]]; then
     # Without CUDA only the two-job sync with a killed trainer runs (on the host, gloo): the driver is checked.
@@ -480,6 +502,8 @@ else
         case_run safetensors-tp "${torchrun_n[@]}" load "$MATRIX_CKPT" safetensors "" "$MATRIX_GPUS" safetensors
         case_run gloo-data "${torchrun_n[@]}" gloo-data "$MATRIX_CKPT"
         case_run subgroup "${torchrun_n[@]}" subgroup "$MATRIX_CKPT"
+        by_hand load-kill-shared load-kill "$MATRIX_CKPT" auto '{"distributed": "job"}' "$MATRIX_GPUS"
+        by_hand load-kill-instanttensor load-kill "$MATRIX_CKPT" instanttensor "" 0
     fi
 fi
 

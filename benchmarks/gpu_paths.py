@@ -3,6 +3,7 @@ design/GPU_REVIEW.md run for real, under torchrun (``--nproc-per-node`` = the GP
 alone. Every rank prints ``CASE <name> ok: ...`` or raises; the exit status says which.
 
     torchrun --nproc-per-node N benchmarks/gpu_paths.py load CKPT FORMAT EXTRA TP EXPECTED_PATH
+    RANK=r WORLD_SIZE=N ... python benchmarks/gpu_paths.py load-kill CKPT FORMAT EXTRA TP  # by hand
     torchrun --nproc-per-node N benchmarks/gpu_paths.py gloo-data CKPT
     torchrun --nproc-per-node N benchmarks/gpu_paths.py subgroup CKPT
     python benchmarks/gpu_paths.py reload-sleep CKPT
@@ -61,6 +62,27 @@ def case_load(ckpt: str, fmt: str, extra: str, tp: str, expected: str) -> None:
             bound = nbytes / tp_size * 1.25 + 64 * 2**20  # slices, replicated norms, allocator rounding
             assert peak <= bound, f"peak GPU memory {peak / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB for TP {tp_size}"
         say("load", group.rank, f"{fmt} {extra or '{}'} tp={tp} path={expected} on {group.device}")
+
+
+def case_load_kill(ckpt: str, fmt: str, extra: str, tp: str) -> None:
+    """A shared read whose last rank SIGKILLs itself after its first tensor, ranks started by hand
+    (torchrun's agent would end the others first). The others must raise GroupError naming it
+    within seconds, not wait for the group's timeout nor die of torch's watchdog (findings 8, 14)."""
+    from distload.errors import GroupError
+    with distload.WorkerGroup(timeout_s=120) as group:
+        start = time.monotonic()
+        stream = distload.Loader(ckpt, fmt, json.loads(extra) if extra else None, group=group,
+                                 tensor_parallel_size=int(tp) or None).stream()
+        try:
+            for _ in stream:
+                if group.rank == group.world_size - 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        except GroupError as exc:
+            took = time.monotonic() - start
+            assert took < 60, f"the lost rank was noticed after {took:.0f} s"
+            say("load-kill", group.rank, f"{fmt}: GroupError after {took:.1f} s: {str(exc)[:200]}")
+            os._exit(0)  # the group's teardown would wait on the dead rank
+        raise AssertionError("the load finished although a rank was killed")
 
 
 def case_gloo_data(ckpt: str) -> None:
@@ -165,7 +187,7 @@ def case_sync_peer(role: str, address: str, mib: str, kill: str = "") -> None:
             say("sync-peer", 0, "receiver got 2 versions")
 
 
-CASES = {"load": case_load, "gloo-data": case_gloo_data, "subgroup": case_subgroup,
+CASES = {"load": case_load, "load-kill": case_load_kill, "gloo-data": case_gloo_data, "subgroup": case_subgroup,
          "reload-sleep": case_reload_sleep, "sync-peer": case_sync_peer}
 
 if __name__ == "__main__":
