@@ -117,7 +117,7 @@ def test_the_plan_needs_no_gpu(tmp_path):
     assert full.returncode == 0 and "plan for 4 GPU(s):" in full.stdout, full.stdout + full.stderr
     for path in ("instanttensor-group", "runai-distributed", "pread-shared", "gloo data group", "subgroup",
                  "WeightSleeper", "SIGKILLed mid-update", "NCCL pairs", "vLLM --load-format distload",
-                 "sync-demo (NCCL)"):
+                 "sync-demo (NCCL)", "SIGKILLed after its first tensor", "pread onto the device"):
         assert path in full.stdout, path
     bad = subprocess.run(["bash", SCRIPT, "--gpus", "x"], capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "--gpus takes a GPU count" in bad.stdout
