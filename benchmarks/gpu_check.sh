@@ -4,13 +4,18 @@
 # weight sync over NCCL with 2+ GPUs, and between two jobs into device tensors.
 #
 #   bash benchmarks/gpu_check.sh                          # one H200: 4-6 minutes, disk speed decides (limit 8)
+#   bash benchmarks/gpu_check.sh --gpus N                 # and the multi-process matrix on N GPUs (step 6)
+#   GPU_CHECK_PLAN=1 bash benchmarks/gpu_check.sh [--gpus N]  # the plan, for 1 GPU and for N; no GPU needed
 #   GPU_CHECK_CPU_SMOKE=1 bash benchmarks/gpu_check.sh    # no GPU: the same steps, 8 MiB, --device cpu
 #
 # Python packages it needs; a GPU machine may lack those marked *. There is no internet there: a
-# missing one is installed with pip only from wheels vendored in this checkout ($GPU_CHECK_WHEELS,
-# default vendor/wheels), otherwise the script stops naming it. torch must already be a CUDA build
-# (never installed here); distload is imported from this checkout (run from anywhere).
-#   torch  safetensors>=0.4.3  numpy  psutil  tqdm  runai-model-streamer==0.17.1 *  instanttensor>=0.2.2 *
+# missing one is installed with pip only from the wheels in $GPU_CHECK_WHEELS (default
+# vendor/wheels, not in the checkout: bring it), otherwise the script stops NOT READY (exit 2)
+# with the pip download command that fills it. torch must already be a CUDA build (never
+# installed here); distload is imported from this checkout (run from anywhere).
+#   torch  safetensors>=0.4.3  numpy  psutil  tqdm  humanize *  runai-model-streamer==0.17.1 *  instanttensor==0.2.2 *
+# (humanize is Run:ai 0.17.1's own dependency: Requires-Dist in its METADATA.) vLLM's GPU build is
+# used where it is installed (GPU_CHECK_VLLM=1: required).
 #
 # Settings (environment, defaults in brackets): GPU_CHECK_SIZE_MIB [15000], GPU_CHECK_FORMATS
 # [safetensors instanttensor auto runai_streamer; safetensors first: the baseline],
@@ -30,6 +35,47 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 PY="${PYTHON:-python3}"
 START=$SECONDS
+MATRIX_GPUS=1
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --gpus) MATRIX_GPUS="${2:-}"; shift 2 ;;
+        --gpus=*) MATRIX_GPUS="${1#--gpus=}"; shift ;;
+        *) echo "gpu_check.sh: unknown argument '$1' (--gpus N)"; exit 2 ;;
+    esac
+done
+[[ "$MATRIX_GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check.sh: --gpus takes a GPU count, got '$MATRIX_GPUS'"; exit 2; }
+
+# The GPU paths each step runs (design/GPU_REVIEW.md's findings in brackets), for G GPUs.
+plan() {
+    local g="$1"
+    echo "plan for $g GPU(s):"
+    echo "  1. ready: packages (wheels in \$GPU_CHECK_WHEELS), CUDA, disk space; a small /dev/shm only skips the shm reads"
+    echo "  3. one process onto cuda:0, from /dev/shm and disk: safetensors, instanttensor (alone), auto, runai_streamer (to the device, alone), fastsafetensors"
+    echo "  4b. Run:ai's host memory within memory_limit"
+    echo "  6a. reload_into and WeightSleeper on cuda:0: sleep gives the memory to the driver, level 1 wakes with the values [13]"
+    echo "      auto with a TP place of 1: pread onto the device (step 3's auto is InstantTensor where it is installed) [11]"
+    echo "  6b. weight sync between two jobs on the device, then with the trainer SIGKILLed mid-update: SyncError, the receiver lives [1, 2, 16]"
+    if [[ "$g" -lt 2 ]]; then
+        echo "      both jobs on one GPU: the pairs use gloo (NCCL refuses one GPU twice) [7]"
+        echo "  6c. vLLM --load-format distload on the GPU (where vLLM is installed)"
+        echo "  (--gpus 2 or more adds: weight sync inside a job, instanttensor-group, runai-distributed, shared reads over NCCL, TP loads, gloo data groups, subgroups)"
+        return
+    fi
+    echo "      trainer on GPU 0, inference on GPU 1: NCCL pairs [1, 2, 7, 15, 16]"
+    echo "  5. weight sync inside one job: torchrun --nproc-per-node $g sync-demo (NCCL)"
+    echo "  6c. vLLM --load-format distload on the GPU, TP $g (where vLLM is installed)"
+    echo "  6d. torchrun --nproc-per-node $g, each case a load over the job's NCCL group, digests against safetensors:"
+    echo "      instanttensor (instanttensor-group) [8, 11]; runai_streamer {distributed: true} (runai-distributed) [12];"
+    echo "      auto {distributed: job} TP $g (pread-shared: shared reads over NCCL, P2P) and safetensors TP $g, peak GPU memory about 1/$g [9];"
+    echo "      gloo data group on CUDA: shared read staged through the host, instanttensor refused [3, 4];"
+    echo "      subgroup of the first half: the others go on [5]"
+    echo "  6e. ranks started by hand, the last SIGKILLed after its first tensor: shared read over NCCL and instanttensor-group end in GroupError within a minute [8, 14]"
+}
+if [[ "${GPU_CHECK_PLAN:-0}" == 1 ]]; then
+    plan 1
+    [[ "$MATRIX_GPUS" -ge 2 ]] && plan "$MATRIX_GPUS" || plan 8
+    exit 0
+fi
 if [[ "${GPU_CHECK_CPU_SMOKE:-0}" == 1 ]]; then
     MODE=cpu-smoke DEVICE=cpu EXPECT_DEVICE=cpu
     SIZE_MIB="${GPU_CHECK_SIZE_MIB:-8}"
@@ -39,7 +85,7 @@ else
     MODE=gpu DEVICE=cuda EXPECT_DEVICE=cuda:0
     SIZE_MIB="${GPU_CHECK_SIZE_MIB:-15000}"
     FORMATS="${GPU_CHECK_FORMATS:-safetensors instanttensor auto runai_streamer}"
-    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm runai_model_streamer=runai-model-streamer==0.17.1 instanttensor=instanttensor>=0.2.2"
+    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm humanize=humanize runai_model_streamer=runai-model-streamer==0.17.1 instanttensor=instanttensor==0.2.2"
 fi
 PACKAGES="$PACKAGES ${GPU_CHECK_REQUIRE:-}"
 LOCATIONS="${GPU_CHECK_LOCATIONS:-shm disk}"
@@ -61,14 +107,16 @@ for entry in $PACKAGES; do
     if [[ -d "$WHEELS" ]] && "$PY" -m pip install -q --no-index --find-links "$WHEELS" "$requirement"; then
         say "installed $requirement from $WHEELS"
     else
-        not_ready "Python package '$requirement' (import $module) is missing, and no wheel for it in $WHEELS (no internet here: preinstall it, or vendor its wheel there)"
+        pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
+        not_ready "Python package '$requirement' (import $module) is missing, and no wheel for it in $WHEELS. Fix (no internet here): on a machine with it, run  pip download --only-binary=:all: --python-version $pyver --platform manylinux2014_x86_64 --dest wheels 'runai-model-streamer==0.17.1' humanize 'instanttensor==0.2.2'  then copy that folder here and rerun with GPU_CHECK_WHEELS=<that folder> (or put it at $WHEELS)"
     fi
 done
 if [[ "$MODE" == gpu ]]; then
     GPUS="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
     [[ "$GPUS" -ge 1 ]] || not_ready "torch sees no CUDA device (torch.cuda.is_available() is False); GPU_CHECK_CPU_SMOKE=1 runs the CPU smoke test"
+    [[ "$GPUS" -ge "$MATRIX_GPUS" ]] || not_ready "--gpus $MATRIX_GPUS, but torch sees $GPUS GPU(s) here: run with --gpus $GPUS (or check CUDA_VISIBLE_DEVICES)"
     "$PY" -c 'import torch; p = torch.cuda.get_device_properties(0); print(f"{torch.cuda.device_count()} x {p.name}, {p.total_memory / 2**30:.0f} GiB; torch {torch.__version__}, CUDA {torch.version.cuda}")'
-    SYNC_RANKS="${GPU_CHECK_SYNC_RANKS:-$GPUS}"
+    SYNC_RANKS="${GPU_CHECK_SYNC_RANKS:-$MATRIX_GPUS}"
 else
     SYNC_RANKS="${GPU_CHECK_SYNC_RANKS:-2}"
 fi
@@ -77,8 +125,9 @@ roomy() { (( $(df -Pk "$1" | awk 'NR == 2 {print $4}') / 1024 > SIZE_MIB * 21 / 
 roomy "$DISK_ROOT" || not_ready "$DISK_ROOT has too little free space for a $SIZE_MIB MiB checkpoint (set GPU_CHECK_DISK_DIR, or GPU_CHECK_SIZE_MIB lower)"
 failed=0
 if [[ " $LOCATIONS " == *" shm "* ]] && ! roomy "$SHM_ROOT"; then
-    say "FAILED: $SHM_ROOT has too little free space for $SIZE_MIB MiB (df -h $SHM_ROOT; set GPU_CHECK_SHM_DIR): reading from disk only"
-    LOCATIONS="${LOCATIONS//shm/}" failed=1
+    # A container's /dev/shm is 64 MiB unless it was started with --shm-size: the machine, not distload.
+    say "NOTE: $SHM_ROOT has too little free space for $SIZE_MIB MiB (df -h $SHM_ROOT; set GPU_CHECK_SHM_DIR, or docker run --shm-size): reading from disk only"
+    LOCATIONS="${LOCATIONS//shm/}"
 fi
 
 SHM_WORK="" DISK_WORK=""
@@ -96,7 +145,8 @@ mkdir -p "$DISK_WORK/reports"
 
 # -- 2. a synthetic Llama-shaped bf16 checkpoint (a cheap arange pattern, not randn) -----------------
 say "mode $MODE: writing a ~$SIZE_MIB MiB checkpoint to $GEN"
-"$PY" - "$GEN" "$SIZE_MIB" <<'EOF'
+make_ckpt() {
+"$PY" - "$1" "$2" <<'EOF'
 import json, math, os, sys
 import torch
 from distload.cli.demo import llama_shapes
@@ -132,6 +182,8 @@ json.dump({"architectures": ["LlamaForCausalLM"], "hidden_size": hidden, "num_hi
            "vocab_size": vocab, "torch_dtype": "bfloat16"}, open(os.path.join(folder, "config.json"), "w"))
 print(f"{sum(numels) * 2 / 1e9:.2f} GB in {len(shapes)} tensors, {num_files} files")
 EOF
+}
+make_ckpt "$GEN" "$SIZE_MIB"
 if [[ " $LOCATIONS " == *" disk "* && "$GEN" != "$DISK_WORK/ckpt" ]]; then
     say "copying it to $DISK_WORK/ckpt"
     cp -r "$GEN" "$DISK_WORK/ckpt"
@@ -367,6 +419,92 @@ if [[ "$SYNC_RANKS" -ge 1 ]]; then
     fi
 else
     say "weight sync across two jobs: skipped (GPU_CHECK_SYNC_RANKS=0)"
+fi
+
+# -- 6. the GPU paths one at a time, each with its own checks (benchmarks/gpu_paths.py; the plan above) ---
+# A smaller checkpoint: these cases check behaviour, not speed.
+MATRIX_MIB="${GPU_CHECK_MATRIX_MIB:-1024}"
+[[ "$MODE" == cpu-smoke ]] && MATRIX_MIB="$SIZE_MIB"
+PATHS_PY="$REPO/benchmarks/gpu_paths.py"
+case_run() {  # case_run NAME COMMAND...: one case, its output kept; a failure is counted and shown
+    local name="$1" rc=0; shift
+    say "case $name: $*"
+    timeout "$CASE_TIMEOUT" "$@" > "$DISK_WORK/case-$name.log" 2>&1 || rc=$?
+    if [[ $rc == 0 ]]; then
+        grep -E "^CASE " "$DISK_WORK/case-$name.log" | sed 's/^/    /'
+    else
+        failed=1
+        say "case $name FAILED (exit $rc): last lines of its output:"
+        grep -vE "^frame #|^Exception raised from|^$" "$DISK_WORK/case-$name.log" | tail -n 15 | sed 's/^/    /'
+    fi
+}
+two_jobs() {  # two_jobs NAME TRAINER_GPU INFERENCE_GPU [kill]: a two-job sync of 512 MiB on the device
+    local name="$1" tgpu="$2" igpu="$3" kill="${4:-}" port trainer
+    port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    (sleep 1; CUDA_VISIBLE_DEVICES="$tgpu" timeout "$CASE_TIMEOUT" "$PY" "$PATHS_PY" sync-peer trainer \
+        "tcp://127.0.0.1:$port" 512 $kill > "$DISK_WORK/case-$name-trainer.log" 2>&1 || true) &
+    trainer=$!
+    case_run "$name" env CUDA_VISIBLE_DEVICES="$igpu" "$PY" "$PATHS_PY" sync-peer inference "tcp://127.0.0.1:$port" 512 $kill
+    wait "$trainer" || true
+}
+by_hand() {  # by_hand NAME ARGS...: MATRIX_GPUS ranks started without torchrun; the last one kills itself
+    local name="$1" port r rc=0; shift
+    port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    say "case $name: $MATRIX_GPUS ranks by hand: $*"
+    local pids=()
+    for ((r = 0; r < MATRIX_GPUS; r++)); do
+        RANK=$r WORLD_SIZE=$MATRIX_GPUS LOCAL_RANK=$r LOCAL_WORLD_SIZE=$MATRIX_GPUS MASTER_ADDR=127.0.0.1 \
+            MASTER_PORT=$port timeout "$CASE_TIMEOUT" "$PY" "$PATHS_PY" "$@" > "$DISK_WORK/case-$name-$r.log" 2>&1 &
+        pids+=($!)
+    done
+    for ((r = 0; r < MATRIX_GPUS - 1; r++)); do
+        wait "${pids[$r]}" || rc=$?
+        grep -E "^CASE " "$DISK_WORK/case-$name-$r.log" | sed 's/^/    /'
+    done
+    wait "${pids[$((MATRIX_GPUS - 1))]}" || true  # the rank that killed itself
+    if [[ $rc != 0 ]]; then
+        failed=1
+        say "case $name FAILED (a surviving rank exited $rc): last lines of rank 0's output:"
+        grep -vE "^frame #|^Exception raised from|^$" "$DISK_WORK/case-$name-0.log" | tail -n 15 | sed 's/^/    /'
+    fi
+}
+MATRIX_CKPT="$DISK_WORK/matrix"
+if [[ "$MODE" == cpu-smoke ]]; then
+    # Without CUDA only the two-job sync with a killed trainer runs (on the host, gloo): the driver is checked.
+    two_jobs sync-kill "" "" kill
+else
+    say "writing a ~$MATRIX_MIB MiB checkpoint for the GPU path cases to $MATRIX_CKPT"
+    make_ckpt "$MATRIX_CKPT" "$MATRIX_MIB"
+    case_run reload-sleep "$PY" "$PATHS_PY" reload-sleep "$MATRIX_CKPT"
+    # auto picks InstantTensor on a GPU where it is installed (step 3's auto row is InstantTensor's):
+    # with a TP place (size 1) it reads with pread, onto the device.
+    case_run pread-device "$PY" "$PATHS_PY" load "$MATRIX_CKPT" auto "" 1 pread
+    if [[ "$MATRIX_GPUS" -ge 2 ]]; then
+        two_jobs sync-two-gpus 0 1
+        two_jobs sync-two-gpus-kill 0 1 kill
+    else
+        two_jobs sync-one-gpu 0 0
+        two_jobs sync-one-gpu-kill 0 0 kill
+    fi
+    if "$PY" -c "import vllm" 2>/dev/null; then
+        case_run vllm "$PY" benchmarks/bench_vllm.py --python "$PY" --hidden 1024 --layers 4 --tp "$MATRIX_GPUS" \
+            --repeats 1 --out "$DISK_WORK/vllm"
+    elif [[ "${GPU_CHECK_VLLM:-0}" == 1 ]]; then
+        not_ready "GPU_CHECK_VLLM=1, but vLLM is not importable by $PY: install vLLM's GPU build (pip install vllm, from its wheel) and rerun"
+    else
+        say "case vllm: NOT RUN (vLLM is not installed for $PY; GPU_CHECK_VLLM=1 makes it required)"
+    fi
+    if [[ "$MATRIX_GPUS" -ge 2 ]]; then
+        torchrun_n=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$MATRIX_GPUS" "$PATHS_PY")
+        case_run instanttensor-group "${torchrun_n[@]}" load "$MATRIX_CKPT" instanttensor "" 0 instanttensor-group
+        case_run runai-distributed "${torchrun_n[@]}" load "$MATRIX_CKPT" runai_streamer '{"distributed": true}' 0 runai-distributed
+        case_run shared-tp "${torchrun_n[@]}" load "$MATRIX_CKPT" auto '{"distributed": "job"}' "$MATRIX_GPUS" pread-shared
+        case_run safetensors-tp "${torchrun_n[@]}" load "$MATRIX_CKPT" safetensors "" "$MATRIX_GPUS" safetensors
+        case_run gloo-data "${torchrun_n[@]}" gloo-data "$MATRIX_CKPT"
+        case_run subgroup "${torchrun_n[@]}" subgroup "$MATRIX_CKPT"
+        by_hand load-kill-shared load-kill "$MATRIX_CKPT" auto '{"distributed": "job"}' "$MATRIX_GPUS"
+        by_hand load-kill-instanttensor load-kill "$MATRIX_CKPT" instanttensor "" 0
+    fi
 fi
 
 if [[ "$failed" != 0 ]]; then

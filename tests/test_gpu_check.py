@@ -71,6 +71,8 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     assert "every inference rank holds exactly the slices it was sent: yes" in result.stdout, out  # two jobs
     bound = [line for line in result.stdout.splitlines() if line.startswith("host memory bound:")]
     assert len(bound) == 1 and bound[0].endswith("bound 1024 + 512 MiB: ok"), out
+    # Step 6's driver, on the host: a trainer killed mid-update is the receiver's SyncError, and it lives.
+    assert "CASE sync-peer rank 0 ok: receiver raised SyncError" in result.stdout, out
     assert "OK: every path loaded onto cpu, every digest agrees, host memory within its bound" in result.stdout
     assert left_behind(folders) == []
 
@@ -105,11 +107,28 @@ def test_host_memory_beyond_the_bound_exits_non_zero(tmp_path):
     assert left_behind(folders) == []
 
 
+def test_the_plan_needs_no_gpu(tmp_path):
+    """GPU_CHECK_PLAN=1: what runs on 1 GPU and on N, without a GPU or any package check."""
+    result, _ = run_check(tmp_path, GPU_CHECK_PLAN="1", GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "plan for 1 GPU(s):" in result.stdout and "plan for 8 GPU(s):" in result.stdout
+    full = subprocess.run(["bash", SCRIPT, "--gpus", "4"], env={**os.environ, "GPU_CHECK_PLAN": "1"},
+                          capture_output=True, text=True, check=False)
+    assert full.returncode == 0 and "plan for 4 GPU(s):" in full.stdout, full.stdout + full.stderr
+    for path in ("instanttensor-group", "runai-distributed", "pread-shared", "gloo data group", "subgroup",
+                 "WeightSleeper", "SIGKILLed mid-update", "NCCL pairs", "vLLM --load-format distload",
+                 "sync-demo (NCCL)", "SIGKILLed after its first tensor", "pread onto the device"):
+        assert path in full.stdout, path
+    bad = subprocess.run(["bash", SCRIPT, "--gpus", "x"], capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "--gpus takes a GPU count" in bad.stdout
+
+
 def test_a_missing_package_is_named(tmp_path):
     result, folders = run_check(tmp_path, GPU_CHECK_CPU_SMOKE="1", GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"),
                                 GPU_CHECK_REQUIRE="distload_absent_module=distload-absent-package==1.0")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Python package 'distload-absent-package==1.0' (import distload_absent_module) is missing" in result.stdout
+    assert "pip download --only-binary=:all:" in result.stdout and "humanize" in result.stdout  # the exact fix
     assert left_behind(folders) == []
 
 

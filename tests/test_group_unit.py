@@ -312,3 +312,41 @@ def test_heartbeat_threads_stop_before_exit():
     RUNTIME.stop_heartbeats()
     assert not beat._thread.is_alive() and RUNTIME.heartbeats == {}
     assert store.count >= 1
+
+
+# -- which group carries data for which device (review findings 3, 4, 5, 10) ------------------
+
+from distload.workers.group import carries, subgroup_backend  # noqa: E402
+
+
+@pytest.mark.parametrize("backend, device_type, expected", [
+    ("nccl", "cuda", True), ("nccl", "cpu", False),  # 10: a CPU tensor on an NCCL-only group
+    ("gloo", "cpu", True), ("gloo", "cuda", False),  # 3: gloo P2P takes the device pointer
+    ("cpu:gloo,cuda:nccl", "cpu", True), ("cpu:gloo,cuda:nccl", "cuda", True),
+    ("cuda:nccl", "cpu", False), (None, "cpu", False),
+])
+def test_carries(backend, device_type, expected):
+    assert carries(backend, device_type) is expected
+
+
+def test_subgroup_is_one_group_whose_object_collectives_run_on_gloo():
+    """Finding 5: on CUDA one cpu:gloo,cuda:nccl group (one ncclCommSplit on every rank), not an
+    NCCL group then a gloo one (a second split only the ranks left out take part in)."""
+    assert subgroup_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert carries(subgroup_backend("cuda"), "cpu") and carries(subgroup_backend("cuda"), "cuda")
+    assert subgroup_backend("cpu") == "gloo"
+
+
+def test_instanttensor_refuses_what_it_would_get_wrong():
+    from distload.errors import BackendUnavailableError
+    from distload.loading.backends.instanttensor import check_instanttensor_read
+    ok = [("a.safetensors", "w", "BF16")]
+    check_instanttensor_read(True, "job", "nccl", 8, 8, ok)
+    check_instanttensor_read(False, "job", "gloo", 8, 8, ok)  # each rank reads alone
+    with pytest.raises(BackendUnavailableError, match="NCCL process group only.*gloo"):  # finding 4
+        check_instanttensor_read(True, "job", "gloo", 2, 2, ok)
+    with pytest.raises(BackendUnavailableError, match="spans nodes of 8"):  # finding 17
+        check_instanttensor_read(True, "node", "nccl", 16, 8, ok)
+    check_instanttensor_read(True, "node", "nccl", 8, 8, ok)  # one node: node is the whole group
+    with pytest.raises(BackendUnavailableError, match="tensor 'q' is F4.*safetensors"):  # finding 6
+        check_instanttensor_read(False, "job", None, 1, 1, ok + [("a.safetensors", "q", "F4")])

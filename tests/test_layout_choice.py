@@ -223,9 +223,9 @@ def choose_read(fmt, **facts):
     return FORMATS[fmt].choose(ReadFacts(**facts))
 
 
-def choose(fmt, *, sharded=False, device="cpu", world=2, distributed=None, instant=False):
+def choose(fmt, *, sharded=False, device="cpu", world=2, distributed=None, instant=False, device_data=True):
     return choose_read(fmt, sharded_layout_found=sharded, device_type=device, world_size=world,
-                       distributed=distributed, instanttensor_installed=instant)
+                       distributed=distributed, instanttensor_installed=instant, device_data=device_data)
 
 
 @pytest.mark.parametrize("sharded", [False, True])
@@ -248,8 +248,9 @@ def test_runai_streamer_cooperative_only_when_distributed_and_many():
 
 
 def test_instanttensor_cooperative_with_many_ranks():
-    assert choose("instanttensor", world=1, device="cuda") == ReadChoice(False, "instanttensor", False)
-    assert choose("instanttensor", world=4, device="cuda") == ReadChoice(False, "instanttensor", True)
+    # InstantTensor shares over the whole group it is handed: scope "job" (finding 17)
+    assert choose("instanttensor", world=1, device="cuda") == ReadChoice(False, "instanttensor", False, "job")
+    assert choose("instanttensor", world=4, device="cuda") == ReadChoice(False, "instanttensor", True, "job")
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -262,11 +263,22 @@ def test_auto_on_cpu(world, instant):
 
 
 def test_auto_on_cuda_with_instanttensor():
-    assert choose("auto", device="cuda", instant=True, world=1) == ReadChoice(False, "instanttensor", False)
-    assert choose("auto", device="cuda", instant=True, world=2) == ReadChoice(False, "instanttensor", True)
+    assert choose("auto", device="cuda", instant=True, world=1) == ReadChoice(False, "instanttensor", False, "job")
+    assert choose("auto", device="cuda", instant=True, world=2) == ReadChoice(False, "instanttensor", True, "job")
     # A sharded layout is never read by InstantTensor: each rank streams its own files.
     assert choose("auto", device="cuda", instant=True, world=2, sharded=True) == ReadChoice(True, "runai", False)
     assert choose("auto", device="cuda", instant=True, world=1, sharded=True) == ReadChoice(True, "runai", False)
+
+
+@pytest.mark.parametrize("instant", [False, True])
+def test_auto_on_cuda_over_a_group_that_cannot_carry_device_tensors(instant):
+    """vLLM's gloo cpu_group on GPUs (finding 3/4): neither InstantTensor nor Run:ai shares over it;
+    distload's readers do, staged through the host, where a shared read is asked for."""
+    kw = dict(device="cuda", instant=instant, world=2, device_data=False)
+    assert choose("auto", **kw) == ReadChoice(False, "pread", False, "job")
+    assert choose("auto", distributed="job", **kw) == ReadChoice(False, "pread", True, "job")
+    assert choose("auto", **dict(kw, world=1)) == ReadChoice(False, "instanttensor" if instant else "runai", False,
+                                                          "job" if instant else "node")
 
 
 def test_auto_on_cuda_without_instanttensor():

@@ -524,6 +524,7 @@ def header_length(path: str) -> int:
 def test_a_send_that_fails_names_the_receiver_not_the_sending_rank(monkeypatch):
     """The reader of a bucket sends each member its pieces: where the send to member 1 fails (its
     process ended), the error names rank 1, not the reader itself."""
+    import contextlib
     from datetime import timedelta
     from types import SimpleNamespace
 
@@ -543,7 +544,7 @@ def test_a_send_that_fails_names_the_receiver_not_the_sending_rank(monkeypatch):
     bucket.buffer = torch.zeros(8, dtype=torch.uint8)
     bucket.pack(plan, 0, 2, broadcast=False)
     group = SimpleNamespace(rank=0, ranks=[0, 1], process_group=object(), timeout=timedelta(seconds=1),
-                            lost_peers=lambda exc: "")
+                            lost_peers=lambda exc: "", watched=lambda step: contextlib.nullcontext())
     assert plan.readers == [0]
     with pytest.raises(GroupError, match=r"rank 0: lost contact with rank 1 "):
         shared._send(group, [0, 1], 0, [bucket], broadcast=False)

@@ -51,7 +51,7 @@ from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, describe
-from distload.live.session import Session, join, leave, store_lost
+from distload.live.session import Session, gpu_identity, join, leave, store_lost
 from distload.live.targets import model_tensors
 from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
@@ -171,7 +171,8 @@ class SyncChannel:
     def _info(self) -> dict[str, Any]:
         spec = self.place.spec
         return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
-                "device": self.device.type, "verify": self.verify, "pid": os.getpid()}
+                "device": self.device.type, "gpu": gpu_identity(self.device), "verify": self.verify,
+                "pid": os.getpid()}
 
     def _join(self, deadline: float) -> Session:
         if self._session is not None:
@@ -430,6 +431,10 @@ class SyncChannel:
                 post(i + 2)
             if sums:
                 self._check_sums(session, sender, plan, torch.stack(sums), cancelled)
+        if self.device.type == "cuda":
+            # unpack's copies run on this thread's current stream of the device: done before
+            # receive() returns, for a consumer on any other stream.
+            torch.cuda.current_stream(self.device).synchronize()
         return wire
 
     def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,

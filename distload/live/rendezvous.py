@@ -33,6 +33,8 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from distload.errors import ConfigError, SyncError
+from distload.runtime import RUNTIME
+from distload.workers.group import NCCL_CLEANUP_ONLY
 
 ROLES = ("trainer", "inference")
 _SESSION = "session"
@@ -235,13 +237,21 @@ def _split(key: str) -> tuple[str, int]:
     return role, int(rank)
 
 
+PAIR_NCCL_ENV = NCCL_CLEANUP_ONLY + (("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),)
+
+
 def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
     """A process group of the session's members over ``store``, outside torch's default world."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        # Read by the constructor. A failed or timed-out transfer in a pair is this update's
+        # failure (SyncError), not the process's (NCCL_CLEANUP_ONLY). No flight-recorder dump
+        # either: its signal goes through the store under the pair's, the job's own for
+        # WeightSync, and ends every rank of the job (ProcessGroupNCCL's heartbeat monitor).
+        with RUNTIME.environment(dict(PAIR_NCCL_ENV), restore_prefix=""):
+            return dist.ProcessGroupNCCL(store, rank, size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     interface = os.environ.get("GLOO_SOCKET_IFNAME")

@@ -34,7 +34,7 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -191,8 +191,7 @@ class Session:
         self.issued.setdefault(peer, []).append(work)
         return work
 
-    @staticmethod
-    def wait(work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
+    def wait(self, work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
         """Wait for ``work`` by polling, so that a given-up update's thread can stop at once."""
         pause = 0.00005
         while not work.is_completed():
@@ -200,6 +199,11 @@ class Session:
                 raise _GivenUp()
             time.sleep(pause)
             pause = min(0.002, pause * 2)
+        # A failed NCCL work is completed too (WorkNCCL::isCompleted: exception() or finished),
+        # and wait() without a timeout does not raise it: ask for it first (gloo's wait raises).
+        failure = work.exception() if self.backend == "nccl" else None
+        if failure is not None:
+            raise SyncError(f"{what()} failed: {_short(failure)}")
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - the peer died, or the group's timeout passed
@@ -213,14 +217,43 @@ class Session:
         landing = [work for work in self.into_model if not work.is_completed()]
         for peer, pair in self.pairs.items():
             if any(not work.is_completed() for work in self.issued.get(peer, ())):
-                # A given-up transfer still waits in this pair's worker thread, until its peer
-                # goes or the group's timeout passes; destroying the group would wait with it
-                # (at interpreter exit too). Kept alive for the life of the process instead.
-                _keep_forever(pair)
+                if self.backend == "nccl":
+                    # A given-up NCCL transfer is a kernel spinning on the GPU: it never fails as a
+                    # closed gloo connection does; a device-wide synchronize waits behind it, and at
+                    # the pair's timeout torch's watchdog would end the process. ncclCommAbort
+                    # (ProcessGroupNCCL.abort) ends the kernel; the pair was made not to tear the
+                    # process down for it (rendezvous.process_group).
+                    pair.abort()
+                    landing = []  # every unfinished landing was in an aborted pair (one backend)
+                else:
+                    # A given-up gloo transfer still waits in this pair's worker thread, until its
+                    # peer goes or the group's timeout passes; destroying the group would wait with
+                    # it (at interpreter exit too). Kept alive for the life of the process instead.
+                    _keep_forever(pair)
         # Destroying the others closes their connections: a peer still waiting on this member
         # gets an error at once.
         self.pairs, self.issued = {}, {}
         return landing
+
+
+def session_backend(infos: Iterable[Mapping[str, Any]]) -> str:
+    """The pairs' backend: NCCL where every member is on a GPU of its own, else gloo (buckets
+    through the host). NCCL refuses two ranks of one communicator on one GPU (init.cc:
+    "Duplicate GPU detected", ncclInvalidUsage): co-located trainer and inference processes,
+    or two jobs on a one-GPU machine. Members post their GPU's UUID (``gpu_identity``)."""
+    infos = list(infos)
+    if not infos or any(info["device"] != "cuda" for info in infos):
+        return "gloo"
+    gpus = [info.get("gpu") for info in infos]
+    return "nccl" if None not in gpus and len(set(gpus)) == len(gpus) else "gloo"
+
+
+def gpu_identity(device: torch.device) -> str | None:
+    """The physical GPU behind ``device`` (its UUID: the same whatever CUDA_VISIBLE_DEVICES
+    numbers it), None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def join(root: Any, role: str, rank: int, size: int, info: Mapping[str, Any], deadline: float, *,
@@ -234,7 +267,7 @@ def join(root: Any, role: str, rank: int, size: int, info: Mapping[str, Any], de
         record = rendezvous.await_session(root, role, rank, nonce, deadline, address)
     me = record.channel_rank(role, rank)
     store = dist.PrefixStore(f"s/{record.id}/", root)
-    backend = "nccl" if all(i["device"] == "cuda" for i in record.infos.values()) else "gloo"
+    backend = session_backend(record.infos.values())
     beat = Beat(store, me, until=lambda: root.check([rendezvous.CLOSING]))
     peers = range(record.trainer_size, record.world_size) if role == "trainer" else range(record.trainer_size)
     pairs: dict[int, Any] = {}
@@ -243,8 +276,7 @@ def join(root: Any, role: str, rank: int, size: int, info: Mapping[str, Any], de
         for peer in peers:
             trainer, receiver = (me, peer) if role == "trainer" else (peer, me)
             pairs[peer] = rendezvous.process_group(dist.PrefixStore(f"pg/{trainer}-{receiver}/", store),
-                                                   0 if role == "trainer" else 1, 2, backend,
-                                                   max(1.0, deadline - time.monotonic()))
+                                                   0 if role == "trainer" else 1, 2, backend, timeout_s)
     except Exception as exc:
         beat.stop()
         raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together (a member "

@@ -123,16 +123,22 @@ class WeightSleeper:
                         _write_storage(self._file, data)
                         entry.file_offset, offset = offset, offset + entry.nbytes
                     else:
-                        entry.host = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=True)
+                        entry.host = _pinned(entry.nbytes)
                         entry.host.copy_(data)
         except BaseException:
             self._close_file()
+            for entry in slept:
+                _unpin(entry)
             raise
         if self._file is not None:
             self._file.flush()
         # Only now, with every copy safe, is any memory released: a failed sleep changes nothing.
         for entry in slept:
             entry.release()
+        if any(entry.members[0][0].device.type == "cuda" for entry in slept):
+            # resize_(0) gives the memory to PyTorch's caching allocator, not to the driver: a
+            # co-located process (the reason to sleep) could not use it.
+            torch.cuda.empty_cache()
         self._slept = slept
         self.level = level
         return sum(entry.nbytes for entry in slept)
@@ -145,6 +151,7 @@ class WeightSleeper:
             data = entry.restore()
             if entry.host is not None:
                 data.copy_(entry.host)
+                _unpin(entry)
             elif entry.file_offset is not None:
                 assert self._file is not None
                 self._file.seek(entry.file_offset)
@@ -164,3 +171,25 @@ class WeightSleeper:
 
     def __repr__(self) -> str:
         return f"WeightSleeper({len(self._tensors)} tensors, level={self.level})"
+
+
+def _pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory of exactly that size, unpinned at wake and freed
+    with the tensor. ``pin_memory=True`` would take them from the caching host allocator, which
+    rounds each block up to a power of two and keeps it after it is freed
+    (CachingHostAllocator.h ``allocate``: ``PowerOf2Ceil(size)``): up to twice the weights
+    page-locked for the life of the process."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        code = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0))
+        if code != 0:
+            raise DistloadError(f"could not page-lock {nbytes} bytes of host memory for a sleeping weight "
+                                f"(cudaHostRegister error {code}): raise the locked-memory limit (ulimit -l), "
+                                f"or sleep at level 2")
+    return host
+
+
+def _unpin(entry: _Slept) -> None:
+    host, entry.host = entry.host, None
+    if host is not None and host.numel():
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())

@@ -57,6 +57,8 @@ class ReadFacts:
     ``replicas``: ranks holding the same tensor-parallel rank (data-parallel replicas); with more
     than one, ``auto`` lets them share the reading of their shard files (the slices of a whole
     checkpoint are shared between all ranks, replicas or not).
+    ``device_data``: the group's data group carries tensors on the device (NCCL for CUDA;
+    ``WorkerGroup.wire_device``); InstantTensor shares a read only then.
     """
 
     sharded_layout_found: bool
@@ -68,6 +70,7 @@ class ReadFacts:
     whole_job: bool = True
     sliced: bool = False
     replicas: int = 1
+    device_data: bool = True
 
     @property
     def many(self) -> bool:

@@ -78,7 +78,9 @@ def _runai_streamer_sharded(facts: ReadFacts) -> ReadChoice:
 
 
 def _instanttensor(facts: ReadFacts) -> ReadChoice:
-    return ReadChoice(False, "instanttensor", facts.many)
+    # InstantTensor shares over the whole group it is handed (its preflight refuses `node` on
+    # several nodes).
+    return ReadChoice(False, "instanttensor", facts.many, facts.asked or "job")
 
 
 def _dummy(facts: ReadFacts) -> ReadChoice:
@@ -123,8 +125,12 @@ def _auto(facts: ReadFacts) -> ReadChoice:
             return ReadChoice(True, own, True, shared_scope)
         return ReadChoice(True, "pread" if not remote and facts.device_type != "cuda" else "runai", False)
     if facts.device_type == "cuda" and not remote:
+        if many and not facts.device_data:
+            # A group that cannot carry device tensors (vLLM's gloo cpu_group): InstantTensor
+            # and Run:ai share over NCCL only; distload's readers stage the buckets through the host.
+            return ReadChoice(False, own, share, shared_scope)
         if facts.instanttensor_installed:
-            return ReadChoice(False, "instanttensor", many and scope is not False)
+            return ReadChoice(False, "instanttensor", many and scope is not False, asked or "job")
         # Run:ai over NCCL reads each byte once per node (each node has its own files) and
         # broadcasts device to device.
         return ReadChoice(False, "runai", runai_shared and scope is not False, asked or "node")

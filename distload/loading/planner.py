@@ -62,6 +62,7 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
         sliced=(tp is not None or blocks is not None) and not layout.sharded,
         # Ranks that load the same shard files of a pre-sharded checkpoint (data-parallel replicas).
         replicas=group.world_size // tp.size if tp is not None else 1,
+        device_data=group.wire_device == group.device,
     ))
     if blocks is not None and layout.sharded:
         raise ConfigError(f"{source} is sharded per rank; a model of DTensors loads from a whole checkpoint, "

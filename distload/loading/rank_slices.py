@@ -40,13 +40,21 @@ class RankSlices:
         action = self.actions.get(name)
         if action is not None:
             assert tp is not None
-            return take_shard(tensor, action, tp.rank, tp.size, name)
+            return _own_storage(take_shard(tensor, action, tp.rank, tp.size, name))
         block = self.blocks.get(name)
         if block is not None:
             for dim, (offset, size) in enumerate(zip(*block)):
                 tensor = tensor.narrow(dim, offset, size)
-            return tensor.contiguous()
+            return _own_storage(tensor.contiguous())
         return tensor
+
+
+def _own_storage(piece: torch.Tensor) -> torch.Tensor:
+    """``piece`` in memory of its own size: a leading range along dim 0 is a contiguous view,
+    and would keep the whole tensor's storage (all of it, on every rank) alive with it."""
+    if piece.untyped_storage().nbytes() != piece.numel() * piece.element_size():
+        return piece.clone()
+    return piece
 
 
 def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, Block]) -> RankSlices:

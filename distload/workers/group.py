@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
@@ -21,12 +23,60 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
-from distload.workers.heartbeat import Heartbeat
+from distload.runtime import RUNTIME
+from distload.workers.heartbeat import INTERVAL_S, Heartbeat, PeerWatch
 from distload.workers.launch import LaunchInfo, detect_launch, resolve_device
 
 DEFAULT_TIMEOUT_S = 300.0
+# How long a member's heartbeat may stand still, in a watched NCCL step, before it counts as lost.
+PEER_DEAD_S = 5.0
+# The NCCL groups distload makes: a failed or timed-out operation is an error of that step, raised
+# where distload waits, not the end of the process. Read by ProcessGroupNCCL's constructor; its
+# default, 3 (SkipCleanUp; 1 under torchrun, whose agent sets it), makes the watchdog rethrow in
+# its own thread ("we are taking the entire process down"), while 2 (CleanUpOnly) only aborts
+# the communicator.
+NCCL_CLEANUP_ONLY = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),)
 
 T = TypeVar("T")
+
+
+def carries(backend: str | None, device_type: str) -> bool:
+    """Whether a process group whose backend torch names ``backend`` (``dist.get_backend``:
+    ``nccl``, ``gloo``, or per device type ``cpu:gloo,cuda:nccl``) moves tensors on
+    ``device_type`` from their own memory.
+
+    NCCL carries CUDA tensors only: torch registers it for "cuda" alone
+    (``Backend.default_device_backend_map``), so a CPU tensor on an NCCL-only group raises "No
+    backend type associated with device type cpu". gloo is registered for "cuda" too, but its
+    send and recv hand a CUDA tensor's device pointer to a TCP buffer
+    (``ProcessGroupGloo::send``: ``tensor.const_data_ptr()`` into ``createUnboundBuffer``, with
+    no device check), so only host tensors travel through gloo point to point.
+    """
+    if not backend:
+        return False
+    names: dict[str, str] = {}
+    for part in backend.lower().split(","):
+        kind, _, name = part.rpartition(":")
+        if kind:
+            names[kind.strip()] = name.strip()
+        else:
+            names = {"cpu": name.strip(), "cuda": name.strip()}
+    return names.get(device_type) == ("nccl" if device_type == "cuda" else "gloo")
+
+
+def subgroup_backend(device_type: str) -> str:
+    """The backend of a subgroup's one process group, data and control together.
+
+    For CUDA both in one group: with the default group bound to a device (``device_id``), torch
+    2.13's ``new_group`` makes every rank left out of *any* new group, gloo ones too, take part
+    in an ``ncclCommSplit`` of the default communicator, while a gloo group's members take part
+    in none (``_new_process_group_helper``: ``split_from.perform_nocolor_split`` for
+    non-members; ``split_from`` used only for NCCL). An NCCL group and a gloo group made one
+    after the other thus leave the ranks left out in a second split nobody else joins (pytorch
+    issue 145376). One ``cpu:gloo,cuda:nccl`` group is one split on every rank, and its object
+    collectives run on "cpu", i.e. gloo (``_get_object_coll_device``).
+    """
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
 def _describe(exc: BaseException) -> str:
@@ -73,6 +123,11 @@ class WorkerGroup:
         else:
             self.launch = detect_launch(environ)
         self.device = resolve_device(device, self.launch.local_rank)
+        if self.device.type == "cuda":
+            # The readers work on the current device's streams (InstantTensor synchronizes
+            # torch.cuda.current_stream() before handing out each tensor, _impl.py:1006, and
+            # clones on it): it must be this group's device, on every path into a group.
+            torch.cuda.set_device(self.device)
         self.hostname = socket.gethostname()
         if process_group is not None:
             self._join(process_group)
@@ -82,13 +137,13 @@ class WorkerGroup:
             self._init_default_group()
         if self.launch.world_size > 1:
             self._heartbeat = Heartbeat(dist.get_rank())
-            self._data = dist.group.WORLD
             # Control messages (errors, file lists, reports) always travel over gloo so they work
             # the same next to NCCL, and never touch device memory.
-            if dist.get_backend() == "gloo":
+            if carries(dist.get_backend(), "cpu"):
                 self._control = dist.group.WORLD
             else:
                 self._control = self._new_group(None, "gloo")
+            self._data = self._data_group(dist.group.WORLD)
 
     @classmethod
     @contextlib.contextmanager
@@ -118,7 +173,8 @@ class WorkerGroup:
         if backend == "nccl":
             kwargs["device_id"] = self.device
         try:
-            dist.init_process_group(**kwargs)
+            with RUNTIME.environment(dict(NCCL_CLEANUP_ONLY), restore_prefix=""):
+                dist.init_process_group(**kwargs)
         except Exception as exc:  # a peer that never started, a port in use, a bad address
             raise GroupError(self._rendezvous_failure(exc)) from exc
         self._owns_default_group = True
@@ -130,7 +186,7 @@ class WorkerGroup:
         ranks = dist.get_process_group_ranks(process_group)
         self._ranks = None if ranks == list(range(dist.get_world_size())) else list(ranks)
         self._data = process_group
-        if dist.get_backend(process_group) == "gloo":
+        if carries(dist.get_backend(process_group), "cpu"):
             self._control = process_group
             return
         try:
@@ -140,6 +196,16 @@ class WorkerGroup:
             # A gloo group over exactly these ranks was already made the same way (torch names
             # such groups by their ranks): collectives then use the caller's group itself.
             self._control = process_group
+        self._data = self._data_group(process_group)
+
+    def _data_group(self, group: Any) -> Any:
+        """The group that carries this rank's tensors: ``group``, or for a CPU device where
+        ``group`` is NCCL only (a training job's ``init_process_group("nccl")``), the gloo
+        control group. A CUDA device over a gloo group keeps it, its buckets staged through the
+        host (:attr:`wire_device`)."""
+        if self.device.type == "cpu" and not carries(dist.get_backend(group), "cpu"):
+            return self._control
+        return group
 
     def _new_group(self, ranks: list[int] | None, backend: str, **kwargs: Any) -> Any:
         group = dist.new_group(ranks, backend=backend, timeout=self.timeout, **kwargs)
@@ -170,13 +236,12 @@ class WorkerGroup:
             sub._ranks = None
             return sub
         global_ranks = [self.ranks[r] for r in members]
-        data_backend = "nccl" if self.device.type == "cuda" else "gloo"
-        data = dist.new_group(global_ranks, backend=data_backend, timeout=self.timeout)
-        control = dist.new_group(global_ranks, backend="gloo", timeout=self.timeout) if data_backend != "gloo" else data
+        with RUNTIME.environment(dict(NCCL_CLEANUP_ONLY), restore_prefix=""):
+            data = dist.new_group(global_ranks, backend=subgroup_backend(self.device.type), timeout=self.timeout)
         if self.launch.rank not in global_ranks:
             return None
-        sub._owned = [data] if control is data else [data, control]
-        sub._data, sub._control = data, control
+        sub._owned = [data]
+        sub._data = sub._control = data
         sub._heartbeat = Heartbeat(self.launch.rank)
         sub._ranks = None if global_ranks == list(range(self.launch.world_size)) else global_ranks
         self._subgroups = [s for s in self._subgroups if s._owned] + [sub]  # forget the closed ones
@@ -232,6 +297,14 @@ class WorkerGroup:
         return dist.get_backend(self._data) if self.world_size > 1 else None
 
     @property
+    def wire_device(self) -> torch.device:
+        """Where this rank's tensors travel between ranks: the device where the data group
+        carries it, else the host (a CUDA device over a gloo group: see :func:`carries`)."""
+        if self.world_size > 1 and not carries(self.backend, self.device.type):
+            return torch.device("cpu")
+        return self.device
+
+    @property
     def process_group(self) -> Any:
         """The data group, for backends and transfers that take a handle; None for one process."""
         return self._data if self.world_size > 1 else None
@@ -267,6 +340,49 @@ class WorkerGroup:
         if os.environ.get("TORCHELASTIC_RUN_ID") and exc is not None and "time" not in str(exc).lower():
             return "; a peer's process ended (torchrun's failure summary names its rank)"
         return self._heartbeat.describe_silent(self.ranks, self.launch.rank)
+
+    @contextlib.contextmanager
+    def watched(self, step: str) -> Iterator[None]:
+        """Around a step that waits on NCCL: a lost member ends it in seconds, naming the member.
+
+        On NCCL a peer that died or stopped leaves kernels waiting on the GPU; no connection
+        closes, and torch ends them only at the group's timeout (minutes). Here a thread watches
+        the members' heartbeats; when one stands still for PEER_DEAD_S it aborts the data group's
+        communicator (``ProcessGroupNCCL.abort``: ncclCommAbort), so the blocked calls return
+        with an error, and the step raises GroupError naming the member. On gloo (a closed
+        connection fails at once) and for one process it does nothing."""
+        store = None if self._heartbeat is None else self._heartbeat.store
+        if self.world_size == 1 or store is None or not carries(self.backend, "cuda"):
+            yield
+            return
+        watch = PeerWatch(store, [r for r in self.ranks if r != self.launch.rank], PEER_DEAD_S)
+        stop, lost = threading.Event(), []
+
+        def run() -> None:
+            while not stop.wait(INTERVAL_S):
+                try:
+                    silent = watch.silent(time.monotonic())
+                except Exception:  # noqa: BLE001 - the store went away with its host: the timeout decides
+                    return
+                if silent:
+                    lost.extend(silent)
+                    self._data._get_backend(self.device).abort()
+                    return
+
+        thread = threading.Thread(target=run, name="distload-peer-watch", daemon=True)
+        thread.start()
+        try:
+            yield
+        except Exception as exc:
+            if lost:
+                raise GroupError(
+                    f"rank {self.rank}: rank(s) {', '.join(map(str, lost))} (job-wide) stopped answering during "
+                    f"{step} (no heartbeat for {PEER_DEAD_S:g} s: killed, stopped or hung); the NCCL communicator "
+                    f"was aborted: {exc}") from exc
+            raise
+        finally:
+            stop.set()
+            thread.join()
 
     def agree(self, step: str, fn: Callable[[], T]) -> T:
         """Run ``fn`` on every rank; if it fails anywhere, raise on every rank.

@@ -6,6 +6,7 @@ It cannot run without CUDA; distload says so at once instead of falling back to 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
@@ -14,7 +15,9 @@ import torch
 from distload.config import check_fraction, check_positive_int
 from distload.errors import BackendUnavailableError, ConfigError
 from distload.loading.backends.base import Backend, BackendRun, ReadOptions, ReadRequest
+from distload.loading.index import PACKED
 from distload.loading.sources import is_object_store
+from distload.workers.group import carries
 
 if TYPE_CHECKING:
     from distload.loading.plan import RankPlan
@@ -53,6 +56,38 @@ def check_instanttensor_device(device: torch.device) -> None:
         )
 
 
+def check_instanttensor_read(shared: bool, scope: str, backend: str | None, world_size: int,
+                             local_world_size: int, tensors: list[tuple[str, str, str]]) -> None:
+    """Raise for a read InstantTensor 0.2.2 would get wrong (``tensors``: file, name, dtype).
+
+    - A shared read needs an NCCL group: InstantTensor calls ``process_group._get_backend(device)
+      ._comm_ptr()`` (``_impl.py:947``), which a gloo group (registered for "cuda" too) lacks.
+    - It shares over the whole group it is given: no per-node scope.
+    - Packed dtypes (F4: two values per byte): it keeps the header's shape, which counts 4-bit
+      values, so it asks ``_C.get_dl_tensor`` for twice the tensor's bytes (``get_tensor_size``,
+      ``_impl.py:383-387``) and clones past the tensor.
+    """
+    if shared and world_size > 1 and not carries(backend, "cuda"):
+        raise BackendUnavailableError(
+            f"InstantTensor shares a read over an NCCL process group only, and this load's group is "
+            f"{backend} ({world_size} ranks): load over an NCCL group (vLLM: its device group; "
+            f"WorkerGroup(process_group=<an NCCL group>)), or use --load-format auto or safetensors")
+    if shared and world_size > 1 and scope == "node" and local_world_size < world_size:
+        raise BackendUnavailableError(
+            f"InstantTensor shares a read over the whole group, and this group of {world_size} ranks spans "
+            f"nodes of {local_world_size}: a per-node shared read (distributed: node) is Run:ai's "
+            f"(--load-format runai_streamer) or distload's own (auto on a subgroup); for InstantTensor "
+            f"set distributed: job")
+    packed = [(file, name, dtype) for file, name, dtype in tensors if dtype in PACKED]
+    if packed:
+        shown = "; ".join(f"{file}: tensor {name!r} is {dtype}" for file, name, dtype in packed[:5])
+        more = f" (and {len(packed) - 5} more)" if len(packed) > 5 else ""
+        raise BackendUnavailableError(
+            f"{shown}{more}: InstantTensor 0.2.2 reads {'/'.join(sorted({d for _, _, d in packed}))} with the "
+            f"header's shape, twice its bytes; load this checkpoint with --load-format safetensors "
+            f"(or sharded_state for per-rank files)")
+
+
 @dataclass(frozen=True)
 class InstantTensorOptions(ReadOptions):
     """InstantTensor's own extra-config keys and values (``instanttensor_knobs`` turns them into
@@ -83,6 +118,12 @@ class InstantTensorBackend(Backend):
             )
         check_instanttensor_device(group.device)
 
+    def preflight(self, plan: "RankPlan", group: "WorkerGroup") -> None:
+        """The refusals InstantTensor would otherwise meet only once reading started."""
+        super().preflight(plan, group)
+        check_instanttensor_read(plan.choice.shared, plan.choice.scope, group.backend, group.world_size,
+                                 group.local_world_size, [(t.file, t.name, t.dtype) for t in plan.index.tensors])
+
     def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> InstantTensorOptions:
         return InstantTensorOptions(settings={key: value for key, value in extra.items() if key in self.keys})
 
@@ -112,6 +153,11 @@ def instanttensor_knobs(extra: Mapping[str, Any], module) -> dict[str, Any]:
 
 def _stream(module, request: ReadRequest, process_group, knobs) -> Iterator[tuple[str, torch.Tensor]]:
     paths = [info.path for info in request.index.files]
-    with module.safe_open(paths, framework="pt", device=request.device,
-                          process_group=process_group, **knobs) as handle:
+    # InstantTensor's all-gathers run on torch's communicator from its own thread and stream,
+    # which torch's watchdog does not track: neither the group's timeout nor NCCL's applies,
+    # and a lost peer would leave the others waiting for good. The watch aborts the communicator.
+    watch = request.group.watched("InstantTensor's shared read") if process_group is not None \
+        else contextlib.nullcontext()
+    with watch, module.safe_open(paths, framework="pt", device=request.device,
+                                 process_group=process_group, **knobs) as handle:
         yield from handle.tensors()

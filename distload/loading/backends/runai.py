@@ -16,13 +16,13 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 import torch
 
 from distload.config import check_positive_int, is_int
 from distload.errors import (BackendUnavailableError, CheckpointError, ConfigError, DistloadError, GroupError,
-                             ObjectStoreError)
+                             ObjectStoreError, RankFailedError)
 from distload.loading.backends.base import Backend, BackendRun, ReadOptions, ReadRequest
 from distload.loading.sources import is_object_store
 from distload.runtime import RUNTIME
@@ -194,7 +194,11 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
     if store is not None:
         # Again here: the endpoint may have gone away since planning.
         _preflight(store, paths[0])
-    distributed = _distributed(request)
+    distributed = _distributed(request) and all_can_distribute(
+        request.group, max((t.nbytes for t in request.index.tensors), default=0),
+        torch.cuda.mem_get_info(request.device)[0] if request.device.type == "cuda" else None)
+    if not distributed:
+        env = {key: value for key, value in env.items() if not key.startswith("RUNAI_STREAMER_DIST")}
     with RUNTIME.environment(env), _quiet_python_log(), streamer_cls() as streamer:
         try:
             streamer.stream_files(paths, device=str(request.device), is_distributed=distributed)
@@ -214,6 +218,34 @@ def _stream(streamer_cls, request: ReadRequest, paths: list[str], env: dict[str,
             yield from streamer.get_tensors()
         except (ValueError, RuntimeError) as exc:
             raise _wrapped(exc, paths, store, request, distributed) from exc
+
+
+def short_of_memory(free: Sequence[int | None], largest_tensor: int) -> list[int]:
+    """The ranks (of ``free``: each rank's free device bytes, None off CUDA) on which Run:ai's
+    distributed mode would fall back to reading alone: it needs twice its largest chunk free on
+    the device (``set_is_distributed``: ``free_memory < 2 * self.params.max_chunk``), and a
+    safetensors file's chunks are its tensors (``FileChunks.contiguous(i, path, offset,
+    tensor_sizes)``)."""
+    return [rank for rank, nbytes in enumerate(free) if nbytes is not None and nbytes < 2 * largest_tensor]
+
+
+def all_can_distribute(group: "WorkerGroup", largest_tensor: int, free: int | None) -> bool:
+    """Whether every rank will stream distributed (``free``: this rank's free device bytes, None
+    off CUDA). Run:ai decides it per rank, from the free memory of the current device, and the
+    ranks that stay distributed then make groups and broadcasts that a rank which fell back
+    never joins (a hang in ncclCommSplit with a bound default group). Agreed here first: where
+    any rank is short of memory, every rank reads alone."""
+    statuses = group.exchange((True, free))  # a rank that failed before sends (False, its error)
+    failures = {rank: message for rank, (ok, message) in enumerate(statuses) if not ok}
+    if failures:
+        raise RankFailedError("reading with Run:ai", failures)
+    short = short_of_memory([nbytes for _, nbytes in statuses], largest_tensor)
+    if short:
+        log.warning(
+            "rank %d: Run:ai's distributed read needs %d bytes free on every GPU (twice the largest tensor), and "
+            "rank(s) %s have less: every rank reads alone (path=runai); free GPU memory there to share the read",
+            group.rank, 2 * largest_tensor, ", ".join(map(str, short)))
+    return not short
 
 
 @contextlib.contextmanager

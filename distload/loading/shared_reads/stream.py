@@ -102,9 +102,15 @@ def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list
 class _Tensors:
     """This rank's tensors: each allocated when a bucket first needs it, handed out when done."""
 
-    def __init__(self, request: ReadRequest, infos: list[TensorInfo], plan: ExchangePlan):
+    def __init__(self, request: ReadRequest, infos: list[TensorInfo], plan: ExchangePlan,
+                 wire: torch.device | None = None):
         self.request = request
         self.infos = infos
+        # Where buckets travel: the device, or the host where the data group cannot carry the
+        # device's tensors (CUDA over gloo: WorkerGroup.wire_device). Staged buckets are read,
+        # sent and received on the host, and copied into the device tensors at the end.
+        self.wire = request.device if wire is None else wire
+        self.staged = self.wire.type != request.device.type
         self.tensors: list[torch.Tensor | None] = [None] * len(infos)
         self.new: list[bool] = [True] * len(infos)
         self.missing = [0] * len(infos)
@@ -159,7 +165,8 @@ class _Tensors:
 def _place(tensors: _Tensors, pieces: Sequence[TensorRun]) -> torch.Tensor | None:
     """The tensor memory that ``pieces`` fill in one unbroken range, if they do (then the bytes
     land there directly); None where they need placing piece by piece."""
-    if not pieces or len({i for i, _ in pieces}) != 1 or not contiguous([r for _, r in pieces], dst=True):
+    if tensors.staged or not pieces or len({i for i, _ in pieces}) != 1 \
+            or not contiguous([r for _, r in pieces], dst=True):
         return None
     i, first = pieces[0]
     return tensors.flat(i)[first[1]:first[1] + run_bytes(r for _, r in pieces)]
@@ -178,7 +185,7 @@ class _Bucket:
         self.tensors = tensors
         for span in self.spans:  # allocated in file order, whoever reads
             tensors.get(span.tensor)
-        self.buffer: torch.Tensor | None = None  # the reader's copy of the bucket, on the device
+        self.buffer: torch.Tensor | None = None  # the reader's copy of the bucket, where it travels
         self.host: torch.Tensor | None = None  # where a reader on a device reads first
         self.reads: list[Future] = []
         self.requested = 0  # bytes its reader asked the source for
@@ -223,7 +230,7 @@ class _Bucket:
         self.placed = self.landing is not None
         if self.landing is None:
             self.landing = torch.empty(run_bytes(r for _, r in self.mine), dtype=torch.uint8,
-                                       device=self.tensors.request.device)
+                                       device=self.tensors.wire)
         elif self.landing.device.type == "cpu" and self.tensors.new[self.mine[0][0]]:
             self.tensors.request.host_memory.prefault(self.landing.data_ptr(), self.landing.numel())
 
@@ -268,7 +275,7 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                          f"other facts than this rank (tensor sizes, what each member keeps, bucket size: a file "
                          f"replaced between their header reads?), so their messages would not pair up; load again")
     rounds = max(n for n, _ in planned)  # the same count on every rank
-    tensors = _Tensors(request, infos, plan)
+    tensors = _Tensors(request, infos, plan, group.wire_device)
     run.requested_bytes = 0
     run.received_bytes = 0
     broadcast = plan.identical and k == group.world_size
@@ -319,7 +326,7 @@ def _start_read(pool: ThreadPoolExecutor, bucket: _Bucket, plan: ExchangePlan, r
     request = bucket.tensors.request
     own = bucket.in_place()
     bucket.placed = own is not None
-    on_host = request.device.type == "cpu"
+    on_host = bucket.tensors.wire.type == "cpu"
     if own is not None:
         bucket.buffer = own
     elif on_host:
@@ -399,8 +406,9 @@ def _send(group, members: list[int], me: int, this_round: list[_Bucket], broadca
                     works.append((bucket, peer, dist.broadcast(bucket.landing, src=reader, group=pg, async_op=True)))
                 else:
                     works.append((bucket, peer, dist.irecv(bucket.landing, src=reader, group=pg)))
-        for bucket, peer, work in works:
-            work.wait(group.timeout)
+        with group.watched("the shared read"):
+            for bucket, peer, work in works:
+                work.wait(group.timeout)
     except Exception as exc:  # a member died or the timeout passed
         assert bucket is not None
         other = f"rank {peer}" if peer is not None else "the other ranks"
