@@ -1,10 +1,10 @@
-"""The layout of a model's weights, learned from the model's own weight loaders (issue 35).
+"""The weight map: where a model's own weight loaders put each checkpoint tensor (issue 35).
 
 vLLM's models say where each checkpoint tensor lands only in code: each ``load_weights`` maps
 names, and each layer's ``weight_loader`` narrows, chunks, transposes and copies. Rather than
-table that code per architecture, :func:`record_layout` runs it once against placeholder tensors
+table that code per architecture, :func:`record_weight_map` runs it once against placeholder tensors
 (the checkpoint's dtype and shape from its headers, no data) and records what every copy into a
-parameter takes of which checkpoint tensor; :meth:`LayoutRecord.replay` then does exactly those
+parameter takes of which checkpoint tensor; :meth:`WeightMap.replay` then does exactly those
 copies with the real tensors, and any architecture whose loaders only move data loads without a
 table.
 
@@ -88,7 +88,7 @@ class Fill:
 
 
 @dataclass
-class LayoutRecord:
+class WeightMap:
     """Per checkpoint tensor, what the model's loaders take of it and where it lands (see the
     module docstring). ``whole``: tensor -> why it must go through the model's own loader;
     ``unused``: tensors no loader took anything of (vLLM skips them too, e.g. rotary caches)."""
@@ -113,7 +113,7 @@ class LayoutRecord:
         (whole, as the checkpoint holds it) into ``params`` (name -> the engine's tensors)."""
         copies, fills = steps if steps is not None else self.by_tensor().get(name, ([], []))
         if tensor.dim() and not tensor.is_contiguous():
-            raise DistloadError(f"{name}: the layout's source regions are of the checkpoint's contiguous "
+            raise DistloadError(f"{name}: the weight map's source regions are of the checkpoint's contiguous "
                                 f"tensor; this one has strides {tensor.stride()}")
         for f in fills:
             f.dest.on(_param(params, f.param, name).data).fill_(f.value)
@@ -128,7 +128,7 @@ class LayoutRecord:
         return {"format": FORMAT_VERSION, **asdict(self)}
 
     @staticmethod
-    def from_json(text: str) -> "LayoutRecord":
+    def from_json(text: str) -> "WeightMap":
         raw = json.loads(text)
         if raw.pop("format", None) != FORMAT_VERSION:
             raise ValueError("another format version")
@@ -136,7 +136,7 @@ class LayoutRecord:
         def region(r):
             return Region(r["offset"], tuple(r["shape"]), tuple(r["stride"]))
 
-        return LayoutRecord(
+        return WeightMap(
             key=raw["key"],
             copies=[Copy(c["tensor"], region(c["source"]), c["param"], region(c["dest"]), tuple(c["casts"]))
                     for c in raw["copies"]],
@@ -148,12 +148,12 @@ def _param(params: Mapping[str, torch.Tensor], name: str, tensor: str) -> torch.
     try:
         return params[name]
     except KeyError:
-        raise DistloadError(f"{tensor}: the layout record writes into parameter {name!r}, which this model "
-                            f"does not have; the record is stale: delete it from the layout cache "
+        raise DistloadError(f"{tensor}: the weight map writes into parameter {name!r}, which this model "
+                            f"does not have; the map is stale: delete it from the weight-map cache "
                             f"({cache_dir()})") from None
 
 
-def layout_key(**parts) -> str:
+def weight_map_key(**parts) -> str:
     """The cache key: a digest of everything the record depends on (the model config, the TP size
     and rank, the vLLM version, the checkpoint's tensors and the engine's parameters)."""
     text = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, default=str)
@@ -161,22 +161,22 @@ def layout_key(**parts) -> str:
 
 
 def cache_dir() -> str:
-    return os.environ.get("DISTLOAD_LAYOUT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "distload", "vllm-layouts")
+    return os.environ.get("DISTLOAD_WEIGHT_MAP_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "distload", "vllm-weight-maps")
 
 
-def cached_layout(key: str) -> LayoutRecord | None:
+def cached_weight_map(key: str) -> WeightMap | None:
     """The record cached under ``key``, or None (none yet, or one written by another version)."""
     path = os.path.join(cache_dir(), key + ".json")
     try:
         with open(path) as f:
-            record = LayoutRecord.from_json(f.read())
+            record = WeightMap.from_json(f.read())
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent or unreadable: record afresh and overwrite it
     return record if record.key == key else None
 
 
-def cache_layout(record: LayoutRecord) -> None:
+def cache_weight_map(record: WeightMap) -> None:
     os.makedirs(cache_dir(), exist_ok=True)
     write_json_atomic(os.path.join(cache_dir(), record.key + ".json"), record.to_dict(), indent=0)
 
@@ -192,7 +192,7 @@ class _NotARegion(Exception):
         self.why = why
 
 
-class _Placeholder(torch.Tensor):
+class Placeholder(torch.Tensor):
     """A checkpoint tensor without data: ``_meta`` is a meta tensor viewing the checkpoint tensor's
     elements (its region), ``_casts`` the dtypes it was converted through. Only the recorder's
     dispatch mode handles its ops."""
@@ -214,7 +214,7 @@ class _Placeholder(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise _NotARegion(next(a._name for a in _flat(args) if isinstance(a, _Placeholder)),
+        raise _NotARegion(next(a._name for a in _flat(args) if isinstance(a, Placeholder)),
                           f"{func} outside the recorder")
 
     def __repr__(self) -> str:
@@ -230,7 +230,7 @@ def _flat(args) -> Iterable:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, params: Mapping[str, torch.Tensor], record: LayoutRecord):
+    def __init__(self, params: Mapping[str, torch.Tensor], record: WeightMap):
         super().__init__()
         self.record = record
         # Which parameter a write lands in, by its storage (tied parameters: the first name, as
@@ -242,13 +242,13 @@ class _Recorder(TorchDispatchMode):
         self.taken: set[str] = set()
 
     def _param_of(self, dest: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        if dest.is_meta or isinstance(dest, _Placeholder):
+        if dest.is_meta or isinstance(dest, Placeholder):
             return None
         return self.storages.get(dest.untyped_storage().data_ptr())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        holders = [a for a in _flat(list(args) + list(kwargs.values())) if isinstance(a, _Placeholder)]
+        holders = [a for a in _flat(list(args) + list(kwargs.values())) if isinstance(a, Placeholder)]
         if not holders:
             if func in _FILLS or (func._schema.is_mutable and func is not _aten.copy_.default):
                 self._write(func, args, kwargs)
@@ -257,7 +257,7 @@ class _Recorder(TorchDispatchMode):
                                   f"{self._param_of(args[0])[0]} from a computed value")
             return func(*args, **kwargs)
         src = holders[0]
-        if func is _aten.copy_.default and isinstance(args[1], _Placeholder) and not isinstance(args[0], _Placeholder):
+        if func is _aten.copy_.default and isinstance(args[1], Placeholder) and not isinstance(args[0], Placeholder):
             return self._copy(args[0], args[1])
         if len(holders) > 1 or args[0] is not src:
             raise _NotARegion(src._name, f"{func} combines it with other tensors")
@@ -266,7 +266,7 @@ class _Recorder(TorchDispatchMode):
                 raise _NotARegion(src._name, f"{func} to meta")
             dtype = kwargs.get("dtype") or src.dtype
             casts = src._casts + ((str(dtype).removeprefix("torch."),) if dtype != src.dtype else ())
-            return _Placeholder(src._name, src._meta, dtype, src.device, casts)
+            return Placeholder(src._name, src._meta, dtype, src.device, casts)
         if func.is_view and func not in _STORAGE_DEPENDENT_VIEWS or func is _aten._unsafe_view.default:
             op = _aten.view.default if func is _aten._unsafe_view.default else func
             try:
@@ -274,11 +274,11 @@ class _Recorder(TorchDispatchMode):
             except RuntimeError as exc:
                 raise _NotARegion(src._name, f"{func}: {exc}") from None
             if isinstance(out, torch.Tensor):
-                return _Placeholder(src._name, out, src.dtype, src.device, src._casts)
-            return type(out)(_Placeholder(src._name, o, src.dtype, src.device, src._casts) for o in out)
+                return Placeholder(src._name, out, src.dtype, src.device, src._casts)
+            return type(out)(Placeholder(src._name, o, src.dtype, src.device, src._casts) for o in out)
         raise _NotARegion(src._name, f"{func} on its values")
 
-    def _copy(self, dest: torch.Tensor, src: _Placeholder) -> torch.Tensor:
+    def _copy(self, dest: torch.Tensor, src: Placeholder) -> torch.Tensor:
         owner = self._param_of(dest)
         if owner is None:
             raise _NotARegion(src._name, "copied into a tensor that is not a parameter of the model")
@@ -302,15 +302,15 @@ class _Recorder(TorchDispatchMode):
         raise _NotARegion(self.current, f"{func} writes into parameter {owner[0]}")
 
 
-def record_layout(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+def record_weight_map(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
                   params: Mapping[str, torch.Tensor],
-                  load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> LayoutRecord:
+                  load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> WeightMap:
     """Run ``load_weights`` (the model's own) once per checkpoint tensor, given as (name, dtype,
     shape), with a placeholder of it, and record where each one lands in ``params`` (the model's
     tensors by name). The loaders really run: fills they make are made (the replay makes them
     again); copies from placeholders move nothing."""
     tensors = list(tensors)
-    record = LayoutRecord(key)
+    record = WeightMap(key)
     recorder = _Recorder(params, record)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     for name, dtype, shape in tensors:
@@ -318,7 +318,7 @@ def record_layout(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[int,
         recorder.current = name
         try:
             with recorder:
-                load_weights(iter([(name, _Placeholder(name, meta, dtype, device))]))
+                load_weights(iter([(name, Placeholder(name, meta, dtype, device))]))
         except _NotARegion as exc:
             whole = exc.tensor or name
             record.whole[whole] = exc.why

@@ -1,4 +1,4 @@
-"""The layout recorder (distload/vllm/layout.py) on plain torch modules, no vLLM: loaders written
+"""The weight-map recorder (distload/vllm/weight_map.py) on plain torch modules, no vLLM: loaders written
 the way vLLM's are (narrow for a TP rank, fused q/k/v, a transposed Conv1D weight, padded
 vocabulary rows zeroed, a cast), recorded against placeholders, then replayed with the real
 tensors and compared bit for bit with the loaders run on those tensors."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distload.vllm.layout import LayoutRecord, cached_layout, cache_layout, record_layout
+from distload.vllm.weight_map import WeightMap, cached_weight_map, cache_weight_map, record_weight_map
 
 TP_SIZE, TP_RANK = 2, 1
 
@@ -56,7 +56,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit():
     ck = checkpoint()
     model = Tiny()
     params = dict(model.state_dict(keep_vars=True))
-    record = record_layout("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()], params, model.load_weights)
+    record = record_weight_map("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()], params, model.load_weights)
     assert set(record.whole) == {"scaled"} and "mul" in record.whole["scaled"]
     assert record.unused == ["rotary"]
     assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm"}
@@ -69,7 +69,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit():
     actual.load_state_dict(expected.state_dict())
     expected.load_weights(iter(ck.items()))
     targets = dict(actual.state_dict(keep_vars=True))
-    replayed = LayoutRecord.from_json(__import__("json").dumps(record.to_dict()))  # through the cache form
+    replayed = WeightMap.from_json(__import__("json").dumps(record.to_dict()))  # through the cache form
     steps = replayed.by_tensor()
     for name, tensor in ck.items():
         if name in replayed.whole:
@@ -94,18 +94,18 @@ def test_a_copy_into_a_temporary_or_a_combination_makes_the_tensor_whole():
             elif name == "b":
                 p.data.copy_(torch.cat([w, w]))
 
-    record = record_layout("k", [("a", torch.float32, (2, 2)), ("b", torch.float32, (2, 2))], {"p": p}, loads)
+    record = record_weight_map("k", [("a", torch.float32, (2, 2)), ("b", torch.float32, (2, 2))], {"p": p}, loads)
     assert "not a parameter" in record.whole["a"] and "cat" in record.whole["b"] and not record.copies
 
 
 def test_the_cache_round_trips_and_ignores_a_stale_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("DISTLOAD_LAYOUT_CACHE", str(tmp_path))
+    monkeypatch.setenv("DISTLOAD_WEIGHT_MAP_CACHE", str(tmp_path))
     ck = checkpoint()
     model = Tiny()
-    record = record_layout("abc", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()],
+    record = record_weight_map("abc", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()],
                            dict(model.state_dict(keep_vars=True)), model.load_weights)
-    assert cached_layout("abc") is None
-    cache_layout(record)
-    assert cached_layout("abc") == record
+    assert cached_weight_map("abc") is None
+    cache_weight_map(record)
+    assert cached_weight_map("abc") == record
     (tmp_path / "abc.json").write_text("{not json")
-    assert cached_layout("abc") is None
+    assert cached_weight_map("abc") is None
