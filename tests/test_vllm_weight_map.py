@@ -52,7 +52,14 @@ def checkpoint():
             "scaled": r(4), "rotary": r(3)}
 
 
-def test_a_record_replayed_equals_the_loaders_bit_for_bit():
+def _box_of(tensor, box):
+    for dim, (offset, size) in enumerate(zip(*box)):
+        tensor = tensor.narrow(dim, offset, size)
+    return tensor.contiguous()
+
+
+@pytest.mark.parametrize("boxed", [False, True], ids=["whole", "boxes"])
+def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     ck = checkpoint()
     model = Tiny()
     params = dict(model.state_dict(keep_vars=True))
@@ -70,12 +77,18 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit():
     expected.load_weights(iter(ck.items()))
     targets = dict(actual.state_dict(keep_vars=True))
     replayed = WeightMap.from_json(__import__("json").dumps(record.to_dict()))  # through the cache form
-    steps = replayed.by_tensor()
+    shapes = {n: tuple(t.shape) for n, t in ck.items()}
+    boxes = replayed.boxes(shapes) if boxed else {}
+    if boxed:  # this rank's rows of q/k/v; of the transposed Conv1D weight its columns
+        assert boxes["q"] == ((4, 0), (4, 4)) and boxes["k"] == ((2, 0), (2, 4)) and boxes["embed"] == ((6, 0), (4, 4))
+        assert boxes["conv"] == ((0, 3), (4, 3)) and "norm" not in boxes
+    steps = replayed.by_tensor(boxes, shapes)
     for name, tensor in ck.items():
         if name in replayed.whole:
             actual.load_weights(iter([(name, tensor)]))
         else:
-            replayed.replay(name, tensor, targets, steps.get(name, ([], [])))
+            read = _box_of(tensor, boxes[name]) if name in boxes else tensor
+            replayed.replay(name, read, targets, steps.get(name, ([], [])))
     for name, value in expected.state_dict().items():
         got = actual.state_dict()[name]
         assert got.dtype == value.dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
@@ -109,3 +122,13 @@ def test_the_cache_round_trips_and_ignores_a_stale_file(tmp_path, monkeypatch):
     assert cached_weight_map("abc") == record
     (tmp_path / "abc.json").write_text("{not json")
     assert cached_weight_map("abc") is None
+
+
+def test_a_region_that_is_no_box_leaves_its_tensor_whole():
+    from distload.vllm.weight_map import Copy, Region, WeightMap
+
+    across = Region(2, (4,), (1,))  # elements 2..5 of a [2, 4] tensor, flattened: rows 0 and 1, no box
+    record = WeightMap("k", copies=[Copy("t", across, "p", Region(0, (4,), (1,)))])
+    assert record.boxes({"t": (2, 4)}) == {}
+    rows = Region(4, (4,), (1,))  # row 1
+    assert WeightMap("k", copies=[Copy("t", rows, "p", rows)]).boxes({"t": (2, 4)}) == {"t": ((1, 0), (1, 4))}

@@ -264,14 +264,16 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
 
     A pre-sharded save for vLLM already has the engine's names: each tensor is copied into its
     parameter. A whole checkpoint goes by the weight map recorded from the model's own weight loaders
-    (distload/vllm/weight_map.py, cached): each tensor is read once and its recorded regions copied
-    into the parameters; the tensors the record marks whole go through ``model.load_weights``.
+    (distload/vllm/weight_map.py, cached): of each tensor this rank reads, once, the box its regions
+    lie in (its slice), then copies the regions into the parameters; the tensors the map marks
+    whole are read whole and go through ``model.load_weights``.
 
     ``check_with``: a function that runs vLLM's own load into ``model``; the load is then compared
     with it bit for bit, every parameter, before vLLM's post-processing (an error names each
     parameter that differs). For tests and for trying a new architecture: it loads twice.
     """
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.logger import init_logger
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
     from distload.workers.group import WorkerGroup
@@ -301,10 +303,22 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
                                 tensor_parallel_size=tp.world_size, tensor_parallel_rank=tp.rank_in_group)
                 _copy_into(params, loader.load().state, source)
             else:
-                loader = Loader(source, reader.load_format, reader.extra, group=g)
+                learned = {}
+
+                def boxes(index):  # planning: the weight map from the headers, then this rank's reads
+                    shapes = {t.name: tuple(t.shape) for t in index.tensors}
+                    record = engine_weight_map(model, params, index.tensors, source, tp.world_size,
+                                               tp.rank_in_group)
+                    learned.update(record=record, shapes=shapes, boxes=record.boxes(shapes))
+                    return learned["boxes"]
+
+                loader = Loader(source, reader.load_format, reader.extra, group=g, blocks=boxes)
                 plan = loader.plan()
-                record = engine_weight_map(model, params, plan.index.tensors, source, tp.world_size, tp.rank_in_group)
-                steps = record.by_tensor()
+                init_logger("vllm.distload").info(
+                    "distload: TP rank %d reads %d of the checkpoint's %d bytes (its slices)", tp.rank_in_group,
+                    plan.nbytes, plan.index.nbytes)
+                record = learned["record"]
+                steps = record.by_tensor(learned["boxes"], learned["shapes"])
                 for name, tensor in loader.stream(plan):
                     if name in record.whole:
                         model.load_weights(iter([(name, tensor)]))

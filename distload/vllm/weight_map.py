@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -99,12 +99,43 @@ class WeightMap:
     whole: dict[str, str] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
 
-    def by_tensor(self) -> dict[str, tuple[list[Copy], list[Fill]]]:
+    def by_tensor(self, boxes: Mapping[str, Box] | None = None,
+                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, tuple[list[Copy], list[Fill]]]:
+        """Each tensor's copies and fills; with ``boxes`` (from :meth:`boxes`) and the tensors'
+        ``shapes``, the copies of a boxed tensor read from the box alone (its regions rebased)."""
         out: dict[str, tuple[list[Copy], list[Fill]]] = {}
         for c in self.copies:
+            box = boxes.get(c.tensor) if boxes else None
+            if box is not None:
+                c = replace(c, source=_rebase(c.source, shapes[c.tensor], box))
             out.setdefault(c.tensor, ([], []))[0].append(c)
         for f in self.fills:
             out.setdefault(f.tensor, ([], []))[1].append(f)
+        return out
+
+    def boxes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Box]:
+        """Per tensor, the smallest box (offsets, sizes along each dimension) holding every element
+        its copies take, where that is less than the whole tensor: all a TP rank needs to read of
+        it. A tensor taken through a region that is no box of it (a view that merges dimensions
+        across a narrowed one) is left whole."""
+        spans: dict[str, tuple[list[int], list[int]] | None] = {}
+        for c in self.copies:
+            if c.tensor in spans and spans[c.tensor] is None:
+                continue
+            span = _span(c.source, shapes[c.tensor])
+            if span is None:
+                spans[c.tensor] = None
+                continue
+            held = spans.get(c.tensor)
+            spans[c.tensor] = span if held is None else ([min(a, b) for a, b in zip(held[0], span[0])],
+                                                         [max(a, b) for a, b in zip(held[1], span[1])])
+        out = {}
+        for name, span in spans.items():
+            if span is None:
+                continue
+            sizes = tuple(e - s + 1 for s, e in zip(*span))
+            if sizes != tuple(shapes[name]):
+                out[name] = (tuple(span[0]), sizes)
         return out
 
     def replay(self, name: str, tensor: torch.Tensor, params: Mapping[str, torch.Tensor],
@@ -142,6 +173,51 @@ class WeightMap:
                     for c in raw["copies"]],
             fills=[Fill(f["tensor"], f["param"], region(f["dest"]), f["value"]) for f in raw["fills"]],
             whole=dict(raw["whole"]), unused=list(raw["unused"]))
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), distload's block of a tensor
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def _index(offset: int, strides: list[int]) -> list[int]:
+    """An element offset in a contiguous tensor as its index along each dimension."""
+    out = []
+    for s in strides:
+        i, offset = divmod(offset, s)
+        out.append(i)
+    return out
+
+
+def _span(region: Region, shape: tuple[int, ...]):
+    """(first, last) index along each dimension of ``shape`` of the elements ``region`` takes, or
+    None when the region is not a box of the tensor. Each of the region's strides is split into
+    steps along the tensor's dimensions; when no index then runs past its dimension, every element
+    of the region is start + sum(i_k * step_k), exactly, so the region lies in that box."""
+    if not shape or 0 in region.shape:
+        return None
+    strides = _strides(shape)
+    start = _index(region.offset, strides)
+    steps = [_index(s, strides) for s in region.stride]
+    end = [start[d] + sum((n - 1) * step[d] for n, step in zip(region.shape, steps)) for d in range(len(shape))]
+    if any(e >= n for e, n in zip(end, shape)):
+        return None
+    return start, end
+
+
+def _rebase(region: Region, shape: tuple[int, ...], box: Box) -> Region:
+    """``region`` of a tensor of ``shape`` as a region of its ``box`` (read alone, contiguous)."""
+    strides, inner = _strides(shape), _strides(box[1])
+    start = _index(region.offset, strides)
+    offset = sum((i - o) * s for i, o, s in zip(start, box[0], inner))
+    return Region(offset, region.shape,
+                  tuple(sum(a * b for a, b in zip(_index(s, strides), inner)) for s in region.stride))
 
 
 def _param(params: Mapping[str, torch.Tensor], name: str, tensor: str) -> torch.Tensor:
@@ -271,8 +347,8 @@ class _Recorder(TorchDispatchMode):
             op = _aten.view.default if func is _aten._unsafe_view.default else func
             try:
                 out = op(src._meta, *args[1:], **kwargs)
-            except RuntimeError as exc:
-                raise _NotARegion(src._name, f"{func}: {exc}") from None
+            except RuntimeError as exc:  # a reshape that copies, e.g. of a transposed view
+                raise _NotARegion(src._name, f"{func}: {str(exc).split(';')[0].split('(')[0].strip()}") from None
             if isinstance(out, torch.Tensor):
                 return Placeholder(src._name, out, src.dtype, src.device, src._casts)
             return type(out)(Placeholder(src._name, o, src.dtype, src.device, src._casts) for o in out)
