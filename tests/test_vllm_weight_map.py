@@ -132,3 +132,14 @@ def test_a_region_that_is_no_box_leaves_its_tensor_whole():
     assert record.boxes({"t": (2, 4)}) == {}
     rows = Region(4, (4,), (1,))  # row 1
     assert WeightMap("k", copies=[Copy("t", rows, "p", rows)]).boxes({"t": (2, 4)}) == {"t": ((1, 0), (1, 4))}
+
+
+def test_a_loader_that_refuses_a_tensor_is_named():
+    from distload.errors import DistloadError
+
+    def loads(weights):
+        for name, w in weights:
+            assert w.shape == (3,), f"Attempted to load weight ({w.shape}) into parameter (3,)"
+
+    with pytest.raises(DistloadError, match=r"failed on checkpoint tensor b \[2\].*Attempted to load weight"):
+        record_weight_map("k", [("b", torch.float32, (2,))], {"p": torch.nn.Parameter(torch.empty(3))}, loads)

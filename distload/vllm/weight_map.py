@@ -401,6 +401,10 @@ def record_weight_map(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[
             record.copies = [c for c in record.copies if c.tensor != whole]
             record.fills = [f for f in record.fills if f.tensor != whole]
             recorder.taken.discard(whole)
+        except Exception as exc:  # the model's own loader refused the tensor: say which one
+            raise DistloadError(f"recording the weight map: the model's load_weights failed on checkpoint tensor "
+                                f"{name} {list(shape)} {dtype}: {type(exc).__name__}: {exc}; does vLLM's own "
+                                f"--load-format safetensors load this checkpoint?") from exc
     record.unused = sorted({n for n, _, _ in tensors} - recorder.taken - set(record.whole)
                            - {f.tensor for f in record.fills})
     return record
