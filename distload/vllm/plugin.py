@@ -7,12 +7,11 @@ of its processes; nothing here is imported unless vLLM is there. In each worker 
    ``auto``) and that format's own keys, checked as ``distload load`` checks them;
 2. loads over vLLM's tensor-parallel group (its gloo ``cpu_group``: distload's agreement runs
    there) with ``tensor_parallel_size`` = vLLM's: a checkpoint pre-sharded for that size gives each
-   TP rank its own files, a whole one each rank only the bytes of its slices (the ``decoder``
-   spec, vLLM's layout);
-3. writes each tensor into the engine parameter vLLM names it by (``distload.tp.vllm_names``: slices
-   of q/k/v and gate/up concatenated into ``qkv_proj``/``gate_up_proj``; a save of the ``vllm``
-   layout already has those names), narrowed where vLLM pads, as vLLM's sharded_state loader
-   does, and fails naming every parameter left without a tensor.
+   TP rank its own files, already in the engine's names, each copied into its parameter;
+3. a whole checkpoint goes by the weight map learned from the model's own weight loaders
+   (``distload.vllm.weight_map``: recorded once per model config, TP size and rank and vLLM version,
+   then cached), any architecture: each tensor read once, its recorded regions copied into the
+   parameters; a tensor whose loader computes on its values goes through the model's own loader.
 """
 
 from __future__ import annotations
@@ -83,7 +82,13 @@ def _loader_class():
 
         def __init__(self, load_config):
             super().__init__(load_config)
-            self.reader = reader_config(load_config.model_loader_extra_config)
+            extra = dict(load_config.model_loader_extra_config or {})
+            # check_weight_map: also run vLLM's own loader and compare (see load_into_engine).
+            self.check_weight_map = extra.pop("check_weight_map", False)
+            if not isinstance(self.check_weight_map, bool):
+                raise ConfigError(f"--model-loader-extra-config 'check_weight_map' must be true or false, "
+                                  f"not {self.check_weight_map!r}")
+            self.reader = reader_config(extra)
 
         def download_model(self, model_config) -> None:
             """distload reads local folders and s3://, gs://, az:// itself: nothing to fetch."""
@@ -93,11 +98,23 @@ def _loader_class():
 
             source = getattr(model_config, "model_weights", None) or model_config.model
             start = time.perf_counter()
-            load_into_engine(model, source, self.reader)
+            load_into_engine(model, source, self.reader,
+                             check_with=self._vllms_own(model_config) if self.check_weight_map else None)
             # The line vLLM's own loaders log, so that their times compare (vLLM configures its
             # logging for the "vllm" namespace only).
             init_logger("vllm.distload").info("Loading weights took %.2f seconds (distload, reader %s)",
                                        time.perf_counter() - start, self.reader.load_format)
+
+        def _vllms_own(self, model_config):
+            """vLLM's default loader of safetensors, as ``--load-format safetensors`` runs it."""
+            import dataclasses
+
+            from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+            own = DefaultModelLoader(dataclasses.replace(self.load_config, load_format="safetensors",
+                                                         model_loader_extra_config={}))
+            own.counter_before_loading_weights = time.perf_counter()
+            return lambda model: own.load_weights(model, model_config)
 
         def get_all_weights(self, model_config, model):
             """Checkpoint tensors whole, for vLLM's in-place ``reload_weights`` (its weight
@@ -242,16 +259,26 @@ def sync_receive(llm, timeout_s: float | None = None) -> dict:
     return {"version": results[0]["version"], "workers": results}
 
 
-def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:
-    """Fill ``model`` (a vLLM model on this worker) from ``source`` with distload."""
+def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=None) -> None:
+    """Fill ``model`` (a vLLM model on this worker) from ``source`` with distload.
+
+    A pre-sharded save for vLLM already has the engine's names: each tensor is copied into its
+    parameter. A whole checkpoint goes by the weight map recorded from the model's own weight loaders
+    (distload/vllm/weight_map.py, cached): of each tensor this rank reads, once, the box its regions
+    lie in (its slice), then copies the regions into the parameters; the tensors the map marks
+    whole are read whole and go through ``model.load_weights``.
+
+    ``check_with``: a function that runs vLLM's own load into ``model``; the load is then compared
+    with it bit for bit, every parameter, before vLLM's post-processing (an error names each
+    parameter that differs). For tests and for trying a new architecture: it loads twice.
+    """
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    from vllm.logger import init_logger
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
     from distload.workers.group import WorkerGroup
     from distload.loading.layout import detect_layout
     from distload.loading.loader import Loader
-    from distload.loading.sources import model_config
-    from distload.tp.vllm_names import vllm_state
 
     if get_pp_group().world_size > 1:
         raise ConfigError("--load-format distload: pipeline parallelism is not supported yet; run with "
@@ -259,26 +286,93 @@ def load_into_engine(model: torch.nn.Module, source: str, reader) -> None:
     tp = get_tp_group()
     params = ShardedStateLoader._filter_subtensors(model.state_dict())  # one name per storage, as vLLM's
     device = next(iter(params.values())).device
+    expected = None
+    if check_with is not None:
+        initial = {name: t.clone() for name, t in params.items()}
+        check_with(model)
+        expected = {name: t.clone() for name, t in params.items()}
+        for name, t in params.items():
+            t.copy_(initial[name])
+        del initial
+    sharded = detect_layout(source).sharded
     group = WorkerGroup(device=str(device), process_group=tp.cpu_group) if tp.world_size > 1 else None
     try:
         with WorkerGroup.for_call(group, device=str(device)) as g:
-            loader = Loader(source, reader.load_format, reader.extra, group=g,
-                            tensor_parallel_size=tp.world_size, tensor_parallel_rank=tp.rank_in_group)
-            state = loader.load().state
+            if sharded:  # this TP rank's files, the engine's names
+                loader = Loader(source, reader.load_format, reader.extra, group=g,
+                                tensor_parallel_size=tp.world_size, tensor_parallel_rank=tp.rank_in_group)
+                _copy_into(params, loader.load().state, source)
+            else:
+                learned = {}
+
+                def boxes(index):  # planning: the weight map from the headers, then this rank's reads
+                    shapes = {t.name: tuple(t.shape) for t in index.tensors}
+                    record = engine_weight_map(model, params, index.tensors, source, tp.world_size,
+                                               tp.rank_in_group)
+                    learned.update(record=record, shapes=shapes, boxes=record.boxes(shapes))
+                    return learned["boxes"]
+
+                loader = Loader(source, reader.load_format, reader.extra, group=g, blocks=boxes)
+                plan = loader.plan()
+                init_logger("vllm.distload").info(
+                    "distload: TP rank %d reads %d of the checkpoint's %d bytes (its slices)", tp.rank_in_group,
+                    plan.nbytes, plan.index.nbytes)
+                record = learned["record"]
+                steps = record.by_tensor(learned["boxes"], learned["shapes"])
+                for name, tensor in loader.stream(plan):
+                    if name in record.whole:
+                        model.load_weights(iter([(name, tensor)]))
+                    elif name in steps:
+                        record.replay(name, tensor, params, steps[name])
     finally:
         if group is not None:
             group.close()
-    if detect_layout(source).sharded:
-        engine = {name: tensor for name, tensor in state.items()}
-    else:
-        engine = {}
-        for out in vllm_state(list(state), model_config(source), source):
-            if out.constant is not None:
-                engine[out.name] = torch.tensor(out.constant, dtype=torch.float32)
-            else:
-                parts = [state[name] for name in out.parts]
-                engine[out.name] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    _copy_into(params, engine, source)
+    if expected is not None:
+        differ = [name for name, t in params.items()
+                  if t.dtype != expected[name].dtype or not torch.equal(_bits(t), _bits(expected[name]))]
+        if differ:
+            raise DistloadError(f"{source}: distload's load differs from vLLM's own in {len(differ)} parameter(s) "
+                                f"of TP rank {tp.rank_in_group}: {differ[:8]}; the recorded weight map is wrong for "
+                                f"this model: report it with the model's config.json")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes: NaNs compare equal to themselves, -0.0 differs from 0.0."""
+    return t.detach().contiguous().view(-1).view(torch.uint8) if t.dim() else t.detach().reshape(1).view(torch.uint8)
+
+
+def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor], tensors, source: str,
+                  tp_size: int, tp_rank: int):
+    """The weight map of ``tensors`` (the checkpoint index's) in ``model`` on this TP rank: from the
+    cache, or recorded from the model's own loaders now (and cached). Logs the tensors it marks
+    whole and why."""
+    import vllm
+    from vllm.logger import init_logger
+
+    from distload.loading.sources import model_config
+    from distload.vllm.weight_map import Placeholder, cache_weight_map, cached_weight_map, weight_map_key, record_weight_map
+
+    listed = [(t.name, t.torch_dtype, tuple(t.shape)) for t in tensors]
+    key = weight_map_key(config=model_config(source), tp_size=tp_size, tp_rank=tp_rank, vllm=vllm.__version__,
+                     model=type(model).__qualname__, tensors=[(n, str(d), s) for n, d, s in listed],
+                     params=[(n, str(p.dtype), tuple(p.shape)) for n, p in params.items()])
+    record = cached_weight_map(key)
+    logger = init_logger("vllm.distload")
+    if record is None:
+        record = record_weight_map(key, listed, params, model.load_weights)
+        # A loader that kept the placeholder itself (``param.data = loaded_weight``) would leave
+        # the model without data where the record says nothing: refuse, naming it.
+        kept = [name for name, t in model.state_dict().items() if isinstance(t, Placeholder)]
+        if kept:
+            raise DistloadError(f"{source}: the weight loaders of {type(model).__name__} keep the checkpoint "
+                                f"tensor itself in {kept[:5]} instead of copying it; distload cannot load this "
+                                f"model yet: use vLLM's --load-format safetensors")
+        cache_weight_map(record)
+        logger.info("distload recorded the weight map of %s on TP rank %d of %d: %d copies from %d tensors",
+                    type(model).__name__, tp_rank, tp_size, len(record.copies), len(listed))
+    for name, why in sorted(record.whole.items()):
+        logger.info("distload: %s goes through vLLM's own loader (%s)", name, why)
+    return record
 
 
 def _copy_into(params: Mapping[str, torch.Tensor], engine: Mapping[str, torch.Tensor], source: str) -> None:

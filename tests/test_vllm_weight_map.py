@@ -1,0 +1,145 @@
+"""The weight-map recorder (distload/vllm/weight_map.py) on plain torch modules, no vLLM: loaders written
+the way vLLM's are (narrow for a TP rank, fused q/k/v, a transposed Conv1D weight, padded
+vocabulary rows zeroed, a cast), recorded against placeholders, then replayed with the real
+tensors and compared bit for bit with the loaders run on those tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distload.vllm.weight_map import WeightMap, cached_weight_map, cache_weight_map, record_weight_map
+
+TP_SIZE, TP_RANK = 2, 1
+
+
+class Tiny(torch.nn.Module):
+    """What one TP rank of a decoder holds, with loaders in vLLM's style."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Parameter(torch.empty(6, 4, dtype=torch.bfloat16))  # 10 rows padded to 12, 6 a rank
+        self.qkv = torch.nn.Parameter(torch.empty(8, 4, dtype=torch.bfloat16))  # q 4 + k 2 + v 2 rows
+        self.conv = torch.nn.Parameter(torch.empty(3, 4, dtype=torch.bfloat16))  # Conv1D [4, 6] transposed, cut
+        self.norm = torch.nn.Parameter(torch.empty(4, dtype=torch.float32))  # cast bf16 -> f32
+        self.scaled = torch.nn.Parameter(torch.empty(4, dtype=torch.bfloat16))
+        self.register_buffer("kept", torch.full((2,), 7.0))  # never loaded: keeps its value
+
+    def load_weights(self, weights):
+        for name, w in weights:
+            if name == "embed":  # rows of this rank, padding zeroed (VocabParallelEmbedding)
+                rows = 6
+                mine = w.narrow(0, TP_RANK * rows, min(rows, w.shape[0] - TP_RANK * rows))
+                self.embed.data[: mine.shape[0]].copy_(mine)
+                self.embed.data[mine.shape[0]:].fill_(0)
+            elif name in ("q", "k", "v"):  # QKVParallelLinear: each part's rows of this rank
+                start, size = {"q": (0, 4), "k": (4, 2), "v": (6, 2)}[name]
+                part = w.shape[0] // TP_SIZE
+                self.qkv.data.narrow(0, start, size).copy_(w.narrow(0, TP_RANK * part, part))
+            elif name == "conv":  # GPT-2's Conv1D: [in, out] in the checkpoint
+                w = w.t()
+                self.conv.data.copy_(w.chunk(TP_SIZE, dim=0)[TP_RANK])
+            elif name == "norm":
+                self.norm.data.copy_(w.to(torch.float32))
+            elif name == "scaled":  # arithmetic: no region says this
+                self.scaled.data.copy_(w * 2)
+
+
+def checkpoint():
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    return {"embed": r(10, 4), "q": r(8, 4), "k": r(4, 4), "v": r(4, 4), "conv": r(4, 6), "norm": r(4),
+            "scaled": r(4), "rotary": r(3)}
+
+
+def _box_of(tensor, box):
+    for dim, (offset, size) in enumerate(zip(*box)):
+        tensor = tensor.narrow(dim, offset, size)
+    return tensor.contiguous()
+
+
+@pytest.mark.parametrize("boxed", [False, True], ids=["whole", "boxes"])
+def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
+    ck = checkpoint()
+    model = Tiny()
+    params = dict(model.state_dict(keep_vars=True))
+    record = record_weight_map("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()], params, model.load_weights)
+    assert set(record.whole) == {"scaled"} and "mul" in record.whole["scaled"]
+    assert record.unused == ["rotary"]
+    assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm"}
+    assert [c.casts for c in record.copies if c.tensor == "norm"] == [("float32",)]
+
+    expected = Tiny()
+    for p in expected.parameters():
+        p.data.fill_(3)
+    actual = Tiny()
+    actual.load_state_dict(expected.state_dict())
+    expected.load_weights(iter(ck.items()))
+    targets = dict(actual.state_dict(keep_vars=True))
+    replayed = WeightMap.from_json(__import__("json").dumps(record.to_dict()))  # through the cache form
+    shapes = {n: tuple(t.shape) for n, t in ck.items()}
+    boxes = replayed.boxes(shapes) if boxed else {}
+    if boxed:  # this rank's rows of q/k/v; of the transposed Conv1D weight its columns
+        assert boxes["q"] == ((4, 0), (4, 4)) and boxes["k"] == ((2, 0), (2, 4)) and boxes["embed"] == ((6, 0), (4, 4))
+        assert boxes["conv"] == ((0, 3), (4, 3)) and "norm" not in boxes
+    steps = replayed.by_tensor(boxes, shapes)
+    for name, tensor in ck.items():
+        if name in replayed.whole:
+            actual.load_weights(iter([(name, tensor)]))
+        else:
+            read = _box_of(tensor, boxes[name]) if name in boxes else tensor
+            replayed.replay(name, read, targets, steps.get(name, ([], [])))
+    for name, value in expected.state_dict().items():
+        got = actual.state_dict()[name]
+        assert got.dtype == value.dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
+
+
+def test_a_copy_into_a_temporary_or_a_combination_makes_the_tensor_whole():
+    p = torch.nn.Parameter(torch.empty(4, 2))
+    store = {}
+
+    def loads(weights):
+        for name, w in weights:
+            if name == "a":
+                tmp = torch.empty(2, 2)
+                tmp.copy_(w)  # lands outside the model: unknown afterwards
+                store["a"] = tmp
+            elif name == "b":
+                p.data.copy_(torch.cat([w, w]))
+
+    record = record_weight_map("k", [("a", torch.float32, (2, 2)), ("b", torch.float32, (2, 2))], {"p": p}, loads)
+    assert "not a parameter" in record.whole["a"] and "cat" in record.whole["b"] and not record.copies
+
+
+def test_the_cache_round_trips_and_ignores_a_stale_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("DISTLOAD_WEIGHT_MAP_CACHE", str(tmp_path))
+    ck = checkpoint()
+    model = Tiny()
+    record = record_weight_map("abc", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()],
+                           dict(model.state_dict(keep_vars=True)), model.load_weights)
+    assert cached_weight_map("abc") is None
+    cache_weight_map(record)
+    assert cached_weight_map("abc") == record
+    (tmp_path / "abc.json").write_text("{not json")
+    assert cached_weight_map("abc") is None
+
+
+def test_a_region_that_is_no_box_leaves_its_tensor_whole():
+    from distload.vllm.weight_map import Copy, Region, WeightMap
+
+    across = Region(2, (4,), (1,))  # elements 2..5 of a [2, 4] tensor, flattened: rows 0 and 1, no box
+    record = WeightMap("k", copies=[Copy("t", across, "p", Region(0, (4,), (1,)))])
+    assert record.boxes({"t": (2, 4)}) == {}
+    rows = Region(4, (4,), (1,))  # row 1
+    assert WeightMap("k", copies=[Copy("t", rows, "p", rows)]).boxes({"t": (2, 4)}) == {"t": ((1, 0), (1, 4))}
+
+
+def test_a_loader_that_refuses_a_tensor_is_named():
+    from distload.errors import DistloadError
+
+    def loads(weights):
+        for name, w in weights:
+            assert w.shape == (3,), f"Attempted to load weight ({w.shape}) into parameter (3,)"
+
+    with pytest.raises(DistloadError, match=r"failed on checkpoint tensor b \[2\].*Attempted to load weight"):
+        record_weight_map("k", [("b", torch.float32, (2,))], {"p": torch.nn.Parameter(torch.empty(3))}, loads)
