@@ -108,3 +108,28 @@ def whole_ckpt(tmp_path):
     folder = str(tmp_path / "whole")
     write_whole(folder, state)
     return folder, state
+
+
+# -- the quick subset: pytest -m "not slow" ------------------------------------------------------
+# Tests marked ``slow`` (setup.cfg) are left out of it: torchrun jobs beyond each area's first,
+# object-store servers, Slurm, vLLM engines. A test outside that mark which takes longer than this
+# (its setup included: a module fixture that starts a job counts) is named at the end of a quick
+# run, so that the subset stays quick.
+QUICK_TEST_LIMIT_S = 20.0
+_quick_run_slow: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and "slow" not in report.keywords:
+        _quick_run_slow[report.nodeid] = _quick_run_slow.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "not slow" not in (config.getoption("markexpr", "") or ""):
+        return
+    over = sorted(((t, n) for n, t in _quick_run_slow.items() if t > QUICK_TEST_LIMIT_S), reverse=True)
+    if over:
+        terminalreporter.section("quick subset: tests to mark slow")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}: over {QUICK_TEST_LIMIT_S:.0f} s, mark it "
+                                        "@pytest.mark.slow (or make it quicker)")

@@ -75,7 +75,8 @@ def assert_no_secret(*texts: str) -> None:
 
 # -- servers and checkpoints -------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=STORES)
+# Every test on a store server is in the slow set (pytest -m "not slow" leaves them out).
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in STORES])
 def store(request, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp(f"store-{request.param}"))
     if request.param == "s3rver":
@@ -565,6 +566,7 @@ def test_a_server_that_stalls_or_dies_mid_load_ends_distloads_reads_in_bounded_t
     assert seconds < RETRY_DEADLINE_S + 20, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["stalls", "dies"])
 def test_a_server_that_stalls_or_dies_mid_load_ends_run_ais_s3_reads_in_bounded_time(moto, moto_ckpt, tmp_path, fault):
     """Run:ai's S3 reader gets the same setting as RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS and
@@ -802,6 +804,7 @@ def anonymous_env(moto) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_moto_public_bucket_unsigned(moto, moto_ckpt, monkeypatch, tmp_path):
     files, _, public = moto_ckpt
     for key in LAUNCH_VARS + tuple(moto.unset_keys()) + ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -819,6 +822,7 @@ def test_moto_public_bucket_unsigned(moto, moto_ckpt, monkeypatch, tmp_path):
     assert "no S3 credentials found" in message and "RUNAI_STREAMER_S3_UNSIGNED=1" in message
 
 
+@pytest.mark.slow
 def test_moto_private_bucket_denies_unsigned(moto, moto_ckpt, monkeypatch):
     _, private, _ = moto_ckpt
     env, _ = moto.denied_env()
@@ -830,6 +834,7 @@ def test_moto_private_bucket_denies_unsigned(moto, moto_ckpt, monkeypatch):
     assert "403" in message or "AccessDenied" in message, message
 
 
+@pytest.mark.slow
 def test_moto_legacy_endpoint_variable(moto, moto_ckpt, tmp_path):
     files, private, _ = moto_ckpt
     env = moto.env()
@@ -887,6 +892,7 @@ RSS_OVERHEAD = 80 * MIB
 MEMORY_LIMIT = 16 * MIB
 
 
+@pytest.mark.slow
 def test_memory_limit_bounds_peak_rss(tmp_path_factory):
     if IN_AZURE_NAMESPACE:
         pytest.fail("S3-only test: deselect it inside the Azure namespace")
@@ -960,7 +966,7 @@ def _azure_in_private_namespace(tmp_path):
 
 if not IN_AZURE_NAMESPACE:  # the outer half of the Azure run (inside, only the azure store runs)
     # Beyond the suite's 300 s per test: the inner run has 600 s, this one waits 900 for it.
-    test_azure_in_private_namespace = pytest.mark.timeout(960)(_azure_in_private_namespace)
+    test_azure_in_private_namespace = pytest.mark.slow(pytest.mark.timeout(960)(_azure_in_private_namespace))
 
 
 def teardown_module(module):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _COMMON = """
 import json, threading, time
 from distload import quiet_exit
@@ -41,6 +43,7 @@ def test_a_waiting_thread_is_not_waited_for():
     assert out["runnable"] == 0 and out["waited"] < 5.0
 
 
+@pytest.mark.slow
 def test_a_running_thread_is_waited_for_until_it_ends():
     out = _run("""
         stop = threading.Event()
@@ -53,6 +56,7 @@ def test_a_running_thread_is_waited_for_until_it_ends():
     assert out == {"runnable": 1, "alive_after": False}
 
 
+@pytest.mark.slow
 def test_a_thread_that_never_ends_is_waited_for_at_most_the_limit():
     out = _run("""
         stop = threading.Event()

@@ -184,31 +184,37 @@ def _tokens(results: dict, name: str) -> list:
     return results[name]["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_save_sharded_output_loads_in_vllms_sharded_state_loader(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
     assert _tokens(results, "saved") == _tokens(results, "reference")
 
 
+@pytest.mark.slow
 def test_save_sharded_output_loads_in_vllms_run_ai_sharded_loader(tp2):
     assert _tokens(tp2, "saved runai") == _tokens(tp2, "reference")
 
 
+@pytest.mark.slow
 def test_tied_embeddings_and_biases_load_in_vllm(tp2):
     assert _tokens(tp2, "qwen saved") == _tokens(tp2, "qwen reference")
     assert _tokens(tp2, "qwen plugin") == _tokens(tp2, "qwen reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_loads_a_whole_checkpoint_through_distload(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
     assert _tokens(results, "plugin") == _tokens(results, "reference")
 
 
+@pytest.mark.slow
 def test_vllm_loads_a_pre_sharded_save_through_distload(tp2):
     assert _tokens(tp2, "plugin saved") == _tokens(tp2, "reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_dummy_engine_switches_to_the_real_weights_in_place(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
@@ -234,6 +240,7 @@ def test_the_extra_config_is_checked_as_distload_load_checks_it():
         reader_config({"reader": "dummy"})
 
 
+@pytest.mark.slow
 def test_a_trainer_job_pushes_into_a_running_vllm_engine(tp2):
     """A dummy engine's TP 2 workers take version 1 from a separately launched trainer job and
     generate exactly what a fresh load of those weights generates; the trainer then dies a few
