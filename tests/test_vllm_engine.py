@@ -5,7 +5,7 @@ of the original Hugging Face checkpoint, on 1 and 2 tensor-parallel ranks.
 
 vLLM runs in its own virtual environment (``.vllm-venv``, which ``bash .ci/run`` makes; or
 DISTLOAD_VLLM_PYTHON), with distload installed in it. Engines start one after the other inside one
-driver process per tensor-parallel size (tests/vllm_driver.py); the tests read its results.
+driver process, TP 1 then TP 2 (tests/vllm_driver.py); the tests read its results.
 """
 
 from __future__ import annotations
@@ -42,21 +42,28 @@ Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True)).to(torch.bfloat
 """
 
 
+# First, in the same interpreter (one start of the environment, not two): can it run the tests?
+CHECK_ENVIRONMENT = r"""
+import sys
+try:
+    import vllm, distload.vllm.plugin
+except Exception as exc:
+    print(f"IMPORT FAILED: {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(3)
+"""
+
+
+def missing_vllm(problem: str) -> None:
+    message = f"{problem}; bash .ci/run installs vLLM's CPU build there (or set DISTLOAD_VLLM_PYTHON)"
+    if in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def vllm_python() -> str:
     path = os.environ.get("DISTLOAD_VLLM_PYTHON") or os.path.join(ROOT, ".vllm-venv", "bin", "python")
-    problem = None
     if not os.path.exists(path):
-        problem = f"no vLLM environment at {path}"
-    else:
-        check = subprocess.run([path, "-c", "import vllm, distload.vllm.plugin"], capture_output=True, text=True,
-                               timeout=300)
-        if check.returncode != 0:
-            problem = f"{path} cannot import vllm and distload: {check.stderr.strip().splitlines()[-1:]}"
-    if problem:
-        message = f"{problem}; bash .ci/run installs vLLM's CPU build there (or set DISTLOAD_VLLM_PYTHON)"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_vllm(f"no vLLM environment at {path}")
     return path
 
 
@@ -65,8 +72,10 @@ def checkpoints(tmp_path_factory):
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-models")
     paths = {"llama": str(root / "llama"), "qwen": str(root / "qwen2-tied")}
-    made = subprocess.run([python, "-c", MAKE_MODELS, paths["llama"], paths["qwen"]], capture_output=True,
-                          text=True, timeout=300)
+    made = subprocess.run([python, "-c", CHECK_ENVIRONMENT + MAKE_MODELS, paths["llama"], paths["qwen"]],
+                          capture_output=True, text=True, timeout=300)
+    if made.returncode == 3 and made.stdout.startswith("IMPORT FAILED: "):
+        missing_vllm(f"{python} cannot import vllm and distload: {made.stdout.strip()[len('IMPORT FAILED: '):]}")
     assert made.returncode == 0, made.stderr[-3000:]
     for tp in (1, 2):
         paths[f"llama-tp{tp}"] = str(root / f"llama-tp{tp}")
@@ -135,19 +144,37 @@ def _drive(python: str, tp: int, cases: list[dict]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def tp1(checkpoints):
-    python, p = checkpoints
-    return _drive(python, 1, [
+def tp1_cases(p: dict) -> list[dict]:
+    return [
         {"name": "reference", "model": p["llama"], "format": "auto"},
         {"name": "saved", "model": p["llama-tp1"], "format": "sharded_state"},
         {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
         {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
-    ])
+    ]
+
+
+def tp2_cases(p: dict, address: str) -> list[dict]:
+    return [
+        {"name": "reference b", "model": p["llama-b"], "format": "auto"},
+        # One dummy engine for two features (an engine start here is ~30 s): it takes the
+        # trainer's pushes, then switches to the real weights in place (the "dummy" case at TP 1).
+        {"name": "push", "model": p["llama"], "format": "dummy", "push": {"address": address, "receives": 2},
+         "reload": p["llama"]},
+        {"name": "reference", "model": p["llama"], "format": "auto"},
+        {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
+        {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
+        {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
+        {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
+        {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
+        {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
+        {"name": "qwen plugin", "model": p["qwen"], "format": "distload", "extra": {"reader": "auto"}},
+    ]
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoints, tmp_path_factory):
+def engines(checkpoints, tmp_path_factory):
+    """Every engine of this module, TP 1 then TP 2, one after the other in one driver process
+    (vLLM imported once): tensor-parallel size -> case name -> its result."""
     python, p = checkpoints
     from dist_helpers import clean_env, free_port, write_script
 
@@ -156,27 +183,30 @@ def tp2(checkpoints, tmp_path_factory):
     trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                                 script, address, p["llama-b"], p["llama"]], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=clean_env())
+    cases = {1: tp1_cases(p), 2: tp2_cases(p, address)}
     try:
-        results = _drive(python, 2, [
-            {"name": "reference b", "model": p["llama-b"], "format": "auto"},
-            # One dummy engine for two features (an engine start here is ~30 s): it takes the
-            # trainer's pushes, then switches to the real weights in place (the "dummy" case at TP 1).
-            {"name": "push", "model": p["llama"], "format": "dummy", "push": {"address": address, "receives": 2},
-             "reload": p["llama"]},
-            {"name": "reference", "model": p["llama"], "format": "auto"},
-            {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
-            {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
-            {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
-            {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
-            {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
-            {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
-            {"name": "qwen plugin", "model": p["qwen"], "format": "distload", "extra": {"reader": "auto"}},
-        ])
-        results["_trainer"] = trainer.communicate(timeout=120)[0]
+        results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}")
+                                     for tp in (1, 2) for case in cases[tp]])
+        trainer_output = trainer.communicate(timeout=120)[0]
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    return results
+    out = {tp: {case["name"]: results[f"tp{tp} {case['name']}"] for case in cases[tp]
+                if f"tp{tp} {case['name']}" in results} for tp in (1, 2)}
+    for tp in (1, 2):
+        out[tp]["_output"] = results["_output"]
+    out[2]["_trainer"] = trainer_output
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1(engines):
+    return engines[1]
+
+
+@pytest.fixture(scope="module")
+def tp2(engines):
+    return engines[2]
 
 
 def _tokens(results: dict, name: str) -> list:
