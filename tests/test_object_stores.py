@@ -964,7 +964,7 @@ def _azure_in_private_namespace(tmp_path):
     inner = (
         "set -e; ip link set lo up; "
         f"mount --bind {certs['bundle.pem']} /etc/ssl/certs/ca-certificates.crt; "
-        f"exec {sys.executable} -m pytest -q -p no:cacheprovider -k azure "
+        f"exec {sys.executable} -m pytest -q -p no:cacheprovider -p no:xdist -k azure "
         f"{os.path.abspath(__file__)} -o addopts='' --timeout 600"
     )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
