@@ -108,3 +108,67 @@ def whole_ckpt(tmp_path):
     folder = str(tmp_path / "whole")
     write_whole(folder, state)
     return folder, state
+
+
+# -- the quick subset: pytest -m "not slow" ------------------------------------------------------
+# Tests marked ``slow`` (setup.cfg) are left out of it: torchrun jobs beyond each area's first,
+# object-store servers, Slurm, vLLM engines. A test outside that mark which takes longer than this
+# (its setup included: a module fixture that starts a job counts) is named at the end of a quick
+# run, so that the subset stays quick.
+QUICK_TEST_LIMIT_S = 20.0
+_quick_run_slow: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call") and "slow" not in report.keywords:
+        _quick_run_slow[report.nodeid] = _quick_run_slow.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if "not slow" not in (config.getoption("markexpr", "") or ""):
+        return
+    over = sorted(((t, n) for n, t in _quick_run_slow.items() if t > QUICK_TEST_LIMIT_S), reverse=True)
+    if over:
+        terminalreporter.section("quick subset: tests to mark slow")
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}: over {QUICK_TEST_LIMIT_S:.0f} s, mark it "
+                                        "@pytest.mark.slow (or make it quicker)")
+
+
+# -- parallel: one test module per worker process (pytest-xdist, in the test extra) -------------
+# Most of the suite's time goes to starting processes (torchrun's agent, then its ranks, servers,
+# engines): a torchrun job keeps one of two cores idle about a third of its time. With
+# pytest-xdist installed, a run uses one worker per core (-n N sets the count, -n 0 runs in this
+# process; -s and --pdb run in this process too), each module whole on one worker (--dist
+# loadfile: its module fixtures, servers and engines start once), the longest modules first so
+# that none is left running alone at the end. Without pytest-xdist the suite runs serially.
+LONGEST_MODULES_FIRST = (  # measured (serial, 2 cores): about 4 to 2 minutes each
+    "test_object_stores.py", "test_dist_failures.py", "test_vllm_engine.py", "test_dist_equivalence.py",
+    "test_shared_reads.py", "test_pull.py", "test_launch_slurm.py", "test_sync_failures.py",
+)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):
+        return
+    if config.option.numprocesses is not None or config.option.dist != "no":
+        return  # the command line says how
+    if config.getoption("usepdb", False) or config.getoption("capture", "fd") == "no":
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cores >= 2:
+        config.option.numprocesses = cores
+        config.option.dist = "loadfile"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):
+        return  # a serial run keeps the files' order
+
+    def rank(item) -> int:
+        name = os.path.basename(str(item.path))
+        return LONGEST_MODULES_FIRST.index(name) if name in LONGEST_MODULES_FIRST else len(LONGEST_MODULES_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order is kept

@@ -76,6 +76,7 @@ if _dir and _watch and "RANK" in os.environ:
 '''
 
 
+@pytest.mark.slow
 def test_report_json_written_once_by_rank_0(ckpt, tmp_path):
     folder, paths = ckpt
     site = tmp_path / "site"
@@ -123,6 +124,7 @@ def test_device_cuda_without_cuda_fails_clearly(ckpt, nproc):
         assert "use --device cpu or auto" in message
 
 
+@pytest.mark.slow
 def test_demo(tmp_path):
     result = run_distload(["demo", "--size-mib", "4", "--dir", str(tmp_path / "demo")], timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

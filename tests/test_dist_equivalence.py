@@ -78,6 +78,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize(
     "load_format,extra,kind,path1,path2", CASES,
@@ -140,6 +141,7 @@ def indexed_ckpt(tmp_path_factory):
     return folder, listed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_format,extra,path", [
     ("safetensors", None, "safetensors"),
     ("runai_streamer", '{"distributed": true}', "runai-distributed"),

@@ -112,6 +112,7 @@ with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
 '''
 
 
+@pytest.mark.slow
 def test_cooperative_read_refuses_different_file_lists(tmp_path):
     write_whole(str(tmp_path / "src0"), every_dtype_state(seed=1))
     write_whole(str(tmp_path / "src1"), every_dtype_state(seed=2))
@@ -164,6 +165,7 @@ def _private_mounts_work() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["other version", "1 MiB corrupted at 25%"])
 def test_cooperative_read_same_path_other_content(tmp_path, change):
     """Rank 1 sees another version of the checkpoint at the same path, as a second node with a
@@ -224,6 +226,7 @@ def test_cooperative_read_same_path_other_content(tmp_path, change):
 # (b) pre-sharded checkpoints that do not fit the job
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_format", ["sharded_state", "runai_streamer_sharded"])
 def test_sharded_missing_rank_fails_on_every_rank(tmp_path, load_format):
     folder = str(tmp_path / "sh")
@@ -251,6 +254,7 @@ def custom_pattern_ckpt(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 def test_sharded_wrong_pattern_is_named(custom_pattern_ckpt):
     folder = custom_pattern_ckpt
     result = run_distload(load_args(folder, "sharded_state"), nproc=2, env=FAILURE_ENV)
@@ -262,6 +266,7 @@ def test_sharded_wrong_pattern_is_named(custom_pattern_ckpt):
         assert "extra config 'pattern'" in messages[rank]
 
 
+@pytest.mark.slow
 def test_sharded_custom_pattern_loads_with_pattern(custom_pattern_ckpt, tmp_path):
     folder = custom_pattern_ckpt
     report_path = str(tmp_path / "r.json")
@@ -276,6 +281,7 @@ def test_sharded_custom_pattern_loads_with_pattern(custom_pattern_ckpt, tmp_path
         assert r["digest"] == plain_digest(files)
 
 
+@pytest.mark.slow
 def test_checkpoint_for_two_ranks_refused_by_one(tmp_path):
     folder = str(tmp_path / "sh")
     write_sharded(folder, world_size=2)
@@ -373,6 +379,7 @@ CONFIG_CASES = {"unknown-load-format", "unknown-key", "distributed-yes", "concur
                 "memory-limit-minus-2", "invalid-json", "distributed-on-sharded"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_fails_clearly_on_every_rank(tmp_path, case):
     args, expected, named_file = BAD_INPUTS[case](tmp_path)
@@ -404,6 +411,7 @@ def test_bad_input_fails_clearly_on_every_rank(tmp_path, case):
 # (d) a failure on rank 1 alone ends both ranks at once, and rank 0 names rank 1
 
 
+@pytest.mark.slow
 def test_corrupt_shard_of_rank_1_only(tmp_path):
     folder = str(tmp_path / "sh")
     write_sharded(folder, world_size=2)
@@ -443,6 +451,7 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
+@pytest.mark.slow
 def test_read_error_of_rank_1_only_while_loading(tmp_path):
     """The headers pass on both ranks; rank 1's reader fails mid-load (after the planning step)."""
     folder = str(tmp_path / "sh")
@@ -518,6 +527,7 @@ def large_whole(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt,extra,group_timeout", [
     ("safetensors", "{}", "120"),
     # a short group timeout: the peer of the rank that stopped must not wait for it
@@ -621,6 +631,7 @@ DISTLOAD_KEYS = ("RUNAI_STREAMER_CONCURRENCY", "RUNAI_STREAMER_MEMORY_LIMIT", "R
                  "RUNAI_STREAMER_DIST_TIMEOUT")
 
 
+@pytest.mark.slow
 def test_rejected_config_sets_no_environment_and_loads_restore_it(env_checks):
     for rank, checks in env_checks.items():
         assert checks["at start"] == {}
@@ -638,6 +649,7 @@ def test_rejected_config_sets_no_environment_and_loads_restore_it(env_checks):
         assert checks["user value after loads"] == "7"  # the user's own value is put back
 
 
+@pytest.mark.slow
 def test_distributed_load_leaves_no_runai_environment(env_checks):
     for rank, checks in env_checks.items():
         assert checks["after streamed load"] == {}, f"rank {rank}: {checks['after streamed load']}"
@@ -664,6 +676,7 @@ def failing_sources(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["planning-fails-on-rank-1", "planning-fails-everywhere",
                                   "bad-file-on-rank-1"])
 def test_failing_load_exits_1_without_abort(failing_sources, case):
@@ -703,6 +716,7 @@ os._exit(0)  # a peer is gone: no teardown handshake with it
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 def test_a_peer_killed_or_stopped_during_a_distributed_read_is_named(tmp_path, how):
     """Issue 13, item 4: a rank SIGKILLed or SIGSTOPped in the middle of Run:ai's distributed

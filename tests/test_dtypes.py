@@ -100,6 +100,7 @@ def test_run_ai_refuses_fnuz_while_planning_and_says_what_reads_it(tmp_path):
     assert "fnuz_e4m3" in message and "F8_E4M3FNUZ" in message and "--load-format safetensors" in message
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("fmt", ["safetensors", "auto"])
 def test_two_ranks_load_every_dtype(tmp_path, fmt):

@@ -46,6 +46,7 @@ def test_script_parses():
     subprocess.run(["bash", "-n", SCRIPT], check=True)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_cpu_smoke_runs_end_to_end(tmp_path):
     result, folders = run_check(tmp_path, GPU_CHECK_CPU_SMOKE="1")
@@ -77,6 +78,7 @@ def test_cpu_smoke_runs_end_to_end(tmp_path):
     assert left_behind(folders) == []
 
 
+@pytest.mark.slow
 def test_a_failed_path_or_a_digest_mismatch_exits_non_zero(tmp_path):
     # instanttensor cannot load onto the CPU (a failed path); dummy's values are not the checkpoint's
     # (a digest mismatch). The script goes on after each, reports both, and exits 1.
@@ -93,6 +95,7 @@ def test_a_failed_path_or_a_digest_mismatch_exits_non_zero(tmp_path):
     assert left_behind(folders) == []
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_host_memory_beyond_the_bound_exits_non_zero(tmp_path):
     # A negative allowance: any peak RSS exceeds it, so the check's failing branch runs for real.

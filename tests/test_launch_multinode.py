@@ -129,6 +129,7 @@ def describe(nodes: list[Node]) -> str:
     return "\n".join(f"--- {n.hostname} (exit {n.returncode}):\n{n.output[-4000:]}" for n in nodes)
 
 
+@pytest.mark.slow
 def test_two_nodes_cooperative_whole_checkpoint(tmp_path, uts_namespaces):
     """Run:ai distributed across two nodes: every rank gets the whole checkpoint, bit for bit."""
     folder = str(tmp_path / "whole")
@@ -171,6 +172,7 @@ def test_two_nodes_sharded_checkpoint_each_rank_its_own_files(tmp_path, uts_name
         assert r["digest"] == state_digest(states[rank])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_rank_failure_ends_the_job_on_every_node(tmp_path, uts_namespaces, mode):
     """Rank 1 is SIGKILLed (or raises) partway through a load: both agents, on both nodes, exit

@@ -28,7 +28,7 @@ SRUN_SCRIPT = os.path.join(SLURM_DIR, "load_srun.sbatch")
 RESHARD_SCRIPT = os.path.join(SLURM_DIR, "reshard.sbatch")
 JOB_DEADLINE_S = 150  # generous: other test runs share this machine's 2 cores
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

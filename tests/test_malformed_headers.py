@@ -133,6 +133,7 @@ def test_a_fifo_is_refused_not_opened(tmp_path, fmt):
         assert isinstance(outcome[0], CheckpointError) and "FIFO" in str(outcome[0]) and fifo in str(outcome[0])
 
 
+@pytest.mark.slow
 def test_inspect_cli_refuses_a_fifo_dangling_link_and_directory(tmp_path):
     folder = tmp_path / "ck"
     folder.mkdir()

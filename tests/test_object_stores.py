@@ -75,7 +75,8 @@ def assert_no_secret(*texts: str) -> None:
 
 # -- servers and checkpoints -------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=STORES)
+# Every test on a store server is in the slow set (pytest -m "not slow" leaves them out).
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) for name in STORES])
 def store(request, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp(f"store-{request.param}"))
     if request.param == "s3rver":
@@ -565,6 +566,7 @@ def test_a_server_that_stalls_or_dies_mid_load_ends_distloads_reads_in_bounded_t
     assert seconds < RETRY_DEADLINE_S + 20, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["stalls", "dies"])
 def test_a_server_that_stalls_or_dies_mid_load_ends_run_ais_s3_reads_in_bounded_time(moto, moto_ckpt, tmp_path, fault):
     """Run:ai's S3 reader gets the same setting as RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS and
@@ -652,28 +654,52 @@ with distload.WorkerGroup(device="cpu") as group:
         in line[0]
 
 
-def _byte_count_run(store, ckpts, tmp_path, distributed: bool):
-    proxy = ByteCountingProxy(store.port)
-    report_path = str(tmp_path / "report.json")
+@pytest.fixture(scope="module")
+def two_rank_job(store, ckpts, tmp_path_factory):
+    """The two-rank loads of this store's tests in one torchrun job (one job start, not three):
+    every format, then the 24 MiB checkpoint with Run:ai read cooperatively and read by each rank
+    alone, each of those two through its own byte-counting proxy (the driver sets a load's
+    endpoint for that load only). Name -> that load's job report (or its error), and for the
+    two proxied loads the bytes their proxy served."""
+    uri = ckpts.uri
+    cooperative, alone = ByteCountingProxy(store.port), ByteCountingProxy(store.port)
+    loads = {
+        "safetensors whole": {"source": uri["whole"], "format": "safetensors"},
+        "auto whole": {"source": uri["whole"], "format": "auto"},
+        "dummy whole": {"source": uri["whole"], "format": "dummy"},
+        "sharded_state sharded2": {"source": uri["sharded2"], "format": "sharded_state"},
+        "runai_streamer_sharded sharded2": {"source": uri["sharded2"], "format": "runai_streamer_sharded"},
+        "runai_streamer_sharded saved2": {"source": uri["saved2"], "format": "runai_streamer_sharded"},
+        "auto saved2": {"source": uri["saved2"], "format": "auto"},
+        "big cooperative": {"source": uri["big"], "format": "runai_streamer", "extra": {"distributed": True},
+                            "env": store.env(cooperative.port)},
+        "big alone": {"source": uri["big"], "format": "runai_streamer", "extra": {"distributed": False},
+                      "env": store.env(alone.port)},
+        # last: a job larger than the checkpoint, refused while planning
+        "sharded_state sharded1": {"source": uri["sharded1"], "format": "sharded_state"},
+    }
     try:
-        result = run_distload(
-            ["load", ckpts.uri["big"], "--load-format", "runai_streamer", "--model-loader-extra-config",
-             json.dumps({"distributed": distributed}), "--report-json", report_path, "--no-progress"],
-            nproc=2, env=store.env(proxy.port), timeout=240)
+        results = run_driver(list(loads.values()), tmp_path_factory.mktemp(f"two-ranks-{store.name}"), store.env(),
+                             nproc=2)
     finally:
-        proxy.close()
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert_no_secret(result.stdout, result.stderr, open(report_path).read())
-    with open(report_path) as f:
-        report = json.load(f)
+        cooperative.close()
+        alone.close()
+    out = dict(zip(loads, results))
+    out["served"] = {"big cooperative": cooperative.served, "big alone": alone.served}
+    return out
+
+
+def _byte_count_run(two_rank_job, ckpts, name: str):
+    report, served = two_rank_job[name], two_rank_job["served"][name]
+    assert "ranks" in report, report
     total = sum(os.path.getsize(p) for p in ckpts.big_files)
     expected = plain_digest(ckpts.big_files)
     assert [r["digest"] for r in report["ranks"]] == [expected, expected]
-    return report, proxy.served, total
+    return report, served, total
 
 
-def test_two_ranks_cooperative_read_fetches_each_byte_once(store, ckpts, tmp_path):
-    report, served, total = _byte_count_run(store, ckpts, tmp_path, distributed=True)
+def test_two_ranks_cooperative_read_fetches_each_byte_once(store, ckpts, two_rank_job):
+    report, served, total = _byte_count_run(two_rank_job, ckpts, "big cooperative")
     assert [r["path"] for r in report["ranks"]] == ["runai-distributed"] * 2
     MEASURED[f"{store.name} served/size distributed"] = round(served / total, 4)
     # served counts everything: both ranks' listings and header reads, HTTP (or TLS) framing
@@ -723,29 +749,21 @@ def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(sto
     assert whole <= proxy.served <= 1.05 * whole, (proxy.served, whole)
 
 
-def test_two_ranks_each_reading_alone_fetches_twice(store, ckpts, tmp_path):
-    report, served, total = _byte_count_run(store, ckpts, tmp_path, distributed=False)
+def test_two_ranks_each_reading_alone_fetches_twice(store, ckpts, two_rank_job):
+    report, served, total = _byte_count_run(two_rank_job, ckpts, "big alone")
     assert [r["path"] for r in report["ranks"]] == ["runai", "runai"]
     MEASURED[f"{store.name} served/size alone"] = round(served / total, 4)
     assert 1.9 * total <= served <= 2.1 * total
 
 
-def test_two_ranks_every_format(store, ckpts, tmp_path):
-    uri = ckpts.uri
-    results = run_driver([
-        {"source": uri["whole"], "format": "safetensors"},
-        {"source": uri["whole"], "format": "auto"},
-        {"source": uri["whole"], "format": "dummy"},
-        {"source": uri["sharded2"], "format": "sharded_state"},
-        {"source": uri["sharded2"], "format": "runai_streamer_sharded"},
-        {"source": uri["saved2"], "format": "runai_streamer_sharded"},
-        {"source": uri["saved2"], "format": "auto"},
-        {"source": uri["sharded1"], "format": "sharded_state"},
-    ], tmp_path, store.env(), nproc=2)
+def test_two_ranks_every_format(store, ckpts, two_rank_job):
+    names = ["safetensors whole", "auto whole", "dummy whole", "sharded_state sharded2",
+             "runai_streamer_sharded sharded2", "runai_streamer_sharded saved2", "auto saved2"]
+    results = [two_rank_job[name] for name in names]
     whole = plain_digest(ckpts.whole_files)
     paths = [[r["path"] for r in result["ranks"]] if "ranks" in result else result for result in results]
-    assert paths[:7] == [["ranged-reads"] * 2, ["ranged-shared"] * 2, ["dummy"] * 2,
-                         ["ranged-reads"] * 2, ["runai"] * 2, ["runai"] * 2, ["runai"] * 2], paths
+    assert paths == [["ranged-reads"] * 2, ["ranged-shared"] * 2, ["dummy"] * 2,
+                     ["ranged-reads"] * 2, ["runai"] * 2, ["runai"] * 2, ["runai"] * 2], paths
     assert [r["digest"] for r in results[0]["ranks"]] == [whole, whole]
     assert [r["digest"] for r in results[1]["ranks"]] == [whole, whole]
     for i in (3, 4):
@@ -755,7 +773,8 @@ def test_two_ranks_every_format(store, ckpts, tmp_path):
         assert [r["digest"] for r in results[i]["ranks"]] == [
             plain_digest(Checkpoints.rank_files(ckpts.saved2, rank)) for rank in (0, 1)]
     # a job larger than the checkpoint: the layout error names what exists, on every rank
-    assert "Files exist for ranks 0: the checkpoint was saved for 1 ranks, this job has 2" in results[7]["error"]
+    assert "Files exist for ranks 0: the checkpoint was saved for 1 ranks, this job has 2" in \
+        two_rank_job["sharded_state sharded1"]["error"]
 
 
 def test_cli_two_ranks_sharded_and_inspect(store, ckpts, tmp_path):
@@ -802,6 +821,7 @@ def anonymous_env(moto) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_moto_public_bucket_unsigned(moto, moto_ckpt, monkeypatch, tmp_path):
     files, _, public = moto_ckpt
     for key in LAUNCH_VARS + tuple(moto.unset_keys()) + ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
@@ -819,6 +839,7 @@ def test_moto_public_bucket_unsigned(moto, moto_ckpt, monkeypatch, tmp_path):
     assert "no S3 credentials found" in message and "RUNAI_STREAMER_S3_UNSIGNED=1" in message
 
 
+@pytest.mark.slow
 def test_moto_private_bucket_denies_unsigned(moto, moto_ckpt, monkeypatch):
     _, private, _ = moto_ckpt
     env, _ = moto.denied_env()
@@ -830,6 +851,7 @@ def test_moto_private_bucket_denies_unsigned(moto, moto_ckpt, monkeypatch):
     assert "403" in message or "AccessDenied" in message, message
 
 
+@pytest.mark.slow
 def test_moto_legacy_endpoint_variable(moto, moto_ckpt, tmp_path):
     files, private, _ = moto_ckpt
     env = moto.env()
@@ -887,6 +909,7 @@ RSS_OVERHEAD = 80 * MIB
 MEMORY_LIMIT = 16 * MIB
 
 
+@pytest.mark.slow
 def test_memory_limit_bounds_peak_rss(tmp_path_factory):
     if IN_AZURE_NAMESPACE:
         pytest.fail("S3-only test: deselect it inside the Azure namespace")
@@ -941,7 +964,7 @@ def _azure_in_private_namespace(tmp_path):
     inner = (
         "set -e; ip link set lo up; "
         f"mount --bind {certs['bundle.pem']} /etc/ssl/certs/ca-certificates.crt; "
-        f"exec {sys.executable} -m pytest -q -p no:cacheprovider -k azure "
+        f"exec {sys.executable} -m pytest -q -p no:cacheprovider -p no:xdist -k azure "
         f"{os.path.abspath(__file__)} -o addopts='' --timeout 600"
     )
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
@@ -960,7 +983,7 @@ def _azure_in_private_namespace(tmp_path):
 
 if not IN_AZURE_NAMESPACE:  # the outer half of the Azure run (inside, only the azure store runs)
     # Beyond the suite's 300 s per test: the inner run has 600 s, this one waits 900 for it.
-    test_azure_in_private_namespace = pytest.mark.timeout(960)(_azure_in_private_namespace)
+    test_azure_in_private_namespace = pytest.mark.slow(pytest.mark.timeout(960)(_azure_in_private_namespace))
 
 
 def teardown_module(module):

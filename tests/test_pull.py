@@ -57,6 +57,7 @@ def sharded(tmp_path):
     return folder
 
 
+@pytest.mark.slow
 def test_two_ranks_copy_everything_reading_each_byte_once(sharded, tmp_path):
     dest = str(tmp_path / "dest")
     result, report = pull(sharded, dest, tmp_path)
@@ -72,6 +73,7 @@ def test_two_ranks_copy_everything_reading_each_byte_once(sharded, tmp_path):
     assert verified.returncode == 0 and "match the manifest" in verified.stdout, verified.stdout
 
 
+@pytest.mark.slow
 def test_a_rerun_keeps_complete_files_and_fetches_only_what_is_missing_or_wrong(sharded, tmp_path):
     dest = str(tmp_path / "dest")
     assert pull(sharded, dest, tmp_path, 2, "--chunk-mib", "0.01")[0].returncode == 0
@@ -94,6 +96,7 @@ def test_a_rerun_keeps_complete_files_and_fetches_only_what_is_missing_or_wrong(
     assert same_folder(sharded, dest)
 
 
+@pytest.mark.slow
 def test_a_source_that_disagrees_with_its_manifest_fails_and_leaves_nothing_visible(sharded, tmp_path):
     shard = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))[0]
     with open(os.path.join(sharded, shard), "r+b") as f:
@@ -109,6 +112,7 @@ def test_a_source_that_disagrees_with_its_manifest_fails_and_leaves_nothing_visi
     assert not [n for n in os.listdir(dest) if n.endswith(TEMPORARY_SUFFIX)]
 
 
+@pytest.mark.slow
 def test_an_unfinished_save_is_refused_before_any_byte_moves(sharded, tmp_path):
     open(os.path.join(sharded, "distload.saving"), "w").close()
     result, _ = pull(sharded, str(tmp_path / "dest"), tmp_path)
@@ -117,6 +121,7 @@ def test_an_unfinished_save_is_refused_before_any_byte_moves(sharded, tmp_path):
     assert not os.path.exists(tmp_path / "dest")
 
 
+@pytest.mark.slow
 def test_a_kill_mid_pull_leaves_only_complete_files_and_a_rerun_completes(tmp_path):
     source = str(tmp_path / "whole")
     write_whole(source, {f"w{i}": torch.randn(2 * MIB) for i in range(6)}, num_files=3)  # 3 x 16 MiB
@@ -149,6 +154,7 @@ def test_a_kill_mid_pull_leaves_only_complete_files_and_a_rerun_completes(tmp_pa
     assert same_folder(source, dest)  # no partial left behind either
 
 
+@pytest.mark.slow
 def test_two_nodes_each_get_a_copy_reading_each_byte_once(tmp_path, uts_namespaces):
     source = str(tmp_path / "whole")
     write_whole(source, every_dtype_state(seed=9), num_files=2)
@@ -166,6 +172,7 @@ def test_two_nodes_each_get_a_copy_reading_each_byte_once(tmp_path, uts_namespac
     assert all(r["requested_bytes"] > 0 for r in ranks)
 
 
+@pytest.mark.slow
 def test_two_nodes_with_different_files_at_the_same_path_are_refused(tmp_path, uts_namespaces):
     """Each node has its own ./src, the same names and sizes, other bytes: without comparing the
     contents, each node would get a mix of both."""
@@ -180,6 +187,7 @@ def test_two_nodes_with_different_files_at_the_same_path_are_refused(tmp_path, u
         assert not os.path.exists(os.path.join(cwd, "copy")), "nothing may be written before the lists agree"
 
 
+@pytest.mark.slow
 def test_from_s3_the_store_serves_each_byte_once_per_job(tmp_path):
     """moto behind a byte-counting proxy: two ranks pull, the server sends the objects' bytes
     once (listings, headers and HTTP framing included), and the copy is exact."""
@@ -215,6 +223,7 @@ def test_a_source_naming_one_file_pulls_that_file_only(sharded, tmp_path):
     assert filecmp.cmp(os.path.join(sharded, shard), os.path.join(dest, shard), shallow=False)
 
 
+@pytest.mark.slow
 def test_a_dest_that_cannot_be_written_is_a_clear_error_on_every_rank(sharded, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")

@@ -203,6 +203,7 @@ def test_bad_target_type(tmp_path, group):
         reload_into([torch.zeros(1)], str(tmp_path), "safetensors", group=group)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_ranks_take_their_slice_and_fail_together(tmp_path):
     """Each rank copies its tensor-parallel slice of a whole checkpoint; a mismatch on rank 1 only

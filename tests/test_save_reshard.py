@@ -457,6 +457,7 @@ def test_cli_save_sharded(source, resharded, tmp_path):
     assert read_manifest_json(out)["replicated_unmatched"] == sorted(UNMATCHED)
 
 
+@pytest.mark.slow
 def test_cli_save_sharded_with_plan_file_and_pattern(source, tmp_path):
     src, state = source
     plan_path = tmp_path / "plan.json"
@@ -526,6 +527,7 @@ def test_output_equal_to_source_is_refused(tmp_path):
     assert sorted(os.listdir(src)) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", [
     "model-rank-{rank}.safetensors",          # no {part}
     "model-part-{part}.safetensors",          # no {rank}
@@ -658,6 +660,7 @@ def assert_incomplete(out: str) -> None:
         assert "incomplete" in str(err.value) and SAVING_MARKER in str(err.value), fmt
 
 
+@pytest.mark.slow
 def test_save_killed_midway_is_incomplete(source, tmp_path):
     src, state = source
     out = str(tmp_path / "out")
@@ -869,6 +872,7 @@ def test_verify_without_manifest(resharded, tmp_path, capsys):
 
 # -- inspect ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_inspect_whole_source(source):
     src, state = source
     result = run_distload(["inspect", src, "--json"])
@@ -1068,6 +1072,7 @@ print(json.dumps({"baseline": baseline, "sampled_peak": peak[0], "maxrss": maxrs
 """
 
 
+@pytest.mark.slow
 def test_reshard_memory_stays_near_the_largest_tensor(tmp_path):
     pytest.importorskip("psutil")
     src, out = str(tmp_path / "big"), str(tmp_path / "big-tp2")
@@ -1107,6 +1112,7 @@ with distload.WorkerGroup() as group:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_reshard_load_reassemble_under_torchrun(resharded, source, tmp_path, n):
@@ -1119,6 +1125,7 @@ def test_reshard_load_reassemble_under_torchrun(resharded, source, tmp_path, n):
         check_reassembly(out, source[1], per_rank)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("n,fmt", [(2, "sharded_state"), (4, "runai_streamer_sharded")])
 def test_cli_load_resharded(resharded, tmp_path, n, fmt):
@@ -1136,6 +1143,7 @@ def test_cli_load_resharded(resharded, tmp_path, n, fmt):
     assert len({r["digest"] for r in report["ranks"]}) == n
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_world_size_mismatch_fails_on_every_rank(resharded):
     out = resharded[0][2]
@@ -1184,6 +1192,7 @@ with distload.WorkerGroup() as group:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_save_sharded_from_a_running_job(tmp_path, source):
     out = str(tmp_path / "job-out")

@@ -218,6 +218,7 @@ def planned_exchange(folder: str, tp: int, nproc: int, bucket: int) -> list[dict
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_tp_ranks_and_their_replicas_read_each_byte_once_and_receive_only_their_slices(llama, tmp_path, nproc):
@@ -244,6 +245,7 @@ def test_tp_ranks_and_their_replicas_read_each_byte_once_and_receive_only_their_
         assert r["received_bytes"] <= r["nbytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_replicas_of_a_pre_sharded_checkpoint_read_each_shard_file_once(llama, tmp_path):
     _, saved = llama
@@ -257,6 +259,7 @@ def test_replicas_of_a_pre_sharded_checkpoint_read_each_shard_file_once(llama, t
         assert [r["path"] for r in replicas] == ["pread-shared"] * 2
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_the_node_scope_shares_within_a_node(llama, tmp_path):
     """One host: the node scope shares between the same ranks as the job scope (which ranks a
@@ -269,6 +272,7 @@ def test_the_node_scope_shares_within_a_node(llama, tmp_path):
         assert r["path"] == "pread-shared" and r["requested_bytes"] < r["nbytes"]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("tp", [0, 2])
 def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(llama, tmp_path, tp):
@@ -290,6 +294,7 @@ def test_a_rank_whose_share_fails_to_read_stops_every_rank_naming_it(llama, tmp_
         assert float(found.group(1)) < 30  # at the next round, not at the 60 s timeout
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_rank_that_cannot_prepare_its_messages_stops_every_rank_at_once(llama, tmp_path):
     """TP 2 on 2 ranks: rank 1 runs out of memory packing the pieces it sends rank 0. It says so
@@ -304,6 +309,7 @@ def test_a_rank_that_cannot_prepare_its_messages_stops_every_rank_at_once(llama,
     assert float(found.group(1)) < 30  # at the round's agreement, not at the 60 s timeout
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_shared_read_without_the_agreements_needs_is_refused_on_every_rank_at_once(llama, tmp_path):
     """Rank 1's read request lacks what each member keeps (which the load's agreement fills): it
@@ -319,6 +325,7 @@ def test_a_shared_read_without_the_agreements_needs_is_refused_on_every_rank_at_
     assert re.search(r"rank 0 stopped after [0-9.]+ s: planning the shared read failed on rank\(s\) 1", out), out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_ranks_whose_exchange_plans_differ_stop_before_any_message_naming_them(llama, tmp_path):
     """TP 2 on 2 ranks, rank 1 planning with other buckets (as two ranks that read different headers
@@ -334,6 +341,7 @@ def test_ranks_whose_exchange_plans_differ_stop_before_any_message_naming_them(l
         assert float(found.group(1)) < 30, out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_rank_killed_mid_read_ends_the_others_in_bounded_time_naming_it(tmp_path):
     """No torchrun agent to end the job: the survivors find out themselves (the lost peer's
@@ -354,6 +362,7 @@ def test_a_rank_killed_mid_read_ends_the_others_in_bounded_time_naming_it(tmp_pa
         assert re.search(rf"rank {rank} stopped after [0-9.]+ s: .*rank 1", out), out[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_rank_that_stops_consuming_still_lets_the_others_finish_their_reads(tmp_path):
     folder = str(tmp_path / "whole")
@@ -385,6 +394,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as job:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_subgroup_shares_its_reads_beside_another_load(tmp_path):
     folder = str(tmp_path / "whole")
@@ -422,6 +432,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("tp", [0, 2])
 def test_a_shared_read_fills_existing_tensors_in_place(llama, tmp_path, tp):
@@ -441,6 +452,7 @@ def test_a_shared_read_fills_existing_tensors_in_place(llama, tmp_path, tp):
     assert [f["digest"] for f in found] == want
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_ranks_that_would_share_but_see_different_files_are_refused(tmp_path):
     script = write_script(tmp_path, "differ.py", r"""
@@ -468,6 +480,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
             result.stdout[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("tp", [0, 2])
 def test_on_s3_auto_shares_the_reads_and_the_store_serves_each_byte_once(tmp_path, tp):

@@ -243,7 +243,8 @@ def test_pre_sharded_checkpoint_refuses_a_sharding_spec(llama):
 # -- under torchrun: TP groups and data-parallel replicas ---------------------------------------------
 
 @pytest.mark.dist
-@pytest.mark.parametrize("n,tp,which", [(2, 2, "whole"), (4, 2, "whole"), (4, 2, "saved"), (4, 4, "whole")])
+@pytest.mark.parametrize("n,tp,which", [(2, 2, "whole")] + [pytest.param(*case, marks=pytest.mark.slow) for case in [
+    (4, 2, "whole"), (4, 2, "saved"), (4, 4, "whole")]])
 def test_ranks_keep_their_tp_ranks_slices(llama, tmp_path, n, tp, which):
     whole, saved = llama
     report_path = str(tmp_path / "report.json")
@@ -288,6 +289,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_rank_whose_slice_read_fails_stops_every_rank(llama, tmp_path):
     """A read error on TP rank 1 only: rank 0 read all of its own slices, and still stops at
@@ -359,6 +361,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("mesh", ["2", "2x2"])
 def test_dtensor_targets_get_their_local_shards(llama, tmp_path, mesh):

@@ -142,6 +142,7 @@ def test_versions_arrive_exact_and_in_place(tmp_path):
         assert r["versions"] == [1, 2, 3] and r["exact"] == [True, True, True] and r["in_place"], r
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_several_senders_each_push_a_slice(tmp_path):
     script = write_script(tmp_path, "sync.py", _SYNC)
@@ -151,6 +152,7 @@ def test_several_senders_each_push_a_slice(tmp_path):
     assert receiver["versions"] == [1, 2, 3] and all(receiver["exact"]) and receiver["in_place"], receiver
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_refused_update_moves_no_byte_anywhere(tmp_path):
     """Rank 2's layer3.w has another shape: the sender and BOTH receivers refuse version 2."""
@@ -201,6 +203,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_sender_killed_mid_update_leaves_old_version(tmp_path):
     """Ranks started by hand (torchrun would kill the receivers as soon as the sender died):

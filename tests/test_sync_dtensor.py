@@ -64,6 +64,7 @@ def _torchrun(script, nproc, *args):
                           capture_output=True, text=True, timeout=180, env=clean_env())
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_dtensor_trainer_ranks_gather_and_rank_0_sends(tmp_path):
     script = write_script(tmp_path, "job.py", _JOB)

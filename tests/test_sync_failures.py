@@ -293,6 +293,7 @@ def _assert_received(event: dict, version: int) -> None:
 
 # -- 1. the trainer killed mid-update, then restarted at the same address ------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("host", ["trainer", "inference"])
 def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
@@ -334,6 +335,7 @@ def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
     _no_abort(jobs.stderr("inf") + jobs.stderr("trainB"))
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_trainer_killed_while_the_receiver_is_between_buckets_names_the_trainer(jobs):
     """The same death, timed so that the receiver's next gloo call is posting a receive (not
@@ -353,6 +355,7 @@ def test_trainer_killed_while_the_receiver_is_between_buckets_names_the_trainer(
 
 # -- 2. an inference rank killed mid-update -----------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_inference_rank_killed_mid_update_names_it_and_its_replacement_receives(jobs):
     """Inference rank 1 (of 2, plain processes) is SIGKILLed while receiving version 2: the
@@ -380,6 +383,7 @@ def test_inference_rank_killed_mid_update_names_it_and_its_replacement_receives(
     _no_abort(jobs.stderr("train") + jobs.stderr("inf") + jobs.stderr("new"))
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_inference_rank_killed_while_the_trainer_is_between_buckets_is_named(jobs):
     """The same death, timed so that the trainer's next gloo call is posting a send (not waiting
@@ -401,6 +405,7 @@ def test_inference_rank_killed_while_the_trainer_is_between_buckets_is_named(job
 
 # -- 3. an inference rank stopped (SIGSTOP) mid-update --------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_inference_rank_stopped_mid_update_is_named_within_dead_after(jobs):
     """Inference rank 1 stops itself (SIGSTOP) while receiving version 2: its sockets stay open,
@@ -444,6 +449,7 @@ def test_inference_at_an_address_nobody_serves_says_so_within_its_timeout():
     assert seconds < 5 + 2, f"waited {seconds:.1f} s with timeout_s=5"
 
 
+@pytest.mark.slow
 def test_trainer_whose_inference_job_never_comes_says_which_rank_did_not_join():
     address = f"tcp://127.0.0.1:{free_port()}"
     channel = SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=5)
@@ -461,6 +467,7 @@ def test_trainer_whose_inference_job_never_comes_says_which_rank_did_not_join():
 
 # -- 5. no update within the receive's own timeout ------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_receive_without_an_update_times_out_and_the_next_push_still_arrives(jobs):
     jobs.start("train", "trainer", ["push:1", "gate:go", "push:2"])
@@ -479,6 +486,7 @@ def test_receive_without_an_update_times_out_and_the_next_push_still_arrives(job
 
 # -- 6. the trainer leaves normally while a receiver waits ------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_trainer_closing_between_updates_ends_a_waiting_receive_cleanly(jobs):
     """Two torchrun jobs. The trainer (serving the store) pushes version 1 and closes while both

@@ -171,6 +171,7 @@ def _saved_rank(folder: str, tp_rank: int) -> dict[str, torch.Tensor]:
     return state
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("inference_nproc", [2, 4], ids=["tp2", "tp2x2-replicas"])
 def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
@@ -218,6 +219,7 @@ def test_sliced_receive_equals_save_sharded(tmp_path, inference_nproc):
 
 # -- 3. several trainer ranks --------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_trainer_ranks_push_disjoint_names_to_one_receiver(tmp_path):
     results = run_driver(tmp_path, "two-trainers", 2, 1)
@@ -244,6 +246,7 @@ def misfit_run(tmp_path_factory):
     return run_driver(tmp_path_factory.mktemp("misfit"), "misfit", 1, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_misfit_receiver_refuses_before_any_byte_moves(misfit_run):
     trainer, (r0, r1) = misfit_run.trainer[0], misfit_run.inference
@@ -274,6 +277,7 @@ def test_misfit_receiver_refuses_before_any_byte_moves(misfit_run):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_a_refusal_keeps_the_session(misfit_run):
     """channel.py's _check_refusals: "nothing moved: the session stays, the next update takes the
     next number". The next fitting update runs in the same session, on every member."""
@@ -290,6 +294,7 @@ def verify_run(tmp_path_factory):
     return run_driver(tmp_path_factory.mktemp("verify"), "verify", 1, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_verify_catches_a_bucket_corrupted_after_its_checksum(verify_run):
     (trainer,) = verify_run.trainer
@@ -316,6 +321,7 @@ def test_verify_catches_a_bucket_corrupted_after_its_checksum(verify_run):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_trainer_exits_cleanly_after_an_update_failed_mid_data(verify_run):
     """The failed update's receivers stopped receiving after the corrupted bucket, so the
     trainer's send of a later bucket never completes: the process must still exit normally
@@ -325,6 +331,7 @@ def test_trainer_exits_cleanly_after_an_update_failed_mid_data(verify_run):
 
 # -- 6. a sleeping receiver ----------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_sleeping_receiver_refuses_then_wakes_and_receives(tmp_path):
     results = run_driver(tmp_path, "sleep", 1, 2)
@@ -374,6 +381,7 @@ def test_a_sleeping_model_with_storages_that_cannot_resize_is_refused_as_asleep(
 
 # -- 7. the CLI ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     from distload.cli.sync_demo import demo_state, kept_slices

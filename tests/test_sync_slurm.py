@@ -15,7 +15,7 @@ import pytest
 from slurm_cluster import free_port
 from test_launch_slurm import JOB_DEADLINE_S, assert_completed, job_env, slurm  # noqa: F401 - the fixture
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 SCRIPT = """#!/bin/bash
 set -euo pipefail

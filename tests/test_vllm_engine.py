@@ -6,7 +6,7 @@ architecture through the weight map recorded from vLLM's own loaders, bit for bi
 
 vLLM runs in its own virtual environment (``.vllm-venv``, which ``bash .ci/run`` makes; or
 DISTLOAD_VLLM_PYTHON), with distload installed in it. Engines start one after the other inside one
-driver process per tensor-parallel size (tests/vllm_driver.py); the tests read its results.
+driver process, TP 1 then TP 2 (tests/vllm_driver.py); the tests read its results.
 """
 
 from __future__ import annotations
@@ -43,21 +43,28 @@ Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True)).to(torch.bfloat
 """
 
 
+# First, in the same interpreter (one start of the environment, not two): can it run the tests?
+CHECK_ENVIRONMENT = r"""
+import sys
+try:
+    import vllm, distload.vllm.plugin
+except Exception as exc:
+    print(f"IMPORT FAILED: {type(exc).__name__}: {exc}", flush=True)
+    sys.exit(3)
+"""
+
+
+def missing_vllm(problem: str) -> None:
+    message = f"{problem}; bash .ci/run installs vLLM's CPU build there (or set DISTLOAD_VLLM_PYTHON)"
+    if in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def vllm_python() -> str:
     path = os.environ.get("DISTLOAD_VLLM_PYTHON") or os.path.join(ROOT, ".vllm-venv", "bin", "python")
-    problem = None
     if not os.path.exists(path):
-        problem = f"no vLLM environment at {path}"
-    else:
-        check = subprocess.run([path, "-c", "import vllm, distload.vllm.plugin"], capture_output=True, text=True,
-                               timeout=300)
-        if check.returncode != 0:
-            problem = f"{path} cannot import vllm and distload: {check.stderr.strip().splitlines()[-1:]}"
-    if problem:
-        message = f"{problem}; bash .ci/run installs vLLM's CPU build there (or set DISTLOAD_VLLM_PYTHON)"
-        if in_ci():
-            pytest.fail(message)
-        pytest.skip(message)
+        missing_vllm(f"no vLLM environment at {path}")
     return path
 
 
@@ -66,8 +73,10 @@ def checkpoints(tmp_path_factory):
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-models")
     paths = {"llama": str(root / "llama"), "qwen": str(root / "qwen2-tied")}
-    made = subprocess.run([python, "-c", MAKE_MODELS, paths["llama"], paths["qwen"]], capture_output=True,
-                          text=True, timeout=300)
+    made = subprocess.run([python, "-c", CHECK_ENVIRONMENT + MAKE_MODELS, paths["llama"], paths["qwen"]],
+                          capture_output=True, text=True, timeout=300)
+    if made.returncode == 3 and made.stdout.startswith("IMPORT FAILED: "):
+        missing_vllm(f"{python} cannot import vllm and distload: {made.stdout.strip()[len('IMPORT FAILED: '):]}")
     assert made.returncode == 0, made.stderr[-3000:]
     for tp in (1, 2):
         paths[f"llama-tp{tp}"] = str(root / f"llama-tp{tp}")
@@ -137,19 +146,39 @@ def _drive(python: str, tp: int, cases: list[dict], weight_maps: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def tp1(checkpoints, tmp_path_factory):
-    python, p = checkpoints
-    return _drive(python, 1, [
+def tp1_cases(p: dict) -> list[dict]:
+    return [
         {"name": "reference", "model": p["llama"], "format": "auto"},
         {"name": "saved", "model": p["llama-tp1"], "format": "sharded_state"},
         {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
         {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
-    ], str(tmp_path_factory.mktemp("weight-maps")))
+    ]
+
+
+def tp2_cases(p: dict, address: str) -> list[dict]:
+    return [
+        {"name": "reference b", "model": p["llama-b"], "format": "auto"},
+        # One dummy engine for two features (an engine start here is ~30 s): it takes the
+        # trainer's pushes, then switches to the real weights in place (the "dummy" case at TP 1).
+        {"name": "push", "model": p["llama"], "format": "dummy", "push": {"address": address, "receives": 2},
+         "reload": p["llama"]},
+        {"name": "reference", "model": p["llama"], "format": "auto"},
+        {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
+        {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
+        {"name": "plugin", "model": p["llama"], "format": "distload",
+         "extra": {"reader": "auto", "check_weight_map": True}},
+        {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
+        {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
+        {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
+        {"name": "qwen plugin", "model": p["qwen"], "format": "distload",
+         "extra": {"reader": "auto", "check_weight_map": True}},
+    ]
 
 
 @pytest.fixture(scope="module")
-def tp2(checkpoints, tmp_path_factory):
+def engines(checkpoints, tmp_path_factory):
+    """Every engine of this module, TP 1 then TP 2, one after the other in one driver process
+    (vLLM imported once): tensor-parallel size -> case name -> its result."""
     python, p = checkpoints
     from dist_helpers import clean_env, free_port, write_script
 
@@ -158,29 +187,31 @@ def tp2(checkpoints, tmp_path_factory):
     trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
                                 script, address, p["llama-b"], p["llama"]], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=clean_env())
+    cases = {1: tp1_cases(p), 2: tp2_cases(p, address)}
     try:
-        results = _drive(python, 2, [
-            {"name": "reference b", "model": p["llama-b"], "format": "auto"},
-            # One dummy engine for two features (an engine start here is ~30 s): it takes the
-            # trainer's pushes, then switches to the real weights in place (the "dummy" case at TP 1).
-            {"name": "push", "model": p["llama"], "format": "dummy", "push": {"address": address, "receives": 2},
-             "reload": p["llama"]},
-            {"name": "reference", "model": p["llama"], "format": "auto"},
-            {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
-            {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
-            {"name": "plugin", "model": p["llama"], "format": "distload",
-             "extra": {"reader": "auto", "check_weight_map": True}},
-            {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
-            {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
-            {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
-            {"name": "qwen plugin", "model": p["qwen"], "format": "distload",
-             "extra": {"reader": "auto", "check_weight_map": True}},
-        ], str(tmp_path_factory.mktemp("weight-maps")))
-        results["_trainer"] = trainer.communicate(timeout=120)[0]
+        results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}")
+                                     for tp in (1, 2) for case in cases[tp]],
+                         str(tmp_path_factory.mktemp("weight-maps")))
+        trainer_output = trainer.communicate(timeout=120)[0]
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    return results
+    out = {tp: {case["name"]: results[f"tp{tp} {case['name']}"] for case in cases[tp]
+                if f"tp{tp} {case['name']}" in results} for tp in (1, 2)}
+    for tp in (1, 2):
+        out[tp]["_output"] = results["_output"]
+    out[2]["_trainer"] = trainer_output
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp1(engines):
+    return engines[1]
+
+
+@pytest.fixture(scope="module")
+def tp2(engines):
+    return engines[2]
 
 
 def _tokens(results: dict, name: str) -> list:
@@ -188,31 +219,37 @@ def _tokens(results: dict, name: str) -> list:
     return results[name]["tokens"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_save_sharded_output_loads_in_vllms_sharded_state_loader(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
     assert _tokens(results, "saved") == _tokens(results, "reference")
 
 
+@pytest.mark.slow
 def test_save_sharded_output_loads_in_vllms_run_ai_sharded_loader(tp2):
     assert _tokens(tp2, "saved runai") == _tokens(tp2, "reference")
 
 
+@pytest.mark.slow
 def test_tied_embeddings_and_biases_load_in_vllm(tp2):
     assert _tokens(tp2, "qwen saved") == _tokens(tp2, "qwen reference")
     assert _tokens(tp2, "qwen plugin") == _tokens(tp2, "qwen reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vllm_loads_a_whole_checkpoint_through_distload(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
     assert _tokens(results, "plugin") == _tokens(results, "reference")
 
 
+@pytest.mark.slow
 def test_vllm_loads_a_pre_sharded_save_through_distload(tp2):
     assert _tokens(tp2, "plugin saved") == _tokens(tp2, "reference")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_dummy_engine_switches_to_the_real_weights_in_place(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
@@ -238,6 +275,7 @@ def test_the_extra_config_is_checked_as_distload_load_checks_it():
         reader_config({"reader": "dummy"})
 
 
+@pytest.mark.slow
 def test_a_trainer_job_pushes_into_a_running_vllm_engine(tp2):
     """A dummy engine's TP 2 workers take version 1 from a separately launched trainer job and
     generate exactly what a fresh load of those weights generates; the trainer then dies a few
@@ -298,11 +336,13 @@ def architectures(tmp_path_factory):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_any_architecture_loads_through_the_recorded_weight_map_bit_for_bit(architectures, architecture):
     assert "tokens" in architectures[architecture], f"{architecture}: {architectures[architecture]}"
 
 
+@pytest.mark.slow
 def test_each_tp_rank_reads_its_slices_only(architectures):
     """Recorded afresh on each rank (the cache was empty), and each rank reads only the boxes its
     parameters take: about half of each split tensor (the replicated norms and position
@@ -317,6 +357,7 @@ def test_each_tp_rank_reads_its_slices_only(architectures):
     assert all(read < 0.75 * total for read, total in reads), reads
 
 
+@pytest.mark.slow
 def test_a_loader_that_computes_sends_its_tensors_through_vllms_own_loader(architectures):
     """BLOOM's loader interleaves the heads of its fused q/k/v (a reshape of a transposed view, a
     copy): no region says it, so those tensors go whole through vLLM's loader, and the log says so."""
@@ -324,5 +365,6 @@ def test_a_loader_that_computes_sends_its_tensors_through_vllms_own_loader(archi
     assert "query_key_value.weight goes through vLLM's own loader" in architectures["_output"]
 
 
+@pytest.mark.slow
 def test_each_tp_ranks_weight_map_is_cached(architectures):
     assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES), architectures["_cached"]

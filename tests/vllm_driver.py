@@ -4,7 +4,10 @@ of cases, one engine each, one after the other in this one process, each case's 
 
     python tests/vllm_driver.py TP CASES_JSON
 
-A case: {"name", "model", "format", "extra"?, "push"?: {"address", "receives"}: after its first
+One process for every case, whatever its tensor-parallel size (importing vLLM here takes about
+20 s on 2 cores; an engine at TP 1 starts in 3 s, at TP 2 in about 20 s, its workers' own imports).
+
+A case: {"name", "model", "format", "tp"? (default TP), "extra"?, "push"?: {"address", "receives"}: after its first
 generation the engine's workers join distload's sync channel there and take ``receives`` versions
 from a separately launched trainer job (a failed one recorded, and the tokens generated after it),
 "reload"?: a checkpoint distload then puts into the running engine (after the pushes, if any),
@@ -28,9 +31,9 @@ PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [7, 99, 500]
 
 
 def main() -> None:
-    tp, cases = int(sys.argv[1]), json.loads(sys.argv[2])
-    if tp > 1:  # without it: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    default_tp, cases = int(sys.argv[1]), json.loads(sys.argv[2])
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    import vllm.envs
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -39,6 +42,15 @@ def main() -> None:
     params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
     results = {}
     for case in cases:
+        tp = case.get("tp", default_tp)
+        # without it at TP > 1: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"
+        if tp > 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        elif bind is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        vllm.envs.disable_envs_cache()  # an engine caches vLLM's settings; the next reads them anew
         start = time.monotonic()
         kwargs = {"model_loader_extra_config": case["extra"]} if "extra" in case else {}
         if case.get("reload") or case.get("push"):
