@@ -173,7 +173,8 @@ def test_sliced_read_fills_existing_tensors_in_place(llama, tmp_path):
         # tp_rank/tp_size are the first names of those keywords: the same load, with a warning
         for tensor in model.values():
             tensor.zero_()
-        with pytest.warns(DeprecationWarning, match="old name of tensor_parallel_rank"):
+        with pytest.warns(DeprecationWarning, match="old name of tensor_parallel_size"), \
+                pytest.warns(DeprecationWarning, match="old name of tensor_parallel_rank"):
             distload.reload_into(model, whole, group=group, sharding="decoder", tp_rank=1, tp_size=2)
         for name, tensor in want.items():
             assert torch.equal(model[name].view(torch.uint8), tensor.view(torch.uint8)), name
