@@ -15,13 +15,11 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import distload
 from distload.errors import ConfigError
 from distload.workers.group import WorkerGroup
 from distload.loading.backends.pread import batch_extents
-from distload.loading.layout import DEFAULT_SHARD_PATTERN
 from distload.loading.report import state_digest
 from distload.tp.slices import Action, Part, slice_bytes, take_shard
 

@@ -95,18 +95,7 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     world_size = tensor_parallel_size  # the saved checkpoint's ranks, as its manifest counts them
     start = time.perf_counter()
     check_save_args(output, pattern, max_file_size, world_size)
-    path = check_source(source)
-    if is_object_store(path):
-        raise ConfigError(
-            f"{source}: reshard reads a local checkpoint; copy it from the object store first "
-            f"(the sharded output can then be uploaded and loaded straight from there)"
-        )
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    if detect_layout(path).sharded:
-        raise CheckpointError(
-            f"{source} is already a pre-sharded (per-rank) checkpoint; reshard from the whole "
-            f"(Hugging Face style) checkpoint it was made from"
-        )
+    path, folder = check_reshard_source(source)
     if os.path.abspath(folder) == os.path.abspath(output):
         raise ConfigError(f"output {output} must differ from the source folder")
     files, _ = whole_checkpoint(path)
@@ -172,6 +161,23 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         split={name: a.dim for name, a in actions.items() if a.dim is not None},
         spec=spec.name, engine_note=_engine_note(spec, default_reason),
     )
+
+
+def check_reshard_source(source: str) -> tuple[str, str]:
+    """The path of a whole, local checkpoint to reshard, and its folder (ConfigError or
+    CheckpointError saying what else it is)."""
+    path = check_source(source)
+    if is_object_store(path):
+        raise ConfigError(
+            f"{source}: reshard reads a local checkpoint; copy it from the object store first "
+            f"(the sharded output can then be uploaded and loaded straight from there)"
+        )
+    if detect_layout(path).sharded:
+        raise CheckpointError(
+            f"{source} is already a pre-sharded (per-rank) checkpoint; reshard from the whole "
+            f"(Hugging Face style) checkpoint it was made from"
+        )
+    return path, path if os.path.isdir(path) else os.path.dirname(path)
 
 
 def default_save_spec(config: Mapping[str, Any], names: list[str], source: str) -> tuple[str, str]:

@@ -160,7 +160,7 @@ def run_load(args: argparse.Namespace) -> int:
 
 
 def run_reshard(args: argparse.Namespace) -> int:
-    from distload.checkpoints.reshard import reshard
+    from distload.vllm.save import reshard
 
     if args.command == OLD_RESHARD:
         sys.stderr.write(f"distload: '{OLD_RESHARD}' is the old name of 'reshard' (the same command); "

@@ -64,6 +64,15 @@ class Region:
     def on(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.as_strided(self.shape, self.stride, tensor.storage_offset() + self.offset)
 
+    def extent(self) -> tuple[int, int]:
+        """The first and last element (from the tensor's first) the region can touch; (0, -1) if
+        it is empty."""
+        if 0 in self.shape:
+            return 0, -1
+        low = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if s < 0)
+        high = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if s > 0)
+        return low, high
+
 
 @dataclass(frozen=True)
 class Copy:
@@ -146,13 +155,18 @@ class WeightMap:
         if tensor.dim() and not tensor.is_contiguous():
             raise DistloadError(f"{name}: the weight map's source regions are of the checkpoint's contiguous "
                                 f"tensor; this one has strides {tensor.stride()}")
-        for f in fills:
-            f.dest.on(_param(params, f.param, name).data).fill_(f.value)
+        self.fill(name, fills, params)
         for c in copies:
             value = c.source.on(tensor)
             for dtype in c.casts:
                 value = value.to(getattr(torch, dtype))
             c.dest.on(_param(params, c.param, name).data).copy_(value)
+
+    @staticmethod
+    def fill(name: str, fills: Iterable[Fill], params: Mapping[str, torch.Tensor]) -> None:
+        """Make the fills that checkpoint tensor ``name``'s loader made (padding it zeroes)."""
+        for f in fills:
+            f.dest.on(_param(params, f.param, name).data).fill_(f.value)
 
     # -- the cache ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -176,6 +190,13 @@ class WeightMap:
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), distload's block of a tensor
+
+
+def covers_contiguously(region: Region, shape: tuple[int, ...]) -> bool:
+    """Whether ``region`` is every element of a contiguous tensor of ``shape``, in order (strides
+    of dimensions of size 1 do not matter)."""
+    return (region.offset == 0 and tuple(region.shape) == tuple(shape)
+            and all(n == 1 or a == b for n, a, b in zip(shape, region.stride, _strides(tuple(shape)))))
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
