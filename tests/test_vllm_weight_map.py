@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distload.loading.rank_slices import Rows
 from distload.vllm.weight_map import WeightMap, cached_weight_map, cache_weight_map, record_weight_map
 
 TP_SIZE, TP_RANK = 2, 1
@@ -23,6 +24,7 @@ class Tiny(torch.nn.Module):
         self.conv = torch.nn.Parameter(torch.empty(3, 4, dtype=torch.bfloat16))  # Conv1D [4, 6] transposed, cut
         self.norm = torch.nn.Parameter(torch.empty(4, dtype=torch.float32))  # cast bf16 -> f32
         self.scaled = torch.nn.Parameter(torch.empty(4, dtype=torch.bfloat16))
+        self.fused = torch.nn.Parameter(torch.empty(4, 2, dtype=torch.bfloat16))  # q/k/v fused in the checkpoint too
         self.register_buffer("kept", torch.full((2,), 7.0))  # never loaded: keeps its value
 
     def load_weights(self, weights):
@@ -43,16 +45,24 @@ class Tiny(torch.nn.Module):
                 self.norm.data.copy_(w.to(torch.float32))
             elif name == "scaled":  # arithmetic: no region says this
                 self.scaled.data.copy_(w * 2)
+            elif name == "fused":  # Phi-3's qkv_proj: this rank's rows of each part, in order
+                at = 0
+                for start, size in ((0, 4), (4, 2), (6, 2)):
+                    part = size // TP_SIZE
+                    self.fused.data.narrow(0, at, part).copy_(w.narrow(0, start + TP_RANK * part, part))
+                    at += part
 
 
 def checkpoint():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
     return {"embed": r(10, 4), "q": r(8, 4), "k": r(4, 4), "v": r(4, 4), "conv": r(4, 6), "norm": r(4),
-            "scaled": r(4), "rotary": r(3)}
+            "scaled": r(4), "rotary": r(3), "fused": r(8, 2)}
 
 
 def _box_of(tensor, box):
+    if isinstance(box, Rows):
+        return torch.cat([tensor[a:b] for a, b in box.runs])
     for dim, (offset, size) in enumerate(zip(*box)):
         tensor = tensor.narrow(dim, offset, size)
     return tensor.contiguous()
@@ -66,7 +76,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     record = record_weight_map("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()], params, model.load_weights)
     assert set(record.whole) == {"scaled"} and "mul" in record.whole["scaled"]
     assert record.unused == ["rotary"]
-    assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm"}
+    assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm", "fused"}
     assert [c.casts for c in record.copies if c.tensor == "norm"] == [("float32",)]
 
     expected = Tiny()
@@ -82,6 +92,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     if boxed:  # this rank's rows of q/k/v; of the transposed Conv1D weight its columns
         assert boxes["q"] == ((4, 0), (4, 4)) and boxes["k"] == ((2, 0), (2, 4)) and boxes["embed"] == ((6, 0), (4, 4))
         assert boxes["conv"] == ((0, 3), (4, 3)) and "norm" not in boxes
+        assert boxes["fused"] == Rows(((2, 4), (5, 6), (7, 8)))  # its rows of q, of k and of v: 4 of 8
     steps = replayed.by_tensor(boxes, shapes)
     for name, tensor in ck.items():
         if name in replayed.whole:
@@ -115,8 +126,9 @@ def test_reading_straight_into_the_parameters_equals_the_loaders_bit_for_bit():
     steps = record.by_tensor(boxes, shapes)
     direct = in_place_destinations(steps, boxes, shapes, targets)
     # embed's rows land contiguously (its own padding fill is made first); q/k/v each in its rows
-    # of qkv; conv is transposed, norm cast, scaled computed: those are copied by the replay.
-    assert sorted(direct) == ["embed", "k", "q", "v"]
+    # of qkv, the fused one's rows (read as runs) in the fused parameter's rows in order; conv is
+    # transposed, norm cast, scaled computed: those are copied by the replay.
+    assert sorted(direct) == ["embed", "fused", "k", "q", "v"]
     for name in direct:
         record.fill(name, steps[name][1], targets)
     for name, tensor in ck.items():

@@ -439,13 +439,17 @@ def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
 def in_place_destinations(steps, boxes, shapes, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Checkpoint tensors the reader can put straight into parameter memory, as views of it.
 
-    A tensor qualifies when its weight map is one copy of everything read of it (the whole tensor
-    or its box, rebased in ``steps``) with no cast, into a contiguous region of a parameter on the
-    host, and no other tensor's copy or fill touches that region: the reader's threads write it
-    ahead of the replay order, which must then not matter. The rest are read into new memory
-    and replayed (for a fused q/k/v at TP 1 that is none: each part is its own contiguous rows).
+    A tensor qualifies when its copies (rebased in ``steps`` onto what is read of it: the whole
+    tensor, its box or its rows) move every element read, uncast, each a contiguous run, into one
+    parameter on the host at one fixed distance, so that what is read lies in the parameter
+    exactly as read: a tensor copied whole into its parameter, a vocabulary's rows before its
+    padding, or a fused q/k/v read as this rank's rows of q, k and v into the rows of ``qkv_proj``
+    they fill in that order. And no other tensor's copy or fill touches that memory: the reader's
+    threads write it ahead of the replay order, which must then not matter. The rest are read
+    into new memory and replayed.
     """
-    from distload.vllm.weight_map import covers_contiguously
+    from distload.loading.rank_slices import Rows
+    from distload.vllm.weight_map import Region, contiguous
 
     written: dict[str, list[tuple[str, int, int]]] = {}  # param -> (tensor, first, last element)
     for name, (copies, fills) in steps.items():
@@ -454,18 +458,41 @@ def in_place_destinations(steps, boxes, shapes, params: Mapping[str, torch.Tenso
             written.setdefault(step.param, []).append((name, first, last))
     out = {}
     for name, (copies, _fills) in steps.items():
-        if len(copies) != 1 or copies[0].casts:
+        box = boxes.get(name)
+        read = box.shape(shapes[name]) if isinstance(box, Rows) else tuple(box[1]) if box else tuple(shapes[name])
+        numel = 1
+        for n in read:
+            numel *= n
+        if not copies or numel == 0 or len({c.param for c in copies}) != 1 or any(c.casts for c in copies):
             continue
-        copy = copies[0]
-        read = tuple(boxes[name][1]) if name in boxes else tuple(shapes[name])
-        if not covers_contiguously(copy.source, read):
+        if not all(contiguous(c.source) and contiguous(c.dest) for c in copies):
             continue
-        param = params[copy.param].data
-        dest = copy.dest.on(param)
-        if param.device.type != "cpu" or not dest.is_contiguous():
+        delta = copies[0].dest.offset - copies[0].source.offset
+        runs = sorted((c.source.offset, c.source.offset + _numel(c.source.shape)) for c in copies)
+        if any(c.dest.offset - c.source.offset != delta for c in copies) or runs[0][0] != 0 or runs[-1][1] != numel \
+                or any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
             continue
-        first, last = copy.dest.extent()
-        if any(other != name and a <= last and first <= b for other, a, b in written[copy.param]):
+        param = params[copies[0].param].data
+        if param.device.type != "cpu" or delta < 0:
             continue
-        out[name] = dest
+        target = Region(delta, read, _contiguous_strides(read))
+        first, last = target.extent()
+        if any(other != name and a <= last and first <= b for other, a, b in written[copies[0].param]):
+            continue
+        out[name] = target.on(param)
     return out
+
+
+def _numel(shape) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))

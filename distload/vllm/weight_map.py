@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distload.errors import DistloadError
 from distload.fileio import write_json_atomic
+from distload.loading.rank_slices import Rows
 
 FORMAT_VERSION = 1  # of the cached JSON; a change of the record's meaning bumps it
 
@@ -122,29 +123,33 @@ class WeightMap:
             out.setdefault(f.tensor, ([], []))[1].append(f)
         return out
 
-    def boxes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Box]:
-        """Per tensor, the smallest box (offsets, sizes along each dimension) holding every element
-        its copies take, where that is less than the whole tensor: all a TP rank needs to read of
-        it. A tensor taken through a region that is no box of it (a view that merges dimensions
-        across a narrowed one) is left whole."""
-        spans: dict[str, tuple[list[int], list[int]] | None] = {}
+    def boxes(self, shapes: Mapping[str, tuple[int, ...]]) -> "dict[str, Box | Rows]":
+        """Per tensor, what a TP rank needs to read of it, where that is less than the whole
+        tensor: the smallest box (offsets, sizes along each dimension) holding every element its
+        copies take; or, where the copies take whole rows in runs with other ranks' rows between
+        them (a checkpoint's fused q/k/v: this rank's rows of each part), those runs of rows. A
+        tensor taken through a region that is no box of it (a view that merges dimensions across
+        a narrowed one) is left whole."""
+        spans: dict[str, list[tuple[list[int], list[int]]] | None] = {}
         for c in self.copies:
             if c.tensor in spans and spans[c.tensor] is None:
                 continue
             span = _span(c.source, shapes[c.tensor])
-            if span is None:
-                spans[c.tensor] = None
+            spans[c.tensor] = None if span is None else spans.get(c.tensor, []) + [span]
+        out: dict[str, Box | Rows] = {}
+        for name, taken in spans.items():
+            if taken is None:
                 continue
-            held = spans.get(c.tensor)
-            spans[c.tensor] = span if held is None else ([min(a, b) for a, b in zip(held[0], span[0])],
-                                                         [max(a, b) for a, b in zip(held[1], span[1])])
-        out = {}
-        for name, span in spans.items():
-            if span is None:
+            shape = tuple(shapes[name])
+            rows = _row_runs(taken, shape)
+            if rows is not None and len(rows.runs) > 1:
+                out[name] = rows
                 continue
-            sizes = tuple(e - s + 1 for s, e in zip(*span))
-            if sizes != tuple(shapes[name]):
-                out[name] = (tuple(span[0]), sizes)
+            first = [min(span[0][d] for span in taken) for d in range(len(shape))]
+            last = [max(span[1][d] for span in taken) for d in range(len(shape))]
+            sizes = tuple(e - s + 1 for s, e in zip(first, last))
+            if sizes != shape:
+                out[name] = (tuple(first), sizes)
         return out
 
     def replay(self, name: str, tensor: torch.Tensor, params: Mapping[str, torch.Tensor],
@@ -192,11 +197,25 @@ class WeightMap:
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), distload's block of a tensor
 
 
-def covers_contiguously(region: Region, shape: tuple[int, ...]) -> bool:
-    """Whether ``region`` is every element of a contiguous tensor of ``shape``, in order (strides
-    of dimensions of size 1 do not matter)."""
-    return (region.offset == 0 and tuple(region.shape) == tuple(shape)
-            and all(n == 1 or a == b for n, a, b in zip(shape, region.stride, _strides(tuple(shape)))))
+def _row_runs(spans: list[tuple[list[int], list[int]]], shape: tuple[int, ...]) -> Rows | None:
+    """The merged runs of rows the spans take, when each span covers whole rows (every dimension
+    after the first entirely); None otherwise."""
+    if len(shape) < 1 or any(span[0][d] != 0 or span[1][d] != shape[d] - 1
+                             for span in spans for d in range(1, len(shape))):
+        return None
+    runs: list[list[int]] = []
+    for start, stop in sorted((span[0][0], span[1][0] + 1) for span in spans):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], stop)
+        else:
+            runs.append([start, stop])
+    return Rows(tuple((a, b) for a, b in runs))
+
+
+def contiguous(region: Region) -> bool:
+    """Whether ``region``'s elements are one run of storage, in order (strides of dimensions of
+    size 1 do not matter)."""
+    return all(n == 1 or a == b for n, a, b in zip(region.shape, region.stride, _strides(tuple(region.shape))))
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -232,8 +251,19 @@ def _span(region: Region, shape: tuple[int, ...]):
     return start, end
 
 
-def _rebase(region: Region, shape: tuple[int, ...], box: Box) -> Region:
-    """``region`` of a tensor of ``shape`` as a region of its ``box`` (read alone, contiguous)."""
+def _rebase(region: Region, shape: tuple[int, ...], box: "Box | Rows") -> Region:
+    """``region`` of a tensor of ``shape`` as a region of its ``box`` (read alone, contiguous), or
+    of its rows read one run after the other (the region lies in one run: its rows move up by the
+    rows of the runs skipped before it; its strides stay, the rows being whole)."""
+    if isinstance(box, Rows):
+        row = _strides(shape)[0]
+        first = region.offset // row
+        skipped = 0
+        for start, stop in box.runs:
+            if start <= first < stop:
+                return replace(region, offset=region.offset - (start - skipped) * row)
+            skipped += stop - start
+        raise AssertionError(f"row {first} lies in none of the runs {box.runs}")
     strides, inner = _strides(shape), _strides(box[1])
     start = _index(region.offset, strides)
     offset = sum((i - o) * s for i, o, s in zip(start, box[0], inner))
