@@ -424,3 +424,34 @@ def test_runs_of_rows_read_as_one_tensor(tmp_path, fmt):
     with pytest.raises(ConfigError, match="not ascending, disjoint runs"):
         with WorkerGroup.for_call(None) as group:
             dict(Loader(str(tmp_path), fmt, group=group, blocks={"fused": Rows(((4, 6), (2, 3)))}).stream())
+
+
+def test_the_object_store_reader_fills_a_callers_tensors_in_place(tmp_path, monkeypatch):
+    """The ranged reader (object stores) puts a tensor, or a rank's piece of it, straight into the
+    caller's destination where it fits (what the vLLM plugin passes: views of its parameters),
+    and into new memory where it does not (another shape)."""
+    from safetensors.torch import save_file
+
+    import distload.loading.stores as stores
+    from distload.loading.backends.ranged import RangedBackend
+    from distload.loading.index import build_index
+    from distload.loading.request import ReadRequest
+    from distload.loading.sources import read_header
+
+    class Folder:  # a store whose objects are this folder's files
+        def read(self, location, start, end):
+            with open(location, "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+
+    monkeypatch.setattr(stores, "store_for", lambda path: (Folder(), path))
+    g = torch.Generator().manual_seed(4)
+    state = {"a": torch.randn(6, 4, generator=g), "b": torch.randn(3, generator=g)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    index = build_index([read_header(str(tmp_path / "model.safetensors"))])
+    into = {"a": torch.zeros(6, 4), "b": torch.zeros(5)}  # b's shape differs: not taken
+    run = RangedBackend().read(ReadRequest(index=index, device=torch.device("cpu"), group=None,
+                                           destinations=into))
+    got = dict(run.tensors())
+    assert got["a"] is into["a"] and torch.equal(into["a"], state["a"])
+    assert got["b"] is not into["b"] and torch.equal(got["b"], state["b"]) and not into["b"].any()

@@ -54,6 +54,16 @@ class ReadRequest:
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
     options: ReadOptions | None = None
 
+    def tensor_for(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Where a reader puts tensor ``name`` (or this rank's piece of it, of ``shape``): the
+        caller's destination when it fits exactly (host memory, contiguous, that dtype and shape),
+        else a new host tensor."""
+        dest = self.destinations.get(name)
+        if (dest is not None and self.device.type == "cpu" and dest.device.type == "cpu"
+                and dest.is_contiguous() and dest.dtype == dtype and tuple(dest.shape) == tuple(shape)):
+            return dest
+        return self.host_memory.empty(shape, dtype)
+
     def options_as(self, kind: type[T]) -> T:
         """The options as the reading backend's own type (its defaults where none were given)."""
         if self.options is None:

@@ -117,7 +117,7 @@ class _Assembly:
     def __init__(self, info: TensorInfo, request: ReadRequest, pieces: int):
         piece = request.slices.get(info.name)
         shape = info.shape if piece is None else piece.shape
-        self.tensor = request.host_memory.empty(shape, info.torch_dtype)
+        self.tensor = request.tensor_for(info.name, info.torch_dtype, shape)  # in place where the caller can take it
         self.view = host_view(self.tensor)
         if piece is not None:
             for offset, length in piece.zeros:  # vocabulary padding: zero rows, never fetched
