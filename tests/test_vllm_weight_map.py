@@ -144,6 +144,29 @@ def test_reading_straight_into_the_parameters_equals_the_loaders_bit_for_bit():
         assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
 
 
+def test_a_new_record_is_verified_against_the_loaders_on_random_tensors():
+    """The check a new record gets before it is cached: replayed and the loaders run on the same
+    random tensors of a sample (outside the layers, and the first layer); a record that is
+    wrong anywhere in the sample is caught, naming the parameter."""
+    import dataclasses
+
+    from distload.vllm.weight_map import sample_tensors, verify_weight_map
+
+    assert [n for n, _, _ in sample_tensors([("embed", torch.bfloat16, (2,)), ("layers.3.q", torch.bfloat16, (2,)),
+                                             ("layers.1.k", torch.bfloat16, (2,)), ("layers.1.mlp.experts.7.w", torch.bfloat16, (2,)),
+                                             ("layers.12.k", torch.bfloat16, (2,)), ("norm", torch.bfloat16, (2,))])] == \
+        ["embed", "layers.1.k", "layers.1.mlp.experts.7.w", "norm"]
+    ck = checkpoint()
+    listed = [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()]
+    model = Tiny()
+    params = dict(model.state_dict(keep_vars=True))
+    record = record_weight_map("k", listed, params, model.load_weights)
+    assert verify_weight_map(record, listed, params, model.load_weights) == []
+    wrong = [dataclasses.replace(c, source=dataclasses.replace(c.source, offset=0))  # rank 0's rows of k
+             if c.tensor == "k" else c for c in record.copies]
+    assert verify_weight_map(dataclasses.replace(record, copies=wrong), listed, params, model.load_weights) == ["qkv"]
+
+
 def test_a_region_two_tensors_write_is_never_read_in_place():
     """Tied or overlapping writes: the order of the copies decides the result, so neither tensor
     may be read ahead into it."""

@@ -370,7 +370,8 @@ def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor]
     from vllm.logger import init_logger
 
     from distload.loading.sources import model_config
-    from distload.vllm.weight_map import Placeholder, cache_weight_map, cached_weight_map, weight_map_key, record_weight_map
+    from distload.vllm.weight_map import (Placeholder, cache_weight_map, cached_weight_map, record_weight_map,
+                                          sample_tensors, verify_weight_map, weight_map_key)
 
     listed = [(t.name, t.torch_dtype, tuple(t.shape)) for t in tensors]
     key = weight_map_key(config=model_config(source), tp_size=tp_size, tp_rank=tp_rank, vllm=vllm.__version__,
@@ -387,9 +388,19 @@ def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor]
             raise DistloadError(f"{source}: the weight loaders of {type(model).__name__} keep the checkpoint "
                                 f"tensor itself in {kept[:5]} instead of copying it; distload cannot load this "
                                 f"model yet: use vLLM's --load-format safetensors")
+        # Checked before it is cached: replayed and vLLM's loaders run on the same random tensors
+        # of a sample (outside the layers, and the first layer), compared bit for bit.
+        sample = sample_tensors(listed)
+        differ = verify_weight_map(record, sample, params, model.load_weights)
+        if differ:
+            raise DistloadError(f"{source}: the weight map recorded from {type(model).__name__}'s loaders does not "
+                                f"reproduce them on TP rank {tp_rank}: parameter(s) {differ[:5]} differ from vLLM's "
+                                f"own load of the same tensors. Use vLLM's --load-format safetensors for this model, "
+                                f"and report it with its config.json")
         cache_weight_map(record)
-        logger.info("distload recorded the weight map of %s on TP rank %d of %d: %d copies from %d tensors",
-                    type(model).__name__, tp_rank, tp_size, len(record.copies), len(listed))
+        logger.info("distload recorded the weight map of %s on TP rank %d of %d: %d copies from %d tensors, "
+                    "verified on %d of them", type(model).__name__, tp_rank, tp_size, len(record.copies), len(listed),
+                    len(sample))
     for name, why in sorted(record.whole.items()):
         logger.info("distload: %s goes through vLLM's own loader (%s)", name, why)
     return record

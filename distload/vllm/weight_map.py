@@ -459,3 +459,57 @@ def record_weight_map(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[
     record.unused = sorted({n for n, _, _ in tensors} - recorder.taken - set(record.whole)
                            - {f.tensor for f in record.fills})
     return record
+
+
+# -- verifying a new record -------------------------------------------------------------------
+
+def sample_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensors a new record is verified on: every tensor outside the repeated layers (names
+    without a number: embeddings, final norm, output layer) and every tensor of the first layer
+    (the smallest first number in a name: its experts included). The other layers repeat the
+    first one's loaders."""
+    import re
+
+    numbered = {name: int(m.group(1)) for name, _, _ in tensors if (m := re.search(r"\.(\d+)(\.|$)", name))}
+    first = min(numbered.values(), default=None)
+    return [(n, d, s) for n, d, s in tensors if n not in numbered or numbered[n] == first]
+
+
+def verify_weight_map(record: WeightMap, sample: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                      params: Mapping[str, torch.Tensor],
+                      load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> list[str]:
+    """Replay ``record`` on random tensors of ``sample`` (name, dtype, shape) and run the model's
+    own ``load_weights`` on the same tensors: the parameters they land in, named where the two
+    differ in any bit (empty: the record holds). A pure data movement does not depend on the
+    values, so random bytes check it as well as the checkpoint's would, without reading any.
+    The parameters it writes hold what they held before, afterwards."""
+    generator = torch.Generator().manual_seed(0)
+    sample = [(n, d, s) for n, d, s in sample if n not in record.whole]
+    data = {}
+    for name, dtype, shape in sample:
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for n in shape:
+            nbytes *= n
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+        data[name] = raw.view(dtype).reshape(shape)
+    steps = record.by_tensor()
+    touched = sorted({c.param for n, _, _ in sample for c in steps.get(n, ([], []))[0]}
+                     | {f.param for n, _, _ in sample for f in steps.get(n, ([], []))[1]})
+    before = {name: params[name].data.clone() for name in touched}
+    try:
+        for name in touched:
+            params[name].data.zero_()
+        load_weights(iter(list(data.items())))
+        expected = {name: params[name].data.clone() for name in touched}
+        for name in touched:
+            params[name].data.zero_()
+        for name, tensor in data.items():
+            record.replay(name, tensor, params, steps.get(name, ([], [])))
+        return [name for name in touched if not torch.equal(_bytes(params[name].data), _bytes(expected[name]))]
+    finally:  # what the parameters held (a load compared with vLLM's own expects it there)
+        for name, held in before.items():
+            params[name].data.copy_(held)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
