@@ -189,7 +189,11 @@ def make_load_config(load_format: str, extra_config: str | Mapping[str, Any] | N
     if unexpected:
         reasons = [f"'{key}': {fmt.why_not[key]}" for key in unexpected if key in fmt.why_not]
         allowed_text = ", ".join(sorted(allowed)) if allowed else "none"
-        message = f"Unexpected extra config keys {unexpected} for load format {name!r}; allowed keys: {allowed_text}"
+        # A typo of an allowed key (or of another format's key that this one also takes).
+        guesses = "".join(did_you_mean(str(key), sorted(allowed)).replace("did you mean", f"'{key}': did you mean")
+                          for key in unexpected if key not in fmt.why_not)
+        message = (f"Unexpected extra config keys {unexpected} for load format {name!r}; {guesses}"
+                   f"allowed keys: {allowed_text}")
         if reasons:
             message += " (" + "; ".join(reasons) + ")"
         raise ConfigError(message)
