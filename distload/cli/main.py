@@ -21,7 +21,6 @@ import sys
 import time
 from typing import Iterator
 
-from distload import __version__
 from distload.errors import ConfigError, DistloadError, rank_list
 from distload.workers.group import DEFAULT_TIMEOUT_S, WorkerGroup
 from distload.workers.launch import detect_launch
@@ -32,6 +31,17 @@ from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE
 log = logging.getLogger("distload")
 
 OLD_RESHARD = "save-sharded"  # the first name of the reshard command
+
+
+def installed_version() -> str:
+    """distload's version as installed (pip takes it from distload.__version__, which this floor
+    may not import: the package's __init__ sits above the command line)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distload")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -49,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m distload",
         description="Load safetensors weights onto every rank of a distributed job (under torchrun, srun, "
                     "or alone), and write, check and inspect per-rank checkpoints.")
-    parser.add_argument("--version", action="version", version=f"distload {__version__}")
+    parser.add_argument("--version", action="version", version=f"distload {installed_version()}")
     _log_level_options(parser, None)
     # --log-level after the command too (where people put it); SUPPRESS there keeps a value given
     # before the command: a subparser's default would overwrite it.
