@@ -12,9 +12,17 @@ from distload.loading.sources import source_string, whole_checkpoint
 
 
 def inspect_source(source: "str | os.PathLike[str]", pattern: str | None = None) -> dict[str, Any]:
-    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks).
+    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks), from
+    the headers alone; ``distload inspect`` on the command line.
 
-    ``source`` is a local file or folder, or an object-store URI (headers by ranged reads).
+    Args:
+        source: a local file or folder, or an object-store URI (headers by ranged reads).
+        pattern: the shard file-name pattern to look for (default: the manifest's, else the
+            default pattern).
+
+    Returns:
+        A JSON-ready dict: ``layout``, ``files``, ``num_tensors``, ``nbytes``, ``dtypes``,
+        ``largest_tensor`` and ``tensors`` (each one's name, dtype, shape, bytes and file).
     """
     source = source_string(source)
     layout = detect_layout(source, pattern)

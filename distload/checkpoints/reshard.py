@@ -82,7 +82,21 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
 
     Every tensor's action and shard shape is decided from the headers before a byte is written,
     so a sharding spec that does not fit the model (an indivisible dimension) fails with nothing written.
-    ``world_size`` is the old name of ``tensor_parallel_size``.
+
+    Args:
+        source: a local whole checkpoint: a file or a folder (``model.safetensors.index.json``
+            honoured).
+        output: a new or empty folder.
+        tensor_parallel_size: how many TP ranks to write shards for (required).
+        pattern: the shard file names, with ``{rank}`` and ``{part}``.
+        max_file_size: start a new part past this many tensor bytes (default 5 GiB).
+        sharding: the sharding spec: ``vllm`` (vLLM's engine names; the default where they are
+            known), ``decoder`` (the same slices under the checkpoint's names; what a TP load
+            holds), ``plain``, ``replicate``, a JSON spec file or a ShardingSpec.
+        world_size: the old name of ``tensor_parallel_size``.
+
+    Returns:
+        What was written: files, split tensors, copied files, bytes and seconds.
     """
     if world_size is not None:
         if tensor_parallel_size is not None:

@@ -175,7 +175,18 @@ def did_you_mean(name: str, names: tuple[str, ...] | list[str]) -> str:
 
 
 def make_load_config(load_format: str, extra_config: str | Mapping[str, Any] | None = None) -> LoadConfig:
-    """Validate a format and its extra config; raise ConfigError before anything is applied."""
+    """Validate a format and its extra config before anything is applied.
+
+    Args:
+        load_format: a name of :data:`LOAD_FORMATS`, in any case.
+        extra_config: the format's keys, as a dict or JSON text (None: none).
+
+    Returns:
+        The validated request.
+
+    Raises:
+        ConfigError: an unknown format or key (with a guess where one is close), or a bad value.
+    """
     if not isinstance(load_format, str):
         raise ConfigError(f"load format must be a string, got {load_format!r}")
     name = load_format.strip().lower()

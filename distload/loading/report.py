@@ -27,7 +27,15 @@ def update_digest(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor) -> N
 
 
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The report's digest of a name -> tensor mapping."""
+    """The report's digest of a name -> tensor mapping, to check a load against any other read.
+
+    Args:
+        tensors: name -> tensor (any device; the bytes are read as stored).
+
+    Returns:
+        Hex SHA-256 over the tensors sorted by name, feeding for each
+        ``name|DTYPE|d0,d1,...|`` and then its raw bytes.
+    """
     hasher = hashlib.sha256()
     for name in sorted(tensors):
         update_digest(hasher, name, tensors[name])
