@@ -224,3 +224,28 @@ def test_precheck_is_the_ranks_own_check():
     with pytest.raises(SystemExit) as info:  # argparse's own usage error
         precheck(["load"])
     assert info.value.code == 2
+
+
+def test_the_demo_table_compares_every_format_with_plain_safetensors(tmp_path, capsys):
+    from distload.cli.demo import _print_table
+
+    def report(path, digests, seconds):
+        return {"ranks": [{"path": path, "digest": d} for d in digests], "total": {"seconds": seconds}}
+
+    cases = [("whole", "/w", "safetensors", None), ("whole", "/w", "auto", '{"distributed": "job"}'),
+             ("sharded", "/s", "sharded_state", None), ("whole", "/w", "dummy", None)]
+    results = {"plain": {"whole": 0.4, "sharded": 0.2},
+               "reports": [report("safetensors", ["a", "a"], 0.5), report("pread-shared", ["a", "a"], 0.2),
+                           report("safetensors", ["b", "c"], 0.1), report("dummy", ["x", "y"], 0.05)]}
+    want = {"whole": ["a", "a"], "sharded": ["b", "c"]}
+    assert _print_table(results, cases, want, 2, str(tmp_path), keep=True, started=0.0) == 0
+    out = capsys.readouterr().out.splitlines()
+    plain = [line.split()[-5:] for line in out if line.startswith("plain safetensors (no distload)")]
+    assert plain == [["whole", "load_file", "0.400", "1.00x", "baseline"],
+                     ["sharded", "load_file", "0.200", "1.00x", "baseline"]]
+    rows = {tuple(line.split()[:2]): line.split() for line in out
+            if line[:1].isalpha() and "seconds:" not in line and not line.startswith(("every", "plain"))}
+    assert rows[("safetensors", "whole")][-3:] == ["0.500", "0.80x", "bit-identical"]
+    assert rows[("auto", "distributed")][-3:] == ["0.200", "2.00x", "bit-identical"]
+    assert rows[("sharded_state", "sharded")][-3:] == ["0.100", "2.00x", "bit-identical"]
+    assert rows[("dummy", "whole")][-4:] == ["0.050", "-", "dummy", "(random)"]

@@ -285,8 +285,8 @@ OFFLINE_COMMANDS = ("reshard", OLD_RESHARD, "verify", "inspect")
 
 def check_arguments(args: argparse.Namespace) -> None:
     """What can be checked from the arguments alone (load format names, extra-config JSON and
-    keys, sizes, patterns), before any process group: a bad flag costs no rendezvous, and
-    launch/torchrun_local.sh and the demo run this before torchrun starts any rank."""
+    keys, sizes, patterns), before any process group: a bad flag costs no rendezvous. The
+    launchers run it once before they start any rank (:func:`precheck`)."""
     if args.command == "load":
         make_load_config(args.load_format, args.model_loader_extra_config)
         if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
@@ -298,9 +298,10 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def precheck(argv: list[str]) -> int:
-    """Check a command line before a launcher starts ranks with it (launch/torchrun_local.sh): a
-    misspelt flag, format or extra-config key is one message here, not one per rank after
-    torchrun's start-up. 0 when it would run; argparse's usage error (2) or 1 with the message."""
+    """Check a command line before a launcher starts ranks with it (launch/torchrun_local.sh, the
+    Slurm load scripts): a misspelt flag, format or extra-config key is one message here, not one
+    per rank after the ranks' start-up. 0 when it would run; argparse's usage error (2) or 1 with
+    the message."""
     args = build_parser().parse_args(argv)
     try:
         check_arguments(args)
