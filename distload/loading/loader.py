@@ -108,6 +108,19 @@ class Loader:
     ``stream()`` hands out ``(name, tensor)`` pairs without holding them; ``load()`` returns a
     :class:`LoadResult`. Both make the same collectives on every rank (see the module docstring),
     so every rank of the group must call the same method with the same arguments.
+
+    Args:
+        source: as for :func:`load`.
+        load_format: as for :func:`load`.
+        extra_config: as for :func:`load`; checked here.
+        group: the WorkerGroup to load over (required: a Loader lives longer than one call).
+        progress: show a progress bar on rank 0 (when stderr is a terminal).
+        tensor_parallel_size: as for :func:`load`.
+        sharding: as for :func:`load`.
+        tensor_parallel_rank: this rank's TP rank where its TP group is not consecutive ranks
+            (default ``rank % tensor_parallel_size``).
+        blocks: DTensor targets: tensor name -> the block of it this rank reads (used by
+            :func:`load_dtensors` and ``reload_into``).
     """
 
     def __init__(self, source: "str | os.PathLike[str]", load_format: str = "auto",
