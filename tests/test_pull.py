@@ -69,6 +69,10 @@ def test_two_ranks_copy_everything_reading_each_byte_once(sharded, tmp_path):
     assert all(r["requested_bytes"] > 0 for r in ranks)  # both ranks read a share
     assert sorted(ranks[0]["fetched"]) == sorted(os.listdir(sharded))
     assert "read from the source, whole job" in result.stdout
+    # Both ranks' lines have the same fields; the rank that only sends says so.
+    lines = [line for line in result.stdout.splitlines() if line.startswith("  rank ")]
+    assert len(lines) == 2 and all("from the source; wrote " in line and ", kept " in line for line in lines), lines
+    assert "sends only" in lines[1] and "sends only" not in lines[0]
     verified = run_distload(["verify", dest])
     assert verified.returncode == 0 and "match the manifest" in verified.stdout, verified.stdout
 

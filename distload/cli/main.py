@@ -27,6 +27,7 @@ from distload.workers.launch import detect_launch
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
 from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE
+from distload.loading.report import gib_text
 
 log = logging.getLogger("distload")
 
@@ -265,15 +266,16 @@ def run_pull(args: argparse.Namespace) -> int:
         report = pull(args.source, args.dest, group=group, chunk_bytes=chunk_bytes)
         reports = group.exchange(asdict(report))
         if group.rank == 0:
-            gib = 1024**3
             print(f"distload: pulled {args.source} to {args.dest} on {len(reports)} rank(s)", flush=True)
             for r in reports:
-                role = f"wrote {len(r['fetched'])} file(s), {r['written_bytes'] / gib:.3f} GiB, kept " \
-                       f"{len(r['kept'])}" if r["writes"] else "sent only"
-                print(f"  rank {r['rank']} ({r['hostname']}): read {r['requested_bytes'] / gib:.3f} GiB "
-                      f"from the source; {role}; {r['seconds']:.2f} s", flush=True)
+                # The same fields on every rank's line; a rank that is not its node's writer only
+                # reads and sends, and says so after the (zero) numbers.
+                sends_only = "" if r["writes"] else " (sends only: another rank writes its node's copy)"
+                print(f"  rank {r['rank']} ({r['hostname']}): read {gib_text(r['requested_bytes'])} from the "
+                      f"source; wrote {len(r['fetched'])} file(s), {gib_text(r['written_bytes'])}, kept "
+                      f"{len(r['kept'])}{sends_only}; {r['seconds']:.2f} s", flush=True)
             total = sum(r["requested_bytes"] for r in reports)
-            print(f"  read from the source, whole job: {total / gib:.3f} GiB", flush=True)
+            print(f"  read from the source, whole job: {gib_text(total)}", flush=True)
             if args.report_json:
                 write_json_atomic(args.report_json, {"source": args.source, "ranks": reports}, indent=2)
     return 0
