@@ -69,6 +69,11 @@ class RankReport:
     # Bytes other ranks read and sent to this one (distload's shared reads); None: not counted.
     received_bytes: int | None = None
     tensor_parallel: list[int] | None = None  # [TP rank, TP size] of a tensor-parallel load
+    # Through a node cache (--cache-dir): bytes from it, bytes fetched from the store into it (whole
+    # blocks), blocks found corrupt there and fetched again; None: no cache.
+    cache_bytes: int | None = None
+    store_bytes: int | None = None
+    corrupt_blocks: int | None = None
 
 
 @dataclass
@@ -106,6 +111,9 @@ class LoadReport:
                      if r.requested_bytes is not None and r.requested_bytes != r.nbytes else "")
             if r.received_bytes:
                 asked += f", received {r.received_bytes / GIB:.3f} GiB from other ranks"
+            if r.cache_bytes is not None:
+                asked += (f", node cache {r.cache_bytes / GIB:.3f} GiB, store {(r.store_bytes or 0) / GIB:.3f} GiB"
+                          + (f", {r.corrupt_blocks} corrupt block(s) fetched again" if r.corrupt_blocks else ""))
             if r.reader_bytes and len(r.reader_bytes) > 1:
                 asked += " (" + ", ".join(f"{way} {n / GIB:.3f} GiB" for way, n in sorted(r.reader_bytes.items())) + ")"
             lines.append(

@@ -10,7 +10,9 @@ ranges is fetched with them (one GET per row of a row-sliced tensor would cost m
 bytes), a longer gap starts a new request. A range larger than a request gets one of its own. The
 next request is in flight while the current one's tensors are handed out. Host memory: about
 two requests' bytes plus the tensors being assembled. The report's path is ``ranged-reads``;
-``requested_bytes`` counts every byte asked for, gaps included.
+``requested_bytes`` counts every byte asked for, gaps included. With a node cache
+(``distload.loading.stores.cache``) every range goes through it, and the report says how many
+bytes came from the cache and how many from the store (whole blocks).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.shared_reads.stream import Extent, SharedReadOptions, shared_stream
-from distload.loading.index import TensorInfo
+from distload.loading.index import FileInfo, TensorInfo
+from distload.loading.stores.cache import CacheSettings, NodeCache, check_cache_dir, check_cache_max_gib
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -71,22 +74,75 @@ def pieces_of(info: TensorInfo, request: ReadRequest) -> list[FileExtent]:
     return [FileExtent(info, info.begin + src, dst, length) for src, dst, length in piece.extents]
 
 
+@dataclass(frozen=True)
+class RangedOptions(SharedReadOptions):
+    """``cache``: the node cache this load reads through (None: every byte from the store)."""
+
+    cache: CacheSettings | None = None
+
+
 class RangedBackend(Backend):
     name = "ranged"
-    keys = {"huge_pages": check_bool}
+    keys = {"huge_pages": check_bool, "cache_dir": check_cache_dir, "cache_max_gib": check_cache_max_gib}
     creates_host_tensors = True
     reads_slices = True
     shares_reads = True
 
-    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> SharedReadOptions:
-        return SharedReadOptions(members=plan.members, needs=plan.needs)
+    def preflight(self, plan: "RankPlan", group) -> None:
+        super().preflight(plan, group)
+        # The cache's folder must work before any byte moves (the planning step's agreement tells
+        # every rank), not fail in the middle, nor be skipped in silence.
+        if plan.cache is not None:
+            NodeCache(plan.cache).check_writable()
+
+    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> RangedOptions:
+        return RangedOptions(members=plan.members, needs=plan.needs, cache=plan.cache)
 
     def read(self, request: ReadRequest) -> BackendRun:
+        settings = request.options_as(RangedOptions).cache
+        bytes_of = ObjectBytes(request.index.files, None if settings is None else NodeCache(settings))
         if request.shared:
             run = BackendRun("ranged-shared", requested_bytes=0)
-            return run.start(shared_stream(request, run, StoreBytes(), SHARED_CONCURRENCY))
+            return run.start(_counted(shared_stream(request, run, StoreBytes(bytes_of), SHARED_CONCURRENCY),
+                                      run, bytes_of))
         run = BackendRun("ranged-reads", requested_bytes=0)
-        return run.start(_stream(request, run))
+        return run.start(_counted(_stream(request, run, bytes_of), run, bytes_of))
+
+
+class ObjectBytes:
+    """Byte ranges of the load's objects: from the store, or through the node cache (the bytes
+    of the version planned with, kept for the next load)."""
+
+    def __init__(self, files: Sequence[FileInfo], cache: NodeCache | None):
+        self.files = {f.path: f for f in files}
+        self.cache = cache
+
+    def read(self, path: str, start: int, end: int):
+        from distload.loading.stores import store_for
+
+        store, location = store_for(path)
+        if self.cache is None:
+            return store.read(location, start, end)
+        info = self.files[path]
+        return self.cache.read(path, info.version, info.size, start, end,
+                               lambda a, b: store.read_version(location, a, b, info.version))
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], run: BackendRun,
+             bytes_of: ObjectBytes) -> Iterator[tuple[str, torch.Tensor]]:
+    """The read's tensors; then the cache's counts into the run (its entries closed either way)."""
+    try:
+        yield from tensors
+    finally:
+        bytes_of.close()
+        cache = bytes_of.cache
+        if cache is not None:
+            run.cache_bytes, run.store_bytes, run.corrupt_blocks = (cache.cache_bytes, cache.store_bytes,
+                                                                    cache.corrupt_blocks)
 
 
 class StoreBytes:
@@ -96,19 +152,19 @@ class StoreBytes:
 
     task_bytes = CHUNK_BYTES
 
-    def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
-        from distload.loading.stores import store_for
+    def __init__(self, bytes_of: ObjectBytes):
+        self.bytes_of = bytes_of
 
-        store, location = store_for(info.file)
+    def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
         pieces = [FileExtent(info, info.begin + src, dst, length) for src, dst, length in extents]
         for start, end, members in coalesce(pieces):
-            data = memoryview(store.read(location, start, end))
+            data = memoryview(self.bytes_of.read(info.file, start, end))
             for piece in members:
                 at = piece.start - start
                 view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
 
     def close(self) -> None:
-        pass
+        pass  # the cache closes once the tensors are all out (_counted)
 
 
 class _Assembly:
@@ -125,14 +181,11 @@ class _Assembly:
         self.missing = pieces
 
 
-def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.Tensor]]:
-    from distload.loading.stores import store_for
-
+def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Iterator[tuple[str, torch.Tensor]]:
     jobs = []
     pieces_by_name: dict[str, int] = {}
     empty: list[TensorInfo] = []
     for file_info in request.index.files:
-        store, location = store_for(file_info.path)
         pieces = []
         for info in file_info.tensors:
             own = [p for p in pieces_of(info, request) if p.length]
@@ -141,7 +194,7 @@ def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.
                 empty.append(info)  # empty, or a slice that is all padding: complete at once
             pieces += own
         for start, end, members in coalesce(pieces):
-            jobs.append((store, location, start, end, members))
+            jobs.append((file_info.path, start, end, members))
     for info in empty:
         yield info.name, _on_device(_Assembly(info, request, 0).tensor, request)
     if not jobs:
@@ -149,16 +202,16 @@ def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.
     assemblies: dict[str, _Assembly] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="distload-ranged") as pool:
         def fetch(job):
-            store, location, start, end, _ = job
-            return store.read(location, start, end)
+            path, start, end, _ = job
+            return bytes_of.read(path, start, end)
 
         pending = pool.submit(fetch, jobs[0])
         for i, job in enumerate(jobs):
             data = pending.result()
-            run.requested_bytes += job[3] - job[2]
+            run.requested_bytes += job[2] - job[1]
             if i + 1 < len(jobs):
                 pending = pool.submit(fetch, jobs[i + 1])
-            start, members = job[2], job[4]
+            start, members = job[1], job[3]
             for piece in members:
                 name = piece.info.name
                 assembly = assemblies.get(name)
