@@ -11,6 +11,7 @@ missing blocks. The layout (docs/cache.md says the same for an operator)::
       entries/<sha256(uri)[:24]>-<sha256(version, size)[:16]>/   one object version
         lock        held shared (flock) by every process using the entry; eviction takes it
                     exclusive, so it never removes an entry in use; its mtime is the last use
+                    (set when a load opens the entry and when it closes it)
         data        the object's bytes at their own offsets (a sparse file of the object's size)
         blocks      one 16-byte record per BLOCK_BYTES block: magic, CRC-32 of the block's
                     bytes, block number, CRC-32 of the record (with the entry's key)
@@ -204,6 +205,10 @@ class _Entry:
                               f"opened; is another process clearing the cache?")
 
     def close(self) -> None:
+        try:
+            os.utime(self.lock)  # in use until now: the last use
+        except OSError:
+            pass
         for fd in (self.data, self.records, self.lock):
             os.close(fd)
 
@@ -224,9 +229,10 @@ class _Entry:
         head = struct.pack("<4sII", MAGIC, crc, i)
         return head + struct.pack("<I", zlib.crc32(head + self.salt))
 
-    def _check(self, first: int, last: int, view: memoryview, lo: int, fd: int) -> list[int]:
+    def _check(self, first: int, last: int, view: memoryview, lo: int, fd: int, again: bool = False) -> list[int]:
         """Read blocks ``first..last`` from the data file into ``view`` (which starts at file
-        offset ``lo``) and check them: the blocks that are not complete."""
+        offset ``lo``) and check them: the blocks that are not complete. ``again``: the second
+        look, under the lock (a corrupt block was told of at the first)."""
         raw = os.pread(fd, (last + 1 - first) * RECORD.size, first * RECORD.size)
         start, end = self._span(first)[0], self._span(last)[1]
         got = _read_into(self.data, view[start - lo:end - lo], start)
@@ -237,7 +243,7 @@ class _Entry:
             if crc is not None and e - start <= got and zlib.crc32(view[s - lo:e - lo]) == crc:
                 self.cache.count(cache=e - s)
                 continue
-            if crc is not None:
+            if crc is not None and not again:
                 self.cache.count(corrupt=1)
                 log.warning("node cache: block %d of %s (version %s) does not match its checksum: fetched again "
                             "(%s)", i, self.uri, self.version, self.folder)
@@ -266,7 +272,7 @@ class _Entry:
                     f"{self.uri}: waited {LOCK_WAIT_S:.0f} s for another process filling blocks {first}-{last} "
                     f"of it in the node cache ({self.folder}); is a load on this node stuck?")
             # What another writer filled while this one waited is complete now: checked, not fetched.
-            for a, b in _runs(self._check(first, last, view, lo, fd)):
+            for a, b in _runs(self._check(first, last, view, lo, fd, again=True)):
                 start, end = self._span(a)[0], self._span(b)[1]
                 data = fetch(start, end)
                 self.cache.count(store=len(data))

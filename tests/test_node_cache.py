@@ -1,0 +1,302 @@
+"""The node cache for object-store reads (issue 33, item 1): ``--cache-dir``.
+
+Two halves. Without a server, the cache itself (``distload.loading.stores.cache``) on a local
+"object" whose fetches are counted: partial hits, corrupt and torn blocks, several processes
+filling one entry at once, a writer killed while it holds its lock, the LRU bound. With S3
+(s3rver) and GCS (the emulator), loads through the cache: bit for bit against a plain read of the
+local files, the bytes the server served (a byte-counting proxy), a TP load served by what other
+TP ranks' loads left, an object rewritten in the store between two loads, two jobs filling one
+cache at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import distload
+from distload.errors import CheckpointError, ConfigError
+from distload.loading.stores.cache import (BLOCK_BYTES, LAYOUT, RECORD, CacheSettings, NodeCache,
+                                           cache_settings)
+
+from conftest import plain_digest, write_whole
+
+MIB = 1024 * 1024
+TESTS = os.path.dirname(os.path.abspath(__file__))
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+# -- without a server ------------------------------------------------------------------------------
+
+class LocalObject:
+    """A local file standing in for an object: ``fetch`` reads it and counts what it fetched."""
+
+    def __init__(self, path: str, size: int, seed: int = 0):
+        self.path = path
+        generator = torch.Generator().manual_seed(seed)
+        self.bytes = bytes(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=generator).numpy())
+        with open(path, "wb") as f:
+            f.write(self.bytes)
+        self.fetched: list[tuple[int, int]] = []
+
+    def fetch(self, start: int, end: int) -> bytes:
+        self.fetched.append((start, end))
+        return self.bytes[start:end]
+
+    def read(self, cache: NodeCache, start: int, end: int, version: str = "v1") -> bytes:
+        return bytes(cache.read("s3://bucket/model.safetensors", version, len(self.bytes), start, end, self.fetch))
+
+
+def entry_folders(root: str) -> list[str]:
+    entries = os.path.join(root, LAYOUT, "entries")
+    return sorted(os.listdir(entries)) if os.path.isdir(entries) else []
+
+
+def test_settings_come_from_the_extra_config_then_the_environment():
+    assert cache_settings({}, {}) is None
+    assert cache_settings({}, {"DISTLOAD_CACHE_DIR": "/c"}) == CacheSettings("/c", None)
+    assert cache_settings({"cache_dir": "/x", "cache_max_gib": 2}, {"DISTLOAD_CACHE_DIR": "/c",
+                                                                    "DISTLOAD_CACHE_MAX_GIB": "1"}) \
+        == CacheSettings("/x", 2 * 1024**3)
+    assert cache_settings({}, {"DISTLOAD_CACHE_DIR": "/c", "DISTLOAD_CACHE_MAX_GIB": "0.5"}).max_bytes == 512 * MIB
+    with pytest.raises(ConfigError, match="DISTLOAD_CACHE_MAX_GIB='lots'"):
+        cache_settings({}, {"DISTLOAD_CACHE_DIR": "/c", "DISTLOAD_CACHE_MAX_GIB": "lots"})
+    with pytest.raises(ConfigError, match="'cache_max_gib' must be a number of GiB above 0"):
+        distload.make_load_config("auto", {"cache_dir": "/c", "cache_max_gib": -1})
+    # Run:ai's reader fetches past the cache: its formats refuse the keys and say what to use
+    with pytest.raises(ConfigError, match="the node cache cannot serve it; load with --load-format auto"):
+        distload.make_load_config("runai_streamer", {"cache_dir": "/c"})
+    assert distload.make_load_config("safetensors", {"cache_dir": "/c"}).extra == {"cache_dir": "/c"}
+
+
+def test_auto_reads_an_object_store_with_ranged_reads_when_a_cache_is_set():
+    from distload.loading.choice import ReadFacts
+    from distload.loading.formats import FORMATS
+
+    for device, world, sharded in (("cpu", 1, False), ("cuda", 2, False), ("cpu", 1, True), ("cuda", 1, True)):
+        facts = dict(sharded_layout_found=sharded, device_type=device, world_size=world, distributed=None,
+                     instanttensor_installed=False, remote=True)
+        assert FORMATS["auto"].choose(ReadFacts(**facts, cached=True)).backend == "ranged"
+        assert FORMATS["auto"].choose(ReadFacts(**facts)).backend in ("runai", "ranged")
+
+
+def test_a_partial_hit_fetches_only_the_missing_blocks_and_every_read_is_exact(tmp_path):
+    obj = LocalObject(str(tmp_path / "object"), 5 * BLOCK_BYTES + 1234)
+    cache = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    assert obj.read(cache, 100, 200) == obj.bytes[100:200]  # one block, fetched whole
+    assert obj.fetched == [(0, BLOCK_BYTES)]
+    assert obj.read(cache, 2 * BLOCK_BYTES + 5, 3 * BLOCK_BYTES + 7) == obj.bytes[2 * BLOCK_BYTES + 5:3 * BLOCK_BYTES + 7]
+    assert obj.fetched[1:] == [(2 * BLOCK_BYTES, 4 * BLOCK_BYTES)]  # blocks 2 and 3, one request
+    obj.fetched.clear()
+    whole = obj.read(cache, 0, len(obj.bytes))
+    assert whole == obj.bytes
+    # only blocks 1, 4 and the short last one were missing
+    assert obj.fetched == [(BLOCK_BYTES, 2 * BLOCK_BYTES), (4 * BLOCK_BYTES, len(obj.bytes))]
+    cache.close()
+    again = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    obj.fetched.clear()
+    assert obj.read(again, 0, len(obj.bytes)) == obj.bytes and obj.fetched == []
+    assert again.store_bytes == 0 and again.cache_bytes == len(obj.bytes)
+    again.close()
+
+
+def _entry(tmp_path) -> str:
+    (key,) = entry_folders(str(tmp_path / "cache"))
+    return os.path.join(str(tmp_path / "cache"), LAYOUT, "entries", key)
+
+
+def test_a_corrupt_block_is_detected_fetched_again_and_counted(tmp_path, caplog):
+    obj = LocalObject(str(tmp_path / "object"), 4 * BLOCK_BYTES)
+    settings = CacheSettings(str(tmp_path / "cache"), None)
+    cache = NodeCache(settings)
+    obj.read(cache, 0, len(obj.bytes))
+    cache.close()
+    with open(os.path.join(_entry(tmp_path), "data"), "r+b") as f:  # a bit flipped on disk
+        f.seek(2 * BLOCK_BYTES + 17)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    obj.fetched.clear()
+    cache = NodeCache(settings)
+    with caplog.at_level("WARNING", logger="distload"):
+        assert obj.read(cache, 0, len(obj.bytes)) == obj.bytes
+    assert obj.fetched == [(2 * BLOCK_BYTES, 3 * BLOCK_BYTES)] and cache.corrupt_blocks == 1
+    assert "block 2 of s3://bucket/model.safetensors" in caplog.text and "fetched again" in caplog.text
+    cache.close()
+    obj.fetched.clear()
+    cache = NodeCache(settings)
+    assert obj.read(cache, 0, len(obj.bytes)) == obj.bytes and obj.fetched == []  # repaired for good
+    cache.close()
+
+
+def test_torn_or_misplaced_records_and_bytes_without_a_record_count_as_missing(tmp_path):
+    obj = LocalObject(str(tmp_path / "object"), 4 * BLOCK_BYTES)
+    settings = CacheSettings(str(tmp_path / "cache"), None)
+    cache = NodeCache(settings)
+    obj.read(cache, 0, 3 * BLOCK_BYTES)  # blocks 0-2 complete, 3 never fetched
+    cache.close()
+    folder = _entry(tmp_path)
+    with open(os.path.join(folder, "blocks"), "r+b") as f:
+        records = f.read()
+        f.seek(0)  # block 0: a record torn halfway (its second half zeros)
+        f.write(records[:8] + bytes(8))
+        f.seek(RECORD.size)  # block 1: block 2's valid record copied over it (misplaced)
+        f.write(records[2 * RECORD.size:3 * RECORD.size])
+    with open(os.path.join(folder, "data"), "r+b") as f:  # block 3: the right bytes, no record
+        f.seek(3 * BLOCK_BYTES)
+        f.write(obj.bytes[3 * BLOCK_BYTES:])
+    obj.fetched.clear()
+    cache = NodeCache(settings)
+    assert obj.read(cache, 0, len(obj.bytes)) == obj.bytes
+    assert obj.fetched == [(0, 2 * BLOCK_BYTES), (3 * BLOCK_BYTES, 4 * BLOCK_BYTES)]
+    cache.close()
+
+
+def test_another_version_is_another_entry_and_the_old_one_goes(tmp_path):
+    settings = CacheSettings(str(tmp_path / "cache"), None)
+    old = LocalObject(str(tmp_path / "old"), 2 * BLOCK_BYTES, seed=1)
+    new = LocalObject(str(tmp_path / "new"), 2 * BLOCK_BYTES, seed=2)  # the same size, other bytes
+    cache = NodeCache(settings)
+    assert old.read(cache, 0, 2 * BLOCK_BYTES, "etag-1") == old.bytes
+    cache.close()
+    cache = NodeCache(settings)
+    assert new.read(cache, 0, 2 * BLOCK_BYTES, "etag-2") == new.bytes  # never the old bytes
+    assert new.fetched == [(0, 2 * BLOCK_BYTES)]
+    assert len(entry_folders(settings.folder)) == 1  # the old version's entry removed
+    cache.close()
+    with pytest.raises(CheckpointError, match="gave no version"):
+        NodeCache(settings).read("s3://b/k", None, 10, 0, 10, new.fetch)
+
+
+def test_the_size_bound_evicts_the_least_recently_used_entry_not_in_use(tmp_path):
+    settings = CacheSettings(str(tmp_path / "cache"), 3 * BLOCK_BYTES + BLOCK_BYTES // 2)
+    objects = {name: LocalObject(str(tmp_path / name), BLOCK_BYTES, seed=i) for i, name in enumerate("abcd")}
+
+    def use(name: str, cache: NodeCache | None = None) -> NodeCache:
+        cache = cache or NodeCache(settings)
+        cache.read(f"s3://b/{name}", "v", BLOCK_BYTES, 0, BLOCK_BYTES, objects[name].fetch)
+        return cache
+
+    for name in "abc":
+        use(name).close()
+    use("a").close()  # a used again: b is now the least recently used
+    held = use("b")  # ... but in use (not closed) while d comes in
+    use("d").close()
+    uris = sorted(json.load(open(os.path.join(settings.folder, LAYOUT, "entries", k, "meta.json")))["uri"]
+                  for k in entry_folders(settings.folder))
+    assert uris == ["s3://b/a", "s3://b/b", "s3://b/d"]  # c went: b was in use
+    held.close()  # b's last use is now, after d's
+    use("c").close()  # c again: a is the least recently used now, and goes
+    uris = sorted(json.load(open(os.path.join(settings.folder, LAYOUT, "entries", k, "meta.json")))["uri"]
+                  for k in entry_folders(settings.folder))
+    assert uris == ["s3://b/b", "s3://b/c", "s3://b/d"]
+
+
+# Several processes using one cache: each reads ranges of one object through it, logging every
+# fetch; they all start at once (a file they wait for) and each fetch takes a while, so they meet.
+WORKER = r"""
+import json, os, sys, time
+from distload.loading.stores.cache import CacheSettings, NodeCache
+obj, cache_dir, log, ranges, delay, go = sys.argv[1:7]
+ranges, delay = json.loads(ranges), float(delay)
+size = os.path.getsize(obj)
+fd = os.open(obj, os.O_RDONLY)
+def fetch(a, b):
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()} {a} {b}\n")
+    time.sleep(delay)
+    return os.pread(fd, b - a, a)
+cache = NodeCache(CacheSettings(cache_dir, None))
+print("READY", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.005)
+for a, b in ranges:
+    data = cache.read("s3://bucket/shared.safetensors", "v1", size, a, b, fetch)
+    assert bytes(data) == os.pread(fd, b - a, a), (a, b)
+    print("READ", a, b, flush=True)
+print("OK", cache.cache_bytes, cache.store_bytes, flush=True)
+cache.close()
+"""
+
+
+def start_workers(tmp_path, obj: LocalObject, orders: list[list[tuple[int, int]]], delay: float):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    go = str(tmp_path / "go")
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = os.path.dirname(TESTS) + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen([sys.executable, str(script), obj.path, str(tmp_path / "cache"), str(tmp_path / "log"),
+                               json.dumps(order), str(delay), go], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env, start_new_session=True) for order in orders]
+    for proc in procs:
+        assert proc.stdout.readline().strip() == "READY", proc.stderr.read()[-3000:]
+    open(go, "w").close()
+    return procs
+
+
+def fetch_log(tmp_path) -> list[tuple[int, int, int]]:
+    if not os.path.exists(tmp_path / "log"):
+        return []
+    return [tuple(map(int, line.split())) for line in open(tmp_path / "log")]
+
+
+def test_processes_filling_one_entry_at_once_fetch_each_block_once(tmp_path):
+    size = 8 * BLOCK_BYTES - 99
+    obj = LocalObject(str(tmp_path / "object"), size)
+    blocks = [(i * BLOCK_BYTES, min(size, (i + 1) * BLOCK_BYTES)) for i in range(8)]
+    orders = [
+        [(0, size)],  # all at once
+        blocks,  # block by block, forwards
+        blocks[::-1],  # backwards
+        [(3 * BLOCK_BYTES + 5, 6 * BLOCK_BYTES - 5), (10, 2 * BLOCK_BYTES + 10), (0, size)],  # unaligned
+    ]
+    procs = start_workers(tmp_path, obj, orders, delay=0.05)
+    outs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0 and "OK" in out, err[-3000:]
+    fetched = sorted((a, b) for _, a, b in fetch_log(tmp_path))
+    # every block fetched exactly once, whoever fetched it; the rest came from the cache
+    covered = [i for a, b in fetched for i in range(a // BLOCK_BYTES, -(-b // BLOCK_BYTES))]
+    assert sorted(covered) == list(range(8)), fetched
+    assert len({pid for pid, _, _ in fetch_log(tmp_path)}) > 1  # they did fill it together
+    stores = [int(out.split()[-1]) for out, _ in outs]
+    caches = [int(out.split()[-2]) for out, _ in outs]
+    assert sum(stores) == size and all(c + s >= size for c, s in zip(caches, stores))
+
+
+def test_a_writer_killed_mid_fill_leaves_only_complete_blocks_and_its_lock_goes_with_it(tmp_path):
+    size = 8 * BLOCK_BYTES
+    obj = LocalObject(str(tmp_path / "object"), size)
+    blocks = [(i * BLOCK_BYTES, (i + 1) * BLOCK_BYTES) for i in range(8)]
+    # One fetch of the whole object would hold the lock on every block: the writer asks block by
+    # block, and is killed while it holds the lock of one (inside its fetch).
+    (proc,) = start_workers(tmp_path, obj, [blocks], delay=0.3)
+    deadline = time.monotonic() + 60
+    while len(fetch_log(tmp_path)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    complete = len(fetch_log(tmp_path)) - 1  # the last fetch was under way
+    assert 3 <= complete < 8
+    obj.fetched.clear()
+    cache = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    data = bytes(cache.read("s3://bucket/shared.safetensors", "v1", size, 0, size, obj.fetch))
+    assert data == obj.bytes
+    # only what the killed writer had not completed was fetched: its last block among them
+    assert sum(b - a for a, b in obj.fetched) == size - complete * BLOCK_BYTES, obj.fetched
+    assert cache.store_bytes == size - complete * BLOCK_BYTES and cache.corrupt_blocks == 0
+    cache.close()
+
+
+def test_a_cache_folder_that_cannot_be_written_is_an_error_before_any_read(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="cannot use it as the node cache"):
+        NodeCache(CacheSettings(str(blocker), None)).check_writable()
