@@ -300,3 +300,183 @@ def test_a_cache_folder_that_cannot_be_written_is_an_error_before_any_read(tmp_p
     blocker.write_text("not a folder")
     with pytest.raises(CheckpointError, match="cannot use it as the node cache"):
         NodeCache(CacheSettings(str(blocker), None)).check_writable()
+
+
+# -- with S3 and GCS: loads through the cache ----------------------------------------------------
+
+@pytest.fixture(scope="module", params=["s3rver", "gcs"])
+def store(request, tmp_path_factory):
+    from object_store_servers import start_gcs, start_s3rver
+
+    workdir = str(tmp_path_factory.mktemp(f"cache-{request.param}"))
+    server = (start_s3rver if request.param == "s3rver" else start_gcs)(workdir)
+    yield server
+    server.stop()
+
+
+class Llama:
+    """A Llama-shaped whole checkpoint (16 MiB, config.json beside it) in the store, and what a
+    plain read of it gives: whole, and per TP rank (reshard's files) for TP 2 and 4."""
+
+    def __init__(self, store, root: str):
+        from distload.cli.demo import write_demo_checkpoint
+
+        self.whole, _ = write_demo_checkpoint(os.path.join(root, "src"), 1, size_mib=16)
+        self.files = sorted(os.path.join(self.whole, n) for n in os.listdir(self.whole) if n.endswith(".safetensors"))
+        self.nbytes = sum(os.path.getsize(p) for p in self.files)
+        self.tp = {}
+        for size in (2, 4):
+            out = os.path.join(root, f"tp{size}")
+            distload.reshard(self.whole, out, size, sharding="decoder")
+            self.tp[size] = [sorted(os.path.join(out, n) for n in os.listdir(out) if n.startswith(f"model-rank-{r}-"))
+                             for r in range(size)]
+        self.store = store
+        self.uri = store.upload_folder(self.whole, "llama")
+
+
+@pytest.fixture(scope="module")
+def llama(store, tmp_path_factory):
+    return Llama(store, str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture
+def through_proxy(store, monkeypatch):
+    """This process's environment set for ``store`` behind a byte-counting proxy (the proxy)."""
+    from object_store_servers import ByteCountingProxy
+
+    proxy = ByteCountingProxy(store.port)
+    for key in LAUNCH_VARS + tuple(store.unset_keys()):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in store.env(proxy.port).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("DISTLOAD_CACHE_DIR", raising=False)
+    yield proxy
+    proxy.close()
+
+
+def cached_load(uri: str, cache_dir: str, fmt: str = "auto", **kwargs):
+    with distload.WorkerGroup(device="cpu") as group:
+        result = distload.Loader(uri, fmt, {"cache_dir": cache_dir}, group=group, **kwargs).load(digest=True)
+    return result.rank_report
+
+
+def test_a_warm_cache_serves_a_load_bit_for_bit_and_the_store_at_most_2_percent(store, llama, through_proxy, tmp_path):
+    cache = str(tmp_path / "cache")
+    cold = cached_load(llama.uri, cache, "safetensors")
+    cold_served = through_proxy.served
+    assert cold.path == "ranged-reads" and cold.digest == plain_digest(llama.files)
+    assert cold.store_bytes == llama.nbytes and cold.cache_bytes == 0  # whole blocks: the files whole
+    warm = cached_load(llama.uri, cache, "auto")  # another format: the same bytes
+    served = through_proxy.served - cold_served
+    assert warm.path == "ranged-reads" and warm.digest == plain_digest(llama.files)
+    assert warm.store_bytes == 0 and warm.cache_bytes >= warm.requested_bytes
+    # what the store still serves: the listing, the headers (each object's version), the checks
+    assert served <= 0.02 * llama.nbytes, (served, llama.nbytes)
+    assert cold_served >= llama.nbytes
+
+
+def test_tp_ranks_fill_what_a_later_tp_size_takes(store, llama, through_proxy, tmp_path):
+    """TP 2's two ranks (two loads, in turn) each fetch only what the cache lacks; then TP 4's
+    ranks need nothing from the store: the cache holds the objects' bytes, not a rank's view."""
+    cache = str(tmp_path / "cache")
+    first = cached_load(llama.uri, cache, tensor_parallel_size=2, tensor_parallel_rank=0)
+    assert first.digest == plain_digest(llama.tp[2][0])
+    assert 0 < first.store_bytes < llama.nbytes
+    second = cached_load(llama.uri, cache, tensor_parallel_size=2, tensor_parallel_rank=1)
+    assert second.digest == plain_digest(llama.tp[2][1])
+    assert second.cache_bytes > 0  # replicated tensors, shared blocks: a partial hit
+    assert first.store_bytes + second.store_bytes == llama.nbytes  # each block fetched once
+    for rank in range(4):
+        later = cached_load(llama.uri, cache, tensor_parallel_size=4, tensor_parallel_rank=rank)
+        assert later.digest == plain_digest(llama.tp[4][rank]) and later.store_bytes == 0, rank
+
+
+def test_an_object_rewritten_in_the_store_is_never_served_stale(store, llama, through_proxy, tmp_path):
+    folder = str(tmp_path / "rewritten")
+    files = write_whole(folder, {"a": torch.arange(300_000, dtype=torch.int32), "b": torch.ones(1000)}, num_files=2)
+    prefix = f"rewritten-{time.monotonic_ns()}"
+    uri = store.upload_folder(folder, prefix)
+    cache = str(tmp_path / "cache")
+    assert cached_load(uri, cache).digest == plain_digest(files)
+    with open(files[0], "r+b") as f:  # the same size, other bytes (the last tensor byte)
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with open(files[0], "rb") as f:
+        store.put(f"{prefix}/{os.path.basename(files[0])}", f.read())
+    again = cached_load(uri, cache)
+    assert again.digest == plain_digest(files)  # the new bytes
+    assert again.store_bytes == os.path.getsize(files[0])  # that object fetched again, the other not
+    assert len(entry_folders(cache)) == 2  # the old version's entry is gone
+
+
+def test_an_object_rewritten_during_a_load_leaves_nothing_of_the_new_bytes_under_the_old_version(
+        store, llama, through_proxy, tmp_path):
+    folder = str(tmp_path / "during")
+    files = write_whole(folder, {"a": torch.arange(300_000, dtype=torch.int32)}, num_files=1)
+    prefix = f"during-{time.monotonic_ns()}"
+    uri = store.upload_folder(folder, prefix)
+    cache = str(tmp_path / "cache")
+    with distload.WorkerGroup(device="cpu") as group:
+        loader = distload.Loader(uri, "safetensors", {"cache_dir": cache}, group=group)
+        plan = loader.plan()  # the version is read here
+        with open(files[0], "rb") as f:
+            data = bytearray(f.read())
+        data[-1] ^= 0xFF
+        store.put(f"{prefix}/{os.path.basename(files[0])}", bytes(data))
+        with pytest.raises(CheckpointError, match="it was written again while it was being loaded"):
+            dict(loader.stream(plan))
+    (key,) = entry_folders(cache)
+    with open(os.path.join(cache, LAYOUT, "entries", key, "blocks"), "rb") as f:
+        assert not any(f.read())  # no block of the old version's entry was kept
+
+
+def test_two_jobs_filling_one_cache_at_once_each_load_exactly_and_the_store_serves_it_once(
+        store, llama, through_proxy, tmp_path):
+    spec, cache = str(tmp_path / "spec.json"), str(tmp_path / "cache")
+    with open(spec, "w") as f:
+        json.dump([{"source": llama.uri, "format": "auto", "extra": {"cache_dir": cache}}], f)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    script = os.path.join(TESTS, "store_load_driver.py")
+    jobs = [subprocess.Popen([sys.executable, script, spec, str(tmp_path / f"out{i}.json")], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for job in jobs:
+        out, err = job.communicate(timeout=240)
+        assert job.returncode == 0, err[-3000:]
+    reports = [json.load(open(tmp_path / f"out{i}.json"))[0]["ranks"][0] for i in range(2)]
+    assert [r["digest"] for r in reports] == [plain_digest(llama.files)] * 2
+    assert sum(r["store_bytes"] for r in reports) == llama.nbytes  # each block fetched by one of them
+    assert through_proxy.served <= 1.05 * llama.nbytes, (through_proxy.served, llama.nbytes)
+
+
+def test_a_cache_in_the_environment_with_run_ai_is_refused_while_planning(store, llama, through_proxy, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("DISTLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    with distload.WorkerGroup(device="cpu") as group:
+        with pytest.raises(ConfigError, match="DISTLOAD_CACHE_DIR is set, and --load-format runai_streamer reads "
+                                              "with Run:ai"):
+            distload.Loader(llama.uri, "runai_streamer", group=group).plan()
+        # auto takes distload's ranged reads instead, through the cache
+        assert distload.Loader(llama.uri, "auto", group=group).plan().choice.backend == "ranged"
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_read_into_the_node_cache_from_the_command_line(store, llama, tmp_path):
+    """torchrun, 2 ranks, --cache-dir: the shared read's ranks each fetch their share into the
+    node's cache (each block once per job); the next job's ranks take it all from there."""
+    from conftest import run_distload
+
+    cache, report_path = str(tmp_path / "cache"), str(tmp_path / "report.json")
+    stored = []
+    for _ in range(2):
+        result = run_distload(["load", llama.uri, "--cache-dir", cache, "--report-json", report_path,
+                               "--no-progress"], nproc=2, env={**store.env(), "DISTLOAD_CACHE_DIR": ""}, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "node cache" in result.stdout
+        ranks = json.load(open(report_path))["ranks"]
+        assert [r["path"] for r in ranks] == ["ranged-shared"] * 2
+        assert [r["digest"] for r in ranks] == [plain_digest(llama.files)] * 2
+        stored.append(sum(r["store_bytes"] for r in ranks))
+    assert stored == [llama.nbytes, 0]
