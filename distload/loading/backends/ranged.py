@@ -18,6 +18,7 @@ bytes came from the cache and how many from the store (whole blocks).
 from __future__ import annotations
 
 import ctypes
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -28,7 +29,7 @@ from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.shared_reads.stream import Extent, SharedReadOptions, shared_stream
 from distload.loading.index import FileInfo, TensorInfo
-from distload.loading.stores.cache import CacheSettings, NodeCache, check_cache_dir, check_cache_max_gib
+from distload.loading.stores.cache import CacheSettings, NodeCache, Scratch, check_cache_dir, check_cache_max_gib
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -116,16 +117,23 @@ class ObjectBytes:
     def __init__(self, files: Sequence[FileInfo], cache: NodeCache | None):
         self.files = {f.path: f for f in files}
         self.cache = cache
+        self._scratch = threading.local()
 
-    def read(self, path: str, start: int, end: int):
+    def read(self, path: str, start: int, end: int, scratch: Scratch | None = None):
+        """The bytes (through the cache: in ``scratch``, else this thread's own scratch memory,
+        valid until the next read that uses it)."""
         from distload.loading.stores import store_for
 
         store, location = store_for(path)
         if self.cache is None:
             return store.read(location, start, end)
+        if scratch is None:
+            scratch = getattr(self._scratch, "memory", None)
+            if scratch is None:
+                scratch = self._scratch.memory = Scratch()
         info = self.files[path]
         return self.cache.read(path, info.version, info.size, start, end,
-                               lambda a, b: store.read_version(location, a, b, info.version))
+                               lambda a, b: store.read_version(location, a, b, info.version), scratch)
 
     def close(self) -> None:
         if self.cache is not None:
@@ -201,16 +209,20 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
         return
     assemblies: dict[str, _Assembly] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="distload-ranged") as pool:
-        def fetch(job):
-            path, start, end, _ = job
-            return bytes_of.read(path, start, end)
+        # Two scratch buffers in turn: job i's bytes are all copied out before job i + 2 starts
+        # (it is submitted once job i + 1's are in, after job i's loop step).
+        scratches = (Scratch(), Scratch())
 
-        pending = pool.submit(fetch, jobs[0])
+        def fetch(i):
+            path, start, end, _ = jobs[i]
+            return bytes_of.read(path, start, end, scratches[i % 2])
+
+        pending = pool.submit(fetch, 0)
         for i, job in enumerate(jobs):
             data = pending.result()
             run.requested_bytes += job[2] - job[1]
             if i + 1 < len(jobs):
-                pending = pool.submit(fetch, jobs[i + 1])
+                pending = pool.submit(fetch, i + 1)
             start, members = job[1], job[3]
             for piece in members:
                 name = piece.info.name
