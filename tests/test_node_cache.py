@@ -23,7 +23,7 @@ import torch
 
 import distload
 from distload.errors import CheckpointError, ConfigError
-from distload.loading.stores.cache import (BLOCK_BYTES, LAYOUT, RECORD, CacheSettings, NodeCache,
+from distload.loading.stores.cache import (BLOCK_BYTES, LAYOUT, RECORD_BYTES, CacheSettings, NodeCache,
                                            cache_settings)
 
 from conftest import plain_digest, write_whole
@@ -147,8 +147,8 @@ def test_torn_or_misplaced_records_and_bytes_without_a_record_count_as_missing(t
         records = f.read()
         f.seek(0)  # block 0: a record torn halfway (its second half zeros)
         f.write(records[:8] + bytes(8))
-        f.seek(RECORD.size)  # block 1: block 2's valid record copied over it (misplaced)
-        f.write(records[2 * RECORD.size:3 * RECORD.size])
+        f.seek(RECORD_BYTES)  # block 1: block 2's valid record copied over it (misplaced)
+        f.write(records[2 * RECORD_BYTES:3 * RECORD_BYTES])
     with open(os.path.join(folder, "data"), "r+b") as f:  # block 3: the right bytes, no record
         f.seek(3 * BLOCK_BYTES)
         f.write(obj.bytes[3 * BLOCK_BYTES:])
@@ -304,12 +304,19 @@ def test_a_cache_folder_that_cannot_be_written_is_an_error_before_any_read(tmp_p
 
 # -- with S3 and GCS: loads through the cache ----------------------------------------------------
 
-@pytest.fixture(scope="module", params=["s3rver", "gcs"])
+# Inside the Azure namespace (test_azure_in_private_namespace below) only Azurite runs.
+IN_AZURE_NAMESPACE = os.environ.get("DISTLOAD_AZURE_NAMESPACE") == "1"
+
+
+@pytest.fixture(scope="module", params=["azure"] if IN_AZURE_NAMESPACE else ["s3rver", "gcs"])
 def store(request, tmp_path_factory):
-    from object_store_servers import start_gcs, start_s3rver
+    from object_store_servers import start_azurite, start_gcs, start_s3rver
 
     workdir = str(tmp_path_factory.mktemp(f"cache-{request.param}"))
-    server = (start_s3rver if request.param == "s3rver" else start_gcs)(workdir)
+    if request.param == "azure":
+        server = start_azurite(workdir, os.environ["DISTLOAD_AZURE_CERT_DIR"])
+    else:
+        server = (start_s3rver if request.param == "s3rver" else start_gcs)(workdir)
     yield server
     server.stop()
 
@@ -480,3 +487,40 @@ def test_two_ranks_share_the_read_into_the_node_cache_from_the_command_line(stor
         assert [r["digest"] for r in ranks] == [plain_digest(llama.files)] * 2
         stored.append(sum(r["store_bytes"] for r in ranks))
     assert stored == [llama.nbytes, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_azure_in_private_namespace(tmp_path):
+    """This module's store tests against Azurite, inside ``unshare -rnm`` with a test CA bound
+    over the system bundle (Run:ai's and the SDK's HTTPS trust it there only): as
+    test_object_stores.py runs its Azure half."""
+    if IN_AZURE_NAMESPACE:
+        pytest.skip("the inner run")
+    import shutil
+
+    from object_store_servers import in_ci, make_test_certificates
+
+    unshare = shutil.which("unshare")
+    azurite = os.path.join(TESTS, "node", "node_modules", ".bin", "azurite-blob")
+    works = unshare is not None and subprocess.run([unshare, "-rnm", "true"], capture_output=True).returncode == 0
+    if not (works and os.path.exists(azurite)):
+        message = "Azure tests need Azurite (npm ci --prefix tests/node) and unshare -rnm"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    certs = make_test_certificates(str(tmp_path / "certs"))
+    inner = (
+        "set -e; ip link set lo up; "
+        f"mount --bind {certs['bundle.pem']} /etc/ssl/certs/ca-certificates.crt; "
+        f"exec {sys.executable} -m pytest -q -p no:cacheprovider -p no:xdist -k 'azure and not private' "
+        f"{os.path.abspath(__file__)} -o addopts='' --timeout 500"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update({"DISTLOAD_AZURE_NAMESPACE": "1", "DISTLOAD_AZURE_CERT_DIR": os.path.dirname(certs["ca.pem"])})
+    result = subprocess.run([unshare, "-rnm", "bash", "-c", inner], capture_output=True, text=True, timeout=560,
+                            env=env, cwd=os.path.dirname(TESTS))
+    output = result.stdout + result.stderr
+    print(output[-4000:])
+    assert result.returncode == 0, output[-8000:]
+    assert " passed" in output and " failed" not in output

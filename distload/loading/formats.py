@@ -154,7 +154,7 @@ _PATTERN = {"pattern": check_pattern}
 # Run:ai's reader fetches from the store itself, past the node cache.
 _RUNAI_PAST_THE_CACHE = ("Run:ai's reader fetches from the store itself, so the node cache cannot serve it; "
                          "load with --load-format auto or safetensors (distload's ranged reads go through it)")
-_NOT_CACHED = {"cache_dir": _RUNAI_PAST_THE_CACHE, "cache_max_gib": _RUNAI_PAST_THE_CACHE}
+_NOT_CACHED = (("cache_dir", _RUNAI_PAST_THE_CACHE), ("cache_max_gib", _RUNAI_PAST_THE_CACHE))
 
 FORMATS: dict[str, LoadFormat] = {f.name: f for f in (
     LoadFormat("auto", ("pread", "ranged", "instanttensor", "runai"), _auto,
@@ -162,14 +162,14 @@ FORMATS: dict[str, LoadFormat] = {f.name: f for f in (
                backend_keys=("huge_pages", "concurrency", "cache_dir", "cache_max_gib")),
     LoadFormat("safetensors", ("safetensors", "ranged"), _safetensors),
     LoadFormat("runai_streamer", ("runai",), _runai_streamer, {"distributed": check_distributed},
-               why_not=_NOT_CACHED),
+               why_not=dict(_NOT_CACHED)),
     LoadFormat("instanttensor", ("instanttensor",), _instanttensor),
     LoadFormat("sharded_state", ("safetensors", "ranged"), _sharded_state, _PATTERN),
     # vLLM rejects concurrency/memory_limit for the sharded Run:ai format although its docs
     # promise them (vLLM issue 30100); distload accepts them.
     LoadFormat("runai_streamer_sharded", ("runai",), _runai_streamer_sharded, _PATTERN, why_not={"distributed": (
         "each rank of a pre-sharded checkpoint reads different files, and Run:ai's distributed "
-        "mode would silently exchange data between them"), **_NOT_CACHED}),
+        "mode would silently exchange data between them"), **dict(_NOT_CACHED)}),
     LoadFormat("dummy", ("dummy",), _dummy, reads_checkpoint=False),
 )}
 LOAD_FORMATS = tuple(FORMATS)

@@ -69,7 +69,8 @@ LAYOUT = "distload-cache-v1"
 # two more per range than asked for: the ranged reader already fetches across gaps of 1 MiB), and
 # a block is read whole to be checked.
 BLOCK_BYTES = 1 << 20
-RECORD = struct.Struct("<4sIII")  # magic, CRC-32 of the block, block number, CRC-32 of the record
+RECORD_FORMAT = "<4sIII"  # magic, CRC-32 of the block, block number, CRC-32 of the record
+RECORD_BYTES = 16
 MAGIC = b"DLC1"
 # How long a process waits for another filling the same blocks (which holds the lock only while
 # its fetch runs, itself bounded by the store's timeouts) before it gives up with an error.
@@ -168,8 +169,8 @@ class _Entry:
             # Sized, never shrunk: two processes opening it at once both extend to the same size.
             if os.fstat(self.data).st_size < size:
                 os.ftruncate(self.data, size)
-            if os.fstat(self.records).st_size < self.nblocks * RECORD.size:
-                os.ftruncate(self.records, self.nblocks * RECORD.size)
+            if os.fstat(self.records).st_size < self.nblocks * RECORD_BYTES:
+                os.ftruncate(self.records, self.nblocks * RECORD_BYTES)
             meta = os.path.join(self.folder, "meta.json")
             if not os.path.exists(meta):
                 write_json_atomic(meta, {"uri": uri, "version": version, "size": size, "block_bytes": BLOCK_BYTES})
@@ -222,9 +223,9 @@ class _Entry:
 
     def _record(self, i: int, raw: bytes) -> int | None:
         """The block's CRC-32 from a valid record, else None (never written, torn, misplaced)."""
-        if len(raw) != RECORD.size:
+        if len(raw) != RECORD_BYTES:
             return None
-        magic, crc, number, check = RECORD.unpack(raw)
+        magic, crc, number, check = struct.unpack(RECORD_FORMAT, raw)
         if magic != MAGIC or number != i or check != zlib.crc32(raw[:12] + self.salt):
             return None
         return crc
@@ -237,8 +238,8 @@ class _Entry:
         """Read blocks ``first..last`` from the data file into ``view`` (which starts at file
         offset ``lo``) and check them: the blocks that are not complete. ``again``: the second
         look, under the lock (a corrupt block was told of at the first)."""
-        raw = os.pread(fd, (last + 1 - first) * RECORD.size, first * RECORD.size)
-        crcs = {i: self._record(i, raw[(i - first) * RECORD.size:(i - first + 1) * RECORD.size])
+        raw = os.pread(fd, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
+        crcs = {i: self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
                 for i in range(first, last + 1)}
 
         def read_and_check(blocks: range) -> list[bool]:
@@ -286,8 +287,8 @@ class _Entry:
         # threads as with other processes; closing it releases the lock.
         fd = os.open(self.records_path, os.O_RDWR | os.O_CLOEXEC)
         try:
-            length = (last + 1 - first) * RECORD.size
-            if not _lock_range(fd, first * RECORD.size, length, time.monotonic() + LOCK_WAIT_S):
+            length = (last + 1 - first) * RECORD_BYTES
+            if not _lock_range(fd, first * RECORD_BYTES, length, time.monotonic() + LOCK_WAIT_S):
                 raise CheckpointError(
                     f"{self.uri}: waited {LOCK_WAIT_S:.0f} s for another process filling blocks {first}-{last} "
                     f"of it in the node cache ({self.folder}); is a load on this node stuck?")
@@ -300,7 +301,7 @@ class _Entry:
                 _write_all(self.data, data, start)  # the bytes first, then the records that vouch for them
                 records = b"".join(self._pack(i, zlib.crc32(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
                                    for i in range(a, b + 1))
-                _write_all(fd, records, a * RECORD.size)
+                _write_all(fd, records, a * RECORD_BYTES)
         except OSError as exc:
             raise CheckpointError(f"{self.folder}: writing to the node cache failed ({exc.strerror or exc}); "
                                   f"free space there, or load without --cache-dir") from None
