@@ -76,6 +76,20 @@ def test_settings_come_from_the_extra_config_then_the_environment():
     assert distload.make_load_config("safetensors", {"cache_dir": "/c"}).extra == {"cache_dir": "/c"}
 
 
+def test_the_cache_flags_are_the_extra_config_keys_and_never_disagree_with_them():
+    from distload.cli.main import _with_cache_flags, build_parser
+
+    def extra(*argv: str):
+        return _with_cache_flags(build_parser().parse_args(["load", "s3://b/m", *argv]))
+
+    assert extra() is None
+    assert extra("--cache-dir", "/c", "--cache-max-gib", "2") == {"cache_dir": "/c", "cache_max_gib": 2.0}
+    assert extra("--cache-dir", "/c", "--model-loader-extra-config", '{"cache_dir": "/c", "concurrency": 2}') == \
+        {"cache_dir": "/c", "concurrency": 2}
+    with pytest.raises(ConfigError, match="--cache-dir /d and the extra config's 'cache_dir': '/c' disagree"):
+        extra("--cache-dir", "/d", "--model-loader-extra-config", '{"cache_dir": "/c"}')
+
+
 def test_auto_reads_an_object_store_with_ranged_reads_when_a_cache_is_set():
     from distload.loading.choice import ReadFacts
     from distload.loading.formats import FORMATS
