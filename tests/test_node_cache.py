@@ -322,7 +322,9 @@ def test_a_cache_folder_that_cannot_be_written_is_an_error_before_any_read(tmp_p
 IN_AZURE_NAMESPACE = os.environ.get("DISTLOAD_AZURE_NAMESPACE") == "1"
 
 
-@pytest.fixture(scope="module", params=["azure"] if IN_AZURE_NAMESPACE else ["s3rver", "gcs"])
+# As in test_object_stores.py, every test on a store server is in the slow set.
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow)
+                                        for name in (["azure"] if IN_AZURE_NAMESPACE else ["s3rver", "gcs"])])
 def store(request, tmp_path_factory):
     from object_store_servers import start_azurite, start_gcs, start_s3rver
 
