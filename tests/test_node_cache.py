@@ -265,13 +265,15 @@ def test_processes_filling_one_entry_at_once_fetch_each_block_once(tmp_path):
     size = 8 * BLOCK_BYTES - 99
     obj = LocalObject(str(tmp_path / "object"), size)
     blocks = [(i * BLOCK_BYTES, min(size, (i + 1) * BLOCK_BYTES)) for i in range(8)]
+    # Not one reader of the whole object first: it would lock every block at once, and the others
+    # would find it all there. Forwards, backwards and from the middle, they meet.
     orders = [
-        [(0, size)],  # all at once
         blocks,  # block by block, forwards
         blocks[::-1],  # backwards
         [(3 * BLOCK_BYTES + 5, 6 * BLOCK_BYTES - 5), (10, 2 * BLOCK_BYTES + 10), (0, size)],  # unaligned
+        [(2 * BLOCK_BYTES, 3 * BLOCK_BYTES), (0, size)],
     ]
-    procs = start_workers(tmp_path, obj, orders, delay=0.05)
+    procs = start_workers(tmp_path, obj, orders, delay=0.2)
     outs = [proc.communicate(timeout=120) for proc in procs]
     for proc, (out, err) in zip(procs, outs):
         assert proc.returncode == 0 and "OK" in out, err[-3000:]
