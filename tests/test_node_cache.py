@@ -121,6 +121,37 @@ def test_a_partial_hit_fetches_only_the_missing_blocks_and_every_read_is_exact(t
     again.close()
 
 
+def test_a_read_straight_into_a_tensor_checks_every_block_it_uses(tmp_path):
+    """read_into: the blocks wholly inside the range are read and checked in the tensor's own
+    memory, the edges through scratch memory; a partial hit and a corrupt interior block too."""
+    from distload.loading.stores.cache import Scratch
+    from distload.tensor_io import host_view
+
+    size = 6 * BLOCK_BYTES + 777
+    obj = LocalObject(str(tmp_path / "object"), size)
+    settings = CacheSettings(str(tmp_path / "cache"), None)
+    cache = NodeCache(settings)
+    obj.read(cache, BLOCK_BYTES + 3, 2 * BLOCK_BYTES)  # block 1 only, before
+    for start, end in [(0, size), (5, 4 * BLOCK_BYTES - 5), (BLOCK_BYTES, 3 * BLOCK_BYTES), (7, 9),
+                       (5 * BLOCK_BYTES - 1, size)]:
+        out = torch.empty(end - start, dtype=torch.uint8)
+        cache.read_into("s3://bucket/model.safetensors", "v1", size, start, end, host_view(out), obj.fetch, Scratch())
+        assert bytes(out.numpy()) == obj.bytes[start:end], (start, end)
+    covered = sorted(i for a, b in obj.fetched for i in range(a // BLOCK_BYTES, -(-b // BLOCK_BYTES)))
+    assert covered == list(range(7))  # each block fetched once
+    cache.close()
+    with open(os.path.join(_entry(tmp_path), "data"), "r+b") as f:  # an interior block corrupted
+        f.seek(3 * BLOCK_BYTES + 100)
+        f.write(b"\0" if obj.bytes[3 * BLOCK_BYTES + 100] else b"\1")
+    obj.fetched.clear()
+    cache = NodeCache(settings)
+    out = torch.empty(size - 10, dtype=torch.uint8)
+    cache.read_into("s3://bucket/model.safetensors", "v1", size, 10, size, host_view(out), obj.fetch, Scratch())
+    assert bytes(out.numpy()) == obj.bytes[10:] and obj.fetched == [(3 * BLOCK_BYTES, 4 * BLOCK_BYTES)]
+    assert cache.corrupt_blocks == 1
+    cache.close()
+
+
 def _entry(tmp_path) -> str:
     (key,) = entry_folders(str(tmp_path / "cache"))
     return os.path.join(str(tmp_path / "cache"), LAYOUT, "entries", key)

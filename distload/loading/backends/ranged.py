@@ -127,13 +127,27 @@ class ObjectBytes:
         store, location = store_for(path)
         if self.cache is None:
             return store.read(location, start, end)
-        if scratch is None:
-            scratch = getattr(self._scratch, "memory", None)
-            if scratch is None:
-                scratch = self._scratch.memory = Scratch()
         info = self.files[path]
+        scratch = scratch or self.scratch()
         return self.cache.read(path, info.version, info.size, start, end,
                                lambda a, b: store.read_version(location, a, b, info.version), scratch)
+
+    def read_into(self, path: str, start: int, end: int, out: memoryview) -> None:
+        """Through the cache, straight into ``out`` (a tensor's memory)."""
+        from distload.loading.stores import store_for
+
+        assert self.cache is not None
+        store, location = store_for(path)
+        info = self.files[path]
+        self.cache.read_into(path, info.version, info.size, start, end, out,
+                             lambda a, b: store.read_version(location, a, b, info.version), self.scratch())
+
+    def scratch(self) -> Scratch:
+        """This thread's own scratch memory."""
+        scratch = getattr(self._scratch, "memory", None)
+        if scratch is None:
+            scratch = self._scratch.memory = Scratch()
+        return scratch
 
     def close(self) -> None:
         if self.cache is not None:
@@ -207,6 +221,9 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
         yield info.name, _on_device(_Assembly(info, request, 0).tensor, request)
     if not jobs:
         return
+    if bytes_of.cache is not None:
+        yield from _stream_cached(request, run, bytes_of, jobs, pieces_by_name)
+        return
     assemblies: dict[str, _Assembly] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="distload-ranged") as pool:
         # Two scratch buffers in turn: job i's bytes are all copied out before job i + 2 starts
@@ -236,6 +253,61 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
                     del assemblies[name]
                     yield name, _on_device(assembly.tensor, request)
             del data
+
+
+# Requests read through the node cache at once: each read and checks on its own thread (the
+# cache's checks on more), so a warm load is not one thread's memory bandwidth.
+CACHED_IN_FLIGHT = 3
+
+
+def _stream_cached(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes, jobs: list,
+                   pieces_by_name: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain ranged read through the node cache: a request of one piece (a large tensor, or
+    a 64 MiB part of one) is read straight into its tensor, the others (small tensors coalesced)
+    through scratch memory and copied out, on worker threads; tensors are handed out in order."""
+    assemblies: dict[str, _Assembly] = {}
+    lock = threading.Lock()
+
+    def assembly(piece: FileExtent) -> _Assembly:
+        with lock:  # a tensor above CHUNK_BYTES has pieces in several requests
+            found = assemblies.get(piece.info.name)
+            if found is None:
+                found = assemblies[piece.info.name] = _Assembly(piece.info, request,
+                                                                pieces_by_name[piece.info.name])
+                new = True
+            else:
+                new = False
+        if new:  # backed in one call (as pread does), not a page fault at a time while read into
+            request.host_memory.prefault(found.tensor.data_ptr(), found.tensor.numel() * found.tensor.element_size())
+        return found
+
+    def work(job) -> None:
+        path, start, end, members = job
+        if len(members) == 1 and members[0].length == end - start:
+            piece = members[0]
+            bytes_of.read_into(path, start, end, assembly(piece).view[piece.offset:piece.offset + piece.length])
+            return
+        data = bytes_of.read(path, start, end)  # this thread's scratch: copied out before its next read
+        for piece in members:
+            at = piece.start - start
+            assembly(piece).view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
+
+    with ThreadPoolExecutor(CACHED_IN_FLIGHT, thread_name_prefix="distload-ranged") as pool:
+        pending = [pool.submit(work, job) for job in jobs[:CACHED_IN_FLIGHT]]
+        for i, job in enumerate(jobs):
+            pending.pop(0).result()
+            run.requested_bytes += job[2] - job[1]
+            if i + CACHED_IN_FLIGHT < len(jobs):
+                pending.append(pool.submit(work, jobs[i + CACHED_IN_FLIGHT]))
+            for piece in job[3]:
+                name = piece.info.name
+                with lock:
+                    done = assemblies[name]
+                    done.missing -= 1
+                    if done.missing:
+                        continue
+                    del assemblies[name]
+                yield name, _on_device(done.tensor, request)
 
 
 def _on_device(tensor: torch.Tensor, request: ReadRequest) -> torch.Tensor:

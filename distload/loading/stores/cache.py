@@ -282,6 +282,24 @@ class _Entry:
             self._fill(a, b, view, lo, fetch)
         return view[start - lo:end - lo]
 
+    def read_into(self, start: int, end: int, out: memoryview, fetch: Callable[[int, int], bytes],
+                  scratch: "Scratch") -> None:
+        """Bytes ``[start, end)`` of the object into ``out`` (a tensor's memory): the blocks wholly
+        inside the range are read and checked there, straight; the one or two it covers only in
+        part go through ``scratch`` (a block is checked whole)."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        inner_first = first if start == self._span(first)[0] else first + 1
+        inner_last = last if end == self._span(last)[1] else last - 1
+        for edge in sorted({first, last} - set(range(inner_first, inner_last + 1))):
+            s, e = max(start, self._span(edge)[0]), min(end, self._span(edge)[1])
+            out[s - start:e - start] = self.read(s, e, fetch, scratch)
+        if inner_first > inner_last:
+            return
+        lo, hi = self._span(inner_first)[0], self._span(inner_last)[1]
+        view = out[lo - start:hi - start]
+        for a, b in _runs(self._check(inner_first, inner_last, view, lo, self.records)):
+            self._fill(a, b, view, lo, fetch)
+
     def _fill(self, first: int, last: int, view: memoryview, lo: int, fetch: Callable[[int, int], bytes]) -> None:
         # Its own open file description: OFD locks then conflict with this process's other
         # threads as with other processes; closing it releases the lock.
@@ -418,6 +436,10 @@ class NodeCache:
     def read(self, uri: str, version: str | None, size: int, start: int, end: int,
              fetch: Callable[[int, int], bytes], scratch: Scratch | None = None) -> memoryview:
         return self.entry(uri, version, size).read(start, end, fetch, scratch)
+
+    def read_into(self, uri: str, version: str | None, size: int, start: int, end: int, out: memoryview,
+                  fetch: Callable[[int, int], bytes], scratch: Scratch) -> None:
+        self.entry(uri, version, size).read_into(start, end, out, fetch, scratch)
 
     def close(self) -> None:
         with self._lock:
