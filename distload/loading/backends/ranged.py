@@ -258,6 +258,9 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
 # Requests read through the node cache at once: each read and checks on its own thread (the
 # cache's checks on more), so a warm load is not one thread's memory bandwidth.
 CACHED_IN_FLIGHT = 3
+# A piece at least this large is read from the cache straight into its tensor (two edge blocks
+# at most go through scratch memory); smaller ones are read together and copied out.
+DIRECT_BYTES = 4 * 1024 * 1024
 
 
 def _stream_cached(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes, jobs: list,
@@ -265,6 +268,15 @@ def _stream_cached(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes,
     """The plain ranged read through the node cache: a request of one piece (a large tensor, or
     a 64 MiB part of one) is read straight into its tensor, the others (small tensors coalesced)
     through scratch memory and copied out, on worker threads; tensors are handed out in order."""
+    # The plain read's requests mix large tensors with the small ones beside them; here a large
+    # piece is a request of its own (read straight into its tensor), the small ones coalesced.
+    regrouped = []
+    for order, (path, start, end, members) in enumerate(jobs):
+        small = [piece for piece in members if piece.length < DIRECT_BYTES]
+        regrouped += [(order, piece.start, (path, piece.start, piece.end, [piece]))
+                      for piece in members if piece.length >= DIRECT_BYTES]
+        regrouped += [(order, a, (path, a, b, group)) for a, b, group in coalesce(small)]
+    jobs = [job for _, _, job in sorted(regrouped, key=lambda item: item[:2])]
     assemblies: dict[str, _Assembly] = {}
     lock = threading.Lock()
 

@@ -13,7 +13,7 @@ missing blocks. The layout (docs/cache.md says the same for an operator)::
                     exclusive, so it never removes an entry in use; its mtime is the last use
                     (set when a load opens the entry and when it closes it)
         data        the object's bytes at their own offsets (a sparse file of the object's size)
-        blocks      one 16-byte record per BLOCK_BYTES block: magic, CRC-32 of the block's
+        blocks      one 16-byte record per BLOCK_BYTES block: magic, CRC-32C of the block's
                     bytes, block number, CRC-32 of the record (with the entry's key)
         meta.json   the URI, version and size, for a person looking
       trash/        entries being removed (renamed there first, so no half-removed entry is
@@ -25,7 +25,7 @@ entry, and its old entry is removed once no process uses it. Bytes are fetched f
 only with that version as a precondition, and the answer's version is compared as well
 (``ObjectStore.read_version``): bytes of another version are never kept.
 
-**Complete or absent.** A block counts only where its record is valid and the CRC-32 of the
+**Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
 bytes read now matches it. A writer writes the data first and the record after; a process killed
 between the two, a torn record, a power loss before the page cache reached the disk, a byte
 flipped on disk: each is a block that is missing (a valid record over other bytes is *corrupt*:
@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from distload.errors import CheckpointError, ConfigError
+from distload.errors import BackendUnavailableError, CheckpointError, ConfigError
 from distload.fileio import write_json_atomic
 
 log = logging.getLogger("distload")
@@ -69,9 +69,9 @@ LAYOUT = "distload-cache-v1"
 # two more per range than asked for: the ranged reader already fetches across gaps of 1 MiB), and
 # a block is read whole to be checked.
 BLOCK_BYTES = 1 << 20
-RECORD_FORMAT = "<4sIII"  # magic, CRC-32 of the block, block number, CRC-32 of the record
+RECORD_FORMAT = "<4sIII"  # magic, CRC-32C of the block, block number, CRC-32 of the record
 RECORD_BYTES = 16
-MAGIC = b"DLC1"
+MAGIC = b"DLCC"  # CRC-32C
 # How long a process waits for another filling the same blocks (which holds the lock only while
 # its fetch runs, itself bounded by the store's timeouts) before it gives up with an error.
 LOCK_WAIT_S = 600.0
@@ -222,7 +222,7 @@ class _Entry:
         return i * BLOCK_BYTES, min(self.size, (i + 1) * BLOCK_BYTES)
 
     def _record(self, i: int, raw: bytes) -> int | None:
-        """The block's CRC-32 from a valid record, else None (never written, torn, misplaced)."""
+        """The block's CRC-32C from a valid record, else None (never written, torn, misplaced)."""
         if len(raw) != RECORD_BYTES:
             return None
         magic, crc, number, check = struct.unpack(RECORD_FORMAT, raw)
@@ -248,7 +248,7 @@ class _Entry:
             start, end = self._span(blocks[0])[0], self._span(blocks[-1])[1]
             got = _read_into(self.data, view[start - lo:end - lo], start)
             return [crcs[i] is not None and self._span(i)[1] - start <= got
-                    and zlib.crc32(view[self._span(i)[0] - lo:self._span(i)[1] - lo]) == crcs[i] for i in blocks]
+                    and _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]) == crcs[i] for i in blocks]
 
         # Reading and checking a large range on several threads (both release the GIL): the
         # check costs about as much as the read, and a warm load is nothing else.
@@ -317,7 +317,7 @@ class _Entry:
                 self.cache.count(store=len(data))
                 view[start - lo:end - lo] = data
                 _write_all(self.data, data, start)  # the bytes first, then the records that vouch for them
-                records = b"".join(self._pack(i, zlib.crc32(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
+                records = b"".join(self._pack(i, _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
                                    for i in range(a, b + 1))
                 _write_all(fd, records, a * RECORD_BYTES)
         except OSError as exc:
@@ -342,6 +342,24 @@ class Scratch:
         if len(self._buffer) < nbytes:
             self._buffer = bytearray(nbytes)  # views of the old one (if any) keep it alive
         return memoryview(self._buffer)[:nbytes]
+
+
+def _crc32c():
+    """google-crc32c (hardware CRC-32C: 2.5-3.5 GiB/s a core here, against 0.6-1.4 for zlib's
+    CRC-32, which made a warm load's check cost twice its read)."""
+    try:
+        import google_crc32c
+    except ImportError:
+        raise BackendUnavailableError(
+            "the node cache checks every block with CRC-32C: pip install google-crc32c (distload's s3, gcs "
+            "and azure extras install it)") from None
+    return google_crc32c
+
+
+def _block_crc(data: memoryview) -> int:
+    # Its C function takes read-only bytes only: one copy of the block (a memcpy, cheap next to
+    # the checksum zlib would cost).
+    return _crc32c().value(bytes(data))
 
 
 def _split(blocks: range, parts: int) -> list[range]:
@@ -398,6 +416,7 @@ class NodeCache:
     def check_writable(self) -> None:
         """Create the cache's folders and write there once: a cache that cannot work is an error
         while planning, on every rank, never a load that quietly reads the store instead."""
+        _crc32c()
         try:
             os.makedirs(self.entries, exist_ok=True)
             os.makedirs(self.trash, exist_ok=True)
