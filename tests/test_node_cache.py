@@ -421,7 +421,9 @@ def test_a_warm_cache_serves_a_load_bit_for_bit_and_the_store_at_most_2_percent(
     cold = cached_load(llama.uri, cache, "safetensors")
     cold_served = through_proxy.served
     assert cold.path == "ranged-reads" and cold.digest == plain_digest(llama.files)
-    assert cold.store_bytes == llama.nbytes and cold.cache_bytes == 0  # whole blocks: the files whole
+    # whole blocks, each fetched once: the files whole (a block two tensors share is fetched for
+    # the first and comes from the cache for the second)
+    assert cold.store_bytes == llama.nbytes and cold.cache_bytes < 0.2 * llama.nbytes
     warm = cached_load(llama.uri, cache, "auto")  # another format: the same bytes
     served = through_proxy.served - cold_served
     assert warm.path == "ranged-reads" and warm.digest == plain_digest(llama.files)
