@@ -523,19 +523,22 @@ def test_a_cache_in_the_environment_with_run_ai_is_refused_while_planning(store,
 @pytest.mark.slow
 def test_two_ranks_share_the_read_into_the_node_cache_from_the_command_line(store, llama, tmp_path):
     """torchrun, 2 ranks, --cache-dir: the shared read's ranks each fetch their share into the
-    node's cache (each block once per job); the next job's ranks take it all from there."""
+    node's cache (each block once per job); the next job's ranks, TP 2 this time, take it all
+    from there."""
     from conftest import run_distload
 
     cache, report_path = str(tmp_path / "cache"), str(tmp_path / "report.json")
     stored = []
-    for _ in range(2):
-        result = run_distload(["load", llama.uri, "--cache-dir", cache, "--report-json", report_path,
-                               "--no-progress"], nproc=2, env={**store.env(), "DISTLOAD_CACHE_DIR": ""}, timeout=240)
+    for tp in (None, 2):
+        result = run_distload(["load", llama.uri, "--cache-dir", cache, "--report-json", report_path, "--no-progress"]
+                              + ([] if tp is None else ["--tensor-parallel-size", str(tp)]),
+                              nproc=2, env={**store.env(), "DISTLOAD_CACHE_DIR": ""}, timeout=240)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "node cache" in result.stdout
         ranks = json.load(open(report_path))["ranks"]
         assert [r["path"] for r in ranks] == ["ranged-shared"] * 2
-        assert [r["digest"] for r in ranks] == [plain_digest(llama.files)] * 2
+        expected = [plain_digest(llama.files)] * 2 if tp is None else [plain_digest(f) for f in llama.tp[2]]
+        assert [r["digest"] for r in ranks] == expected, tp
         stored.append(sum(r["store_bytes"] for r in ranks))
     assert stored == [llama.nbytes, 0]
 

@@ -179,6 +179,11 @@ class StoreBytes:
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
         pieces = [FileExtent(info, info.begin + src, dst, length) for src, dst, length in extents]
+        if self.bytes_of.cache is not None:  # large pieces straight from the cache into the bucket
+            for piece in [p for p in pieces if p.length >= DIRECT_BYTES]:
+                self.bytes_of.read_into(info.file, piece.start, piece.end,
+                                        view[piece.offset:piece.offset + piece.length])
+            pieces = [p for p in pieces if p.length < DIRECT_BYTES]
         for start, end, members in coalesce(pieces):
             data = memoryview(self.bytes_of.read(info.file, start, end))
             for piece in members:
