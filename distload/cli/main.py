@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip the per-rank SHA-256 digest (it costs a pass over the bytes)")
     load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                       help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
+    load.add_argument("--cache-dir", default=None, metavar="DIR",
+                      help="object stores: keep the bytes read in this node cache and take them from there "
+                           "next time, whatever job, format or TP size (also DISTLOAD_CACHE_DIR; extra config "
+                           "cache_dir; docs/cache.md)")
+    load.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB",
+                      help="the node cache's size bound: the least recently used entries go beyond it (also "
+                           "DISTLOAD_CACHE_MAX_GIB; extra config cache_max_gib; default: no bound)")
 
     # Python's reshard() does the same; "save-sharded" was its first name (Python's save_sharded()
     # saves from a running job), kept as an alias that says so.
@@ -199,8 +206,9 @@ def run_load(args: argparse.Namespace) -> int:
     from distload.loading.loader import Loader
 
     check_arguments(args)
+    extra = _with_cache_flags(args)
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
-        loader = Loader(args.source, args.load_format, args.model_loader_extra_config,
+        loader = Loader(args.source, args.load_format, extra,
                         group=group, progress=not args.no_progress,
                         tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding)
         report = loader.load(gather=True, digest=not args.no_digest).report
@@ -213,6 +221,25 @@ def run_load(args: argparse.Namespace) -> int:
                 report.write(args.report_json)
                 log.info("report written to %s", args.report_json)
     return 0
+
+
+def _with_cache_flags(args: argparse.Namespace):
+    """The extra config with --cache-dir and --cache-max-gib as its keys (the same setting given
+    two different ways is an error, not a silent pick)."""
+    from distload.config import parse_extra_config
+
+    flags = {"cache_dir": args.cache_dir, "cache_max_gib": args.cache_max_gib}
+    if all(value is None for value in flags.values()):
+        return args.model_loader_extra_config
+    extra = parse_extra_config(args.model_loader_extra_config)
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in extra and extra[key] != value:
+            raise ConfigError(f"--{key.replace('_', '-')} {value} and the extra config's '{key}': "
+                              f"{extra[key]!r} disagree; give it once")
+        extra[key] = value
+    return extra
 
 
 def run_reshard(args: argparse.Namespace) -> int:
@@ -290,7 +317,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     keys, sizes, patterns), before any process group: a bad flag costs no rendezvous. The
     launchers run it once before they start any rank (:func:`precheck`)."""
     if args.command == "load":
-        make_load_config(args.load_format, args.model_loader_extra_config)
+        make_load_config(args.load_format, _with_cache_flags(args))
         if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
     if args.command == "pull" and args.chunk_mib <= 0:

@@ -253,6 +253,9 @@ class Loader:
             prefaulted_bytes=host_memory.prefaulted_bytes,
             reader_bytes=run.reader_bytes,
             received_bytes=run.received_bytes,
+            cache_bytes=run.cache_bytes,
+            store_bytes=run.store_bytes,
+            corrupt_blocks=run.corrupt_blocks,
         )
 
 

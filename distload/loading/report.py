@@ -77,6 +77,11 @@ class RankReport:
     # Bytes other ranks read and sent to this one (distload's shared reads); None: not counted.
     received_bytes: int | None = None
     tensor_parallel: list[int] | None = None  # [TP rank, TP size] of a tensor-parallel load
+    # Through a node cache (--cache-dir): bytes from it, bytes fetched from the store into it (whole
+    # blocks), blocks found corrupt there and fetched again; None: no cache.
+    cache_bytes: int | None = None
+    store_bytes: int | None = None
+    corrupt_blocks: int | None = None
 
 
 @dataclass
@@ -119,6 +124,7 @@ class LoadReport:
                                      min((r.seconds for r in self.ranks), default=0.0))
         show_requested = any(r.requested_bytes is not None for r in self.ranks)
         show_received = any(r.received_bytes for r in self.ranks)
+        show_cache = any(r.cache_bytes is not None for r in self.ranks)
         # Every way any rank read by, on every line (a rank that did not count ways shows -).
         ways = (sorted({way for r in self.ranks for way in (r.reader_bytes or {})})
                 if any(r.reader_bytes and len(r.reader_bytes) > 1 for r in self.ranks) else [])
@@ -131,6 +137,10 @@ class LoadReport:
                 fields += f", requested {gib_text(r.requested_bytes)}"
             if show_received:
                 fields += f", received {gib_text(r.received_bytes or 0)} from other ranks"
+            if show_cache:
+                fields += f", node cache {gib_text(r.cache_bytes)}, store {gib_text(r.store_bytes)}"
+                if r.corrupt_blocks:
+                    fields += f", {r.corrupt_blocks} corrupt block(s) fetched again"
             if ways:
                 fields += " (" + ", ".join(
                     f"{way} {gib_text(r.reader_bytes.get(way, 0) if r.reader_bytes is not None else None)}"

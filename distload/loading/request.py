@@ -91,6 +91,11 @@ class BackendRun:
         self.reader_bytes: dict[str, int] | None = None
         # Bytes that came from other ranks over the group (a shared read); None: not counted.
         self.received_bytes: int | None = None
+        # Through a node cache: bytes its complete blocks gave, bytes fetched from the store into
+        # it, and blocks found corrupt (fetched again); None: no cache.
+        self.cache_bytes: int | None = None
+        self.store_bytes: int | None = None
+        self.corrupt_blocks: int | None = None
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":
