@@ -400,3 +400,21 @@ def test_block_bytes_of_a_2d_shard():
     assert len(block_bytes(t.shape, 2, (2, 2), (3, 4)).extents) == 3  # one per row
     with pytest.raises(ConfigError, match="do not lie inside"):
         block_bytes(t.shape, 2, (4, 0), (3, 8))
+
+
+def test_placements_that_do_not_fit_the_tensor_or_the_mesh_are_named():
+    """torch says IndexError (Shard(2) of a 2-D tensor) or AssertionError (two placements on a
+    1-D mesh); load_dtensors names the tensor and what to give instead, on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distload.errors import ConfigError
+    from distload.loading.dtensors import check_placements
+
+    assert check_placements("w", (4, 6), (Shard(1),), 1) == (Shard(1),)
+    assert check_placements("w", (4, 6), (Shard(-1), Replicate()), 2) == (Shard(-1), Replicate())
+    with pytest.raises(ConfigError, match=r"tensor 'w' has 2 dimension\(s\) \(shape \[4, 6\]\), so it cannot be "
+                                          r"placed as Shard\(dim=2\): shard along a dimension it has \(0 to 1\)"):
+        check_placements("w", (4, 6), (Shard(2),), 1)
+    with pytest.raises(ConfigError, match=r"tensor 'b': 2 placement\(s\) .* on a 1-D device mesh: give exactly one "
+                                          r"placement per mesh dimension"):
+        check_placements("b", (4,), (Shard(0), Replicate()), 1)
