@@ -650,3 +650,37 @@ def test_one_of_two_trainer_ranks_killed_mid_data_leaves_the_receiver_at_its_old
     pushed = jobs.wait("train0", "push", 2)[1]
     assert not pushed["ok"] and "trainer rank 1" in pushed["error"], pushed
     assert jobs.exit_codes("train", "inf", "dead") == {"train": 0, "inf": 0, "dead": -signal.SIGKILL}, jobs.report()
+
+
+# -- 11. a member that left is not said to have stopped -----------------------------------------------------
+
+def test_a_member_that_left_the_channel_is_not_said_to_have_stopped_answering():
+    """A member's heartbeat also stops when it closes the channel: the supervisor says it left,
+    not that it was killed, stopped or hung. One process: a store served here, the session's
+    record written by hand, the other member's beat never started."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distload.live import rendezvous
+    from distload.live.session import Session
+    from distload.workers.heartbeat import Beat, PeerWatch
+
+    raw = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    root = rendezvous.BoundedStore(raw, "tcp://127.0.0.1:0", "trainer rank 0")
+    record = rendezvous.SessionRecord("s1", 1, 1, {}, {})
+    store = root.prefixed("s/s1/")
+    beat = Beat(store.raw, 0)
+    session = Session(record, store, {}, "gloo", 0, beat, PeerWatch(store, [1], 0.6), root.address, 5.0,
+                      rendezvous.describe)
+    try:
+        store.set("left/1", b"1")
+        deadline = time.monotonic() + 10
+        reason = None
+        while reason is None and time.monotonic() < deadline:
+            reason = session._interruption()
+            time.sleep(0.1)
+        assert reason == "inference rank 0 left the channel (closed it) during the update", reason
+    finally:
+        beat.stop()
+        root.close()

@@ -345,8 +345,13 @@ class SyncChannel:
                     continue
                 self._drop_session()
                 self._store.close()
-                self._store = rendezvous.open_store(self.address, False, wait_deadline - time.monotonic(),
-                                                    self._server)
+                try:  # a restarted trainer serves the store again at the same address
+                    self._store = rendezvous.open_store(self.address, False, wait_deadline - time.monotonic(),
+                                                        self._server)
+                except SyncError as lost:
+                    raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s: {exc}, and no restarted "
+                                    f"{self._server} served it again ({lost}); still at version {self.version}"
+                                    ) from None
                 continue
             if found is not None:
                 return found

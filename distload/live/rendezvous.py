@@ -72,6 +72,7 @@ class _Caller:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.stalled = False
+        self.closed = False
         threading.Thread(target=self._run, name="distload-store", daemon=True).start()
 
     def _run(self) -> None:
@@ -89,6 +90,8 @@ class _Caller:
 
     def call(self, fn: Any, args: tuple, answer_s: float) -> tuple[bool, Any]:
         """(True, result), (False, the exception it raised); raises TimeoutError unanswered."""
+        if self.closed:
+            return False, RuntimeError("this member closed its connection to the store")
         if self.stalled:
             raise TimeoutError
         job = _Job(fn, args)
@@ -99,6 +102,7 @@ class _Caller:
         return (True, job.result) if job.error is None else (False, job.error)
 
     def close(self) -> None:
+        self.closed = True
         self._jobs.put(None)
 
 
