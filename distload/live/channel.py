@@ -27,11 +27,14 @@ first waits for the metadata); one update, numbered within its session:
    a tensor (its trainer stopped, not died) is waited for before the next update writes there;
    if it has not ended within SETTLE_S, that update is refused;
 4. *done*: every member posts that its part finished and waits for all the others: only then
-   does a receiver's ``version`` advance.
+   does a receiver's ``version`` advance. Each then says it saw that, and the process serving
+   the store returns only once every member has (Session.finish): a trainer that exits the
+   instant ``push`` returned leaves no receiver unsure whether it has the version.
 
 Any failure (a checksum, a peer that died or stopped, a deadline) is posted as the update's abort
-reason: every member raises it within its timeout, receivers keep their old ``version``
-(``consistent`` False once data moved), and the session is over: the next push or receive forms a
+reason: every member raises it within its timeout, receivers keep their old ``version`` (and,
+by default, exactly its bytes: what had landed is rolled back; without rollback ``consistent``
+is False once data moved), and the session is over: the next push or receive forms a
 new one (a restarted trainer rejoins the same address). The data step runs under the session's
 supervisor, which watches the abort key and every member's heartbeat while it moves.
 """
@@ -430,11 +433,11 @@ class SyncChannel:
         except BaseException as exc:
             # supervise() has ended the transfer thread: nothing of this update lands after this.
             self._drop_session()
+            rolled = " (what had landed was rolled back)" if undo else ""
             if undo is not None:
                 self._roll_back(undo, targets)
             if not isinstance(exc, SyncError):
                 raise
-            rolled = " (what had landed was rolled back)" if undo else ""
             raise SyncError(f"version {version} did not arrive whole; still at version {self.version}{rolled}: "
                             f"{exc}") from exc
         session.seq += 1

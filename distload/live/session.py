@@ -156,14 +156,13 @@ class Session:
             return
         others = {r: self.key("seen", r) for r in range(self.record.world_size) if r != self.me}
         backoff = rendezvous.Backoff()
-        while others and time.monotonic() < deadline:
-            try:
-                gone = set(self.watch.silent(time.monotonic()))
-                others = {r: k for r, k in others.items()
-                          if r not in gone and not self.store.check([k]) and not self.store.check([f"left/{r}"])}
-            except StoreLost:
-                return  # this process serves it: not reachable only while it closes
-            backoff.pause()
+        try:
+            while others and not self.store.check(list(others.values())) and time.monotonic() < deadline:
+                gone = self.watch.silent(time.monotonic())  # killed (or left) since it posted "done"
+                others = {r: k for r, k in others.items() if r not in gone}
+                backoff.pause()
+        except StoreLost:
+            pass  # this process serves the store: it fails only while it closes
 
     def fail(self, reason: str) -> str:
         """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
