@@ -684,3 +684,21 @@ def test_a_member_that_left_the_channel_is_not_said_to_have_stopped_answering():
     finally:
         beat.stop()
         root.close()
+
+
+# -- 12. a second inference job at a channel that has one ------------------------------------------------
+
+@pytest.mark.dist
+def test_a_second_inference_job_at_a_taken_channel_is_told_so(jobs):
+    """A channel takes one job per side: a second inference job at it is told that the channel
+    is taken (naming the process that has its place), not that nobody serves it."""
+    jobs.start("train", "trainer", ["push:1", "gate:second-done"])
+    jobs.start("inf", "inference", ["recv", "gate:second-done"])
+    _assert_received(jobs.wait("inf0", "recv")[0], 1)
+    jobs.start("second", "inference", ["recv:3", "mark:second-done"])
+    (refused,) = jobs.wait("second0", "recv")
+    (first,) = jobs.wait("inf0", "start")
+    assert not refused["ok"], refused
+    assert (f"the sync channel at {jobs.address} is taken: its current session already has an inference rank 0 "
+            f"(process {first['pid']})") in refused["error"], refused
+    assert jobs.exit_codes("train", "inf", "second") == {"train": 0, "inf": 0, "second": 0}, jobs.report()

@@ -73,6 +73,7 @@ class _Caller:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.stalled = False
         self.closed = False
+        self.lost: BaseException | None = None  # the connection's failure, once its server is gone
         threading.Thread(target=self._run, name="distload-store", daemon=True).start()
 
     def _run(self) -> None:
@@ -92,6 +93,8 @@ class _Caller:
         """(True, result), (False, the exception it raised); raises TimeoutError unanswered."""
         if self.closed:
             return False, RuntimeError("this member closed its connection to the store")
+        if self.lost is not None:
+            return False, self.lost
         if self.stalled:
             raise TimeoutError
         job = _Job(fn, args)
@@ -127,6 +130,10 @@ class BoundedStore:
             raise StoreLost(f"the rendezvous store at {self.address} has not answered for {ANSWER_S:g} s: "
                             f"{self.server}, which serves it, is stopped (SIGSTOP) or hung", True) from None
         if not ok:
+            if isinstance(value, dist.DistNetworkError):
+                # Its server is gone: the next calls fail here at once instead of each going to
+                # torch's client, which prints a C++ backtrace for every failed call.
+                self._caller.lost = value
             raise StoreLost(f"lost the rendezvous store at {self.address} ({self.server}, which served it, died "
                             f"or closed it: {short(value)})", False) from None
         return value
@@ -192,9 +199,10 @@ def open_store(address: str, serve: bool, timeout_s: float, server: str) -> Boun
     _await_listener(host, port, deadline, address, timeout_s)
     # torch's handshake is not bounded by its timeout: a listener that accepts and never answers
     # (a stopped server, another program) holds it for good. It runs on a thread of its own.
+    # torch's own retries overrun the timeout it is given by up to about two seconds.
     wait_s = max(1.0, deadline - time.monotonic())
     try:
-        raw = within(wait_s + 1.0, dist.TCPStore, host, port, None, False, timedelta(seconds=wait_s))
+        raw = within(wait_s, dist.TCPStore, host, port, None, False, timedelta(seconds=max(0.5, wait_s - 2.0)))
     except TimeoutError:
         raise SyncError(f"something accepts connections at {address} but does not answer as a sync rendezvous "
                         f"store (waited {timeout_s:.0f} s): {server}, which serves it, is stopped (SIGSTOP) or "
@@ -367,6 +375,12 @@ def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float,
         if current and current.get("failed") and nonce in current.get("seen", ()):
             raise SyncError(f"trainer rank 0 could not form the sync session at {address}: {current['failed']}")
         if time.monotonic() > deadline:
+            if current and current.get("id") and key in current["nonces"]:
+                pid = current["record"].infos.get(key, {}).get("pid")
+                raise SyncError(f"the sync channel at {address} is taken: its current session already has an "
+                                f"{describe(role, rank)} (process {pid}), another job's: a channel takes one job "
+                                f"per side, so point this job at an address of its own (if that was this rank's "
+                                f"previous process, the trainer's next update forms a session with this one)")
             raise SyncError(f"no trainer formed a sync session with {describe(role, rank)} at {address} in "
                             f"time: is the trainer job running, and pointed at this address?")
         time.sleep(POLL_S)

@@ -271,6 +271,30 @@ class Session:
         return landing
 
 
+class _Beating:
+    """A store as a heartbeat uses it: while its server does not answer (stopped, and it may
+    resume) a beat is skipped, not the last one; once the server is gone the beat ends."""
+
+    def __init__(self, store: BoundedStore):
+        self.store = store
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return self.store.add(key, amount)
+        except StoreLost as exc:
+            if exc.stalled:
+                return 0
+            raise
+
+    def check(self, keys: list[str]) -> bool:
+        try:
+            return self.store.check(keys)
+        except StoreLost as exc:
+            if exc.stalled:
+                return False
+            raise
+
+
 def session_backend(infos: Iterable[Mapping[str, Any]]) -> str:
     """The pairs' backend: NCCL where every member is on a GPU of its own, else gloo (buckets
     through the host). NCCL refuses two ranks of one communicator on one GPU (init.cc:
@@ -303,9 +327,7 @@ def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str,
     me = record.channel_rank(role, rank)
     store = root.prefixed(f"s/{record.id}/")
     backend = session_backend(record.infos.values())
-    # The beat calls torch's store itself: a store that stopped answering holds it until it
-    # answers again (its server resumed), where a bounded call would end it for good.
-    beat = Beat(store.raw, me, until=lambda: root.raw.check([rendezvous.CLOSING]))
+    beat = Beat(_Beating(store), me, until=lambda: _Beating(root).check([rendezvous.CLOSING]))
     peers = range(record.trainer_size, record.world_size) if role == "trainer" else range(record.trainer_size)
     pairs: dict[int, Any] = {}
     try:
