@@ -567,6 +567,7 @@ def test_trainer_stopped_in_the_data_step_is_named_and_the_receiver_rolls_back(j
     assert failure["consistent"] is True and failure["holds_its_version"], failure
     assert failure["t"] - stopped["t"] < ANSWER_S + 5, (failure, stopped)
     assert jobs.exit_codes("inf") == {"inf": 0}, jobs.report()
+    _no_abort(jobs.stderr("inf"))  # its store calls to the stopped trainer are still pending at exit
     os.kill(train.pid, signal.SIGKILL)
     assert jobs.exit_code("train") == -signal.SIGKILL
 
@@ -707,3 +708,37 @@ def test_a_second_inference_job_at_a_taken_channel_is_told_so(jobs):
     assert (f"the sync channel at {jobs.address} is taken: its current session already has an inference rank 0 "
             f"(process {first['pid']})") in refused["error"], refused
     assert jobs.exit_codes("train", "inf", "second") == {"train": 0, "inf": 0, "second": 0}, jobs.report()
+
+
+# -- 13. the screen when the trainer that serves the store dies -----------------------------------------
+
+@pytest.mark.dist
+def test_sync_demo_inference_prints_one_line_not_torch_backtraces_when_the_trainer_dies(tmp_path):
+    """Two sync-demo jobs (the CLI, one rank each); the trainer, which serves the store, is
+    SIGKILLed once it pushed version 1. The inference job ends within its timeout with distload's
+    one line naming the trainer, and none of torch's C++ warnings ("TCPStore.cpp ... recvValue
+    failed", a backtrace each) on the screen."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    common = [sys.executable, "-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "40",
+              "--size-mib", "2", "--bucket-mib", "1", "--device", "cpu", "--timeout", "5"]
+    env = clean_env(drop_prefixes=("TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG"))
+    trainer = subprocess.Popen(common + ["--role", "trainer"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True)
+    inference = subprocess.Popen(common + ["--role", "inference"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        for line in trainer.stdout:
+            if "pushed version 1" in line:
+                break
+        os.kill(trainer.pid, signal.SIGKILL)
+        out, err = inference.communicate(timeout=60)
+    finally:
+        for proc in (trainer, inference):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert inference.returncode == 1, (out, err)
+    assert "received version 1" in out, out
+    assert "distload: error on rank 0: " in err and "trainer rank 0" in err, err
+    for noise in ("TCPStore.cpp", "frame #0", "c10::Error"):
+        assert noise not in err and noise not in out, err
