@@ -418,3 +418,17 @@ def test_placements_that_do_not_fit_the_tensor_or_the_mesh_are_named():
     with pytest.raises(ConfigError, match=r"tensor 'b': 2 placement\(s\) .* on a 1-D device mesh: give exactly one "
                                           r"placement per mesh dimension"):
         check_placements("b", (4,), (Shard(0), Replicate()), 1)
+
+
+def test_tensor_parallelism_that_splits_nothing_is_refused(tmp_path):
+    """A checkpoint whose names no spec knows (GPT-2's) under --tensor-parallel-size 2 used to
+    load every tensor whole on every rank and exit 0, as if it were split."""
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    save_file({"h.0.attn.c_attn.weight": torch.zeros(8, 24), "h.0.mlp.c_fc.weight": torch.zeros(8, 32),
+               "wte.weight": torch.zeros(50, 8)}, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError) as err:
+        load_as(str(folder), "auto", 0, 2)
+    message = str(err.value)
+    assert "--tensor-parallel-size 2: sharding spec 'decoder' splits none of this checkpoint's 3 tensors" in message
+    assert "'h.0.attn.c_attn.weight'" in message and "or load without --tensor-parallel-size" in message
