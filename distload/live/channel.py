@@ -465,6 +465,8 @@ class SyncChannel:
                 if into is None:
                     into = self._buffer(("recv", i % 2), layout.size)
                 work = session.post(sender, into)
+                if undo is not None:  # while the bucket is on its way
+                    _set_aside(undo, layout, meta["entries"], targets)
                 if straight:
                     session.into_model.append(work)
                 posted[i] = (into, work)
@@ -481,8 +483,6 @@ class SyncChannel:
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
                     if not layout.direct or not _same_memory(data, targets[meta["entries"][layout.items[0][0].entry].name]):
-                        if undo is not None:
-                            _set_aside(undo, layout, meta["entries"], targets)
                         unpack(data, layout, meta["entries"], targets)
                     wire += layout.wire_bytes
                 post(i + 2)
