@@ -104,6 +104,15 @@ class Logged(logging.Handler):
 
 
 logging.getLogger("distload").addHandler(Logged())
+def seen(buffers):
+    """Whether every one of these buffers was here at the last look (tagged then), and tag them."""
+    buffers = list(buffers)
+    kept = bool(buffers) and all(getattr(b, "seen_before", False) for b in buffers)
+    for b in buffers:
+        b.seen_before = True
+    return kept
+
+
 log("start")
 t0 = time.monotonic()
 try:
@@ -134,7 +143,7 @@ for step in cfg["steps"]:
             stats = ch.receive(target, timeout_s=float(arg) if arg else None)
             log("recv", ok=True, version=stats.version, channel_version=ch.version, exact=exact(target, stats.version),
                 in_place=all(target[n].data_ptr() == p for n, p in pointers.items()), consistent=ch.consistent,
-                last_error=ch.last_error, seconds=time.monotonic() - t0)
+                last_error=ch.last_error, seconds=time.monotonic() - t0, buffers_kept=seen(ch._buffers.values()))
         except SyncError as exc:
             log("recv", ok=False, error=str(exc), version=ch.version, consistent=ch.consistent,
                 last_error=ch.last_error, unchanged=all(before[n].equal(target[n]) for n in target),
@@ -631,6 +640,8 @@ def test_trainer_killed_right_after_push_returns_leaves_every_receiver_at_that_v
         first, second, third = jobs.wait(f"inf{r}-{r}", "recv", 3)
         _assert_received(first, 1)
         _assert_received(second, 2)
+        # a new session after a completed update reuses the buffers: no new memory per reconnect
+        assert second["buffers_kept"], second
         assert not third["ok"] and third["version"] == 2 and third["holds_its_version"], third
         assert ("no update arrived within 4 s: lost the rendezvous store at " + jobs.address) in third["error"], third
         assert "trainer rank 0, which served it, died" in third["error"], third

@@ -148,6 +148,9 @@ class SyncChannel:
         self._session: Session | None = None
         self._into_model: list[Any] = []  # given-up transfers still landing in this rank's tensors
         self._buffers: dict[tuple, torch.Tensor] = {}
+        # Host tensors the rollback sets old bytes aside in, kept from update to update: fresh ones
+        # each time would cost their page faults every update, and grow the heap after reconnects.
+        self._set_aside_in: dict[str, torch.Tensor] = {}
         self.version: int | None = None
         self._absent: str | None = None  # why the update this rank waits for may not come (said once)
         self.last_error: str | None = None
@@ -197,8 +200,11 @@ class SyncChannel:
         session, self._session = self._session, None
         if session is None:
             return
-        self._buffers.clear()
         self._into_model += session.end()
+        if session.unfinished:
+            # A transfer given up may still write into its buffer: the next updates take new ones.
+            # (After an update that ended, the next session reuses them: no new memory per reconnect.)
+            self._buffers.clear()
 
     # -- trainer ------------------------------------------------------------------------------
     def push(self, state: Mapping[str, torch.Tensor], version: int) -> SyncStats:
@@ -466,7 +472,7 @@ class SyncChannel:
                     into = self._buffer(("recv", i % 2), layout.size)
                 work = session.post(sender, into)
                 if undo is not None:  # while the bucket is on its way
-                    _set_aside(undo, layout, meta["entries"], targets)
+                    _set_aside(undo, self._set_aside_in, layout, meta["entries"], targets)
                 if straight:
                     session.into_model.append(work)
                 posted[i] = (into, work)
@@ -553,7 +559,7 @@ class SyncChannel:
     # -- shared ------------------------------------------------------------------------------------
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < size:
+        if buffer is None or buffer.numel() < size or buffer.device != self._transport_device():
             buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self._transport_device())
         return buffer[:size]
 
@@ -583,7 +589,7 @@ class SyncChannel:
         store, self._store = self._store, None
         session = self._session
         self._drop_session()
-        self._buffers = {}
+        self._buffers, self._set_aside_in = {}, {}
         if store is not None:
             leave(store, session, self._serving)
             store.close()
@@ -671,14 +677,19 @@ def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
     return problems
 
 
-def _set_aside(undo: dict[str, torch.Tensor], layout: BucketLayout, entries: Sequence[SyncTensor],
-               targets: Mapping[str, torch.Tensor]) -> None:
-    """Copy the old bytes of each tensor ``layout`` writes into ``undo`` (in host memory), the
-    first time this update writes it."""
+def _set_aside(undo: dict[str, torch.Tensor], space: dict[str, torch.Tensor], layout: BucketLayout,
+               entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor]) -> None:
+    """Copy the old bytes of each tensor ``layout`` writes into ``undo`` (host tensors, reused
+    from ``space``), the first time this update writes it."""
     for piece, _ in layout.items:
         name = entries[piece.entry].name
         if piece.nbytes and name not in undo:
-            undo[name] = targets[name].detach().to("cpu", copy=True)
+            old = targets[name].detach()
+            held = space.get(name)
+            if held is None or held.shape != old.shape or held.dtype != old.dtype:
+                held = space[name] = torch.empty(old.shape, dtype=old.dtype, device="cpu")
+            held.copy_(old)
+            undo[name] = held
 
 
 def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:

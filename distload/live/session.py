@@ -68,6 +68,7 @@ class Session:
     seq: int = 0  # the next update's number
     issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
     into_model: list[Any] = field(default_factory=list)  # its receives straight into the model
+    unfinished: bool = False  # set by end(): some transfer had not ended (its buffer may still be written)
 
     def who(self, member: int | None = None) -> str:
         """A member (by default this one) as messages name it."""
@@ -250,6 +251,7 @@ class Session:
         model that have not ended (a given-up update's, whose trainer stopped, not died)."""
         self.beat.stop()
         landing = [work for work in self.into_model if not work.is_completed()]
+        self.unfinished = any(not work.is_completed() for works in self.issued.values() for work in works)
         for peer, pair in self.pairs.items():
             if any(not work.is_completed() for work in self.issued.get(peer, ())):
                 if self.backend == "nccl":
