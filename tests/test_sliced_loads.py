@@ -432,3 +432,5 @@ def test_tensor_parallelism_that_splits_nothing_is_refused(tmp_path):
     message = str(err.value)
     assert "--tensor-parallel-size 2: sharding spec 'decoder' splits none of this checkpoint's 3 tensors" in message
     assert "'h.0.attn.c_attn.weight'" in message and "or load without --tensor-parallel-size" in message
+    whole = load_as(str(folder), "auto", 1, 2, sharding="replicate")  # replicated on purpose: loads
+    assert whole.state["wte.weight"].shape == (50, 8)
