@@ -436,4 +436,3 @@ def test_block_bytes_of_a_2d_shard():
     assert len(block_bytes(t.shape, 2, (2, 2), (3, 4)).extents) == 3  # one per row
     with pytest.raises(ConfigError, match="do not lie inside"):
         block_bytes(t.shape, 2, (4, 0), (3, 8))
-
