@@ -11,6 +11,10 @@ subgroup, or a wrapped ``torch.distributed`` group), or None for a group made fr
 environment for that call.
 """
 
+from distload.runtime import quiet_torch_warnings_in_the_cli as _quiet_torch_warnings
+
+_quiet_torch_warnings()  # before torch loads: it reads its log level only then
+
 from distload.config import LoadConfig
 from distload.errors import (
     BackendUnavailableError,

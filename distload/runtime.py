@@ -33,6 +33,27 @@ from typing import Any, Iterator, Mapping
 from distload import quiet_exit
 
 
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+
+
+def quiet_torch_warnings_in_the_cli() -> None:
+    """In distload's own command line (``python -m distload``, the ``distload`` script, under
+    torchrun too), before torch loads: torch's C++ warnings stay off the screen
+    (TORCH_CPP_LOG_LEVEL=ERROR). When the process serving a weight-sync store dies, every store
+    call in flight prints one with a C++ backtrace (TCPStore.cpp "recvValue failed", ~20 lines),
+    and then distload names what was lost in one line. A level the user set (TORCH_CPP_LOG_LEVEL,
+    or TORCH_DISTRIBUTED_DEBUG) is kept. In a library user's process torch is loaded already
+    (torch reads the level only as it loads), and its settings are the user's to make."""
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", []))
+    by_module = "-m" in argv[:-1] and argv[argv.index("-m") + 1] == "distload"
+    by_script = len(argv) > 1 and os.path.basename(argv[1]) == "distload"
+    asked = CPP_LOG_LEVEL in os.environ or os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    if (by_module or by_script) and not asked and "torch" not in sys.modules:
+        os.environ[CPP_LOG_LEVEL] = "ERROR"
+
+
 class Runtime:
     def __init__(self) -> None:
         self.lock = threading.RLock()

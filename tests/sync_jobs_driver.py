@@ -309,7 +309,8 @@ def verify(role, address, result, args):
             finally:
                 channel_module.checksum = real_checksum
             row.update(channel_version=ch.version, consistent=ch.consistent, corrupted=len(landed) >= 2,
-                       exact=exact(target, state_of(shapes, version)))
+                       exact=exact(target, state_of(shapes, version)),
+                       holds_its_version=exact(target, state_of(shapes, ch.version)))
             result.setdefault("receives", []).append(row)
 
 

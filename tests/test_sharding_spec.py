@@ -464,3 +464,20 @@ def test_shardingplan_is_pure_data():
     spec = ShardingSpec("x", (Rule("*", 0),))
     assert spec.config == {}
     assert spec.to_json() == {"name": "x", "rules": [{"match": "*", "split": 0}]}
+
+
+@pytest.mark.parametrize("config,says", [
+    ({}, "there is none"),
+    ({"hidden_size": 64}, "it has no num_attention_heads"),
+    ({"num_attention_heads": "4", "hidden_size": 64}, "its num_attention_heads is '4' (str), not a positive int"),
+    ({"num_attention_heads": 4, "num_key_value_heads": 0, "hidden_size": 64},
+     "its num_key_value_heads is 0 (int), not a positive int"),
+])
+def test_a_config_with_wrong_head_counts_says_which(config, says):
+    """A config.json that has the keys with wrong values is not "none", and KV heads 0 is not
+    taken for "as many as the attention heads"."""
+    name = "model.layers.0.self_attn.k_proj.weight"
+    action = load_spec("decoder", config).action(name, (96, 64))
+    with pytest.raises(ConfigError) as err:
+        shard_shape(name, (96, 64), action, 2)
+    assert says in str(err.value), str(err.value)

@@ -207,6 +207,42 @@ def test_bad_tensor_parallel_sizes(llama):
             distload.Loader(whole, group=group, tensor_parallel_size=2, tensor_parallel_rank=2).plan()
 
 
+def test_placements_that_do_not_fit_the_tensor_or_the_mesh_are_named():
+    """torch says IndexError (Shard(2) of a 2-D tensor) or AssertionError (two placements on a
+    1-D mesh); load_dtensors names the tensor and what to give instead, on every rank."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from distload.errors import ConfigError
+    from distload.loading.dtensors import check_placements
+
+    assert check_placements("w", (4, 6), (Shard(1),), 1) == (Shard(1),)
+    assert check_placements("w", (4, 6), (Shard(-1), Replicate()), 2) == (Shard(-1), Replicate())
+    with pytest.raises(ConfigError, match=r"tensor 'w' has 2 dimension\(s\) \(shape \[4, 6\]\), so it cannot be "
+                                          r"placed as Shard\(dim=2\): shard along a dimension it has \(0 to 1\)"):
+        check_placements("w", (4, 6), (Shard(2),), 1)
+    with pytest.raises(ConfigError, match=r"tensor 'b': 2 placement\(s\) .* on a 1-D device mesh: give exactly one "
+                                          r"placement per mesh dimension"):
+        check_placements("b", (4,), (Shard(0), Replicate()), 1)
+
+
+def test_tensor_parallelism_that_splits_nothing_is_refused(tmp_path):
+    """A checkpoint whose names no spec knows (GPT-2's) under --tensor-parallel-size 2 used to
+    load every tensor whole on every rank and exit 0, as if it were split."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    save_file({"h.0.attn.c_attn.weight": torch.zeros(8, 24), "h.0.mlp.c_fc.weight": torch.zeros(8, 32),
+               "wte.weight": torch.zeros(50, 8)}, str(folder / "model.safetensors"))
+    with pytest.raises(ConfigError) as err:
+        load_as(str(folder), "auto", 0, 2)
+    message = str(err.value)
+    assert "--tensor-parallel-size 2: sharding spec 'decoder' splits none of this checkpoint's 3 tensors" in message
+    assert "'h.0.attn.c_attn.weight'" in message and "or load without --tensor-parallel-size" in message
+    whole = load_as(str(folder), "auto", 1, 2, sharding="replicate")  # replicated on purpose: loads
+    assert whole.state["wte.weight"].shape == (50, 8)
+
+
 def test_tensor_parallel_size_one_is_the_vllm_tp1_layout(llama):
     whole, saved = llama
     result = load_as(whole, "auto", 0, 1)

@@ -197,6 +197,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
             result["error"] = str(exc)
         result["seconds"] = time.monotonic() - start
         result["version"], result["consistent"], result["last_error"] = sync.version, sync.consistent, sync.last_error
+        result["holds_version_1"] = all(target[n].equal(t) for n, t in state.items())
         with open(f"{out}/rank{g.rank}.json", "w") as f:
             json.dump(result, f)
         os._exit(0)  # the group lost a member: skip teardown handshakes with the dead rank
@@ -228,6 +229,7 @@ def test_sender_killed_mid_update_leaves_old_version(tmp_path):
         assert procs[rank].returncode == 0, outputs[rank][1][-3000:]
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["first"] == 1 and "second" not in r, r
-        assert r["version"] == 1 and r["consistent"] is False and r["last_error"], r
+        assert r["version"] == 1 and r["consistent"] is True and r["last_error"], r  # rolled back
+        assert r["holds_version_1"], r
         assert "still at version 1" in r["error"], r
         assert r["seconds"] < 60, r  # well inside the 30 s group timeout plus slack, not a hang

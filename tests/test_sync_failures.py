@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import threading
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ import torch
 
 from distload.errors import SyncError
 from distload.live.channel import SyncChannel
+from distload.live.rendezvous import ANSWER_S
 from distload.live.session import DEAD_AFTER_S
 
 from dist_helpers import ABORT_MARKERS, clean_env, free_port, write_script
@@ -35,7 +38,7 @@ TIMEOUT_S = 30.0  # the channels' timeout: every failure below must surface well
 BOUND_S = 20.0  # "well under the timeout"
 
 _DRIVER = r'''
-import json, os, signal, sys, time, torch
+import json, logging, os, signal, sys, time, torch
 import distload.live.channel as channel
 from distload.errors import SyncError
 from distload.live.channel import SyncChannel
@@ -95,6 +98,21 @@ def arm(fn_name, after, sig, pause=0.0):
     setattr(channel, fn_name, sabotaged)
 
 
+class Logged(logging.Handler):
+    def emit(self, record):  # distload's warnings, stamped: how soon a stopped peer was named
+        log("warning", message=record.getMessage())
+
+
+logging.getLogger("distload").addHandler(Logged())
+def seen(buffers):
+    """Whether every one of these buffers was here at the last look (tagged then), and tag them."""
+    buffers = list(buffers)
+    kept = bool(buffers) and all(getattr(b, "seen_before", False) for b in buffers)
+    for b in buffers:
+        b.seen_before = True
+    return kept
+
+
 log("start")
 t0 = time.monotonic()
 try:
@@ -113,7 +131,9 @@ for step in cfg["steps"]:
     if kind == "push":
         version = int(arg)
         try:
-            stats = ch.push(state(version), version)
+            # several trainer ranks split the names between them
+            mine = {n: t for i, (n, t) in enumerate(state(version).items()) if i % size == rank}
+            stats = ch.push(mine, version)
             log("push", ok=True, version=version, seconds=time.monotonic() - t0, nbytes=stats.nbytes)
         except SyncError as exc:
             log("push", ok=False, version=version, error=str(exc), seconds=time.monotonic() - t0)
@@ -123,10 +143,11 @@ for step in cfg["steps"]:
             stats = ch.receive(target, timeout_s=float(arg) if arg else None)
             log("recv", ok=True, version=stats.version, channel_version=ch.version, exact=exact(target, stats.version),
                 in_place=all(target[n].data_ptr() == p for n, p in pointers.items()), consistent=ch.consistent,
-                last_error=ch.last_error, seconds=time.monotonic() - t0)
+                last_error=ch.last_error, seconds=time.monotonic() - t0, buffers_kept=seen(ch._buffers.values()))
         except SyncError as exc:
             log("recv", ok=False, error=str(exc), version=ch.version, consistent=ch.consistent,
                 last_error=ch.last_error, unchanged=all(before[n].equal(target[n]) for n in target),
+                holds_its_version=ch.version is not None and exact(target, ch.version),
                 seconds=time.monotonic() - t0)
     elif kind == "arm":
         fn_name, after, sig, *pause = arg.split(",")
@@ -137,6 +158,9 @@ for step in cfg["steps"]:
         open(os.path.join(OUT, arg.replace("{rank}", str(rank))), "w").close()
     elif kind == "sleep":
         time.sleep(float(arg))
+    elif kind == "die":  # SIGKILL (9) or SIGSTOP (19) now: right after the step before it returned
+        log("dying", signal=int(arg))
+        os.kill(os.getpid(), int(arg))
     elif kind == "close":
         log("closing")
         ch.close()
@@ -298,7 +322,7 @@ def _assert_received(event: dict, version: int) -> None:
 @pytest.mark.parametrize("host", ["trainer", "inference"])
 def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
     """Two torchrun jobs: the trainer (1 rank) is SIGKILLed while version 2's buckets are out.
-    Every inference rank raises within BOUND_S, keeps version 1 (consistent False: data moved),
+    Every inference rank raises within BOUND_S, holds exactly version 1 again (rolled back),
     and, in the same process, receives version 3 from a new trainer job at the same address
     bit-exact. With host="trainer" the store died with the trainer and the receivers reach the
     restarted trainer's store; with host="inference" inference rank 0's store lives on."""
@@ -314,10 +338,9 @@ def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
         assert "version 2 did not arrive whole; still at version 1" in failure["error"], failure
         # Who was lost, whichever call saw it first: the trainer, or (host="trainer") the store it
         # served; never a bare gloo exception that names neither.
-        named = "trainer rank 0" in failure["error"] or (
-            host == "trainer" and "(the process serving it stopped" in failure["error"])
-        assert named and "pair.cc" not in failure["error"], failure
-        assert failure["version"] == 1 and failure["consistent"] is False, failure
+        # (whether it saw the trainer go or the store it served go).
+        assert "trainer rank 0" in failure["error"] and "pair.cc" not in failure["error"], failure
+        assert failure["version"] == 1 and failure["consistent"] is True and failure["holds_its_version"], failure
         assert failure["last_error"] == failure["error"], failure
         assert failure["seconds"] < BOUND_S, failure
         assert failure["t"] - dying["t"] < BOUND_S, (failure, dying)
@@ -346,7 +369,8 @@ def test_trainer_killed_while_the_receiver_is_between_buckets_names_the_trainer(
     (dying,) = jobs.wait("train0", "dying")
     failure = jobs.wait("inf0", "recv", 2)[1]
     assert jobs.events("inf0", "pausing") and jobs.exit_code("train") == -signal.SIGKILL
-    assert not failure["ok"] and failure["version"] == 1 and failure["consistent"] is False, failure
+    assert not failure["ok"] and failure["version"] == 1 and failure["consistent"] is True, failure
+    assert failure["holds_its_version"], failure  # what had landed was rolled back
     assert "version 2 did not arrive whole; still at version 1" in failure["error"], failure
     assert "trainer rank 0" in failure["error"] and "pair.cc" not in failure["error"], failure
     assert failure["t"] - dying["t"] < BOUND_S, (failure, dying)
@@ -426,7 +450,8 @@ def test_inference_rank_stopped_mid_update_is_named_within_dead_after(jobs):
 
     os.kill(stopped.pid, signal.SIGCONT)
     resumed = jobs.wait("stop1", "recv", 2, timeout=20)[1]
-    assert not resumed["ok"] and resumed["version"] == 1 and resumed["consistent"] is False, resumed
+    assert not resumed["ok"] and resumed["version"] == 1 and resumed["consistent"] is True, resumed
+    assert resumed["holds_its_version"], resumed
     assert "version 2 did not arrive whole" in resumed["error"], resumed
     # A receive that gave up leaves nothing behind that crashes the process at exit.
     assert jobs.exit_codes("train", "inf", "stop") == {"train": 0, "inf": 0, "stop": 0}, jobs.report()
@@ -510,3 +535,221 @@ def test_trainer_closing_between_updates_ends_a_waiting_receive_cleanly(jobs):
     for r in (0, 1):
         assert jobs.events(f"inf{r}", "exit"), jobs.report()
     _no_abort(jobs.stderr("inf") + jobs.stdout("inf") + jobs.stderr("train"))
+
+
+# -- 7. a trainer that stops (SIGSTOP) while it serves the store ----------------------------------------
+
+@pytest.mark.dist
+def test_trainer_stopped_between_updates_is_named_at_once_and_pushes_when_it_resumes(jobs):
+    """The trainer serves the store and stops itself (SIGSTOP) right after version 1: a store call
+    to it would block for good. The waiting receiver says within ANSWER_S plus slack that trainer
+    rank 0 is stopped, keeps waiting, and when the trainer resumes (SIGCONT) version 2 arrives in
+    that same receive."""
+    train = jobs.start("train", "trainer", ["push:1", f"die:{int(signal.SIGSTOP)}", "push:2"])
+    jobs.start("inf", "inference", ["recv", "recv:40"])
+    (stopped,) = jobs.wait("train0", "dying")
+    (warning,) = jobs.wait("inf0", "warning")
+    assert "trainer rank 0, which serves it, is stopped (SIGSTOP) or hung" in warning["message"], warning
+    assert warning["t"] - stopped["t"] < ANSWER_S + 4, (warning, stopped)
+    first = jobs.wait("inf0", "recv")[0]
+    _assert_received(first, 1)
+    assert first["t"] < stopped["t"] + 1, (first, stopped)  # push 1 returned only once the receiver had it
+    os.kill(train.pid, signal.SIGCONT)
+    _assert_received(jobs.wait("inf0", "recv", 2)[1], 2)
+    assert jobs.exit_codes("train", "inf") == {"train": 0, "inf": 0}, jobs.report()
+    _no_abort(jobs.stderr("train") + jobs.stderr("inf"))
+
+
+@pytest.mark.dist
+def test_trainer_stopped_in_the_data_step_is_named_and_the_receiver_rolls_back(jobs):
+    """The trainer stops (SIGSTOP) while version 2's buckets are out: the receiver fails the
+    update within ANSWER_S plus slack naming trainer rank 0 as stopped, holds exactly version 1
+    (what had landed was rolled back), and exits on its own while the trainer stays stopped."""
+    train = jobs.start("train", "trainer", ["push:1", f"arm:pack,4,{int(signal.SIGSTOP)}", "push:2"])
+    jobs.start("inf", "inference", ["recv", "recv"])
+    (stopped,) = jobs.wait("train0", "dying")
+    failure = jobs.wait("inf0", "recv", 2)[1]
+    assert not failure["ok"], failure
+    assert "version 2 did not arrive whole; still at version 1 (what had landed was rolled back)" in \
+        failure["error"], failure
+    assert "trainer rank 0" in failure["error"] and "stop" in failure["error"], failure
+    assert failure["consistent"] is True and failure["holds_its_version"], failure
+    assert failure["t"] - stopped["t"] < ANSWER_S + 5, (failure, stopped)
+    assert jobs.exit_codes("inf") == {"inf": 0}, jobs.report()
+    _no_abort(jobs.stderr("inf"))  # its store calls to the stopped trainer are still pending at exit
+    os.kill(train.pid, signal.SIGKILL)
+    assert jobs.exit_code("train") == -signal.SIGKILL
+
+
+# -- 8. something that is not distload at the address ----------------------------------------------------
+
+@pytest.mark.parametrize("answer", [None, b"HTTP/1.0 400 Bad Request\r\n\r\n"], ids=["silent", "http"])
+def test_a_foreign_program_at_the_address_is_named_within_the_timeout(answer):
+    """A listener that accepts and never answers (a stopped server looks the same), or one that
+    answers something else (an HTTP server): the receiver says so within its timeout instead of
+    sitting in torch's store handshake."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    held = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if answer is not None:
+                conn.recv(64)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(SyncError) as caught:
+            SyncChannel(address, "inference", rank=0, size=1, device="cpu", timeout_s=3).close()
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    seconds = time.monotonic() - start
+    message = str(caught.value)
+    if answer is None:
+        assert f"something accepts connections at {address} but does not answer as a sync rendezvous" in message
+    else:
+        assert f"the program at {address} is not a distload sync rendezvous" in message, message
+    assert seconds < 3 + 3, seconds
+
+
+# -- 9. a trainer that dies the instant push() returns ---------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_trainer_killed_right_after_push_returns_leaves_every_receiver_at_that_version(jobs):
+    """"Done" is done on both sides: each trainer SIGKILLs itself the moment push() returned (its
+    store goes with it). Both inference ranks hold that version, reported as received, and wait
+    on: the next trainer's version arrives too. When no trainer comes back, the wait ends at the
+    receive's timeout, saying that the store's server is gone."""
+    for r in (0, 1):
+        jobs.start(f"inf{r}-", "inference", ["recv", "recv", "recv:4"], rank=r, size=2)
+    jobs.start("trainA", "trainer", ["push:1", f"die:{int(signal.SIGKILL)}"])
+    assert jobs.exit_code("trainA") == -signal.SIGKILL
+    jobs.start("trainB", "trainer", ["push:2", f"die:{int(signal.SIGKILL)}"])
+    assert jobs.exit_code("trainB") == -signal.SIGKILL
+    for r in (0, 1):
+        first, second, third = jobs.wait(f"inf{r}-{r}", "recv", 3)
+        _assert_received(first, 1)
+        _assert_received(second, 2)
+        # a new session after a completed update reuses the buffers: no new memory per reconnect
+        assert second["buffers_kept"], second
+        assert not third["ok"] and third["version"] == 2 and third["holds_its_version"], third
+        assert ("no update arrived within 4 s: lost the rendezvous store at " + jobs.address) in third["error"], third
+        assert "trainer rank 0, which served it, died" in third["error"], third
+        assert third["seconds"] < 4 + 3, third
+    assert jobs.exit_codes("inf0-", "inf1-") == {"inf0-": 0, "inf1-": 0}, jobs.report()
+
+
+# -- 10. one of two trainer ranks killed inside the data step ---------------------------------------------
+
+@pytest.mark.dist
+def test_one_of_two_trainer_ranks_killed_mid_data_leaves_the_receiver_at_its_old_version(jobs):
+    """Trainer rank 1 (of 2, each sending half the names) is SIGKILLed while version 2's buckets
+    are out: trainer rank 0's push and the receiver fail naming it, and the receiver holds
+    exactly version 1 (rolled back), never a mix."""
+    jobs.start("train", "trainer", ["push:1", "push:2"], rank=0, size=2)
+    jobs.start("dead", "trainer", ["push:1", f"arm:pack,3,{int(signal.SIGKILL)}", "push:2"], rank=1, size=2)
+    jobs.start("inf", "inference", ["recv", "recv"])
+    _assert_received(jobs.wait("inf0", "recv")[0], 1)
+    failure = jobs.wait("inf0", "recv", 2)[1]
+    assert not failure["ok"] and "still at version 1 (what had landed was rolled back)" in failure["error"], failure
+    assert "trainer rank 1" in failure["error"], failure
+    assert failure["consistent"] is True and failure["holds_its_version"], failure
+    pushed = jobs.wait("train0", "push", 2)[1]
+    assert not pushed["ok"] and "trainer rank 1" in pushed["error"], pushed
+    assert jobs.exit_codes("train", "inf", "dead") == {"train": 0, "inf": 0, "dead": -signal.SIGKILL}, jobs.report()
+
+
+# -- 11. a member that left is not said to have stopped -----------------------------------------------------
+
+def test_a_member_that_left_the_channel_is_not_said_to_have_stopped_answering():
+    """A member's heartbeat also stops when it closes the channel: the supervisor says it left,
+    not that it was killed, stopped or hung. One process: a store served here, the session's
+    record written by hand, the other member's beat never started."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distload.live import rendezvous
+    from distload.live.session import Session
+    from distload.workers.heartbeat import Beat, PeerWatch
+
+    raw = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    root = rendezvous.BoundedStore(raw, "tcp://127.0.0.1:0", "trainer rank 0")
+    record = rendezvous.SessionRecord("s1", 1, 1, {}, {})
+    store = root.prefixed("s/s1/")
+    beat = Beat(store.raw, 0)
+    session = Session(record, store, {}, "gloo", 0, beat, PeerWatch(store, [1], 0.6), root.address, 5.0,
+                      rendezvous.describe)
+    try:
+        store.set("left/1", b"1")
+        deadline = time.monotonic() + 10
+        reason = None
+        while reason is None and time.monotonic() < deadline:
+            reason = session._interruption()
+            time.sleep(0.1)
+        assert reason == "inference rank 0 left the channel (closed it) during the update", reason
+    finally:
+        beat.stop()
+        root.close()
+
+
+# -- 12. a second inference job at a channel that has one ------------------------------------------------
+
+@pytest.mark.dist
+def test_a_second_inference_job_at_a_taken_channel_is_told_so(jobs):
+    """A channel takes one job per side: a second inference job at it is told that the channel
+    is taken (naming the process that has its place), not that nobody serves it."""
+    jobs.start("train", "trainer", ["push:1", "gate:second-done"])
+    jobs.start("inf", "inference", ["recv", "gate:second-done"])
+    _assert_received(jobs.wait("inf0", "recv")[0], 1)
+    jobs.start("second", "inference", ["recv:3", "mark:second-done"])
+    (refused,) = jobs.wait("second0", "recv")
+    (first,) = jobs.wait("inf0", "start")
+    assert not refused["ok"], refused
+    assert (f"the sync channel at {jobs.address} is taken: its current session already has an inference rank 0 "
+            f"(process {first['pid']})") in refused["error"], refused
+    assert jobs.exit_codes("train", "inf", "second") == {"train": 0, "inf": 0, "second": 0}, jobs.report()
+
+
+# -- 13. the screen when the trainer that serves the store dies -----------------------------------------
+
+@pytest.mark.dist
+def test_sync_demo_inference_prints_one_line_not_torch_backtraces_when_the_trainer_dies(tmp_path):
+    """Two sync-demo jobs (the CLI, one rank each); the trainer, which serves the store, is
+    SIGKILLed once it pushed version 1. The inference job ends within its timeout with distload's
+    one line naming the trainer, and none of torch's C++ warnings ("TCPStore.cpp ... recvValue
+    failed", a backtrace each) on the screen."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    common = [sys.executable, "-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "40",
+              "--size-mib", "2", "--bucket-mib", "1", "--device", "cpu", "--timeout", "5"]
+    env = clean_env(drop_prefixes=("TORCH_CPP_LOG_LEVEL", "TORCH_DISTRIBUTED_DEBUG"))
+    trainer = subprocess.Popen(common + ["--role", "trainer"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True)
+    inference = subprocess.Popen(common + ["--role", "inference"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        for line in trainer.stdout:
+            if "pushed version 1" in line:
+                break
+        os.kill(trainer.pid, signal.SIGKILL)
+        out, err = inference.communicate(timeout=60)
+    finally:
+        for proc in (trainer, inference):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert inference.returncode == 1, (out, err)
+    assert "received version 1" in out, out
+    assert "distload: error on rank 0: " in err and "trainer rank 0" in err, err
+    for noise in ("TCPStore.cpp", "frame #0", "c10::Error"):
+        assert noise not in err and noise not in out, err

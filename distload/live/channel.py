@@ -27,17 +27,21 @@ first waits for the metadata); one update, numbered within its session:
    a tensor (its trainer stopped, not died) is waited for before the next update writes there;
    if it has not ended within SETTLE_S, that update is refused;
 4. *done*: every member posts that its part finished and waits for all the others: only then
-   does a receiver's ``version`` advance.
+   does a receiver's ``version`` advance. Each then says it saw that, and the process serving
+   the store returns only once every member has (Session.finish): a trainer that exits the
+   instant ``push`` returned leaves no receiver unsure whether it has the version.
 
 Any failure (a checksum, a peer that died or stopped, a deadline) is posted as the update's abort
-reason: every member raises it within its timeout, receivers keep their old ``version``
-(``consistent`` False once data moved), and the session is over: the next push or receive forms a
+reason: every member raises it within its timeout, receivers keep their old ``version`` (and,
+by default, exactly its bytes: what had landed is rolled back; without rollback ``consistent``
+is False once data moved), and the session is over: the next push or receive forms a
 new one (a restarted trainer rejoins the same address). The data step runs under the session's
 supervisor, which watches the abort key and every member's heartbeat while it moves.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -50,13 +54,15 @@ from distload.errors import ConfigError, SyncError
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
 from distload.live import rendezvous
-from distload.live.rendezvous import ROLES, describe
-from distload.live.session import Session, gpu_identity, join, leave, store_lost
+from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
+from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
 from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
+
+log = logging.getLogger("distload")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 SETTLE_S = 10.0  # how long a receiver waits for a given-up update's transfers before it refuses
@@ -134,12 +140,19 @@ class SyncChannel:
         self.address = rendezvous_address or "the job's rendezvous store"
         self._serving = store is None and role == host and self.rank == 0
         self._reconnects = store is None and not self._serving  # a restarted host serves again
-        self._store = store if store is not None else rendezvous.open_store(self.address, self._serving,
-                                                                            self.timeout_s)
+        # How messages name the process that serves the store: it is the one whose loss they report.
+        self._server = describe(host, 0) if store is None else "the process serving the job's rendezvous store"
+        self._store: BoundedStore | None = (
+            BoundedStore(store, self.address, self._server) if store is not None
+            else rendezvous.open_store(self.address, self._serving, self.timeout_s, self._server))
         self._session: Session | None = None
         self._into_model: list[Any] = []  # given-up transfers still landing in this rank's tensors
         self._buffers: dict[tuple, torch.Tensor] = {}
+        # Host tensors the rollback sets old bytes aside in, kept from update to update: fresh ones
+        # each time would cost their page faults every update, and grow the heap after reconnects.
+        self._set_aside_in: dict[str, torch.Tensor] = {}
         self.version: int | None = None
+        self._absent: str | None = None  # why the update this rank waits for may not come (said once)
         self.last_error: str | None = None
         self.consistent = True
 
@@ -187,8 +200,11 @@ class SyncChannel:
         session, self._session = self._session, None
         if session is None:
             return
-        self._buffers.clear()
         self._into_model += session.end()
+        if session.unfinished:
+            # A transfer given up may still write into its buffer: the next updates take new ones.
+            # (After an update that ended, the next session reuses them: no new memory per reconnect.)
+            self._buffers.clear()
 
     # -- trainer ------------------------------------------------------------------------------
     def push(self, state: Mapping[str, torch.Tensor], version: int) -> SyncStats:
@@ -213,8 +229,7 @@ class SyncChannel:
             routes = self._routes(session, entries, groups, verify)
             sent = session.supervise(lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
                                                                   groups, cancelled), deadline)
-            session.put("done", None)
-            session.collect("done", deadline)
+            session.finish(deadline, self._serving)
         except _Refused:
             raise
         except BaseException:
@@ -280,24 +295,31 @@ class SyncChannel:
 
     # -- inference ----------------------------------------------------------------------------
     def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[dict], Mapping[str, torch.Tensor]],
-                timeout_s: float | None = None) -> SyncStats:
+                timeout_s: float | None = None, *, rollback: bool | None = None) -> SyncStats:
         """Wait for the next update (up to ``timeout_s``, default the channel's) and receive it
         into ``target``'s tensors in place. ``target`` may also be a function that is given what
         the update brings this rank (name -> (torch dtype, shape it keeps)) and returns the
         tensors to receive into (a staging copy, say, applied only once the update is whole).
 
-        On success ``version`` advances. On failure SyncError is raised, ``version`` is unchanged,
-        ``last_error`` says why and ``consistent`` says whether the tensors were left untouched
-        (refused before any data) or may mix two versions. A trainer that goes away between
-        updates is waited for: when it (or its restart) pushes again within the timeout, the
-        update arrives."""
+        On success ``version`` advances. On failure SyncError is raised, ``version`` is unchanged
+        and ``last_error`` says why. ``rollback`` (the default for a module or a dict, which keep
+        serving; not for a function's tensors, a staging copy already): each tensor's old bytes
+        are copied aside (host memory) before the update first writes it, and copied back if the
+        update fails, so the tensors hold exactly the old version again. It costs host memory for
+        the bytes this rank receives, one copy of them per update, and it lands every bucket in a
+        buffer first (no bucket straight into a tensor). ``consistent`` says whether the tensors
+        hold exactly ``version``: False only after a failed update without rollback once data
+        moved. A trainer that goes away between updates is waited for: when it (or its restart)
+        pushes again within the timeout, the update arrives."""
         if self.role != "inference":
             raise ConfigError(f"{self._name(self.role, self.rank)} sends; receive() is for inference ranks")
         if isinstance(target, (torch.nn.Module, Mapping)):
             tensors = model_tensors(target)
             targets_for: Callable[[dict], Mapping[str, torch.Tensor]] = lambda wanted: tensors
+            rollback = True if rollback is None else bool(rollback)
         elif callable(target):
             targets_for = target
+            rollback = bool(rollback)
         else:
             raise ConfigError(f"receive() takes an nn.Module, a dict of tensors, or a function that makes the "
                               f"tensors to receive into; got {type(target).__name__}")
@@ -305,52 +327,86 @@ class SyncChannel:
         wait_deadline = time.monotonic() + wait_s
         try:
             session, metas = self._next_update(wait_deadline, wait_s)
-            return self._receive_update(session, metas, targets_for)
+            return self._receive_update(session, metas, targets_for, rollback)
         except SyncError as exc:
             self.last_error = str(exc)
             raise
 
     def _next_update(self, wait_deadline: float, wait_s: float) -> tuple[Session, list[Mapping[str, Any]]]:
         """Wait for the next update's metadata; a trainer that goes away meanwhile (or restarts,
-        or the process serving the store restarts) is waited for until the deadline."""
+        or the process serving the store restarts, or stops and resumes) is waited for until the
+        deadline, and named once it is not answering."""
+        me = self._name(self.role, self.rank)
+        self._absent = None
         while True:
             try:
                 found = self._wait_metadata(wait_deadline, wait_s)
-            except SyncError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the store went away (DistNetworkError)
+            except StoreLost as exc:
+                if time.monotonic() > wait_deadline or not (exc.stalled or self._reconnects):
+                    self._drop_session()
+                    raise SyncError(f"{me}: {exc}; no update within {wait_s:.0f} s, still at version "
+                                    f"{self.version}") from None
+                self._note_absent(str(exc), wait_deadline)
+                if exc.stalled:
+                    # Its server is stopped (or hung): it may resume, and the session with it. A
+                    # kill ends the unanswered call, and the next one finds the store lost.
+                    time.sleep(rendezvous.POLL_S)
+                    continue
                 self._drop_session()
-                if not self._reconnects:
-                    raise SyncError(f"{self._name(self.role, self.rank)}: {store_lost(self.address, exc)}") from exc
-                remaining = wait_deadline - time.monotonic()
-                if remaining <= 0:
-                    raise SyncError(f"{self._name(self.role, self.rank)}: {store_lost(self.address, exc)}; no update "
-                                    f"within {wait_s:.0f} s, still at version {self.version}") from exc
-                self._store = rendezvous.open_store(self.address, False, remaining)
+                self._store.close()
+                try:  # a restarted trainer serves the store again at the same address
+                    self._store = rendezvous.open_store(self.address, False, wait_deadline - time.monotonic(),
+                                                        self._server)
+                except SyncError as lost:
+                    raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s: {exc}, and no restarted "
+                                    f"{self._server} served it again ({lost}); still at version {self.version}"
+                                    ) from None
                 continue
             if found is not None:
                 return found
             self._drop_session()
 
+    def _note_absent(self, reason: str, wait_deadline: float) -> None:
+        """Say once, at once, why this rank's wait for an update may be long: what it is waiting
+        for is not answering (the wait goes on: it may resume, or a restarted trainer come)."""
+        if self._absent is None:
+            self._absent = reason
+            log.warning("%s: %s; waiting for it (or a restarted trainer) for up to %.0f s more, at version %s",
+                        self._name(self.role, self.rank), reason, max(0.0, wait_deadline - time.monotonic()),
+                        self.version)
+
     def _wait_metadata(self, wait_deadline: float, wait_s: float
                        ) -> tuple[Session, list[Mapping[str, Any]]] | None:
-        session = self._join(wait_deadline)
+        me = self._name(self.role, self.rank)
+        try:
+            session = self._join(wait_deadline)
+        except StoreLost:
+            raise
+        except SyncError as exc:
+            if self._absent is not None:  # it timed out waiting for a trainer already known silent
+                raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s: {self._absent}; still at "
+                                f"version {self.version}") from None
+            raise exc
         keys = [session.key("meta", t) for t in range(session.record.trainer_size)]
         backoff = rendezvous.Backoff()
         while not session.store.check(keys):
             if self._store.check([rendezvous.CLOSING]):
-                raise SyncError(f"{self._name(self.role, self.rank)}: the channel at {self.address} was closed "
-                                f"by the process serving it; still at version {self.version}")
-            if session.trainer_gone(self._store):
-                return None  # the trainer went away (or restarted): join its next session
-            if time.monotonic() > wait_deadline:
-                raise SyncError(f"{self._name(self.role, self.rank)}: no update arrived within {wait_s:.0f} s; "
+                raise SyncError(f"{me}: the channel at {self.address} was closed by the process serving it; "
                                 f"still at version {self.version}")
+            gone = session.trainer_gone(self._store)
+            if gone == "":
+                return None  # the trainer restarted: join its next session
+            if gone is not None:
+                self._note_absent(gone, wait_deadline)
+            if time.monotonic() > wait_deadline:
+                why = "" if self._absent is None else f": {self._absent}"
+                raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s{why}; still at version "
+                                f"{self.version}")
             backoff.pause()
         return session, [rendezvous.get(session.store, k) for k in keys]
 
     def _receive_update(self, session: Session, metas: Sequence[Mapping[str, Any]],
-                        targets_for: Callable[[dict], Mapping[str, torch.Tensor]]) -> SyncStats:
+                        targets_for: Callable[[dict], Mapping[str, torch.Tensor]], rollback: bool) -> SyncStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         version = metas[0]["version"]
@@ -375,18 +431,21 @@ class SyncChannel:
             self._drop_session()
             raise
         self.consistent = False  # from here on, a failure may leave a mix of two versions
+        undo: dict[str, torch.Tensor] | None = {} if rollback else None
         try:
-            wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, cancelled),
-                                     deadline)
-            session.put("done", None)
-            session.collect("done", deadline)
-        except SyncError as exc:
+            wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, cancelled,
+                                                                         undo), deadline)
+            session.finish(deadline, self._serving)
+        except BaseException as exc:
+            # supervise() has ended the transfer thread: nothing of this update lands after this.
             self._drop_session()
-            raise SyncError(f"version {version} did not arrive whole; still at version {self.version}: "
+            rolled = " (what had landed was rolled back)" if undo else ""
+            if undo is not None:
+                self._roll_back(undo, targets)
+            if not isinstance(exc, SyncError):
+                raise
+            raise SyncError(f"version {version} did not arrive whole; still at version {self.version}{rolled}: "
                             f"{exc}") from exc
-        except BaseException:
-            self._drop_session()
-            raise
         session.seq += 1
         self.version, self.consistent, self.last_error = version, True, None
         nbytes = sum(piece.nbytes for plan in plans for layout in plan for piece, _ in layout.items)
@@ -395,7 +454,7 @@ class SyncChannel:
 
     def _receive_all(self, session: Session, metas: Sequence[Mapping[str, Any]],
                      plans: Sequence[Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
-                     cancelled: threading.Event) -> int:
+                     cancelled: threading.Event, undo: dict[str, torch.Tensor] | None) -> int:
         wire = 0
         for sender, (meta, plan) in enumerate(zip(metas, plans)):
             posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
@@ -405,11 +464,15 @@ class SyncChannel:
                 if i >= len(plan) or not plan[i].size:
                     return
                 layout = plan[i]
-                into = self._direct_target(layout, meta, targets)
+                # With rollback, never straight into a tensor: a given-up transfer of a stopped
+                # trainer could still land there after the rollback.
+                into = None if undo is not None else self._direct_target(layout, meta, targets)
                 straight = into is not None
                 if into is None:
                     into = self._buffer(("recv", i % 2), layout.size)
                 work = session.post(sender, into)
+                if undo is not None:  # while the bucket is on its way
+                    _set_aside(undo, self._set_aside_in, layout, meta["entries"], targets)
                 if straight:
                     session.into_model.append(work)
                 posted[i] = (into, work)
@@ -436,6 +499,19 @@ class SyncChannel:
             # receive() returns, for a consumer on any other stream.
             torch.cuda.current_stream(self.device).synchronize()
         return wire
+
+    def _roll_back(self, undo: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> None:
+        """Copy the old bytes set aside back into every tensor the failed update wrote: the
+        tensors hold exactly the old version again."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the transfer thread's copies, on its stream
+        with torch.no_grad():
+            for name, old in undo.items():
+                targets[name].detach().copy_(old)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.consistent = True
+        undo.clear()
 
     def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:
@@ -483,7 +559,7 @@ class SyncChannel:
     # -- shared ------------------------------------------------------------------------------------
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < size:
+        if buffer is None or buffer.numel() < size or buffer.device != self._transport_device():
             buffer = self._buffers[key] = torch.empty(size, dtype=torch.uint8, device=self._transport_device())
         return buffer[:size]
 
@@ -513,9 +589,10 @@ class SyncChannel:
         store, self._store = self._store, None
         session = self._session
         self._drop_session()
-        self._buffers = {}
+        self._buffers, self._set_aside_in = {}, {}
         if store is not None:
             leave(store, session, self._serving)
+            store.close()
 
     def __enter__(self) -> "SyncChannel":
         return self
@@ -598,6 +675,21 @@ def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
         problems.append("trainer ranks hold different DTensors (every trainer rank pushes the same DTensor "
                         "state, in the same order)")
     return problems
+
+
+def _set_aside(undo: dict[str, torch.Tensor], space: dict[str, torch.Tensor], layout: BucketLayout,
+               entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor]) -> None:
+    """Copy the old bytes of each tensor ``layout`` writes into ``undo`` (host tensors, reused
+    from ``space``), the first time this update writes it."""
+    for piece, _ in layout.items:
+        name = entries[piece.entry].name
+        if piece.nbytes and name not in undo:
+            old = targets[name].detach()
+            held = space.get(name)
+            if held is None or held.shape != old.shape or held.dtype != old.dtype:
+                held = space[name] = torch.empty(old.shape, dtype=old.dtype, device="cpu")
+            held.copy_(old)
+            undo[name] = held
 
 
 def _same_memory(data: torch.Tensor, tensor: torch.Tensor) -> bool:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -39,6 +41,124 @@ from distload.workers.group import NCCL_CLEANUP_ONLY
 ROLES = ("trainer", "inference")
 _SESSION = "session"
 POLL_S = 0.02  # the longest pause between two looks at the store
+ANSWER_S = 5.0  # a store call unanswered this long: the process serving the store is stopped or hung
+
+
+class StoreLost(SyncError):
+    """A call to the channel's store failed (its server died or closed it) or went unanswered
+    for ANSWER_S (``stalled``: its server is stopped or hung, and may resume)."""
+
+    def __init__(self, message: str, stalled: bool):
+        super().__init__(message)
+        self.stalled = stalled
+
+
+class _Job:
+    def __init__(self, fn: Any, args: tuple):
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class _Caller:
+    """Makes one store connection's calls on a thread of its own, so that whoever asks can stop
+    waiting. A TCPStore call to a server that stopped (SIGSTOP) or hangs blocks in recv for good:
+    torch's store timeout bounds only the wait for a key, not a reply. And torch's client makes
+    one call at a time, so one unanswered call holds up every later one: while it is unanswered,
+    the next calls fail at once (``stalled``). When it is answered (the server resumed) or fails
+    (the server died), calls go through again."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.stalled = False
+        self.closed = False
+        self.lost: BaseException | None = None  # the connection's failure, once its server is gone
+        threading.Thread(target=self._run, name="distload-store", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job.result = job.fn(*job.args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                job.error = exc
+            job.done.set()
+            self.stalled = False
+            del job
+
+    def call(self, fn: Any, args: tuple, answer_s: float) -> tuple[bool, Any]:
+        """(True, result), (False, the exception it raised); raises TimeoutError unanswered."""
+        if self.closed:
+            return False, RuntimeError("this member closed its connection to the store")
+        if self.lost is not None:
+            return False, self.lost
+        if self.stalled:
+            raise TimeoutError
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        if not job.done.wait(answer_s):
+            self.stalled = True
+            raise TimeoutError
+        return (True, job.result) if job.error is None else (False, job.error)
+
+    def close(self) -> None:
+        self.closed = True
+        self._jobs.put(None)
+
+
+class BoundedStore:
+    """A store whose every call answers within ANSWER_S or raises StoreLost, naming the member
+    that serves it. ``raw`` is the torch store (for process groups, heartbeats, prefixes)."""
+
+    def __init__(self, raw: Any, address: str, server: str, caller: _Caller | None = None):
+        self.raw = raw
+        self.address = address
+        self.server = server  # how messages name the process serving it ("trainer rank 0")
+        self._caller = caller or _Caller()
+
+    def prefixed(self, prefix: str) -> "BoundedStore":
+        """This store's keys under ``prefix``, over the same connection."""
+        return BoundedStore(dist.PrefixStore(prefix, self.raw), self.address, self.server, self._caller)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            ok, value = self._caller.call(getattr(self.raw, name), args, ANSWER_S)
+        except TimeoutError:
+            raise StoreLost(f"the rendezvous store at {self.address} has not answered for {ANSWER_S:g} s: "
+                            f"{self.server}, which serves it, is stopped (SIGSTOP) or hung", True) from None
+        if not ok:
+            if isinstance(value, dist.DistNetworkError):
+                # Its server is gone: the next calls fail here at once instead of each going to
+                # torch's client, which prints a C++ backtrace for every failed call.
+                self._caller.lost = value
+            raise StoreLost(f"lost the rendezvous store at {self.address} ({self.server}, which served it, died "
+                            f"or closed it: {short(value)})", False) from None
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def close(self) -> None:
+        """Stop this connection's caller thread (once its last call has ended)."""
+        self._caller.close()
+
+
+def short(exc: BaseException) -> str:
+    """A torch exception's first line, without its C++ frames and boilerplate."""
+    text = str(exc).split(". This is typically caused")[0].split("\nException raised from")[0]
+    return text.split("] ", 1)[-1] if text.startswith("[") else text
 
 
 class Backoff:
@@ -63,23 +183,51 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def open_store(address: str, serve: bool, timeout_s: float) -> Any:
-    """The channel's store: served here (``serve``) or reached at ``address`` within the timeout."""
+def open_store(address: str, serve: bool, timeout_s: float, server: str) -> BoundedStore:
+    """The channel's store: served here (``serve``) or reached at ``address`` within the timeout
+    (``server``: how messages name the process that serves it)."""
     host, port = parse_address(address)
     timeout = timedelta(seconds=timeout_s)
     if serve:
         try:
-            return dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
+            raw = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
         except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
-            raise SyncError(f"cannot serve the sync rendezvous at {address}: {exc} (is another process "
+            raise SyncError(f"cannot serve the sync rendezvous at {address}: {short(exc)} (is another process "
                             f"already serving it? each channel needs a port of its own)") from None
+        return BoundedStore(raw, address, server)
     deadline = time.monotonic() + timeout_s
     _await_listener(host, port, deadline, address, timeout_s)
+    # torch's handshake is not bounded by its timeout: a listener that accepts and never answers
+    # (a stopped server, another program) holds it for good. It runs on a thread of its own.
+    # torch's own retries overrun the timeout it is given by up to about two seconds.
+    wait_s = max(1.0, deadline - time.monotonic())
     try:
-        return dist.TCPStore(host, port, None, False, timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    except Exception as exc:  # noqa: BLE001 - it went away between the probe and the store's connect
+        raw = within(wait_s, dist.TCPStore, host, port, None, False, timedelta(seconds=max(0.5, wait_s - 2.0)))
+    except TimeoutError:
+        raise SyncError(f"something accepts connections at {address} but does not answer as a sync rendezvous "
+                        f"store (waited {timeout_s:.0f} s): {server}, which serves it, is stopped (SIGSTOP) or "
+                        f"hung, or another program holds the port; check the address") from None
+    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
+        if "invalid value returned from server" in str(exc):
+            raise SyncError(f"the program at {address} is not a distload sync rendezvous (it answered the store's "
+                            f"handshake with something else): another program holds the port; point both jobs at "
+                            f"a free port") from None
         raise SyncError(f"the sync rendezvous at {address} accepted a connection but its store did not answer "
-                        f"within {timeout_s:.0f} s: {exc}") from None
+                        f"within {timeout_s:.0f} s: {short(exc)}") from None
+    return BoundedStore(raw, address, server)
+
+
+def within(seconds: float, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on a thread of its own, waited for up to ``seconds``: TimeoutError if it has
+    not ended (the thread is left to end on its own), its exception if it raised."""
+    caller = _Caller()
+    try:
+        ok, value = caller.call(fn, args, seconds)
+    finally:
+        caller.close()
+    if not ok:
+        raise value
+    return value
 
 
 def _await_listener(host: str, port: int, deadline: float, address: str, timeout_s: float) -> None:
@@ -227,6 +375,12 @@ def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float,
         if current and current.get("failed") and nonce in current.get("seen", ()):
             raise SyncError(f"trainer rank 0 could not form the sync session at {address}: {current['failed']}")
         if time.monotonic() > deadline:
+            if current and current.get("id") and key in current["nonces"]:
+                pid = current["record"].infos.get(key, {}).get("pid")
+                raise SyncError(f"the sync channel at {address} is taken: its current session already has an "
+                                f"{describe(role, rank)} (process {pid}), another job's: a channel takes one job "
+                                f"per side, so point this job at an address of its own (if that was this rank's "
+                                f"previous process, the trainer's next update forms a session with this one)")
             raise SyncError(f"no trainer formed a sync session with {describe(role, rank)} at {address} in "
                             f"time: is the trainer job running, and pointed at this address?")
         time.sleep(POLL_S)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from distload.errors import SyncError
 from distload.workers.heartbeat import Beat, PeerWatch
 from distload.live import rendezvous
-from distload.live.rendezvous import SessionRecord
+from distload.live.rendezvous import BoundedStore, SessionRecord, StoreLost, short
 
 DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
 
@@ -56,7 +56,7 @@ class Session:
     """One member's part of a formed session."""
 
     record: SessionRecord
-    store: Any  # the session's part of the rendezvous store
+    store: BoundedStore  # the session's part of the rendezvous store
     pairs: dict[int, Any]  # a two-member process group with each peer (trainer: rank 0 in it)
     backend: str
     me: int  # this member's rank in the session
@@ -68,6 +68,7 @@ class Session:
     seq: int = 0  # the next update's number
     issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
     into_model: list[Any] = field(default_factory=list)  # its receives straight into the model
+    unfinished: bool = False  # set by end(): some transfer had not ended (its buffer may still be written)
 
     def who(self, member: int | None = None) -> str:
         """A member (by default this one) as messages name it."""
@@ -79,11 +80,18 @@ class Session:
             return True  # the leader's session lasts until an update fails
         return rendezvous.session_id(root) == self.record.id
 
-    def trainer_gone(self, root: Any) -> bool:
-        """Whether an inference rank waiting for an update should join the next session: the
-        leader formed a new one (a trainer restarted), or a trainer stopped beating."""
-        silent = any(r < self.record.trainer_size for r in self.watch.silent(time.monotonic()))
-        return rendezvous.session_id(root) != self.record.id or silent
+    def trainer_gone(self, root: Any) -> str | None:
+        """For an inference rank waiting for an update: None while the session stands; "" once
+        the leader formed a new one (a trainer restarted: join it); a reason while a trainer
+        rank stopped beating (killed, stopped or hung). The session stands then: a stopped
+        trainer may resume and push in it, and a restarted one forms a new one."""
+        if rendezvous.session_id(root) != self.record.id:
+            return ""
+        silent = [r for r in self.watch.silent(time.monotonic()) if r < self.record.trainer_size]
+        if silent:
+            return (f"{', '.join(self.who(r) for r in silent)} stopped answering (no heartbeat for "
+                    f"{DEAD_AFTER_S:g} s: killed, stopped or hung)")
+        return None
 
     # -- the steps of an update ----------------------------------------------------------------
     def key(self, what: str, member: int | None = None) -> str:
@@ -112,8 +120,8 @@ class Session:
     def _check(self, keys: list[str]) -> bool:
         try:
             return self.store.check(keys)
-        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-            raise SyncError(f"{self.who()}: {store_lost(self.address, exc)}") from exc
+        except StoreLost as exc:
+            raise SyncError(f"{self.who()}: {exc}") from None
 
     def _interruption(self) -> str | None:
         abort = self.key("abort")
@@ -121,13 +129,41 @@ class Session:
             if self.store.check([abort]):
                 return rendezvous.get(self.store, abort)
             silent = self.watch.silent(time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-            return store_lost(self.address, exc)
+            left = [r for r in silent if self.store.check([f"left/{r}"])]
+        except StoreLost as exc:
+            return str(exc)
+        if left:  # its heartbeat stopped because it closed the channel: it did not die
+            return f"{', '.join(self.who(r) for r in left)} left the channel (closed it) during the update"
         if silent:
             names = ", ".join(self.who(r) for r in silent)
             return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: killed, stopped "
                     f"or hung)")
         return None
+
+    def finish(self, deadline: float, serving: bool) -> None:
+        """The update's last step: every member posts that its part is done and waits for every
+        other's; the update is complete once they all have. Then each member says it saw that,
+        and the process serving the store (``serving``) waits for those, so that it never returns
+        (and perhaps exits, taking the store with it) while a member still has to learn that the
+        update completed: "done" is done on both sides. A member that went silent or left is not
+        waited for; after the deadline nobody is (the update did complete)."""
+        self.put("done", None)
+        self.collect("done", deadline)
+        if not serving:
+            try:
+                self.put("seen", None)
+            except SyncError:
+                pass  # the update is complete here; a store gone now changes nothing for this member
+            return
+        others = {r: self.key("seen", r) for r in range(self.record.world_size) if r != self.me}
+        backoff = rendezvous.Backoff()
+        try:
+            while others and not self.store.check(list(others.values())) and time.monotonic() < deadline:
+                gone = self.watch.silent(time.monotonic())  # killed (or left) since it posted "done"
+                others = {r: k for r, k in others.items() if r not in gone}
+                backoff.pause()
+        except StoreLost:
+            pass  # this process serves the store: it fails only while it closes
 
     def fail(self, reason: str) -> str:
         """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
@@ -170,7 +206,7 @@ class Session:
                 raise SyncError(self.fail(reason))
         if "error" in box:
             error = box.pop("error")
-            text = str(error) if isinstance(error, SyncError) else f"{type(error).__name__}: {_short(error)}"
+            text = str(error) if isinstance(error, SyncError) else f"{type(error).__name__}: {short(error)}"
             # Its traceback holds the thread's frames and their pending transfers: let them go
             # now, before the session's group is released.
             error.__traceback__ = None
@@ -187,7 +223,7 @@ class Session:
             work = self.pairs[peer].broadcast([tensor], options)
         except Exception as exc:  # noqa: BLE001 - a closed connection fails at once
             verb = "sending to" if self.record.member(self.me)[0] == "trainer" else "receiving from"
-            raise SyncError(f"{verb} {self.who(peer)} failed: {_short(exc)}") from None
+            raise SyncError(f"{verb} {self.who(peer)} failed: {short(exc)}") from None
         self.issued.setdefault(peer, []).append(work)
         return work
 
@@ -203,11 +239,11 @@ class Session:
         # and wait() without a timeout does not raise it: ask for it first (gloo's wait raises).
         failure = work.exception() if self.backend == "nccl" else None
         if failure is not None:
-            raise SyncError(f"{what()} failed: {_short(failure)}")
+            raise SyncError(f"{what()} failed: {short(failure)}")
         try:
             work.wait()
         except Exception as exc:  # noqa: BLE001 - the peer died, or the group's timeout passed
-            raise SyncError(f"{what()} failed: {_short(exc)}") from None
+            raise SyncError(f"{what()} failed: {short(exc)}") from None
 
     # -- its end ------------------------------------------------------------------------------
     def end(self) -> list[Any]:
@@ -215,6 +251,7 @@ class Session:
         model that have not ended (a given-up update's, whose trainer stopped, not died)."""
         self.beat.stop()
         landing = [work for work in self.into_model if not work.is_completed()]
+        self.unfinished = any(not work.is_completed() for works in self.issued.values() for work in works)
         for peer, pair in self.pairs.items():
             if any(not work.is_completed() for work in self.issued.get(peer, ())):
                 if self.backend == "nccl":
@@ -234,6 +271,30 @@ class Session:
         # gets an error at once.
         self.pairs, self.issued = {}, {}
         return landing
+
+
+class _Beating:
+    """A store as a heartbeat uses it: while its server does not answer (stopped, and it may
+    resume) a beat is skipped, not the last one; once the server is gone the beat ends."""
+
+    def __init__(self, store: BoundedStore):
+        self.store = store
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return self.store.add(key, amount)
+        except StoreLost as exc:
+            if exc.stalled:
+                return 0
+            raise
+
+    def check(self, keys: list[str]) -> bool:
+        try:
+            return self.store.check(keys)
+        except StoreLost as exc:
+            if exc.stalled:
+                return False
+            raise
 
 
 def session_backend(infos: Iterable[Mapping[str, Any]]) -> str:
@@ -256,7 +317,7 @@ def gpu_identity(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def join(root: Any, role: str, rank: int, size: int, info: Mapping[str, Any], deadline: float, *,
+def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str, Any], deadline: float, *,
          address: str, timeout_s: float, name: Callable[[str, int], str]) -> Session:
     """Form a new session with this member (``role`` rank ``rank`` of ``size``; ``info``: what it
     keeps, its device type) over ``root``, the channel's store."""
@@ -266,21 +327,30 @@ def join(root: Any, role: str, rank: int, size: int, info: Mapping[str, Any], de
     else:
         record = rendezvous.await_session(root, role, rank, nonce, deadline, address)
     me = record.channel_rank(role, rank)
-    store = dist.PrefixStore(f"s/{record.id}/", root)
+    store = root.prefixed(f"s/{record.id}/")
     backend = session_backend(record.infos.values())
-    beat = Beat(store, me, until=lambda: root.check([rendezvous.CLOSING]))
+    beat = Beat(_Beating(store), me, until=lambda: _Beating(root).check([rendezvous.CLOSING]))
     peers = range(record.trainer_size, record.world_size) if role == "trainer" else range(record.trainer_size)
     pairs: dict[int, Any] = {}
     try:
         # Every member makes its pairs in (trainer, inference) order, so no two wait on each other.
+        # Each on a thread of its own: the connect goes through the store, whose server may have
+        # stopped answering (SIGSTOP), and nothing in torch bounds that.
         for peer in peers:
             trainer, receiver = (me, peer) if role == "trainer" else (peer, me)
-            pairs[peer] = rendezvous.process_group(dist.PrefixStore(f"pg/{trainer}-{receiver}/", store),
-                                                   0 if role == "trainer" else 1, 2, backend, timeout_s)
+            pairs[peer] = rendezvous.within(
+                max(0.1, deadline - time.monotonic()), rendezvous.process_group,
+                dist.PrefixStore(f"pg/{trainer}-{receiver}/", store.raw), 0 if role == "trainer" else 1, 2,
+                backend, timeout_s)
+    except TimeoutError:
+        beat.stop()
+        raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together within "
+                        f"{timeout_s:.0f} s: {', '.join(name(*record.member(p)) for p in peers if p not in pairs)} "
+                        f"did not connect (stopped, or {root.server} that serves the store stopped)") from None
     except Exception as exc:
         beat.stop()
         raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together (a member "
-                        f"died while joining, or the timeout passed): {_short(exc)}") from None
+                        f"died while joining, or the timeout passed): {short(exc)}") from None
     others = [r for r in range(record.world_size) if r != me]
     return Session(record, store, pairs, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S), address,
                    timeout_s, name)
@@ -305,15 +375,5 @@ def leave(root: Any, session: Session | None, serving: bool) -> None:
         pass
 
 
-def store_lost(address: str, exc: BaseException) -> str:
-    return (f"lost the rendezvous store at {address} (the process serving it stopped: "
-            f"{_short(exc)})")
-
-
 def _keep_forever(group: Any) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc).split(". This is typically caused")[0]
-    return text.split("] ", 1)[-1] if text.startswith("[") else text

@@ -100,11 +100,12 @@ class WeightSync:
         return self._channel.push(state, version)
 
     def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor],
-                timeout_s: float | None = None) -> SyncStats:
-        """Receive the next update into ``target``'s tensors, in place (SyncChannel.receive)."""
+                timeout_s: float | None = None, *, rollback: bool | None = None) -> SyncStats:
+        """Receive the next update into ``target``'s tensors, in place (SyncChannel.receive;
+        a failed update is rolled back by default)."""
         if self.rank not in self.receivers or self._channel is None:
             raise ConfigError(f"rank {self.rank} is not a receiver ({self.receivers})")
-        return self._channel.receive(target, timeout_s)
+        return self._channel.receive(target, timeout_s, rollback=rollback)
 
     def close(self) -> None:
         if self._channel is not None:

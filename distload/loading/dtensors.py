@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import torch
 
-from distload.errors import ReloadError
+from distload.errors import ConfigError, ReloadError
 from distload.loading.index import CheckpointIndex
 from distload.loading.loader import Loader
 from distload.loading.rank_slices import Block
@@ -51,6 +51,23 @@ def dtensor_blocks(targets: Mapping[str, torch.Tensor]) -> dict[str, Block]:
     return blocks
 
 
+def check_placements(name: str, shape: tuple[int, ...], placements: tuple[Any, ...], mesh_ndim: int
+                     ) -> tuple[Any, ...]:
+    """``placements`` for tensor ``name`` of ``shape`` on a mesh of ``mesh_ndim`` dimensions, or a
+    ConfigError naming the tensor (torch itself fails with a bare IndexError or AssertionError)."""
+    from torch.distributed.tensor import Shard
+
+    if len(placements) != mesh_ndim:
+        raise ConfigError(f"tensor {name!r}: {len(placements)} placement(s) {list(placements)} on a {mesh_ndim}-D "
+                          f"device mesh: give exactly one placement per mesh dimension")
+    for placement in placements:
+        if isinstance(placement, Shard) and not -len(shape) <= placement.dim < len(shape):
+            raise ConfigError(f"tensor {name!r} has {len(shape)} dimension(s) (shape {list(shape)}), so it cannot "
+                              f"be placed as {placement!r}: shard along a dimension it has (0 to {len(shape) - 1}), or "
+                              f"replicate it (Replicate())")
+    return placements
+
+
 def load_dtensors(source: str, device_mesh: Any, placements: Placements, load_format: str = "auto",
                   extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup | None = None,
                   progress: bool = False) -> dict[str, torch.Tensor]:
@@ -73,16 +90,18 @@ def load_dtensors(source: str, device_mesh: Any, placements: Placements, load_fo
     """
     from torch.distributed.tensor import Replicate, empty
 
-    def placed(name: str) -> tuple[Any, ...]:
+    def placed(name: str, shape: Sequence[int]) -> tuple[Any, ...]:
         chosen = placements.get(name) if isinstance(placements, Mapping) else placements(name)
-        return tuple(chosen) if chosen is not None else (Replicate(),) * device_mesh.ndim
+        if chosen is None:
+            return (Replicate(),) * device_mesh.ndim
+        return check_placements(name, tuple(shape), tuple(chosen), device_mesh.ndim)
 
     state: dict[str, torch.Tensor] = {}
 
     def blocks(index: CheckpointIndex) -> dict[str, Block]:
         # In the planning step, from this rank's headers: the empty DTensors, whose local shards
         # are the bytes this rank reads.
-        state.update({t.name: empty(t.shape, dtype=t.torch_dtype, device_mesh=device_mesh, placements=placed(t.name))
+        state.update({t.name: empty(t.shape, dtype=t.torch_dtype, device_mesh=device_mesh, placements=placed(t.name, t.shape))
                       for t in index.tensors})
         return dtensor_blocks(state)
 

@@ -131,4 +131,12 @@ def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], M
         assert piece is not None
         actions[info.name] = action
         slices[info.name] = piece
+    if tp.size > 1 and every and all(action.rule is None for _, action in every):
+        # Else every rank would hold every tensor whole and the load would look like a TP load.
+        # (A spec whose rules replicate a tensor, as "replicate" does, says so on purpose.)
+        names = ", ".join(repr(info.name) for info, _ in every[:3])
+        raise ConfigError(f"--tensor-parallel-size {tp.size}: sharding spec {spec.name!r} splits none of this "
+                          f"checkpoint's {len(every)} tensors (it knows none of their names, such as {names}), so "
+                          f"every rank would hold them all whole. Give a sharding spec for these names (--sharding "
+                          f"with a JSON spec), or load without --tensor-parallel-size")
     return RankSlices(spec, actions, slices)

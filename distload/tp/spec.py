@@ -173,7 +173,7 @@ class ShardingSpec:
         if dims is None:
             # One message per rule, not per tensor: a 32-layer model must not print it 96 times.
             needs = ("the model's config.json beside the weights with num_attention_heads, "
-                     "num_key_value_heads and hidden_size (or head_dim); there is none")
+                     f"num_key_value_heads and hidden_size (or head_dim); {_config_problem(self.config)}")
             example = _layer_free(name)
             if rule.heads == "none":  # an even split, but the fused parts still need their sizes
                 raise _NeedsConfig(
@@ -227,7 +227,8 @@ def attention_dims(config: Mapping[str, Any]) -> AttentionDims | None:
         config = config["text_config"]
     try:
         heads = _positive(config["num_attention_heads"])
-        kv_heads = _positive(config.get("num_key_value_heads") or heads)
+        kv = config.get("num_key_value_heads")  # 0 is a wrong value, not an absent one
+        kv_heads = heads if kv is None else _positive(kv)
         head_dim = config.get("head_dim")
         head_dim = _positive(head_dim) if head_dim else _positive(config["hidden_size"]) // heads
     except (KeyError, TypeError, ValueError):
@@ -235,6 +236,21 @@ def attention_dims(config: Mapping[str, Any]) -> AttentionDims | None:
     if head_dim < 1:
         return None
     return AttentionDims(heads, kv_heads, head_dim)
+
+
+def _config_problem(config: Mapping[str, Any]) -> str:
+    """Why attention_dims found no sizes in ``config``, for a message."""
+    if not config:
+        return "there is none"
+    if "num_attention_heads" not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size"):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"its {key} is {value!r} ({type(value).__name__}), not a positive int"
+    if "num_attention_heads" not in config:
+        return "it has no num_attention_heads"
+    return "it has neither head_dim nor hidden_size, or hidden_size is smaller than its heads"
 
 
 def _positive(value: Any) -> int:

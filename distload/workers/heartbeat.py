@@ -144,6 +144,11 @@ class PeerWatch:
         """The watched ranks silent for ``dead_after_s`` at monotonic time ``now``."""
         if now - self._last_read < INTERVAL_S:
             return []
+        if now - self._last_read >= self.dead_after_s:
+            # This watcher did not look for that long (between updates, or it was stopped itself,
+            # and a stopped store server skipped the peers' beats meanwhile): a counter that has
+            # not moved since says nothing yet. Watch afresh from now.
+            self._seen = {}
         self._last_read = now
         silent = []
         for rank in self._ranks:
