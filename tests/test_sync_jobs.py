@@ -149,6 +149,58 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
     results.assert_exited_cleanly()
 
 
+# -- 1b. deltas -----------------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
+    """sync_jobs_driver.DELTA_STEPS: AdamW steps of a Llama's fp32 weights, cast to bf16, pushed to
+    TP 2 inference ranks. After the first (full) update each is a delta of a fraction of the
+    bytes; every receiver ends with the trainer's exact slices, or, where its base drifted (found
+    by the patch sums or by the audit) or a receiver failed mid-update, every receiver is back at
+    its previous version exactly (the undo) and the same state pushed again arrives in full."""
+    results = run_driver(tmp_path, "delta", 1, 2)
+    (trainer,) = results.trainer
+    pushes = trainer["pushes"]
+    assert [p["version"] for p in pushes] == [v for v, _, _ in driver.DELTA_STEPS]
+    failed = {3: "inference rank 1", 6: "inference rank 0", 8: "inference rank 1"}
+    for i, push in enumerate(pushes):
+        assert ("error" in push) == (i in failed), (i, push)
+        if i in failed:
+            assert push["error"].startswith(f"{failed[i]}: "), push["error"]
+    assert "were not the base's here" in pushes[3]["error"]  # drift at changed positions: the patch sums
+    assert "not the version 3 it received" in pushes[3]["error"]
+    assert "injected: this receiver fails in its third bucket" in pushes[6]["error"]
+    assert "differ from trainer rank 0's after the update" in pushes[8]["error"]  # drift elsewhere: the audit
+    assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, None, False, None, False]
+    assert all(p["verified"] for p in pushes if "error" not in p), pushes
+    full, step = pushes[0]["wire_bytes"], pushes[1]["wire_bytes"]
+    assert full >= pushes[0]["state_bytes"] and step < 0.15 * full, (full, step)  # lr 1e-6: about 4% of the elements changed
+    assert step < pushes[2]["wire_bytes"] <= 1.05 * full, pushes[2]  # lr 1e-2: most pieces raw
+    assert pushes[-1]["base_bytes"] == pushes[-1]["state_bytes"]  # the trainer's host copy: 1x the state
+
+    # (version held after each receive, whether it took a delta) on each rank; None: it failed
+    took = {0: [True, True, None, False, False, None, False, None, False],
+            1: [True, True, None, False, True, None, False, None, False]}
+    for rank in results.inference:
+        r = rank["rank"]
+        receives = rank["receives"]
+        assert [x["channel_version"] for x in receives] == [1, 2, 3, 3, 4, 5, 5, 6, 6, 7], (r, receives)
+        assert [x.get("delta") for x in receives[1:]] == took[r], (r, receives)
+        for i, x in enumerate(receives):
+            assert x["consistent"], (r, i, x)
+            if i in failed:
+                assert x["error"].startswith(f"version {x['version']} did not arrive whole; still at version "
+                                             f"{x['channel_version']} (every change undone)"), x["error"]
+                assert x["unchanged"], (r, i)  # exactly its previous tensors, drift included
+                assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 6), (r, i)
+            else:
+                assert x["exact"] and x["verified"], (r, i, x)
+        assert receives[1]["wire_bytes"] < 0.15 * receives[0]["wire_bytes"], receives[1]
+        assert receives[0]["own_bytes"] <= receives[0]["wire_bytes"] <= 1.05 * receives[0]["own_bytes"]
+    assert results.inference[0]["receives"][6]["calls"] == 3
+    results.assert_exited_cleanly()
+
+
 # -- 2. tensor-parallel slices --------------------------------------------------------------------
 
 def _write_llama_checkpoint(folder: str) -> dict[str, torch.Tensor]:
