@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from distload.live.transfer import BucketLayout, KeptSlice, SyncTensor, checksum, pack, run_bytes, unpack
@@ -64,22 +65,31 @@ def flat_ints(tensor: torch.Tensor) -> torch.Tensor:
 
 # -- finding what changed -------------------------------------------------------------------------
 
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of a 1-d bool tensor's True elements. numpy's scan is several times torch's on
+    the host (torch's nonzero counts, then writes, each in a pass); ``mask`` is a temporary of
+    ours, so the numpy view pins no caller's storage."""
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
+
+
 def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Sorted flat positions where ``new`` and ``base`` (1-d integer views, same dtype and length)
-    differ. 8-byte words are compared first: at a few percent of changed elements most words are
-    equal, and comparing a quarter as many items (bf16) is what makes the scan fast."""
+    """Sorted flat positions where ``new`` and ``base`` (1-d integer views on the host, same dtype
+    and length) differ. 8-byte words are compared first: at a few percent of changed elements
+    most words are equal, and a quarter as many items (bf16) to compare and scan is what makes the
+    whole-state scan, the trainer's cost of a delta, fast; only the differing words are looked into."""
     per = 8 // new.element_size()
     found = []
     for start in range(0, new.numel(), _SCAN):
         a, b = new[start:start + _SCAN], base[start:start + _SCAN]
         if per > 1 and a.numel() % per == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
-            words = torch.ne(a.view(torch.int64), b.view(torch.int64)).nonzero().squeeze(1)
+            a, b = a.view(torch.int64), b.view(torch.int64)
+            words = _nonzero(torch.ne(a, b))
             if not words.numel():
                 continue
-            rows, cols = torch.ne(a.view(-1, per)[words], b.view(-1, per)[words]).nonzero(as_tuple=True)
-            found.append(words[rows] * per + cols + start)
+            lanes = _nonzero((a[words] ^ b[words]).view(new.dtype) != 0)  # the differing elements in them
+            found.append(words[lanes // per] * per + lanes % per + start)
         else:
-            found.append(torch.ne(a, b).nonzero().squeeze(1) + start)
+            found.append(_nonzero(torch.ne(a, b)) + start)
     return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
 
 
