@@ -440,7 +440,7 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     from distload.loading.report import state_digest
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "2", "--verify",
+    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "3", "--change", "0.04",
               "--size-mib", "16", "--device", "cpu", "--timeout", "60"]
     reports = {role: str(tmp_path / f"{role}.json") for role in ("trainer", "inference")}
     jobs = run_jobs(tmp_path, [
@@ -458,18 +458,23 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     assert inference["role"] == "inference" and [r["rank"] for r in inference["ranks"]] == [0, 1]
     assert trainer["role"] == "trainer" and [r["rank"] for r in trainer["ranks"]] == [0]
     pushed = trainer["ranks"][0]["versions"]
-    assert [p["version"] for p in pushed] == [1, 2]
-    received_total = {1: 0, 2: 0}
+    assert [p["version"] for p in pushed] == [1, 2, 3]
+    assert [p["delta"] for p in pushed] == [False, True, True]  # versions that change like training steps
+    received_total = {1: 0, 2: 0, 3: 0}
     for rank in inference["ranks"]:
         rows = rank["versions"]
-        assert [row["version"] for row in rows] == [1, 2], rows
+        assert [row["version"] for row in rows] == [1, 2, 3], rows
         for row in rows:
-            assert row["matches"] is True and row["verified"] is True, row
+            assert row["matches"] is True and row["verified"] is True, row  # verified by default
             # Not only the demo's own say-so: the digest is that of this TP rank's slices.
-            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu")), 2, rank["rank"]))
+            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu"), change=0.04), 2,
+                                            rank["rank"]))
             assert row["digest"] == want, (rank["rank"], row)
             assert isinstance(row["seconds"], float) and row["seconds"] > 0, row
-            assert row["tensor_bytes"] <= row["bytes_received"] <= 1.05 * row["tensor_bytes"], row
+            if row["version"] == 1:
+                assert row["tensor_bytes"] <= row["bytes_received"] <= 1.05 * row["tensor_bytes"], row
+            else:  # 4% of the elements: 4 bytes each and the checks, about 8% of the bf16 bytes
+                assert row["delta"] and row["bytes_received"] < 0.12 * row["tensor_bytes"], row
             received_total[row["version"]] += row["bytes_received"]
     assert inference["ranks"][0]["versions"][0]["digest"] != inference["ranks"][1]["versions"][0]["digest"]
     whole = sum(t.numel() * t.element_size() for t in demo_state(16, 1, torch.device("cpu")).values())
