@@ -91,7 +91,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
         return (torch.randn(shape, generator=gen) * 8).to(dtype)
     def mine(name):  # with two senders, each pushes its own slice
         return mode != "two-senders" or (hash(name) % 2) == g.rank
-    versions = (1, 2, 3, 4) if mode == "one-sender" else (1, 2, 3)
+    versions = (1, 2, 3) if mode == "refuse" else (1, 2, 3, 4)
     result = {"rank": g.rank}
     if g.rank in senders:
         for version in versions:
@@ -160,8 +160,9 @@ def test_several_senders_each_push_a_slice(tmp_path):
     run = run_script(script, ["two-senders", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
     assert run.returncode == 0, run.stderr[-4000:]
     receiver = _results(tmp_path, 3)[2]
-    assert receiver["versions"] == [1, 2, 3] and all(receiver["exact"]) and receiver["in_place"], receiver
-    assert receiver["delta"] == [False, True, True], receiver  # from each of the two senders
+    assert receiver["versions"] == [1, 2, 3, 4] and all(receiver["exact"]) and receiver["in_place"], receiver
+    assert receiver["delta"] == [False, True, True, True], receiver  # from each of the two senders
+    assert receiver["wire"][3] < 0.3 * receiver["wire"][0], receiver
 
 
 @pytest.mark.slow
