@@ -50,7 +50,8 @@ _SCAN = 1 << 22  # elements compared per step: temporaries stay small
 # number is invertible modulo 2**64); the golden-ratio multiplier spreads neighbouring positions.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# The integer dtype of each element size, by size (an immutable table).
+_INT_OF_SIZE = (None, torch.uint8, torch.int16, None, torch.int32, None, None, None, torch.int64)
 
 
 def int_view(tensor: torch.Tensor) -> torch.Tensor:
