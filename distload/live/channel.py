@@ -165,7 +165,8 @@ class SyncChannel:
         # and its count of completed pushes: a restarted trainer's base is never a receiver's.
         self._base = deltas.Base(max_base_bytes)
         self._nonce = uuid.uuid4().hex[:12]
-        self._pushes = 0  # completed pushes: names the base, and turns the audit window
+        self._pushes = 0  # completed pushes: turns the audit window
+        self._attempts = 0
         # A receiver: per trainer rank, the base its next delta may patch (the version received
         # last from it), and where its tensors were then (a tensor that moved was rewritten).
         self._held: dict[int, str] = {}
@@ -247,7 +248,10 @@ class SyncChannel:
         entries, tensors, dtensors = _describe_state(state, leader=self.rank == 0)
         groups = group_entries(entries, self.bucket_bytes)
         verify = self.verify or any(i.get("verify") for i in session.record.infos.values())
-        following = f"{self._nonce}:{self._pushes + 1}"  # the base's name once this push is done
+        # The base's name once this push is done: one per attempt, so that no receiver that
+        # completed an attempt its trainer then failed can hold a name the base later takes.
+        self._attempts += 1
+        following = f"{self._nonce}:{self._attempts}"
         changes = _Changes()
         try:
             session.put("meta", {"version": version, "entries": entries, "groups": groups, "verify": verify,
