@@ -382,7 +382,8 @@ def bf16_state(params) -> dict[str, torch.Tensor]:
 # The delta scenario, as (version, learning rate of the step before it or None: the same state
 # pushed again, what an inference rank does to its tensors before receiving it).
 DELTA_STEPS = [(1, None, None), (2, 1e-6, None), (3, 1e-2, None), (4, 1e-6, "drift-1"), (4, None, None),
-               (5, 1e-6, "move-0"), (6, 1e-6, "fail-0"), (6, None, None), (7, None, "flip-1"), (7, None, None)]
+               (5, 1e-6, "move-0"), (6, 1e-6, "fail-0"), (6, None, None), (7, None, "flip-1"), (7, None, None),
+               (8, 1e-6, "restart"), (9, 1e-6, None)]
 
 
 def delta(role, address, result, args):
@@ -395,10 +396,14 @@ def delta(role, address, result, args):
     if role == "trainer":
         params, optimizer, inputs = _trainer_model()
         state = bf16_state(params)
-        with open_channel(role, address, bucket_bytes=256 * 1024) as ch:
-            for version, lr, _ in DELTA_STEPS:
+        ch = open_channel(role, address, bucket_bytes=256 * 1024, host="inference")
+        try:
+            for version, lr, action in DELTA_STEPS:
                 if lr is not None:
                     state = train_step(params, optimizer, inputs, lr)
+                if action == "restart":  # a new trainer process would hold no base either
+                    ch.close()
+                    ch = open_channel(role, address, bucket_bytes=256 * 1024, host="inference")
                 save_file(state, os.path.join(out, f"v{version}.safetensors"))
                 try:
                     row = stats_row(ch.push(state, version))
@@ -406,6 +411,8 @@ def delta(role, address, result, args):
                     row = {"version": version, "error": str(exc)}
                 row.update(delta=row.get("delta"), base_bytes=ch._base.nbytes, state_bytes=nbytes(state))
                 result.setdefault("pushes", []).append(row)
+        finally:
+            ch.close()
         return
     import distload.live.delta as delta_module
     from distload.tp.slices import take_shard
@@ -413,7 +420,8 @@ def delta(role, address, result, args):
 
     model_config = {k: LLAMA_CONFIG[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}
     spec = load_spec("decoder", model_config)
-    with open_channel(role, address, tensor_parallel_size=2, sharding="decoder", model_config=model_config) as ch:
+    with open_channel(role, address, tensor_parallel_size=2, sharding="decoder", model_config=model_config,
+                      host="inference") as ch:  # the store outlives a restarted trainer
         tp_rank = ch.rank % 2
 
         def expected(version):
