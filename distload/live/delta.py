@@ -40,6 +40,7 @@ from distload.live.transfer import BucketLayout, KeptSlice, SyncTensor, checksum
 from distload.loading.buckets import ALIGN, aligned, flat_bytes, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
+from distload.tensor_io import host_view
 from distload.tp.slices import rank_slice
 
 CHUNK_BITS = 16  # positions travel as their low 16 bits within chunks of 64 Ki elements
@@ -64,34 +65,51 @@ def flat_ints(tensor: torch.Tensor) -> torch.Tensor:
     return int_view(tensor).reshape(-1)
 
 
+# -- host arrays ----------------------------------------------------------------------------------
+# On the host every step below runs on numpy arrays: under a loaded machine torch's CPU kernels
+# (2 threads synchronising per op) measured 5-10x slower than numpy's single-threaded loops for
+# these scans and gathers (bench_sync.py --deltas). Views of a caller's tensor go through ctypes
+# (distload/tensor_io.py): a numpy view of the tensor itself would pin its storage for good.
+
+def _np_int(itemsize: int) -> np.dtype:
+    return np.dtype(f"<{'u' if itemsize == 1 else 'i'}{itemsize}")
+
+
+def host_ints(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's elements as a 1-d numpy integer view of its memory (writable;
+    the view keeps the tensor alive)."""
+    return np.frombuffer(host_view(tensor.detach().reshape(-1)), dtype=_np_int(tensor.element_size()))
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor of ours (a patch's, a gather's) as numpy."""
+    return tensor.detach().cpu().numpy()
+
+
 # -- finding what changed -------------------------------------------------------------------------
 
-def _nonzero(mask: torch.Tensor) -> torch.Tensor:
-    """Positions of a 1-d bool tensor's True elements. numpy's scan is several times torch's on
-    the host (torch's nonzero counts, then writes, each in a pass); ``mask`` is a temporary of
-    ours, so the numpy view pins no caller's storage."""
-    return torch.from_numpy(np.flatnonzero(mask.numpy()))
+def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    per = 8 // a.itemsize
+    found = []
+    for start in range(0, a.size, _SCAN):
+        x, y = a[start:start + _SCAN], b[start:start + _SCAN]
+        if per > 1 and x.size % per == 0:
+            # 8-byte words first: at a few percent of changed elements most words are equal, and a
+            # quarter as many items (bf16) to compare and scan is what makes the whole-state scan,
+            # the trainer's cost of a delta, fast; only the differing words are looked into.
+            x64, y64 = x.view(np.int64), y.view(np.int64)
+            words = np.flatnonzero(x64 != y64)
+            lanes = np.flatnonzero((x64[words] ^ y64[words]).view(a.dtype))
+            found.append(words[lanes // per] * per + lanes % per + start)
+        else:
+            found.append(np.flatnonzero(x != y) + start)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
 def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Sorted flat positions where ``new`` and ``base`` (1-d integer views on the host, same dtype
-    and length) differ. 8-byte words are compared first: at a few percent of changed elements
-    most words are equal, and a quarter as many items (bf16) to compare and scan is what makes the
-    whole-state scan, the trainer's cost of a delta, fast; only the differing words are looked into."""
-    per = 8 // new.element_size()
-    found = []
-    for start in range(0, new.numel(), _SCAN):
-        a, b = new[start:start + _SCAN], base[start:start + _SCAN]
-        if per > 1 and a.numel() % per == 0 and a.data_ptr() % 8 == 0 and b.data_ptr() % 8 == 0:
-            a, b = a.view(torch.int64), b.view(torch.int64)
-            words = _nonzero(torch.ne(a, b))
-            if not words.numel():
-                continue
-            lanes = _nonzero((a[words] ^ b[words]).view(new.dtype) != 0)  # the differing elements in them
-            found.append(words[lanes // per] * per + lanes % per + start)
-        else:
-            found.append(_nonzero(torch.ne(a, b)) + start)
-    return torch.cat(found) if found else torch.empty(0, dtype=torch.int64)
+    """Sorted flat positions (int64) where ``new`` and ``base`` (contiguous host tensors of one
+    dtype and length) differ bit for bit."""
+    return torch.from_numpy(_changed(host_ints(new), host_ints(base)))
 
 
 @dataclass
@@ -105,9 +123,9 @@ class Patch:
 
 def diff(new: torch.Tensor, base: torch.Tensor) -> Patch:
     """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous)."""
-    a, b = flat_ints(new), flat_ints(base)
-    positions = changed_positions(a, b)
-    return Patch(positions, b[positions], a[positions])
+    a, b = host_ints(new), host_ints(base)
+    positions = _changed(a, b)
+    return Patch(torch.from_numpy(positions), torch.from_numpy(b[positions]), torch.from_numpy(a[positions]))
 
 
 def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TPPlace,
@@ -124,21 +142,20 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
     for size in shape[dim + 1:]:
         inner *= int(size)
     whole_dim, kept_dim = int(shape[dim]), int(piece_shape[dim])
-    pos = patch.positions
+    pos = _array(patch.positions)
     coord = (pos // inner) % whole_dim
-    outer = pos // (inner * whole_dim)
-    keep = torch.zeros_like(pos, dtype=torch.bool)
-    local = torch.zeros_like(pos)
+    keep = np.zeros(pos.size, dtype=bool)
+    local = np.zeros_like(pos)
     at = 0
     for start, stop in cut.ranges:
         inside = (coord >= start) & (coord < stop)
         keep |= inside
-        local = torch.where(inside, coord - start + at, local)
+        local[inside] = coord[inside] - start + at
         at += stop - start
-    local = (outer * kept_dim + local) * inner + pos % inner
-    local, old, new = local[keep], patch.old[keep], patch.new[keep]
-    order = torch.argsort(local)  # fused parts' ranges need not come in order
-    return Patch(local[order], old[order], new[order])
+    local = ((pos // (inner * whole_dim)) * kept_dim + local) * inner + pos % inner
+    local, old, new = local[keep], _array(patch.old)[keep], _array(patch.new)[keep]
+    order = np.argsort(local, kind="stable")  # fused parts' ranges need not come in order
+    return Patch(torch.from_numpy(local[order]), torch.from_numpy(old[order]), torch.from_numpy(new[order]))
 
 
 # -- the encoding ---------------------------------------------------------------------------------
@@ -162,16 +179,14 @@ def pays(numel: int, count: int, itemsize: int) -> bool:
 def encode(into: torch.Tensor, numel: int, patch: Patch) -> None:
     """Write ``patch`` (of a piece of ``numel`` elements) into ``into``, 1-d uint8 of exactly
     ``encoded_size`` bytes, on any device."""
-    count = patch.positions.numel()
-    m = chunks(numel)
-    counts = torch.bincount(patch.positions >> CHUNK_BITS, minlength=m).to(torch.int32)
-    low = (patch.positions & ((1 << CHUNK_BITS) - 1)).to(torch.int32).to(torch.int16)  # wraps: 0..65535
+    positions, values = _array(patch.positions), _array(patch.new)
+    count, m = positions.size, chunks(numel)
     values_at = aligned(4 * m + 2 * count, 8)
-    host = torch.zeros(values_at + count * patch.new.element_size(), dtype=torch.uint8)
-    host[:4 * m].view(torch.int32).copy_(counts)
-    host[4 * m:4 * m + 2 * count].view(torch.int16).copy_(low)
-    host[values_at:].view(patch.new.dtype).copy_(patch.new)
-    into.copy_(host)
+    host = np.zeros(values_at + values.nbytes, dtype=np.uint8)
+    host[:4 * m].view(np.int32)[:] = np.bincount(positions >> CHUNK_BITS, minlength=m)
+    host[4 * m:4 * m + 2 * count].view(np.uint16)[:] = positions & ((1 << CHUNK_BITS) - 1)
+    host[values_at:].view(values.dtype)[:] = values
+    into.copy_(torch.from_numpy(host))
 
 
 class PatchError(ValueError):
@@ -180,20 +195,21 @@ class PatchError(ValueError):
 
 
 def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions (int64) and new values (integers of ``dtype``'s size) in ``data``."""
+    """The positions (int64) and new values (integers of ``dtype``'s size) in ``data`` (a
+    received buffer of ours, on any device), on the host."""
+    raw = np.frombuffer(host_view(data.cpu()), dtype=np.uint8)
     m = chunks(numel)
-    counts = data[:4 * m].view(torch.int32).to(torch.int64)
+    counts = raw[:4 * m].view(np.int32).astype(np.int64)
     if int(counts.sum()) != count or bool((counts < 0).any()):
         raise PatchError(f"the patch's chunk counts add up to {int(counts.sum())}, not {count}")
-    low = data[4 * m:4 * m + 2 * count].view(torch.int16).to(torch.int64) & ((1 << CHUNK_BITS) - 1)
-    base = torch.repeat_interleave(torch.arange(m, dtype=torch.int64, device=data.device) << CHUNK_BITS, counts)
-    positions = base + low
+    low = raw[4 * m:4 * m + 2 * count].view(np.uint16).astype(np.int64)
+    positions = np.repeat(np.arange(m, dtype=np.int64) << CHUNK_BITS, counts) + low
     if count and int(positions.max()) >= numel:
         raise PatchError(f"a position lies past the piece's {numel} elements")
     values_at = aligned(4 * m + 2 * count, 8)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    values = data[values_at:values_at + count * itemsize].view(_INT_OF_SIZE[itemsize])
-    return positions, values
+    values = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize)).copy()
+    return torch.from_numpy(positions), torch.from_numpy(values)
 
 
 # -- applying, with the undo ----------------------------------------------------------------------
@@ -215,29 +231,30 @@ class Undo:
         self.writes.clear()
 
 
-def _index(target: torch.Tensor, positions: torch.Tensor):
-    """An index into ``int_view(target)`` for flat positions, at any strides."""
-    if target.is_contiguous():
-        return None
-    return torch.unravel_index(positions.to(target.device), tuple(target.shape))
+def _on_host(target: torch.Tensor) -> bool:
+    return target.device.type == "cpu" and target.is_contiguous()
 
 
 def _gather(target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if _on_host(target):
+        return torch.from_numpy(host_ints(target)[_array(positions)])
     ints = int_view(target)
-    index = _index(target, positions)
-    if index is None:
-        return ints.reshape(-1)[positions.to(target.device)]
-    return ints[index]
+    positions = positions.to(target.device)
+    if target.is_contiguous():
+        return ints.reshape(-1)[positions].cpu()
+    return ints[torch.unravel_index(positions, tuple(target.shape))].cpu()
 
 
 def _scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    if _on_host(target):
+        host_ints(target)[_array(positions)] = _array(values)
+        return
     ints = int_view(target)
-    values = values.to(target.device)
-    index = _index(target, positions)
-    if index is None:
-        ints.reshape(-1).index_copy_(0, positions.to(target.device), values)
+    positions, values = positions.to(target.device), values.to(target.device)
+    if target.is_contiguous():
+        ints.reshape(-1).index_copy_(0, positions, values)
     else:
-        ints[index] = values
+        ints[torch.unravel_index(positions, tuple(target.shape))] = values
 
 
 def apply(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, undo: Undo
@@ -260,10 +277,10 @@ def keep_whole(target: torch.Tensor, undo: Undo) -> None:
 
 def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """An int64 position-weighted sum of integer ``values`` at ``positions`` (wrapping)."""
-    if not positions.numel():
-        return torch.zeros((), dtype=torch.int64)
-    weights = ((positions.to(torch.int64).cpu() + 1) * _GOLDEN) | 1
-    return (weights * values.cpu().to(torch.int64)).sum()
+    pos, vals = _array(positions).astype(np.int64), _array(values).astype(np.int64)
+    with np.errstate(over="ignore"):
+        weights = ((pos + 1) * _GOLDEN) | 1
+        return torch.tensor(int(np.sum(weights * vals, dtype=np.int64)), dtype=torch.int64)
 
 
 def audit_window(sizes: Sequence[int], turn: int) -> list[tuple[int, int, int]]:
