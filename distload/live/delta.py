@@ -275,12 +275,17 @@ def keep_whole(target: torch.Tensor, undo: Undo) -> None:
 
 # -- checks ---------------------------------------------------------------------------------------
 
+def patch_sums(positions: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
+    """For each of ``values`` (integers at ``positions``), an int64 position-weighted sum
+    (wrapping); the weights are made once for all of them."""
+    with np.errstate(over="ignore"):
+        weights = ((_array(positions) + 1) * _GOLDEN) | 1
+        return [torch.tensor(int(np.dot(weights, _array(v).astype(np.int64))), dtype=torch.int64) for v in values]
+
+
 def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """An int64 position-weighted sum of integer ``values`` at ``positions`` (wrapping)."""
-    pos, vals = _array(positions).astype(np.int64), _array(values).astype(np.int64)
-    with np.errstate(over="ignore"):
-        weights = ((pos + 1) * _GOLDEN) | 1
-        return torch.tensor(int(np.sum(weights * vals, dtype=np.int64)), dtype=torch.int64)
+    return patch_sums(positions, values)[0]
 
 
 def audit_window(sizes: Sequence[int], turn: int) -> list[tuple[int, int, int]]:
@@ -377,8 +382,8 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
             continue
         counts.append(count)
         parts.append(part)
-        old_sum = old_sum + patch_sum(part.positions, part.old)
-        new_sum = new_sum + patch_sum(part.positions, part.new)
+        old_part, new_part = patch_sums(part.positions, part.old, part.new)
+        old_sum, new_sum = old_sum + old_part, new_sum + new_part
     header = torch.tensor(counts, dtype=torch.int64).to(device)
     at, size = offsets(data_sizes(layout, entries, counts), ALIGN)
     if not size:
@@ -413,9 +418,8 @@ def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: Buc
             continue
         positions, values = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
                                    DTYPES[entry.dtype])
-        found, after = apply(target, positions, values, undo)
-        old_sum = old_sum + patch_sum(positions, found)
-        new_sum = new_sum + patch_sum(positions, after)
+        old_part, new_part = patch_sums(positions, *apply(target, positions, values, undo))
+        old_sum, new_sum = old_sum + old_part, new_sum + new_part
     summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
     return torch.cat([summed, old_sum.view(1), new_sum.view(1)])
 
