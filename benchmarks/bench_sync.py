@@ -347,21 +347,33 @@ def encodings(args: argparse.Namespace) -> dict:
 
 
 def _timed_checks() -> dict[str, float]:
-    """Wrap the delta checks (patch sums, audits, data checksums) to add up their seconds."""
+    """Wrap the delta checks (patch sums, audits, data checksums) and the trainer's compare to
+    add up their seconds."""
     from distload.live import delta as deltas
 
-    spent = {"checks": 0.0}
-    for fn in ("patch_sum", "sent_audit", "held_audit", "checksum"):
+    spent = {"checks": 0.0, "compare": 0.0}
+    for fn, what in (("patch_sums", "checks"), ("sent_audit", "checks"), ("held_audit", "checks"),
+                     ("checksum", "checks"), ("diff", "compare")):
         real = getattr(deltas, fn)
 
-        def timed(*a, _real=real, **k):
+        def timed(*a, _real=real, _what=what, **k):
             start = time.perf_counter()
             try:
                 return _real(*a, **k)
             finally:
-                spent["checks"] += time.perf_counter() - start
+                spent[_what] += time.perf_counter() - start
         setattr(deltas, fn, timed)
     return spent
+
+
+def _ready(args: argparse.Namespace, number: int, rank: int | None = None) -> None:
+    """Inference ranks say they are ready for schedule entry ``number`` (their checks of the
+    previous one done); the trainer (``rank`` None) waits for both, so no push's time includes them."""
+    if rank is not None:
+        open(os.path.join(args.scratch, f"ready-{args.case}-{number}-{rank}"), "w").close()
+        return
+    while not all(os.path.exists(os.path.join(args.scratch, f"ready-{args.case}-{number}-{r}")) for r in (0, 1)):
+        time.sleep(0.01)
 
 
 def _schedule() -> list[tuple[str, bool]]:
@@ -390,15 +402,16 @@ def delta_trainer(args: argparse.Namespace) -> None:
                         bucket_bytes=args.bucket_mib * 2**20, delta=False) as full:
         for number, (name, measured) in enumerate(_schedule()):
             state = _load(args.scratch, name)
+            _ready(args, number)
             row = {"version": name, "measured": measured}
             for verify in (False, True):
                 full.verify = verify
                 stats = full.push(state, number)
                 row[f"full, verify {'on' if verify else 'off'}"] = [stats.seconds, stats.wire_bytes]
-            spent["checks"] = 0.0
+            spent["checks"] = spent["compare"] = 0.0
             stats = delta.push(state, number)
             row["delta"] = [stats.seconds, stats.wire_bytes, stats.delta]
-            row["delta checks"] = spent["checks"]
+            row["delta checks"], row["delta compare"] = spent["checks"], spent["compare"]
             row["state_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
             row["base_bytes"] = delta._base.nbytes
             rows.append(row)
@@ -431,7 +444,8 @@ def delta_inference(args: argparse.Namespace) -> None:
         rows = []
         with SyncChannel(delta_address, "inference", **options) as delta, \
                 SyncChannel(full_address, "inference", **options) as full:
-            for _ in _schedule():
+            for number, _ in enumerate(_schedule()):
+                _ready(args, number, group.rank)
                 row = {}
                 for verify in (False, True):
                     stats = full.receive(into_full)
@@ -452,6 +466,10 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
     os.makedirs(args.scratch, exist_ok=True)
     names = _versions(args.scratch)
     assert names == _versions_names()
+    for stale in os.listdir(args.scratch):  # an earlier run's readiness marks
+        if stale.startswith("ready-"):
+            os.remove(os.path.join(args.scratch, stale))
+    load_before = os.getloadavg()
     encoded = encodings(args)
     cases = {}
     for case, tp in (("whole", 1), ("TP 2", 2)):
@@ -472,8 +490,9 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
             if not row["measured"]:
                 continue
             step = steps.setdefault(row["version"], {k: [] for k in ("full, verify off", "full, verify on", "delta",
-                                                                        "checks", "wire_full", "wire_delta",
+                                                                        "checks", "compare", "wire_full", "wire_delta",
                                                                         "receiver_checks")})
+            step["compare"].append(row["delta compare"])
             step["full, verify off"].append(row["full, verify off"][0])
             step["full, verify on"].append(row["full, verify on"][0])
             step["delta"].append(row["delta"][0])
@@ -493,11 +512,14 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
                 "wire_full": step["wire_full"], "wire_delta": step["wire_delta"],
                 "delta_vs_full_bytes": round(step["wire_delta"] / step["wire_full"], 4),
                 "trainer_check_share": round(statistics.median(step["checks"]) / delta_s, 4),
+                "trainer_compare_share": round(statistics.median(step["compare"]) / delta_s, 4),
                 "receiver_check_share": round(statistics.median(step["receiver_checks"]) / delta_s, 4),
                 "verify_cost_full": round(statistics.median(step["full, verify on"]) / full_s - 1, 4),
                 "state_bytes": step["state_bytes"], "base_bytes": step["base_bytes"]}
         cases[case] = table
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    load = [round(x, 2) for x in load_before + os.getloadavg()]
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                       "load_average_before_after": load},
            "model": LLAMA, "backend": "gloo", "bucket_mib": args.bucket_mib, "encodings": encoded, "pushes": cases}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sync_delta.json"), "w") as f:
@@ -508,7 +530,9 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
              f"{first['state_bytes'] / 2**20:.0f} MiB in bf16), fp32 master weights, AdamW at learning rates "
              f"{', '.join(f'{lr:g}' for lr in LRS)}, {STEPS} steps each from one initialisation, every version cast "
              f"to bf16. gloo, 1 trainer rank -> 2 inference ranks (two jobs), buckets of {args.bucket_mib} MiB; "
-             f"{os.cpu_count()} CPUs (shared), torch {torch.__version__}, {platform.platform()}.", "",
+             f"{os.cpu_count()} CPUs shared with other work (load average {load[0]} before, {load[3]} after: "
+             f"every figure is noisy; ratios are of pushes interleaved in the same jobs), torch {torch.__version__}, "
+             f"{platform.platform()}.", "",
              "Encodings (bytes on the wire / the state's bytes; each piece sent raw where its encoding would not "
              "be smaller; in brackets: / the changed fraction):", "",
              "| step | changed | " + " | ".join(_ENCODINGS) + " |", "|---|---|" + "---|" * len(_ENCODINGS)]
@@ -525,14 +549,14 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
         lines += ["", f"Pushes, {case} (median of 3 pushes of each step, each against a full push in the same jobs; "
                       f"bytes: what the trainer sent to both receivers):", "",
                   "| step | changed | full s | full+verify s | delta s | delta/full time | full bytes | delta bytes | "
-                  "delta/full bytes | checks/delta time (trainer, receiver) | full verify cost |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "delta/full bytes | checks/delta time (trainer, receiver) | compare/delta time | full verify cost |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for version, r in table.items():
             lines.append(f"| {version} | {r['changed_fraction']:.4f} | {r['full_seconds']} | {r['full_verified_seconds']} | "
                          f"{r['delta_seconds']} | {r['delta_vs_full_seconds']} | {r['wire_full'] / 2**20:.1f} MiB | "
                          f"{r['wire_delta'] / 2**20:.1f} MiB | {r['delta_vs_full_bytes']} | "
                          f"{r['trainer_check_share'] * 100:.1f}%, {r['receiver_check_share'] * 100:.1f}% | "
-                         f"{r['verify_cost_full'] * 100:.1f}% |")
+                         f"{r['trainer_compare_share'] * 100:.1f}% | {r['verify_cost_full'] * 100:.1f}% |")
     base = next(iter(cases["whole"].values()))
     lines += ["", f"The trainer's host copy (the base): {base['base_bytes'] / 2**20:.0f} MiB for a "
                   f"{base['state_bytes'] / 2**20:.0f} MiB state. Every delta receiver ended bit-identical to the "
