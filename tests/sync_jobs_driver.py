@@ -270,7 +270,8 @@ def verify(role, address, result, args):
     shapes = {f"w{i:02d}": ((64, 64), torch.float32) for i in range(8)}  # 16 KiB each: 2 a bucket
     shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: sent directly, from the tensor itself
     real_checksum = channel_module.checksum
-    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference")) as ch:
+    # Full updates (a delta's own checks are the delta scenario's); only the inference side asks.
+    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference"), delta=False) as ch:
         if role == "trainer":
             for version in (1, 2, 3, 4, 5):
                 summed = []

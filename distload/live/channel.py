@@ -635,7 +635,7 @@ class SyncChannel:
         if ours[2] != theirs[2]:
             raise SyncError(f"bucket {i} from {trainer} ({names}): the values it changes were not the base's "
                             f"here: {drifted}")
-        raise SyncError(f"bucket {i} from {trainer} ({names}): the values written are not the values sent on {me}")
+        raise SyncError(f"bucket {i} from {trainer} ({names}): the patch {me} decoded is not the patch sent")
 
     def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:

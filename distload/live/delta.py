@@ -19,10 +19,10 @@ or a -0.0 is a change like any other and the receiver ends with the trainer's ex
 
 Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
 each bucket the trainer sums, over its patches' positions, a position-weighted sum of the base's
-values and one of the new values (:func:`patch_sum`); the receiver makes the same sums from the
-values it found in its own tensors before writing (its undo) and from what its tensors hold after
-writing. A receiver whose tensors changed since the base at a changed position fails the first
-sum; a wrong write the second. A drift at positions the trainer did not change is found by the
+values and one of the new values (:func:`patch_sums`); the receiver makes the same sums from the
+values it found in its own tensors before writing (its undo) and from the positions and values
+it decoded. A receiver whose tensors changed since the base at a changed position fails the
+first sum; a patch read wrong the second. A drift at positions the trainer did not change is found by the
 *audit*: each update also checks one window of 1/AUDIT_ROUNDS of every receiver's bytes, in turn
 (:func:`audit_window`), so every byte is checked once every AUDIT_ROUNDS updates; a receiver whose
 tensors moved (another storage: repacked or reallocated) is sent the next update raw.
@@ -257,15 +257,14 @@ def _scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
         ints[torch.unravel_index(positions, tuple(target.shape))] = values
 
 
-def apply(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, undo: Undo
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def apply(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, undo: Undo) -> torch.Tensor:
     """Write ``values`` at flat ``positions`` of ``target`` in place, keeping the overwritten
-    values in ``undo``. Returns (the values found before, the values there after), for the sums."""
+    values in ``undo``. Returns the values found before, for the sums."""
     with torch.no_grad():
         found = _gather(target, positions)
         undo.writes.append((target, positions, found))
         _scatter(target, positions, values)
-        return found, _gather(target, positions)
+        return found
 
 
 def keep_whole(target: torch.Tensor, undo: Undo) -> None:
@@ -418,7 +417,9 @@ def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: Buc
             continue
         positions, values = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
                                    DTYPES[entry.dtype])
-        old_part, new_part = patch_sums(positions, *apply(target, positions, values, undo))
+        # The second sum is of the values as decoded: the data's checksum covers the bytes that
+        # arrived, this their reading (positions and values as the trainer meant them).
+        old_part, new_part = patch_sums(positions, apply(target, positions, values, undo), values)
         old_sum, new_sum = old_sum + old_part, new_sum + new_part
     summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
     return torch.cat([summed, old_sum.view(1), new_sum.view(1)])
