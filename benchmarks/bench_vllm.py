@@ -1,22 +1,26 @@
-"""How long vLLM takes to load one checkpoint: its default loader against distload's.
+"""How long vLLM takes to load one checkpoint: its own loaders against distload's.
 
-    python benchmarks/bench_vllm.py                       # a 1 GiB Llama, TP 1, 2 repeats, cold
-    python benchmarks/bench_vllm.py --hidden 1024 --layers 4 --repeats 1
+    python benchmarks/bench_vllm.py                        # a 1 GiB Llama, TP 1 and 2, 2 repeats
+    python benchmarks/bench_vllm.py --hidden 1024 --layers 4 --tp 1 --repeats 1
 
 Runs in vLLM's environment (``.vllm-venv``, made by ``bash .ci/run``; ``--python`` for another).
-A random Llama (bf16) saved by transformers, and its ``distload reshard`` output for the same
-TP size. In ONE run, each case an engine start (``LLM(...)``) with the model's files evicted from
-the page cache first (posix_fadvise DONTNEED, no root):
+A random Llama (bf16) saved by transformers, and its ``distload reshard`` output for each TP size.
+In ONE run per TP size (one driver process, engines one after the other), each case twice in a
+row: **cold**, the model's files evicted from the page cache first (posix_fadvise DONTNEED, no
+root), then **warm**, straight after (its files now cached):
 
-- **dummy**: ``load_format="dummy"``: the engine start without reading weights (for scale: it
-  fills the weights with random values, which is not free either);
 - **vLLM default**: ``load_format="auto"`` on the whole checkpoint;
-- **distload**: ``load_format="distload"`` on the whole checkpoint (each TP rank its slices' bytes);
+- **vLLM runai_streamer**: Run:ai's streamer, as vLLM ships it;
+- **distload**: ``load_format="distload"`` on the whole checkpoint (each TP rank reads the boxes its
+  weight map needs, into the parameters where the map allows);
 - **vLLM sharded_state** and **distload, pre-sharded**: the reshard output.
 
-Load seconds: what each loader logs as "Loading weights took" in its worker (vLLM's default and
-sharded_state loaders, and distload's, the same line); medians of ``--repeats``; ratios against
-vLLM default.
+Before them, once: **dummy** (the engine without reading weights, for scale) and **distload,
+recording the map** (the first load of a model: it records the weight map from vLLM's loaders,
+then caches it; every later load in the run uses the cache).
+
+Load seconds: each loader's ``load_weights`` in vLLM's workers, timed alike for every loader (a
+``sitecustomize`` the run puts on the path wraps them; the slowest TP rank); medians of ``--repeats``; ratios: vLLM default's time over the loader's (above 1: faster).
 Results: benchmarks/results/vllm.json and vllm.md.
 """
 
@@ -47,6 +51,9 @@ LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out, safe_serializat
 
 DRIVE = r"""
 import json, os, sys, time
+# The engine core in this process (as tests/vllm_driver.py): starts are shorter; the weights
+# still load in vLLM's workers (at TP 1 its in-process executor), which is what is timed.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def evict(folder):
     for name in os.listdir(folder):
@@ -56,42 +63,88 @@ def evict(folder):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
 def main():
-    tp, cases, repeats = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+    tp, once, cases, repeats = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4])
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
     import gc
     from vllm import LLM
-    seconds = {}
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    def start(name, model, fmt, cold):
+        if cold:
+            evict(model)
+        llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                  max_model_len=128, max_num_seqs=4, tensor_parallel_size=tp, load_format=fmt)
+        print("CASE", name, flush=True)
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    for name, model, fmt in once:
+        start(name, model, fmt, True)
     for _ in range(repeats):
         for name, model, fmt in cases:
-            evict(model)
-            start = time.perf_counter()
-            llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                      max_model_len=128, max_num_seqs=4, tensor_parallel_size=tp, load_format=fmt)
-            seconds.setdefault(name, []).append(time.perf_counter() - start)
-            print("CASE", name, flush=True)
-            del llm
-            gc.collect()
-    print("RESULT", json.dumps(seconds))
+            start(name + ", cold", model, fmt, True)
+            start(name + ", warm", model, fmt, False)
+    print("DONE", flush=True)
 if __name__ == "__main__":
     main()
 """
 
+# Put on PYTHONPATH as sitecustomize.py for the driver and vLLM's workers: every model loader's
+# load_weights, timed the same way and printed (vLLM's own "Loading weights took" line is logged by
+# two of its loaders, not Run:ai's, and only once a process).
+TIMING = r"""
+import importlib.abc, importlib.machinery, sys, threading, time
+TARGET = "vllm.model_executor.model_loader.base_loader"
+_depth = threading.local()
+def _timed(load_weights):
+    def load(self, *args, **kwargs):
+        outer = not getattr(_depth, "n", 0)
+        _depth.n = getattr(_depth, "n", 0) + 1
+        start = time.perf_counter()
+        try:
+            return load_weights(self, *args, **kwargs)
+        finally:
+            _depth.n -= 1
+            if outer:
+                print(f"BENCH load_weights {time.perf_counter() - start:.4f} {type(self).__name__}", flush=True)
+    load._timed = True
+    return load
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            base = module.BaseModelLoader
+            def init_subclass(cls, **kwargs):
+                if "load_weights" in cls.__dict__ and not getattr(cls.load_weights, "_timed", False):
+                    cls.load_weights = _timed(cls.load_weights)
+            base.__init_subclass__ = classmethod(init_subclass)
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, _Finder())
+"""
+
+LOADERS = ("vLLM default", "vLLM runai_streamer", "distload", "vLLM sharded_state", "distload, pre-sharded")
+
 
 def _loading_seconds(output: str) -> dict[str, list[float]]:
-    """Each case's "Loading weights took X seconds" (vLLM's loaders and distload's log it from the
-    worker, before the driver prints the case's name)."""
+    """Each case's load_weights seconds (TIMING prints them in the workers, before the driver
+    prints the case's name)."""
     found: dict[str, list[float]] = {}
     pending: list[float] = []
     for line in output.splitlines():
-        match = re.search(r"Loading weights took ([0-9.]+) seconds", line)
+        match = re.search(r"BENCH load_weights ([0-9.]+) ", line)  # a worker's line has a prefix
         if match:
             pending.append(float(match.group(1)))
         elif line.startswith("CASE "):
             name = line[len("CASE "):]
             if name != "dummy":
                 if not pending:
-                    sys.exit(f"no 'Loading weights took' line for case {name}")
+                    sys.exit(f"no load_weights time for case {name}")
                 found.setdefault(name, []).append(max(pending))  # the slowest TP rank
             pending = []
     return found
@@ -102,7 +155,7 @@ def main() -> None:
     parser.add_argument("--python", default=os.path.join(ROOT, ".vllm-venv", "bin", "python"))
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
@@ -110,39 +163,48 @@ def main() -> None:
     import distload
     from bench_load import machine
 
+    load: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="distload-vllm-", dir=os.environ.get("DISTLOAD_BENCH_DIR")) as tmp:
-        whole, saved = os.path.join(tmp, "whole"), os.path.join(tmp, "saved")
+        whole = os.path.join(tmp, "whole")
         subprocess.run([args.python, "-c", MAKE, whole, str(args.hidden), str(args.layers)], check=True)
-        distload.reshard(whole, saved, args.tp)
         size = sum(os.path.getsize(os.path.join(whole, n)) for n in os.listdir(whole) if n.endswith(".safetensors"))
-        cases = [("dummy", whole, "dummy"), ("vLLM default", whole, "auto"), ("distload", whole, "distload"),
-                 ("vLLM sharded_state", saved, "sharded_state"), ("distload, pre-sharded", saved, "distload")]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-        run = subprocess.run([args.python, "-c", DRIVE, str(args.tp), json.dumps(cases), str(args.repeats)],
-                             capture_output=True, text=True, env=env)
-        lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
-        if run.returncode != 0 or not lines:
-            sys.exit(run.stdout[-3000:] + run.stderr[-6000:])
-        seconds = json.loads(lines[0][len("RESULT "):])
-        loading = _loading_seconds(run.stdout + run.stderr)
-    medians = {name: statistics.median(values) for name, values in seconds.items()}
-    load = {name: statistics.median(values) for name, values in loading.items()}
-    result = {"machine": machine(), "checkpoint_bytes": size, "tp": args.tp, "repeats": args.repeats,
-              "engine_start_s": seconds, "load_s": load}
+        for tp in args.tp:
+            saved = os.path.join(tmp, f"saved-tp{tp}")
+            distload.reshard(whole, saved, tp)
+            once = [("dummy", whole, "dummy"), ("distload, recording the map", whole, "distload")]
+            cases = [("vLLM default", whole, "auto"), ("vLLM runai_streamer", whole, "runai_streamer"),
+                     ("distload", whole, "distload"), ("vLLM sharded_state", saved, "sharded_state"),
+                     ("distload, pre-sharded", saved, "distload")]
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+            with open(os.path.join(tmp, "sitecustomize.py"), "w") as f:
+                f.write(TIMING)
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (tmp, env.get("PYTHONPATH")) if x)
+            env["DISTLOAD_WEIGHT_MAP_CACHE"] = os.path.join(tmp, f"maps-tp{tp}")  # empty: the first load records
+            run = subprocess.run([args.python, "-c", DRIVE, str(tp), json.dumps(once), json.dumps(cases),
+                                  str(args.repeats)], capture_output=True, text=True, env=env)
+            if run.returncode != 0 or "DONE" not in run.stdout:
+                sys.exit(run.stdout[-3000:] + run.stderr[-6000:])
+            found = _loading_seconds(run.stdout + run.stderr)
+            load[str(tp)] = {name: statistics.median(values) for name, values in found.items()}
+    result = {"machine": machine(), "checkpoint_bytes": size, "repeats": args.repeats, "load_s": load}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "vllm.json"), "w") as f:
         json.dump(result, f, indent=2)
-    base = load["vLLM default"]
-    lines = [f"# vLLM load time, {size / 2**30:.2f} GiB Llama (bf16), TP {args.tp}, cold", "",
-             f"Machine: {result['machine']}. Medians of {args.repeats}. Load: the workers' own \"Loading "
-             f"weights took\" (the slowest TP rank); engine start: LLM(...) in all (dummy: "
-             f"{medians['dummy']:.1f} s, random weights).", "",
-             "| loader | engine start s | load s | vs vLLM default |", "|---|---|---|---|"]
-    for name in ("vLLM default", "distload", "vLLM sharded_state", "distload, pre-sharded"):
-        ratio = base / load[name] if load[name] > 0 else float("inf")
-        lines.append(f"| {name} | {medians[name]:.1f} | {load[name]:.2f} | {ratio:.2f}x |")
+    lines = [f"# vLLM load time, {size / 2**30:.2f} GiB Llama (bf16)", "",
+             f"Machine: {result['machine']}. Medians of {args.repeats}. Load: each loader's load_weights in vLLM's "
+             f"workers (the slowest TP rank). Cold: the files evicted from the page cache first; warm: "
+             f"the same case again straight after. Ratio: vLLM default's time over the loader's (above 1: faster).", ""]
+    for tp, times in load.items():
+        lines += [f"## TP {tp}", "", f"First distload load of the model, recording the weight map: "
+                  f"{times['distload, recording the map']:.2f} s (cold; every later load uses the cache).", "",
+                  "| loader | cold s | vs default | warm s | vs default |", "|---|---|---|---|---|"]
+        for name in LOADERS:
+            cold, warm = times[name + ", cold"], times[name + ", warm"]
+            lines.append(f"| {name} | {cold:.2f} | {times['vLLM default, cold'] / cold:.2f}x | {warm:.2f} | "
+                         f"{times['vLLM default, warm'] / warm:.2f}x |")
+        lines.append("")
     with open(os.path.join(args.out, "vllm.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(lines))
     print("\n".join(lines))
 
 

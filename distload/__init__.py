@@ -35,9 +35,10 @@ from distload.loading.layout import DEFAULT_SHARD_PATTERN, CheckpointLayout, det
 from distload.loading.loader import Loader, LoadResult, LoadStream, iter_tensors, load
 from distload.loading.report import LoadReport, RankReport, state_digest
 from distload.checkpoints.inspection import inspect_source as inspect
-from distload.checkpoints.reshard import ReshardReport, reshard
+from distload.checkpoints.reshard import ReshardReport
 from distload.checkpoints.save import save_sharded
 from distload.checkpoints.verify import verify_folder as verify
+from distload.vllm.save import reshard
 from distload.tp.spec import ShardingSpec, load_spec
 
 __version__ = "0.1.0"

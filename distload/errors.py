@@ -71,6 +71,28 @@ class RankFailedError(GroupError):
     def __init__(self, step: str, failures: dict[int, str]):
         self.step = step
         self.failures = dict(sorted(failures.items()))
-        lines = [f"rank {rank}: {message}" for rank, message in self.failures.items()]
         ranks = ", ".join(str(rank) for rank in self.failures)
-        super().__init__(f"{step} failed on rank(s) {ranks}:\n  " + "\n  ".join(lines))
+        super().__init__(f"{step} failed on rank(s) {ranks}:\n  " + "\n  ".join(failure_lines(self.failures)))
+
+
+def rank_list(ranks: "list[int]") -> str:
+    """``rank 3``, or ``ranks 0-7`` / ``ranks 0, 2, 5`` for several (runs of 3 or more collapsed)."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts, start = [], 0
+    for i in range(1, len(ranks) + 1):
+        if i == len(ranks) or ranks[i] != ranks[i - 1] + 1:
+            run = ranks[start:i]
+            parts.append(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run)))
+            start = i
+    return "ranks " + ", ".join(parts)
+
+
+def failure_lines(failures: "dict[int, str]") -> list[str]:
+    """One line per distinct message, naming the ranks that had it: 64 ranks failing the same way
+    make one line, not 64 copies of it."""
+    by_message: dict[str, list[int]] = {}
+    for rank, message in sorted(failures.items()):
+        by_message.setdefault(message, []).append(rank)
+    return [f"{rank_list(ranks)}: {message}" for message, ranks in by_message.items()]

@@ -14,5 +14,8 @@ if [[ -z "$nproc" || ! "$nproc" =~ ^[0-9]+$ ]]; then
 else
   shift
 fi
+# The command line is checked once here, before torchrun starts any rank: a misspelt format,
+# extra-config key or flag is one message, not one per rank after the ranks' start-up.
+"$PYTHON" -c 'import sys; from distload.cli.main import precheck; sys.exit(precheck(sys.argv[1:]))' "$@"
 # --standalone: a c10d rendezvous on localhost with a port the OS picks (no collisions).
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m distload "$@"

@@ -128,17 +128,31 @@ ABORT_MARKERS = ("terminate called", "Signal 6", "SIGABRT", "core dumped", "Segm
                  "SIGSEGV", "Fatal Python error")
 
 
+_ERROR_LINE_RE = re.compile(r"distload: error on (?:rank (\d+)|ranks ([\d, -]+) \(every rank\)): ")
+
+
+def _ranks_named(single: str | None, several: str | None) -> set[int]:
+    if single is not None:
+        return {int(single)}
+    ranks: set[int] = set()
+    for part in several.split(", "):
+        first, _, last = part.partition("-")
+        ranks.update(range(int(first), int(last or first) + 1))
+    return ranks
+
+
 def rank_error(output: str, rank: int) -> str:
-    """The ``distload: error on rank R: ...`` message, with its indented continuation lines.
+    """The ``distload: error on rank R: ...`` message, with its indented continuation lines; or,
+    where every rank failed the same way, the one ``distload: error on ranks 0, 1 (every rank): ...``
+    line that rank 0 prints for all of them.
 
     The ranks share torchrun's stderr and distload prints the message and its newline in two
     writes, so one rank's message can run straight into the next rank's on the same line.
     """
-    marker = f"distload: error on rank {rank}: "
-    start = output.find(marker)
-    assert start >= 0, f"no {marker!r} in:\n{output[-6000:]}"
-    rest = output[start + len(marker):]
-    following = rest.find("distload: error on rank ")
+    match = next((m for m in _ERROR_LINE_RE.finditer(output) if rank in _ranks_named(m[1], m[2])), None)
+    assert match is not None, f"no distload error naming rank {rank} in:\n{output[-6000:]}"
+    rest = output[match.end():]
+    following = rest.find("distload: error on rank")
     if following >= 0:
         rest = rest[:following]
     lines = rest.split("\n")
@@ -151,8 +165,8 @@ def rank_error(output: str, rank: int) -> str:
 
 
 def assert_failed_cleanly(result: subprocess.CompletedProcess, nproc: int = 2) -> dict[int, str]:
-    """torchrun failed, every rank printed a distload error and exited with code 1, and nothing
-    aborted. Returns rank -> its error message."""
+    """torchrun failed, every rank's distload error was printed (by the rank, or once for all of
+    them) and each exited with code 1, and nothing aborted. Returns rank -> its error message."""
     output = result.stdout + result.stderr
     assert result.returncode == 1, f"rc {result.returncode}:\n{output[-6000:]}"
     for marker in ABORT_MARKERS:

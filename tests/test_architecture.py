@@ -313,7 +313,8 @@ FLOORS = [
     {"tp"},  # tensor parallelism as pure data
     {"loading"},  # the load path: the base every feature stands on
     {"checkpoints", "live"},  # checkpoints as files; live updates to a loaded model (peers: neither imports the other)
-    {"vllm", "cli"},  # the integrations and the command line
+    {"vllm"},  # inside vLLM (and reshard for vLLM, made by its engine)
+    {"cli"},  # the command line
     {"__init__", "__main__"},  # the package's face
 ]
 # Within the plumbing: a lower module never imports a higher one.

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import textwrap
 
 import pytest
 import torch
 
 from conftest import every_dtype_state, plain_digest, read_report, run_distload, write_whole
-from dist_helpers import RankResult, launch_ranks, rank_error
+from dist_helpers import FAILURE_ENV, RankResult, clean_env, launch_ranks, rank_error
+
+import distload
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.dist
 
@@ -128,11 +134,20 @@ def test_device_cuda_without_cuda_fails_clearly(ckpt, nproc):
 def test_demo(tmp_path):
     result = run_distload(["demo", "--size-mib", "4", "--dir", str(tmp_path / "demo")], timeout=300)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    rows = {}
+    rows, speeds = {}, {}
     for line in result.stdout.splitlines():
-        match = re.match(r"(\S+(?: distributed)?)\s+(whole|sharded)\s+(\S+)\s+\S+\s+(.+)$", line)
+        match = re.match(r"(\S+(?: distributed)?|plain safetensors \(no distload\))\s+(whole|sharded)\s+(\S+)"
+                         r"\s+\S+\s+(\S+)\s+(.+)$", line)
         if match:
-            rows[(match[1], match[2])] = (match[3], match[4].strip())
+            rows[(match[1], match[2])] = (match[3], match[5].strip())
+            speeds[(match[1], match[2])] = match[4]
+    # The speed row: plain safetensors on every rank, the baseline every format is compared with.
+    for kind in ("whole", "sharded"):
+        assert rows[("plain safetensors (no distload)", kind)] == ("load_file", "baseline")
+    assert re.fullmatch(r"\d+\.\d\dx", speeds[("safetensors", "whole")]), speeds
+    # Every format's equivalent command is shown, with the summary distload load prints.
+    assert "$ torchrun --nproc-per-node 2 -m distload load " in result.stdout
+    assert result.stdout.count("distload: auto from ") == 3
     real = [("safetensors", "whole"), ("runai_streamer", "whole"), ("runai_streamer distributed", "whole"),
             ("sharded_state", "sharded"), ("runai_streamer_sharded", "sharded"), ("auto", "whole"),
             ("auto distributed", "whole"), ("auto", "sharded")]
@@ -143,3 +158,64 @@ def test_demo(tmp_path):
     assert rows[("auto distributed", "whole")][0] == "pread-shared"
     assert rows[("dummy", "whole")][1] == "dummy (random)"
     assert "every real read matched a plain safetensors read bit for bit" in result.stdout
+
+
+def test_version():
+    result = subprocess.run([sys.executable, "-m", "distload", "--version"], capture_output=True, text=True,
+                            timeout=60, env=clean_env())
+    assert result.returncode == 0 and result.stdout == f"distload {distload.__version__}\n"
+
+
+def test_log_level_from_the_flag_and_the_environment(ckpt):
+    """At the default level rank 0 logs "Loading weights took" (test_single_process_load); the
+    environment's level, and the flag over it, are unit-tested in test_user_messages."""
+    folder, _ = ckpt
+    args = ["load", folder, "--no-progress", "--no-digest"]
+    quiet = run_distload(args + ["--log-level", "warning"], timeout=120, env={"DISTLOAD_LOG_LEVEL": "debug"})
+    assert quiet.returncode == 0, quiet.stderr[-4000:]
+    assert "distload: auto from" in quiet.stdout  # the summary is output, not a log line
+    assert "Loading weights took" not in quiet.stderr  # the flag wins over the environment
+    bad = run_distload(args, timeout=120, env={"DISTLOAD_LOG_LEVEL": "loud"})
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "DISTLOAD_LOG_LEVEL='loud' is not a log level; use one of debug, info, warning, error" in bad.stderr
+
+
+def test_a_closed_pipe_ends_quietly(ckpt):
+    """`distload inspect ... | head`: the reader is gone before distload writes."""
+    folder, _ = ckpt
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # every write now fails with EPIPE, as once head has exited
+    try:
+        result = subprocess.run([sys.executable, "-m", "distload", "inspect", folder], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=60, env=clean_env())
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr[-4000:]
+    assert result.stderr == ""
+
+
+def test_a_misspelt_format_stops_before_torchrun_starts_ranks(ckpt):
+    folder, _ = ckpt
+    result = subprocess.run(["bash", os.path.join(REPO, "launch", "torchrun_local.sh"), "2", "load", folder,
+                             "--load-format", "runai-streamr"], capture_output=True, text=True, timeout=60,
+                            env=clean_env({"PYTHON": sys.executable}))
+    assert result.returncode == 1
+    assert result.stderr.startswith("distload: error: unknown load format 'runai-streamr'; did you mean "
+                                    "'runai_streamer'?"), result.stderr[-4000:]
+    assert result.stderr.count("distload: error") == 1  # one message, no rank started
+    assert "torch.distributed" not in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_summary_shows_distloads_message_once(tmp_path):
+    """Every rank fails the same way: rank 0 prints it once for both, and torchrun's failure
+    summary gives it as the root cause (torch's error file), not "To enable traceback see ..."."""
+    missing = str(tmp_path / "no-such-checkpoint")
+    result = run_distload(["load", missing, "--no-progress"], nproc=2, env=FAILURE_ENV, timeout=120)
+    assert result.returncode == 1
+    printed = [line for line in result.stderr.splitlines() if line.startswith("distload: error")]
+    assert len(printed) == 1, result.stderr[-6000:]
+    assert printed[0].startswith("distload: error on ranks 0, 1 (every rank): ") and missing in printed[0]
+    root_cause = result.stderr[result.stderr.index("Root Cause"):]
+    assert "distload: error on ranks 0, 1 (every rank): " in root_cause and missing in root_cause
+    assert "To enable traceback" not in result.stderr

@@ -82,9 +82,10 @@ def test_unknown_key_names_the_allowed_keys(fmt):
 def test_allowed_keys_per_format():
     assert set(allowed_keys("runai_streamer")) == {"distributed", "concurrency", "memory_limit"}
     assert set(allowed_keys("runai_streamer_sharded")) == {"pattern", "concurrency", "memory_limit"}
-    assert set(allowed_keys("sharded_state")) == {"pattern", "huge_pages"}
-    assert set(allowed_keys("auto")) == {"pattern", "huge_pages", "concurrency", "distributed"}
-    assert set(allowed_keys("safetensors")) == {"huge_pages"}
+    cache = {"cache_dir", "cache_max_gib"}  # the node cache: where distload's ranged reads may run
+    assert set(allowed_keys("sharded_state")) == {"pattern", "huge_pages"} | cache
+    assert set(allowed_keys("auto")) == {"pattern", "huge_pages", "concurrency", "distributed"} | cache
+    assert set(allowed_keys("safetensors")) == {"huge_pages"} | cache
     assert set(allowed_keys("instanttensor")) == {
         "buffer_size", "chunk_size", "concurrency", "io_depth", "max_free_mem_usage", "backend"}
 
@@ -99,7 +100,7 @@ def test_distributed_on_sharded_runai_explains_why():
     assert "allowed keys: concurrency, memory_limit, pattern" in message
 
 
-@pytest.mark.parametrize("fmt, allowed", [("dummy", "none"), ("safetensors", "huge_pages")])
+@pytest.mark.parametrize("fmt, allowed", [("dummy", "none"), ("safetensors", "cache_dir, cache_max_gib, huge_pages")])
 @pytest.mark.parametrize("key", ["distributed", "concurrency", "memory_limit", "pattern"])
 def test_dummy_and_safetensors_accept_no_loader_keys(fmt, allowed, key):
     value = {"distributed": True, "concurrency": 2, "memory_limit": 0,

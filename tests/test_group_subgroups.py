@@ -5,7 +5,6 @@ other loads on the other ranks; a failure inside it ends its members, not the ot
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest

@@ -182,6 +182,16 @@ def test_srun_script_rank_killed_ends_the_job(slurm, tmp_path):
     assert "task 1: Killed" in text, text
 
 
+@pytest.mark.parametrize("script", [TORCHRUN_SCRIPT, SRUN_SCRIPT], ids=["torchrun", "srun"])
+def test_a_misspelt_format_fails_the_job_before_any_rank_starts(slurm, tmp_path, script):
+    info, output = run_job(slurm, tmp_path, [script, str(tmp_path), "--load-format", "runai-streamr"],
+                           ["--ntasks=2"] if script == SRUN_SCRIPT else ["--nodes=1"], NPROC_PER_NODE="2")
+    assert info["JobState"] == "FAILED", f"{info}\n{output}"
+    assert output.count("distload: error: unknown load format 'runai-streamr'; did you mean 'runai_streamer'?") == 1
+    # Checked in the batch step: the script never reached srun (its banner comes just before it).
+    assert "rank(s)" not in output and "error on rank" not in output, output
+
+
 def test_script_without_checkpoint_says_how_to_give_one(slurm, tmp_path):
     info, output = run_job(slurm, tmp_path, [SRUN_SCRIPT], ["--ntasks=1"])
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", f"{info}\n{output}"

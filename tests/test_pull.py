@@ -69,6 +69,10 @@ def test_two_ranks_copy_everything_reading_each_byte_once(sharded, tmp_path):
     assert all(r["requested_bytes"] > 0 for r in ranks)  # both ranks read a share
     assert sorted(ranks[0]["fetched"]) == sorted(os.listdir(sharded))
     assert "read from the source, whole job" in result.stdout
+    # Both ranks' lines have the same fields; the rank that only sends says so.
+    lines = [line for line in result.stdout.splitlines() if line.startswith("  rank ")]
+    assert len(lines) == 2 and all("from the source; wrote " in line and ", kept " in line for line in lines), lines
+    assert "sends only" in lines[1] and "sends only" not in lines[0]
     verified = run_distload(["verify", dest])
     assert verified.returncode == 0 and "match the manifest" in verified.stdout, verified.stdout
 
@@ -269,3 +273,84 @@ def test_an_object_written_again_during_the_pull_fails_and_leaves_nothing_visibl
         assert not os.path.exists(os.path.join(dest, victim))
     finally:
         server.stop()
+
+
+def tree(folder: str) -> dict[str, bytes]:
+    """Every file below ``folder`` (relative name with ``/`` -> its bytes)."""
+    found = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder).replace(os.sep, "/")] = f.read()
+    return found
+
+
+def hub_shaped(folder: str) -> dict[str, bytes]:
+    """A Hugging Face repository with subfolders (sentence-transformers' 1_Pooling/, Llama's
+    original/, a deeper one), and a partial file in a subfolder that a pull must not copy."""
+    write_whole(folder, {"w": torch.arange(4096, dtype=torch.float32)}, num_files=1)
+    files = {"config.json": b'{"architectures": ["BertModel"]}', "1_Pooling/config.json": b'{"pooling": "mean"}',
+             "original/params.json": b'{"dim": 8}', "deep/er/still/tokenizer.json": b"{}"}
+    for name, data in files.items():
+        os.makedirs(os.path.dirname(os.path.join(folder, name)), exist_ok=True)
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    save_path = os.path.join(folder, "original", "consolidated.safetensors")
+    from safetensors.torch import save_file
+    save_file({"tok": torch.ones(3, 5)}, save_path)
+    expected = tree(folder)
+    with open(os.path.join(folder, "original", f".half{TEMPORARY_SUFFIX}"), "wb") as f:
+        f.write(b"a partial file of an earlier copy")
+    return expected
+
+
+def test_subfolders_are_pulled_too_and_a_rerun_keeps_them(tmp_path):
+    source, dest = str(tmp_path / "hub"), str(tmp_path / "dest")
+    expected = hub_shaped(source)
+    result, report = pull(source, dest, tmp_path, 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert tree(dest) == expected
+    assert sorted(report["ranks"][0]["fetched"]) == sorted(expected)
+    result, report = pull(source, dest, tmp_path, 1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(report["ranks"][0]["kept"]) == sorted(expected) and report["ranks"][0]["requested_bytes"] == 0
+
+
+def test_subfolders_of_an_object_store_prefix_are_pulled_too(tmp_path, monkeypatch):
+    import distload
+    import distload.checkpoints.pull as pull_mod
+    from object_store_servers import start_s3rver
+
+    source = str(tmp_path / "hub")
+    expected = hub_shaped(source)
+    server = start_s3rver(str(tmp_path / "s3rver"))
+    try:
+        uri = server.upload_folder(source, "hub")
+        for key, value in server.env().items():
+            monkeypatch.setenv(key, value)
+        dest = str(tmp_path / "dest")
+        with distload.WorkerGroup(device="cpu") as group:
+            report = pull_mod.pull(uri, dest, group=group, chunk_bytes=4096)
+            assert sorted(report.fetched) == sorted(expected)
+            assert tree(dest) == {n: d for n, d in expected.items()}
+    finally:
+        server.stop()
+
+
+def test_an_object_name_that_would_leave_dest_is_refused():
+    """A hand-made key can hold ``..`` or an empty segment (``a//b``: os.path.join would make the
+    second part absolute); s3rver refuses to store one, so the listing is a stand-in."""
+    from types import SimpleNamespace
+
+    from distload.checkpoints.pull import _every_file
+    from distload.errors import CheckpointError
+    from distload.loading.stores import Listing, parse_uri
+
+    for bad in ("a//b.json", "../escape.json", "sub/./x"):
+        listing = Listing({"ok.json": 2, bad: 2})
+        src = SimpleNamespace(remote=True, folder_location=parse_uri("s3://b/p"),
+                              store=SimpleNamespace(list=lambda location, recursive: listing),
+                              path=lambda name: f"s3://b/p/{name}")
+        with pytest.raises(CheckpointError, match="path segment, which would not land inside DEST"):
+            _every_file(src)

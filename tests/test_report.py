@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import re
+import sys
 
 import pytest
 import torch
 
-from distload.loading.report import LoadReport, RankReport, gib_per_s, state_digest
+from distload.loading.report import LoadReport, Progress, RankReport, gib_per_s, state_digest
 
 from conftest import every_dtype_state
 
@@ -126,7 +129,8 @@ def test_to_json_keys():
         assert RANK_KEYS <= set(entry)
         assert set(entry) - RANK_KEYS <= {"hostname", "read_bytes", "peak_rss_bytes", "huge_page_marked_bytes",
                                           "requested_bytes", "tensor_parallel", "prefaulted_bytes",
-                                          "reader_bytes", "received_bytes"}
+                                          "reader_bytes", "received_bytes", "cache_bytes", "store_bytes",
+                                          "corrupt_blocks"}
     assert data["ranks"][0]["digest"] == "ab" * 32
     assert data["ranks"][1]["digest"] is None
     assert data["ranks"][1]["rank"] == 1
@@ -181,3 +185,47 @@ def test_summary_lines():
     assert "rank 0 (cpu, runai)" in lines[1] and "digest " + "ab" * 8 in lines[1]
     assert "digest -" in lines[2]
     assert "slowest rank 4.00 s" in lines[-1]
+    assert "2.000 GiB in 2.00 s = 1.00 GiB/s" in lines[1] and lines[-1].endswith(", 1.00 GiB/s")
+
+
+def _fields(line: str) -> list[str]:
+    """A rank line's field names, its numbers taken out."""
+    return re.sub(r"digest \S+|(?<![\w/])(\d[\d.]*(?: GiB)?|-)(?!\w)", "#", line).split()
+
+
+def test_every_rank_line_has_the_same_fields():
+    report = make_report()
+    report.ranks[0].requested_bytes = 2 * 1024**3  # rank 0 counted what it asked for, rank 1 could not
+    report.ranks[1].received_bytes = 1024**3
+    report.ranks[0].reader_bytes = {"pread/page-cache": 1024**3, "pread/storage": 1024**3}
+    _, rank0, rank1, _ = report.summary_lines()
+    assert _fields(rank0) == _fields(rank1), (rank0, rank1)
+    assert "requested 2.000 GiB" in rank0 and "requested -" in rank1
+    assert "received 0.000 GiB from other ranks" in rank0 and "received 1.000 GiB from other ranks" in rank1
+    assert "(pread/page-cache 1.000 GiB, pread/storage 1.000 GiB)" in rank0
+    assert "(pread/page-cache -, pread/storage -)" in rank1
+
+
+def test_a_tiny_load_prints_no_rate():
+    report = make_report()
+    for r in report.ranks:
+        r.nbytes, r.seconds = 3 * 1024**2, 0.2  # 3 MiB: the time is the load's fixed costs
+    lines = report.summary_lines()
+    assert not any("GiB/s" in line for line in lines), lines
+    assert "no rate: under 64 MiB or 0.05 s a rank is mostly fixed costs" in lines[-1]
+    assert report.to_json()["ranks"][0]["gib_per_s"] == 1.0  # the JSON keeps every number
+
+
+def test_the_progress_bar_counts_gib(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    bar = Progress(3 * 1024**3, enabled=True)
+    bar.update(1024**3)
+    bar.close()
+    shown = terminal.getvalue()
+    assert "1.00/3.00 GiB" in shown and "GiB/s" in shown
+    assert "GB" not in shown.replace("GiB", "")

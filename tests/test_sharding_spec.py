@@ -11,7 +11,7 @@ import torch
 
 from distload.errors import ConfigError
 from distload.tp.spec import BUILTIN_SPECS, SPEC_ALIASES, Rule, ShardingSpec, attention_dims, load_spec, spec_from_json
-from distload.tp.slices import Action, Part, rank_slice, reassemble, shard_shape, take_shard
+from distload.tp.slices import Action, reassemble, shard_shape, take_shard
 
 H, HEADS, KV_HEADS, INTER, VOCAB = 64, 8, 2, 128, 256
 HEAD_DIM = H // HEADS

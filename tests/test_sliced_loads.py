@@ -15,13 +15,11 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import distload
 from distload.errors import ConfigError
 from distload.workers.group import WorkerGroup
 from distload.loading.backends.pread import batch_extents
-from distload.loading.layout import DEFAULT_SHARD_PATTERN
 from distload.loading.report import state_digest
 from distload.tp.slices import Action, Part, slice_bytes, take_shard
 
@@ -400,3 +398,60 @@ def test_block_bytes_of_a_2d_shard():
     assert len(block_bytes(t.shape, 2, (2, 2), (3, 4)).extents) == 3  # one per row
     with pytest.raises(ConfigError, match="do not lie inside"):
         block_bytes(t.shape, 2, (4, 0), (3, 8))
+
+
+@pytest.mark.parametrize("fmt", ["auto", "safetensors"])
+def test_runs_of_rows_read_as_one_tensor(tmp_path, fmt):
+    """A fused tensor's rows for one rank (what the vLLM plugin asks of a checkpoint's fused q/k/v):
+    read as byte ranges by distload's reader, cut from the whole tensor for a library's; either way
+    the runs one after the other, bit for bit, and only their bytes requested by the range reader."""
+    from safetensors.torch import save_file
+
+    from distload.loading.loader import Loader
+    from distload.loading.rank_slices import Rows
+
+    g = torch.Generator().manual_seed(3)
+    state = {"fused": torch.randn(8, 6, generator=g).to(torch.bfloat16), "other": torch.randn(5, generator=g)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    rows = Rows(((2, 4), (5, 6), (7, 8)))
+    with WorkerGroup.for_call(None) as group:
+        stream = Loader(str(tmp_path), fmt, group=group, blocks={"fused": rows}).stream()
+        got = dict(stream)
+    assert torch.equal(got["fused"], torch.cat([state["fused"][2:4], state["fused"][5:6], state["fused"][7:8]]))
+    assert torch.equal(got["other"], state["other"])
+    if fmt == "auto":
+        assert stream.rank_report.requested_bytes == 4 * 6 * 2 + 5 * 4
+    with pytest.raises(ConfigError, match="not ascending, disjoint runs"):
+        with WorkerGroup.for_call(None) as group:
+            dict(Loader(str(tmp_path), fmt, group=group, blocks={"fused": Rows(((4, 6), (2, 3)))}).stream())
+
+
+def test_the_object_store_reader_fills_a_callers_tensors_in_place(tmp_path, monkeypatch):
+    """The ranged reader (object stores) puts a tensor, or a rank's piece of it, straight into the
+    caller's destination where it fits (what the vLLM plugin passes: views of its parameters),
+    and into new memory where it does not (another shape)."""
+    from safetensors.torch import save_file
+
+    import distload.loading.stores as stores
+    from distload.loading.backends.ranged import RangedBackend
+    from distload.loading.index import build_index
+    from distload.loading.request import ReadRequest
+    from distload.loading.sources import read_header
+
+    class Folder:  # a store whose objects are this folder's files
+        def read(self, location, start, end):
+            with open(location, "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+
+    monkeypatch.setattr(stores, "store_for", lambda path: (Folder(), path))
+    g = torch.Generator().manual_seed(4)
+    state = {"a": torch.randn(6, 4, generator=g), "b": torch.randn(3, generator=g)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    index = build_index([read_header(str(tmp_path / "model.safetensors"))])
+    into = {"a": torch.zeros(6, 4), "b": torch.zeros(5)}  # b's shape differs: not taken
+    run = RangedBackend().read(ReadRequest(index=index, device=torch.device("cpu"), group=None,
+                                           destinations=into))
+    got = dict(run.tensors())
+    assert got["a"] is into["a"] and torch.equal(into["a"], state["a"])
+    assert got["b"] is not into["b"] and torch.equal(got["b"], state["b"]) and not into["b"].any()

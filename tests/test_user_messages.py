@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -132,3 +133,119 @@ def test_the_demo_names_a_report_only_when_it_keeps_it():
     assert shown_lines(output, reports_kept=True) == ["distload: auto from /x on 2 rank(s)",
                                                       "[distload rank 0] report written to /tmp/r.json"]
     assert shown_lines(output, reports_kept=False) == ["distload: auto from /x on 2 rank(s)"]
+
+
+# -- issue 34: what a new user meets first ------------------------------------------------------
+
+@pytest.mark.parametrize("typo, guess", [("concurency", "concurrency"), ("memory-limit", "memory_limit"),
+                                         ("distributd", "distributed")])
+def test_a_misspelt_extra_config_key_gets_a_guess(typo, guess):
+    with pytest.raises(distload.ConfigError) as info:
+        distload.make_load_config("runai_streamer", {typo: 1})
+    message = str(info.value)
+    assert f"Unexpected extra config keys ['{typo}']" in message
+    assert f"'{typo}': did you mean '{guess}'?" in message
+    assert "allowed keys: concurrency, distributed, memory_limit" in message
+
+
+def test_a_key_far_from_every_allowed_one_gets_no_guess():
+    with pytest.raises(distload.ConfigError) as info:
+        distload.make_load_config("safetensors", {"chunk_size": 8})
+    assert "did you mean" not in str(info.value)
+
+
+def test_ranks_that_fail_the_same_way_share_one_line():
+    error = distload.RankFailedError("loading", {0: "disk full", 1: "disk full", 2: "disk full", 5: "bad header"})
+    assert str(error) == "loading failed on rank(s) 0, 1, 2, 5:\n  ranks 0-2: disk full\n  rank 5: bad header"
+    from distload.errors import rank_list
+    assert rank_list([3]) == "rank 3" and rank_list([0, 1]) == "ranks 0, 1"
+    assert rank_list([7, 0, 1, 2, 3, 5]) == "ranks 0-3, 5, 7"
+
+
+def test_log_level_goes_before_or_after_the_command(monkeypatch):
+    from distload.cli.main import log_level
+
+    parser = build_parser()
+    assert parser.parse_args(["--log-level", "debug", "verify", "/x"]).log_level == "debug"
+    assert parser.parse_args(["verify", "/x", "--log-level", "ERROR"]).log_level == "error"
+    assert parser.parse_args(["verify", "/x"]).log_level is None
+    assert log_level(None, {}) == logging.INFO
+    assert log_level(None, {"DISTLOAD_LOG_LEVEL": "Debug"}) == logging.DEBUG
+    assert log_level("error", {"DISTLOAD_LOG_LEVEL": "debug"}) == logging.ERROR  # the flag wins
+    with pytest.raises(distload.ConfigError, match="DISTLOAD_LOG_LEVEL='verbose' is not a log level"):
+        log_level(None, {"DISTLOAD_LOG_LEVEL": "verbose"})
+
+
+def test_inspect_lists_every_tensor_unless_asked_for_a_summary(tmp_path, capsys):
+    state = {"model.embed.weight": torch.zeros(4, 3, dtype=torch.bfloat16), "model.norm.weight": torch.ones(3),
+             "scalar": torch.tensor(1.0)}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "  tensors (name, dtype, shape), 3:" in out
+    rows = [line.split() for line in out[out.index("  tensors (name, dtype, shape), 3:") + 1:]]
+    assert rows == [["model.embed.weight", "BF16", "[4,", "3]"], ["model.norm.weight", "F32", "[3]"],
+                    ["scalar", "F32", "[]"]]
+    assert main(["inspect", str(tmp_path), "--summary"]) == 0
+    summary = capsys.readouterr().out
+    assert "tensors (name, dtype, shape)" not in summary and "model.norm.weight" not in summary
+    assert "3 tensors" in summary
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    tensors = json.loads(capsys.readouterr().out)["tensors"]
+    assert sorted((t["name"], t["dtype"], t["shape"]) for t in tensors) == [
+        ("model.embed.weight", "BF16", [4, 3]), ("model.norm.weight", "F32", [3]), ("scalar", "F32", [])]
+
+
+def test_argument_errors_name_every_rank_once_and_fill_torchruns_error_file(tmp_path, capsys, monkeypatch):
+    """Under torchrun every rank has the same command line, so every rank rejects it the same
+    way: rank 0 prints it for all; each rank leaves it in torch's error file for the summary."""
+    for rank in (0, 1):
+        error_file = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert main(["load", str(tmp_path), "--load-format", "sharded-state"]) == 1
+        err = capsys.readouterr().err
+        line = ("distload: error on ranks 0, 1 (every rank): unknown load format 'sharded-state'; "
+                "did you mean 'sharded_state'?")
+        assert err.startswith(line) if rank == 0 else err == ""
+        message = json.loads(error_file.read_text())["message"]
+        assert message["message"].startswith(line) and "py_callstack" not in message["extraInfo"]
+
+
+def test_precheck_is_the_ranks_own_check():
+    from distload.cli.main import precheck
+
+    assert precheck(["load", "/ckpt", "--load-format", "auto", "--model-loader-extra-config",
+                     '{"distributed": "job"}']) == 0
+    assert precheck(["load", "/ckpt", "--model-loader-extra-config", "{oops"]) == 1
+    assert precheck(["load", "/ckpt", "--tensor-parallel-size", "0"]) == 1
+    with pytest.raises(SystemExit) as info:  # argparse's own usage error
+        precheck(["load"])
+    assert info.value.code == 2
+
+
+def test_the_demo_table_compares_every_format_with_plain_safetensors(tmp_path, capsys):
+    from distload.cli.demo import _print_table
+
+    def report(path, digests, seconds):
+        return {"ranks": [{"path": path, "digest": d} for d in digests], "total": {"seconds": seconds}}
+
+    cases = [("whole", "/w", "safetensors", None), ("whole", "/w", "auto", '{"distributed": "job"}'),
+             ("sharded", "/s", "sharded_state", None), ("whole", "/w", "dummy", None)]
+    results = {"plain": {"whole": 0.4, "sharded": 0.2},
+               "reports": [report("safetensors", ["a", "a"], 0.5), report("pread-shared", ["a", "a"], 0.2),
+                           report("safetensors", ["b", "c"], 0.1), report("dummy", ["x", "y"], 0.05)]}
+    want = {"whole": ["a", "a"], "sharded": ["b", "c"]}
+    assert _print_table(results, cases, want, 2, str(tmp_path), keep=True, started=0.0) == 0
+    out = capsys.readouterr().out.splitlines()
+    plain = [line.split()[-5:] for line in out if line.startswith("plain safetensors (no distload)")]
+    assert plain == [["whole", "load_file", "0.400", "1.00x", "baseline"],
+                     ["sharded", "load_file", "0.200", "1.00x", "baseline"]]
+    rows = {tuple(line.split()[:2]): line.split() for line in out
+            if line[:1].isalpha() and "seconds:" not in line and not line.startswith(("every", "plain"))}
+    assert rows[("safetensors", "whole")][-3:] == ["0.500", "0.80x", "bit-identical"]
+    assert rows[("auto", "distributed")][-3:] == ["0.200", "2.00x", "bit-identical"]
+    assert rows[("sharded_state", "sharded")][-3:] == ["0.100", "2.00x", "bit-identical"]
+    assert rows[("dummy", "whole")][-4:] == ["0.050", "-", "dummy", "(random)"]

@@ -83,6 +83,7 @@ def checkpoints(tmp_path_factory):
         assert distload.reshard(paths["llama"], paths[f"llama-tp{tp}"], tp).spec == "vllm"
     paths["qwen-tp2"] = str(root / "qwen2-tied-tp2")
     distload.reshard(paths["qwen"], paths["qwen-tp2"], 2)
+    paths["llama-tp2-engine"] = str(root / "llama-tp2-engine")  # saved by the TP 2 plugin engine (save_sharded)
     paths["llama-b"] = _perturbed_copy(paths["llama"], str(root / "llama-b"))
     return python, paths
 
@@ -170,7 +171,7 @@ def tp2_cases(p: dict, address: str) -> list[dict]:
         {"name": "saved", "model": p["llama-tp2"], "format": "sharded_state"},
         {"name": "saved runai", "model": p["llama-tp2"], "format": "runai_streamer_sharded"},
         {"name": "plugin", "model": p["llama"], "format": "distload",
-         "extra": {"reader": "auto", "check_weight_map": True}},
+         "extra": {"reader": "auto", "check_weight_map": True, "save_sharded": p["llama-tp2-engine"]}},
         {"name": "plugin saved", "model": p["llama-tp2"], "format": "distload"},
         {"name": "qwen reference", "model": p["qwen"], "format": "auto"},
         {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
@@ -246,6 +247,32 @@ def test_tied_embeddings_and_biases_load_in_vllm(tp2):
 def test_vllm_loads_a_whole_checkpoint_through_distload(tp, request):
     results = request.getfixturevalue(f"tp{tp}")
     assert _tokens(results, "plugin") == _tokens(results, "reference")
+
+
+@pytest.mark.slow
+def test_the_engines_own_save_equals_the_table_where_the_table_knows_the_model(tp2, checkpoints):
+    """save_sharded (what reshard --sharding vllm runs in vLLM's engine) from the TP 2 plugin engine,
+    against distload's table of vLLM's names (vllm_names.py, used where vLLM is not installed):
+    the same tensors, names, shapes and bytes on every rank."""
+    from safetensors.torch import load_file
+
+    assert "tokens" in tp2["plugin"], tp2["plugin"]
+    _, p = checkpoints
+
+    def rank_state(folder, rank):
+        out = {}
+        for name in sorted(os.listdir(folder)):
+            if name.startswith(f"model-rank-{rank}-") and name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(folder, name)))
+        return out
+
+    for rank in (0, 1):
+        engine, table = rank_state(p["llama-tp2-engine"], rank), rank_state(p["llama-tp2"], rank)
+        assert engine and sorted(engine) == sorted(table), sorted(set(engine) ^ set(table))
+        for name, tensor in table.items():
+            got = engine[name]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
 
 
 @pytest.mark.slow
@@ -335,6 +362,10 @@ def architectures(tmp_path_factory):
     cache = root / "layouts"
     cases = [{"name": a, "model": str(root / a), "format": "distload", "extra": {"check_weight_map": True}}
              for a in ARCHITECTURES]
+    # Phi-3 (no table knows it) saved for vLLM by distload.reshard, which runs vLLM's engine to write
+    # it; then served from that save by vLLM's own sharded_state loader.
+    cases.append({"name": "phi3 saved", "model": str(root / "phi3-tp2"), "format": "sharded_state",
+                  "reshard_from": str(root / "phi3")})
     results = _drive(python, 2, cases, str(cache))
     results["_cached"] = sorted(os.listdir(cache))
     return results
@@ -344,6 +375,14 @@ def architectures(tmp_path_factory):
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_any_architecture_loads_through_the_recorded_weight_map_bit_for_bit(architectures, architecture):
     assert "tokens" in architectures[architecture], f"{architecture}: {architectures[architecture]}"
+
+
+@pytest.mark.slow
+def test_reshard_for_vllm_saves_an_architecture_no_table_knows(architectures):
+    saved = architectures["phi3 saved"]
+    assert "tokens" in saved, saved
+    assert saved["resharded"]["spec"] == "vllm" and "written by its engine at TP 2" in saved["resharded"]["note"]
+    assert saved["tokens"] == architectures["phi3"]["tokens"]  # phi3: distload's load, equal to vLLM's own
 
 
 @pytest.mark.slow

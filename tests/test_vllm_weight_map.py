@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distload.loading.rank_slices import Rows
 from distload.vllm.weight_map import WeightMap, cached_weight_map, cache_weight_map, record_weight_map
 
 TP_SIZE, TP_RANK = 2, 1
@@ -23,6 +24,7 @@ class Tiny(torch.nn.Module):
         self.conv = torch.nn.Parameter(torch.empty(3, 4, dtype=torch.bfloat16))  # Conv1D [4, 6] transposed, cut
         self.norm = torch.nn.Parameter(torch.empty(4, dtype=torch.float32))  # cast bf16 -> f32
         self.scaled = torch.nn.Parameter(torch.empty(4, dtype=torch.bfloat16))
+        self.fused = torch.nn.Parameter(torch.empty(4, 2, dtype=torch.bfloat16))  # q/k/v fused in the checkpoint too
         self.register_buffer("kept", torch.full((2,), 7.0))  # never loaded: keeps its value
 
     def load_weights(self, weights):
@@ -43,16 +45,24 @@ class Tiny(torch.nn.Module):
                 self.norm.data.copy_(w.to(torch.float32))
             elif name == "scaled":  # arithmetic: no region says this
                 self.scaled.data.copy_(w * 2)
+            elif name == "fused":  # Phi-3's qkv_proj: this rank's rows of each part, in order
+                at = 0
+                for start, size in ((0, 4), (4, 2), (6, 2)):
+                    part = size // TP_SIZE
+                    self.fused.data.narrow(0, at, part).copy_(w.narrow(0, start + TP_RANK * part, part))
+                    at += part
 
 
 def checkpoint():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
     return {"embed": r(10, 4), "q": r(8, 4), "k": r(4, 4), "v": r(4, 4), "conv": r(4, 6), "norm": r(4),
-            "scaled": r(4), "rotary": r(3)}
+            "scaled": r(4), "rotary": r(3), "fused": r(8, 2)}
 
 
 def _box_of(tensor, box):
+    if isinstance(box, Rows):
+        return torch.cat([tensor[a:b] for a, b in box.runs])
     for dim, (offset, size) in enumerate(zip(*box)):
         tensor = tensor.narrow(dim, offset, size)
     return tensor.contiguous()
@@ -66,7 +76,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     record = record_weight_map("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()], params, model.load_weights)
     assert set(record.whole) == {"scaled"} and "mul" in record.whole["scaled"]
     assert record.unused == ["rotary"]
-    assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm"}
+    assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm", "fused"}
     assert [c.casts for c in record.copies if c.tensor == "norm"] == [("float32",)]
 
     expected = Tiny()
@@ -82,6 +92,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     if boxed:  # this rank's rows of q/k/v; of the transposed Conv1D weight its columns
         assert boxes["q"] == ((4, 0), (4, 4)) and boxes["k"] == ((2, 0), (2, 4)) and boxes["embed"] == ((6, 0), (4, 4))
         assert boxes["conv"] == ((0, 3), (4, 3)) and "norm" not in boxes
+        assert boxes["fused"] == Rows(((2, 4), (5, 6), (7, 8)))  # its rows of q, of k and of v: 4 of 8
     steps = replayed.by_tensor(boxes, shapes)
     for name, tensor in ck.items():
         if name in replayed.whole:
@@ -92,6 +103,88 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     for name, value in expected.state_dict().items():
         got = actual.state_dict()[name]
         assert got.dtype == value.dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
+
+
+def test_reading_straight_into_the_parameters_equals_the_loaders_bit_for_bit():
+    """What the plugin reads in place (one uncast copy of the tensor's whole box into contiguous
+    parameter memory) plus the replay of the rest ends exactly as the loaders do."""
+    from distload.vllm.plugin import in_place_destinations
+
+    ck = checkpoint()
+    model = Tiny()
+    record = record_weight_map("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()],
+                               dict(model.state_dict(keep_vars=True)), model.load_weights)
+    expected = Tiny()
+    for p in expected.parameters():
+        p.data.fill_(3)
+    actual = Tiny()
+    actual.load_state_dict(expected.state_dict())
+    expected.load_weights(iter(ck.items()))
+    targets = dict(actual.state_dict(keep_vars=True))
+    shapes = {n: tuple(t.shape) for n, t in ck.items()}
+    boxes = record.boxes(shapes)
+    steps = record.by_tensor(boxes, shapes)
+    direct = in_place_destinations(steps, boxes, shapes, targets)
+    # embed's rows land contiguously (its own padding fill is made first); q/k/v each in its rows
+    # of qkv, the fused one's rows (read as runs) in the fused parameter's rows in order; conv is
+    # transposed, norm cast, scaled computed: those are copied by the replay.
+    assert sorted(direct) == ["embed", "fused", "k", "q", "v"]
+    for name in direct:
+        record.fill(name, steps[name][1], targets)
+    for name, tensor in ck.items():
+        read = _box_of(tensor, boxes[name]) if name in boxes else tensor
+        if name in direct:
+            direct[name].copy_(read)  # what the reader does: the box's bytes into the view
+        elif name in record.whole:
+            actual.load_weights(iter([(name, tensor)]))
+        else:
+            record.replay(name, read, targets, steps.get(name, ([], [])))
+    for name, value in expected.state_dict().items():
+        got = actual.state_dict()[name]
+        assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
+
+
+def test_a_new_record_is_verified_against_the_loaders_on_random_tensors():
+    """The check a new record gets before it is cached: replayed and the loaders run on the same
+    random tensors of a sample (outside the layers, and the first layer); a record that is
+    wrong anywhere in the sample is caught, naming the parameter."""
+    import dataclasses
+
+    from distload.vllm.weight_map import sample_tensors, verify_weight_map
+
+    assert [n for n, _, _ in sample_tensors([("embed", torch.bfloat16, (2,)), ("layers.3.q", torch.bfloat16, (2,)),
+                                             ("layers.1.k", torch.bfloat16, (2,)), ("layers.1.mlp.experts.7.w", torch.bfloat16, (2,)),
+                                             ("layers.12.k", torch.bfloat16, (2,)), ("norm", torch.bfloat16, (2,))])] == \
+        ["embed", "layers.1.k", "layers.1.mlp.experts.7.w", "norm"]
+    ck = checkpoint()
+    listed = [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()]
+    model = Tiny()
+    params = dict(model.state_dict(keep_vars=True))
+    record = record_weight_map("k", listed, params, model.load_weights)
+    assert verify_weight_map(record, listed, params, model.load_weights) == []
+    wrong = [dataclasses.replace(c, source=dataclasses.replace(c.source, offset=0))  # rank 0's rows of k
+             if c.tensor == "k" else c for c in record.copies]
+    assert verify_weight_map(dataclasses.replace(record, copies=wrong), listed, params, model.load_weights) == ["qkv"]
+
+
+def test_a_region_two_tensors_write_is_never_read_in_place():
+    """Tied or overlapping writes: the order of the copies decides the result, so neither tensor
+    may be read ahead into it."""
+    from distload.vllm.plugin import in_place_destinations
+
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+
+    def load(weights):
+        for name, w in weights:
+            if name == "a":
+                p.data.copy_(w)
+            else:
+                p.data[2:].copy_(w)
+
+    shapes = {"a": (4, 2), "b": (2, 2), "c": (2, 2)}
+    record = record_weight_map("k", [(n, torch.float32, s) for n, s in shapes.items()], {"p": p}, load)
+    steps = record.by_tensor({}, shapes)
+    assert in_place_destinations(steps, {}, shapes, {"p": p}) == {}
 
 
 def test_a_copy_into_a_temporary_or_a_combination_makes_the_tensor_whole():

@@ -11,6 +11,8 @@ A case: {"name", "model", "format", "tp"? (default TP), "extra"?, "push"?: {"add
 generation the engine's workers join distload's sync channel there and take ``receives`` versions
 from a separately launched trainer job (a failed one recorded, and the tokens generated after it),
 "reload"?: a checkpoint distload then puts into the running engine (after the pushes, if any),
+"reshard_from"?: a whole checkpoint that ``distload.reshard(..., sharding="vllm")`` first saves to
+"model" at the case's TP (vLLM's engine makes that save, in a child process),
 "expect_error"?: the engine must fail to start}.
 """
 
@@ -52,6 +54,12 @@ def main() -> None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
         vllm.envs.disable_envs_cache()  # an engine caches vLLM's settings; the next reads them anew
         start = time.monotonic()
+        resharded = None
+        if case.get("reshard_from"):  # distload.reshard for vLLM: an engine of its own, in a child process
+            import distload
+
+            report = distload.reshard(case["reshard_from"], case["model"], tp, sharding="vllm")
+            resharded = {"spec": report.spec, "note": report.engine_note, "files": len(report.files)}
         kwargs = {"model_loader_extra_config": case["extra"]} if "extra" in case else {}
         if case.get("reload") or case.get("push"):
             kwargs["worker_extension_cls"] = plugin.WORKER_EXTENSION
@@ -65,7 +73,7 @@ def main() -> None:
             cleanup_dist_env_and_memory()
             continue
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1)}
+        result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1), "resharded": resharded}
         if case.get("push"):
             from distload.errors import SyncError
 

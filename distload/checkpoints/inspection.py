@@ -12,9 +12,17 @@ from distload.loading.sources import source_string, whole_checkpoint
 
 
 def inspect_source(source: "str | os.PathLike[str]", pattern: str | None = None) -> dict[str, Any]:
-    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks).
+    """Files, tensors, bytes, dtypes and the detected layout (whole, or sharded for N ranks), from
+    the headers alone; ``distload inspect`` on the command line.
 
-    ``source`` is a local file or folder, or an object-store URI (headers by ranged reads).
+    Args:
+        source: a local file or folder, or an object-store URI (headers by ranged reads).
+        pattern: the shard file-name pattern to look for (default: the manifest's, else the
+            default pattern).
+
+    Returns:
+        A JSON-ready dict: ``layout``, ``files``, ``num_tensors``, ``nbytes``, ``dtypes``,
+        ``largest_tensor`` and ``tensors`` (each one's name, dtype, shape, bytes and file).
     """
     source = source_string(source)
     layout = detect_layout(source, pattern)
@@ -45,10 +53,15 @@ def inspect_source(source: "str | os.PathLike[str]", pattern: str | None = None)
         "nbytes": sum(t.nbytes for t in tensors),
         "dtypes": {code: {"num_tensors": dtypes[code], "nbytes": dtype_bytes[code]} for code in sorted(dtypes)},
         "largest_tensor": max(((t.name, t.nbytes) for t in tensors), key=lambda x: x[1], default=None),
+        # Every tensor, in file order: its shape as torch holds it (what a load gives back).
+        "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes,
+                     "file": info.path} for info in infos for t in info.tensors],
     }
 
 
-def summary_lines(info: dict[str, Any]) -> list[str]:
+def summary_lines(info: dict[str, Any], tensors: bool = True) -> list[str]:
+    """What ``distload inspect`` prints: the layout, totals by dtype, the files, then (unless
+    ``tensors`` is False) every tensor's name, dtype and shape, one a line, by name."""
     if info["layout"] == "sharded":
         layout = (f"pre-sharded for {info['saved_world_size']} rank(s) (pattern {info['pattern']!r}, "
                   f"{'with' if info['manifest'] else 'without'} a distload manifest)")
@@ -65,4 +78,12 @@ def summary_lines(info: dict[str, Any]) -> list[str]:
         lines.append(f"  {f['path']}: {f['num_tensors']} tensors, {f['size']} bytes")
         if f["metadata"]:
             lines.append("    metadata: " + ", ".join(f"{k}={v}" for k, v in sorted(f["metadata"].items())))
+    if tensors and info["tensors"]:
+        width = max(len(t["name"]) for t in info["tensors"])
+        lines.append(f"  tensors (name, dtype, shape), {len(info['tensors'])}:")
+        several_files = len(info["files"]) > 1
+        for t in sorted(info["tensors"], key=lambda t: t["name"]):  # by name: where a reader looks
+            shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+            where = f"  {t['file'].rsplit('/', 1)[-1]}" if several_files else ""
+            lines.append(f"    {t['name']:{width}}  {t['dtype']:8} {shape}{where}")
     return lines

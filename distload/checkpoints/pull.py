@@ -9,7 +9,8 @@ job, and every node ends with the whole folder.
 
 What a user can rely on:
 
-- **Agreement first.** Every rank lists the source (files only, one level, as a load does) and
+- **Agreement first.** Every rank lists the source (every file, subfolders included, as
+  ``aws s3 sync`` and ``huggingface-cli download`` copy them; names relative to it with ``/``) and
   the lists must be identical before any byte moves (names, sizes, and for a local source each
   file's content fingerprint, for an object its version); a save still in progress (its marker) or
   a corrupt manifest is refused.
@@ -92,13 +93,12 @@ def list_source(src: Source) -> list[SourceFile]:
         read_manifest(src)  # raises: a save into the folder did not finish
     manifest = read_manifest(src) if MANIFEST_NAME in names else None
     sha = {f.name: f.sha256 for f in manifest.files} if manifest else {}
-    files = [n for n in names if not n.endswith("/") and not n.endswith(TEMPORARY_SUFFIX)
-             and (src.remote or os.path.isfile(src.path(n)))]
+    files = [n for n in _every_file(src) if not os.path.basename(n).endswith(TEMPORARY_SUFFIX)]
     if not files:
         raise CheckpointError(f"{src.uri}: nothing to pull: the folder holds no files")
 
     def order(name: str) -> tuple[int, int, str]:
-        if name in LAST_NAMES:
+        if name in LAST_NAMES:  # the top-level index and manifest only ("/" never in LAST_NAMES)
             return (2, LAST_NAMES.index(name), name)
         return (0 if name.endswith(".safetensors") else 1, 0, name)
 
@@ -106,6 +106,30 @@ def list_source(src: Source) -> list[SourceFile]:
     if src.remote:
         return [SourceFile(n, size, sha.get(n), version) for n, (size, version) in zip(files, src.stats(files))]
     return [SourceFile(n, src.file_size(n), sha.get(n)) for n in files]
+
+
+def _every_file(src: Source) -> list[str]:
+    """Every file below the folder, subfolders included (a Hugging Face repository's
+    ``1_Pooling/config.json``, ``original/consolidated.00.pth``), as names relative to it with
+    ``/``: what ``aws s3 sync`` and ``huggingface-cli download`` copy. An object name that would
+    leave DEST (a ``..`` or empty segment, as a hand-made key can hold) is refused."""
+    if src.remote:
+        names = sorted(src.store.list(src.folder_location, recursive=True).objects)
+    else:
+        names = []
+        for root, folders, files in os.walk(src.folder):
+            folders.sort()
+            for name in files:
+                path = os.path.join(root, name)
+                if os.path.isfile(path):  # a dangling link, a FIFO: not a file to copy
+                    names.append(os.path.relpath(path, src.folder).replace(os.sep, "/"))
+        names.sort()
+    for name in names:
+        parts = name.split("/")
+        if any(part in ("", ".", "..") for part in parts):
+            raise CheckpointError(f"{src.path(name)}: its name has a {'..' if '..' in parts else 'empty'} "
+                                  f"path segment, which would not land inside DEST; rename the object")
+    return names
 
 
 def _file_sha256(path: str) -> str:
@@ -148,6 +172,7 @@ class _NodeCopy:
 
     def start(self, entry: SourceFile) -> None:
         partial = temporary_name(os.path.join(self.dest, entry.name))
+        os.makedirs(os.path.dirname(partial), exist_ok=True)  # a subfolder of the source
         fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._open[entry.name] = (fd, hashlib.sha256(), entry)
 
@@ -250,7 +275,8 @@ def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullRepor
     finally:
         copy.abandon()
     if writes:
-        _sync_folder(dest)
+        for folder in sorted({os.path.dirname(os.path.join(dest, n)) for n in report.fetched} | {dest}):
+            _sync_folder(folder)
     g.check_all_ok("pulling")
     report.seconds = round(time.perf_counter() - start_time, 6)
     return report

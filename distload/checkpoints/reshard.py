@@ -82,7 +82,21 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
 
     Every tensor's action and shard shape is decided from the headers before a byte is written,
     so a sharding spec that does not fit the model (an indivisible dimension) fails with nothing written.
-    ``world_size`` is the old name of ``tensor_parallel_size``.
+
+    Args:
+        source: a local whole checkpoint: a file or a folder (``model.safetensors.index.json``
+            honoured).
+        output: a new or empty folder.
+        tensor_parallel_size: how many TP ranks to write shards for (required).
+        pattern: the shard file names, with ``{rank}`` and ``{part}``.
+        max_file_size: start a new part past this many tensor bytes (default 5 GiB).
+        sharding: the sharding spec: ``vllm`` (vLLM's engine names; the default where they are
+            known), ``decoder`` (the same slices under the checkpoint's names; what a TP load
+            holds), ``plain``, ``replicate``, a JSON spec file or a ShardingSpec.
+        world_size: the old name of ``tensor_parallel_size``.
+
+    Returns:
+        What was written: files, split tensors, copied files, bytes and seconds.
     """
     if world_size is not None:
         if tensor_parallel_size is not None:
@@ -95,18 +109,7 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     world_size = tensor_parallel_size  # the saved checkpoint's ranks, as its manifest counts them
     start = time.perf_counter()
     check_save_args(output, pattern, max_file_size, world_size)
-    path = check_source(source)
-    if is_object_store(path):
-        raise ConfigError(
-            f"{source}: reshard reads a local checkpoint; copy it from the object store first "
-            f"(the sharded output can then be uploaded and loaded straight from there)"
-        )
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    if detect_layout(path).sharded:
-        raise CheckpointError(
-            f"{source} is already a pre-sharded (per-rank) checkpoint; reshard from the whole "
-            f"(Hugging Face style) checkpoint it was made from"
-        )
+    path, folder = check_reshard_source(source)
     if os.path.abspath(folder) == os.path.abspath(output):
         raise ConfigError(f"output {output} must differ from the source folder")
     files, _ = whole_checkpoint(path)
@@ -172,6 +175,23 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         split={name: a.dim for name, a in actions.items() if a.dim is not None},
         spec=spec.name, engine_note=_engine_note(spec, default_reason),
     )
+
+
+def check_reshard_source(source: str) -> tuple[str, str]:
+    """The path of a whole, local checkpoint to reshard, and its folder (ConfigError or
+    CheckpointError saying what else it is)."""
+    path = check_source(source)
+    if is_object_store(path):
+        raise ConfigError(
+            f"{source}: reshard reads a local checkpoint; copy it from the object store first "
+            f"(the sharded output can then be uploaded and loaded straight from there)"
+        )
+    if detect_layout(path).sharded:
+        raise CheckpointError(
+            f"{source} is already a pre-sharded (per-rank) checkpoint; reshard from the whole "
+            f"(Hugging Face style) checkpoint it was made from"
+        )
+    return path, path if os.path.isdir(path) else os.path.dirname(path)
 
 
 def default_save_spec(config: Mapping[str, Any], names: list[str], source: str) -> tuple[str, str]:

@@ -108,11 +108,23 @@ def _views(tensors: Mapping[str, torch.Tensor]) -> dict[str, Subtensor]:
 def save_sharded(state_dict: Mapping[str, torch.Tensor], output: str, *, group: WorkerGroup | None = None,
                  pattern: str = DEFAULT_SHARD_PATTERN, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
                  metadata_from: str | None = None) -> Manifest:
-    """Save this rank's ``state_dict`` as its shard files; call on every rank of ``group`` (None:
-    a group from the environment, for this call).
+    """Save this rank's ``state_dict`` as its shard files, from a running job.
 
-    Rank 0 prepares OUTPUT (refusing one that already holds a checkpoint), every rank writes its
-    parts, then rank 0 copies ``metadata_from``'s non-weight files and commits the manifest.
+    Rank 0 prepares ``output`` (refusing one that already holds a checkpoint), every rank writes
+    its parts, then rank 0 copies ``metadata_from``'s non-weight files and commits the manifest.
+
+    Args:
+        state_dict: this rank's tensors (tied tensors are written once, views inside another
+            tensor are recorded as views).
+        output: a new or empty folder, the same on every rank.
+        group: the ranks that save (every one must call); None: a group from the environment,
+            for this call.
+        pattern: the shard file names, with ``{rank}`` and ``{part}``.
+        max_file_size: start a new part past this many tensor bytes.
+        metadata_from: a folder whose non-weight files (config, tokenizer) are copied along.
+
+    Returns:
+        The manifest written (``distload.json``).
     """
     check_save_args(output, pattern, max_file_size)
     with WorkerGroup.for_call(group) as g:

@@ -11,9 +11,16 @@ from distload.loading.sources import Source, open_source
 
 def verify_folder(folder: "str | Source") -> tuple[Manifest | None, list[str]]:
     """Check every file of the manifest (exists, size, a header that loads and names the manifest's
-    tensors, SHA-256); return the problems found.
+    tensors, SHA-256); ``distload verify`` on the command line.
 
     Works on a local folder and on an object-store prefix (objects are hashed from ranged reads).
+
+    Args:
+        folder: a pre-sharded checkpoint saved by distload.
+
+    Returns:
+        The manifest (None where there is none) and the problems found, one message each; no
+        problems means every file matches.
     """
     src = open_source(folder)
     manifest = read_manifest(src)

@@ -13,19 +13,46 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import logging
+import os
 import sys
+import time
+from typing import Iterator
 
-from distload.errors import ConfigError, DistloadError
+from distload.errors import ConfigError, DistloadError, rank_list
 from distload.workers.group import DEFAULT_TIMEOUT_S, WorkerGroup
 from distload.workers.launch import detect_launch
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
 from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE
+from distload.loading.report import gib_text
 
 log = logging.getLogger("distload")
 
 OLD_RESHARD = "save-sharded"  # the first name of the reshard command
+
+
+def installed_version() -> str:
+    """distload's version as installed (pip takes it from distload.__version__, which this floor
+    may not import: the package's __init__ sits above the command line)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distload")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVEL_ENV = "DISTLOAD_LOG_LEVEL"
+
+
+def _log_level_options(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=default,
+                        help=f"how much rank 0 logs (default info, or ${LOG_LEVEL_ENV}); the other ranks "
+                             "log warnings and errors, and everything at debug")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m distload",
         description="Load safetensors weights onto every rank of a distributed job (under torchrun, srun, "
                     "or alone), and write, check and inspect per-rank checkpoints.")
+    parser.add_argument("--version", action="version", version=f"distload {installed_version()}")
+    _log_level_options(parser, None)
+    # --log-level after the command too (where people put it); SUPPRESS there keeps a value given
+    # before the command: a subparser's default would overwrite it.
+    common = argparse.ArgumentParser(add_help=False)
+    _log_level_options(common, argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def with_common(*args, **kwargs):
+        return add_parser(*args, parents=[common], **kwargs)
+
+    sub.add_parser = with_common  # every command takes the common options
 
     load = sub.add_parser("load", help="load a checkpoint onto every rank and report")
     load.add_argument("source", help="a safetensors file, a folder, or a pre-sharded folder")
@@ -57,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip the per-rank SHA-256 digest (it costs a pass over the bytes)")
     load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                       help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
+    load.add_argument("--cache-dir", default=None, metavar="DIR",
+                      help="object stores: keep the bytes read in this node cache and take them from there "
+                           "next time, whatever job, format or TP size (also DISTLOAD_CACHE_DIR; extra config "
+                           "cache_dir; docs/cache.md)")
+    load.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB",
+                      help="the node cache's size bound: the least recently used entries go beyond it (also "
+                           "DISTLOAD_CACHE_MAX_GIB; extra config cache_max_gib; default: no bound)")
 
     # Python's reshard() does the same; "save-sharded" was its first name (Python's save_sharded()
     # saves from a running job), kept as an alias that says so.
@@ -84,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--pattern", default=None, metavar="P",
                          help=f"the shard file-name pattern to look for (default: the manifest's, "
                               f"else {DEFAULT_SHARD_PATTERN!r})")
-    inspect.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+    inspect.add_argument("--summary", action="store_true",
+                         help="files, dtypes and totals only, not every tensor's name, dtype and shape")
+    inspect.add_argument("--json", action="store_true", help="print JSON (every tensor included)")
 
     sync_demo = sub.add_parser("sync-demo", help="a trainer pushes weight versions, inference ranks "
                                                  "receive them in place (one job, or two with --role)")
@@ -132,13 +180,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", default=None, help="write the checkpoints here (default: a temp folder)")
     demo.add_argument("--size-mib", type=int, default=64, help="approximate checkpoint size")
     demo.add_argument("--case-timeout", type=float, default=600, metavar="SECONDS",
-                      help="give up on one format's load after this long (default 600)")
+                      help="the timeout of every collective in the demo's job; the job gives up after "
+                           "this many seconds times the number of formats (default 600)")
     return parser
 
 
-def _setup_logging(rank: int) -> None:
+def log_level(given: str | None, environ: "os._Environ[str] | dict[str, str]" = os.environ) -> int:
+    """The level rank 0 logs at: --log-level, else $DISTLOAD_LOG_LEVEL, else info."""
+    if given is None:
+        value = environ.get(LOG_LEVEL_ENV, "").strip().lower()
+        if not value:
+            return logging.INFO
+        if value not in LOG_LEVELS:
+            raise ConfigError(f"{LOG_LEVEL_ENV}={environ[LOG_LEVEL_ENV]!r} is not a log level; "
+                              f"use one of {', '.join(LOG_LEVELS)} (or unset it for info)")
+        given = value
+    return getattr(logging, given.upper())
+
+
+def _setup_logging(rank: int | str, level: int) -> None:
+    # Rank 0 speaks for the job; the other ranks say only what went wrong on them, unless debug
+    # was asked for: then every rank's steps matter.
     logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+        level=level if rank == 0 or level <= logging.DEBUG else max(level, logging.WARNING),
         format=f"[distload rank {rank}] %(message)s",
         stream=sys.stderr,
     )
@@ -147,10 +211,10 @@ def _setup_logging(rank: int) -> None:
 def run_load(args: argparse.Namespace) -> int:
     from distload.loading.loader import Loader
 
-    # Validate before the process group exists: a bad flag costs no rendezvous.
-    make_load_config(args.load_format, args.model_loader_extra_config)
-    with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:
-        loader = Loader(args.source, args.load_format, args.model_loader_extra_config,
+    check_arguments(args)
+    extra = _with_cache_flags(args)
+    with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
+        loader = Loader(args.source, args.load_format, extra,
                         group=group, progress=not args.no_progress,
                         tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding)
         report = loader.load(gather=True, digest=not args.no_digest).report
@@ -165,8 +229,27 @@ def run_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _with_cache_flags(args: argparse.Namespace):
+    """The extra config with --cache-dir and --cache-max-gib as its keys (the same setting given
+    two different ways is an error, not a silent pick)."""
+    from distload.config import parse_extra_config
+
+    flags = {"cache_dir": args.cache_dir, "cache_max_gib": args.cache_max_gib}
+    if all(value is None for value in flags.values()):
+        return args.model_loader_extra_config
+    extra = parse_extra_config(args.model_loader_extra_config)
+    for key, value in flags.items():
+        if value is None:
+            continue
+        if key in extra and extra[key] != value:
+            raise ConfigError(f"--{key.replace('_', '-')} {value} and the extra config's '{key}': "
+                              f"{extra[key]!r} disagree; give it once")
+        extra[key] = value
+    return extra
+
+
 def run_reshard(args: argparse.Namespace) -> int:
-    from distload.checkpoints.reshard import reshard
+    from distload.vllm.save import reshard
 
     if args.command == OLD_RESHARD:
         sys.stderr.write(f"distload: '{OLD_RESHARD}' is the old name of 'reshard' (the same command); "
@@ -195,14 +278,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    import json
-
     from distload.checkpoints.inspection import inspect_source, summary_lines
 
-    if args.pattern is not None:
-        check_pattern("--pattern", args.pattern)
     info = inspect_source(args.source, args.pattern)
-    print(json.dumps(info, indent=1) if args.json else "\n".join(summary_lines(info)), flush=True)
+    print(json.dumps(info, indent=1) if args.json else "\n".join(summary_lines(info, tensors=not args.summary)),
+          flush=True)
     return 0
 
 
@@ -215,19 +295,20 @@ def run_pull(args: argparse.Namespace) -> int:
     chunk_bytes = int(args.chunk_mib * 1024 * 1024)
     if chunk_bytes <= 0:
         raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
-    with WorkerGroup(device="cpu", timeout_s=args.timeout) as group:
+    with WorkerGroup(device="cpu", timeout_s=args.timeout) as group, reported_here(args, group):
         report = pull(args.source, args.dest, group=group, chunk_bytes=chunk_bytes)
         reports = group.exchange(asdict(report))
         if group.rank == 0:
-            gib = 1024**3
             print(f"distload: pulled {args.source} to {args.dest} on {len(reports)} rank(s)", flush=True)
             for r in reports:
-                role = f"wrote {len(r['fetched'])} file(s), {r['written_bytes'] / gib:.3f} GiB, kept " \
-                       f"{len(r['kept'])}" if r["writes"] else "sent only"
-                print(f"  rank {r['rank']} ({r['hostname']}): read {r['requested_bytes'] / gib:.3f} GiB "
-                      f"from the source; {role}; {r['seconds']:.2f} s", flush=True)
+                # The same fields on every rank's line; a rank that is not its node's writer only
+                # reads and sends, and says so after the (zero) numbers.
+                sends_only = "" if r["writes"] else " (sends only: another rank writes its node's copy)"
+                print(f"  rank {r['rank']} ({r['hostname']}): read {gib_text(r['requested_bytes'])} from the "
+                      f"source; wrote {len(r['fetched'])} file(s), {gib_text(r['written_bytes'])}, kept "
+                      f"{len(r['kept'])}{sends_only}; {r['seconds']:.2f} s", flush=True)
             total = sum(r["requested_bytes"] for r in reports)
-            print(f"  read from the source, whole job: {total / gib:.3f} GiB", flush=True)
+            print(f"  read from the source, whole job: {gib_text(total)}", flush=True)
             if args.report_json:
                 write_json_atomic(args.report_json, {"source": args.source, "ranks": reports}, indent=2)
     return 0
@@ -237,42 +318,149 @@ def run_pull(args: argparse.Namespace) -> int:
 OFFLINE_COMMANDS = ("reshard", OLD_RESHARD, "verify", "inspect")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """What can be checked from the arguments alone (load format names, extra-config JSON and
+    keys, sizes, patterns), before any process group: a bad flag costs no rendezvous. The
+    launchers run it once before they start any rank (:func:`precheck`)."""
+    if args.command == "load":
+        make_load_config(args.load_format, _with_cache_flags(args))
+        if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+            raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
+    if args.command == "pull" and args.chunk_mib <= 0:
+        raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
+    if args.command == "inspect" and args.pattern is not None:
+        check_pattern("--pattern", args.pattern)
+
+
+def precheck(argv: list[str]) -> int:
+    """Check a command line before a launcher starts ranks with it (launch/torchrun_local.sh, the
+    Slurm load scripts): a misspelt flag, format or extra-config key is one message here, not one
+    per rank after the ranks' start-up. 0 when it would run; argparse's usage error (2) or 1 with
+    the message."""
+    args = build_parser().parse_args(argv)
+    try:
+        check_arguments(args)
+    except ConfigError as exc:
+        sys.stderr.write(f"distload: error: {exc}\n")
+        return 1
+    return 0
+
+
+class _Reported(Exception):
+    """An error already printed (inside a group, before it closed); main only sets the exit code."""
+
+
+def report_error(exc: BaseException, command: str, rank: int | str, world_size: int,
+                 job_failures: dict[int, str] | None = None) -> None:
+    """Print a rank's failure, once for the job where every rank failed the same way, and hand it
+    to torchrun's agent as this rank's root cause.
+
+    Every rank writes torch's error file (``TORCHELASTIC_ERROR_FILE``, set by torchrun) with the
+    message and no Python traceback, so torchrun's failure summary shows distload's message where
+    it would say "To enable traceback see ...". On stderr, a failure that every rank shares (the
+    same message on every rank of the job, as the agreement step tells each of them, or an
+    argument error, which only depends on the command line every rank was given) is printed by
+    rank 0 alone: the other ranks' copies would only bury it.
+    """
+    message = str(exc)
+    if command in OFFLINE_COMMANDS:  # one process: no rank to name
+        line = f"distload: error: {message}"
+    elif job_failures is not None and world_size > 1:
+        line = f"distload: error on {rank_list(list(job_failures))} (every rank): {message}"
+    else:
+        line = f"distload: error on rank {rank}: {message}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # torch's format (torch.distributed.elastic.multiprocessing.errors.ErrorHandler) without
+        # "py_callstack": the summary then shows the message itself.
+        payload = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w", encoding="utf-8") as f:
+                json.dump(payload, f)
+        except OSError:
+            pass  # the summary loses the message; stderr still has it
+    if job_failures is not None and world_size > 1 and rank != 0:
+        return
+    # One write per message: under torchrun the ranks share stderr, and print() writes the
+    # newline separately, so two ranks' lines would run together.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def shared_failure(exc: BaseException, world_size: int) -> dict[int, str] | None:
+    """Every rank's failure where all ranks of the job failed with this exception's message (the
+    agreement step leaves what each rank said on the exception), else None."""
+    failures = getattr(exc, "job_failures", None)
+    if not failures or len(failures) != world_size or set(failures.values()) != {str(exc)}:
+        return None
+    return failures
+
+
+@contextlib.contextmanager
+def reported_here(args: argparse.Namespace, group: WorkerGroup) -> Iterator[None]:
+    """Report a failure inside the group, before it closes: the ranks fail within moments of
+    each other, and torchrun's agent stops the ranks still running once one has exited, so a
+    message printed after the group's teardown could be cut off."""
+    try:
+        yield
+    except DistloadError as exc:
+        report_error(exc, args.command, group.rank, group.world_size, shared_failure(exc, group.world_size))
+        raise _Reported() from exc
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "load":
+        return run_load(args)
+    if args.command in ("reshard", OLD_RESHARD):
+        return run_reshard(args)
+    if args.command == "verify":
+        return run_verify(args)
+    if args.command == "inspect":
+        return run_inspect(args)
+    if args.command == "sync-demo":
+        from distload.cli.sync_demo import run_sync_demo
+
+        return run_sync_demo(args)
+    if args.command == "pull":
+        return run_pull(args)
+    if args.command == "demo":
+        from distload.cli.demo import run_demo
+
+        return run_demo(args)
+    raise AssertionError(args.command)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank: int | str = "?"
+    world_size = 1
     try:
-        rank = detect_launch().rank
-        _setup_logging(rank)
-        if args.command == "load":
-            return run_load(args)
-        if args.command in ("reshard", OLD_RESHARD):
-            return run_reshard(args)
-        if args.command == "verify":
-            return run_verify(args)
-        if args.command == "inspect":
-            return run_inspect(args)
-        if args.command == "sync-demo":
-            from distload.cli.sync_demo import run_sync_demo
-
-            return run_sync_demo(args)
-        if args.command == "pull":
-            return run_pull(args)
-        if args.command == "demo":
-            from distload.cli.demo import run_demo
-
-            return run_demo(args)
-    except DistloadError as exc:
-        # One write per message: under torchrun the ranks share stderr, and print() writes the
-        # newline separately, so two ranks' lines would run together. The offline commands run in
-        # one process: no rank to name.
-        where = "" if args.command in OFFLINE_COMMANDS else f" on rank {rank}"
-        sys.stderr.write(f"distload: error{where}: {exc}\n")
-        sys.stderr.flush()
-        return 1
-    except KeyboardInterrupt:
-        print(f"distload: interrupted on rank {rank}", file=sys.stderr, flush=True)
-        return 130
-    raise AssertionError(args.command)
+        try:
+            launch = detect_launch()
+            rank, world_size = launch.rank, launch.world_size
+            _setup_logging(rank, log_level(args.log_level))
+            try:
+                check_arguments(args)
+            except ConfigError as exc:
+                # The same command line on every rank: every rank fails the same way.
+                report_error(exc, args.command, rank, world_size, {r: str(exc) for r in range(world_size)})
+                return 1
+            return _run(args)
+        except _Reported:
+            return 1
+        except DistloadError as exc:
+            report_error(exc, args.command, rank, world_size, shared_failure(exc, world_size))
+            return 1
+        except KeyboardInterrupt:
+            print(f"distload: interrupted on rank {rank}", file=sys.stderr, flush=True)
+            return 130
+    except BrokenPipeError:
+        # The reader went away (`distload inspect ... | head`): what it wanted it has, so no
+        # traceback. Python would try to flush stdout again at exit and fail the same way: point it
+        # at /dev/null first. 141 is what a shell reports for a command ended by SIGPIPE.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

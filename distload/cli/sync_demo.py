@@ -27,7 +27,7 @@ from distload.cli.demo import llama_layers, llama_shapes
 from distload.workers.group import WorkerGroup
 from distload.live.channel import SyncChannel
 from distload.live.sync import WeightSync
-from distload.loading.report import state_digest
+from distload.loading.report import gib_per_s, gib_text, rate_means_something, state_digest
 from distload.tp.spec import load_spec
 from distload.tp.slices import take_shard
 
@@ -76,6 +76,12 @@ def kept_slices(state: dict[str, torch.Tensor], tp_size: int, tp_rank: int,
             for name, t in state.items()}
 
 
+def _rate(nbytes: int, seconds: float) -> str:
+    """`` = X GiB/s`` (the unit of every distload report), where the update was big and long
+    enough for a rate to be a speed."""
+    return f" = {gib_per_s(nbytes, seconds):.2f} GiB/s" if rate_means_something(nbytes, seconds) else ""
+
+
 def run_sync_demo(args: argparse.Namespace) -> int:
     if args.role is None:
         return _one_job(args)
@@ -116,7 +122,7 @@ def _train(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup) -
         mine = {n: t for i, (n, t) in enumerate(state.items()) if i % group.world_size == group.rank}
         stats = channel.push(mine, version)
         print(f"trainer rank {group.rank} pushed version {version}: {stats.num_tensors} tensors in "
-              f"{stats.num_buckets} bucket(s), {stats.wire_bytes / 1e9:.3f} GB sent in {stats.seconds:.3f} s"
+              f"{stats.num_buckets} bucket(s), {gib_text(stats.wire_bytes)} sent in {stats.seconds:.3f} s"
               f"{' (a delta: what changed since the version the receivers hold)' if stats.delta else ''}",
               flush=True)
         rows.append({"version": version, "bytes_sent": stats.wire_bytes, "seconds": round(stats.seconds, 4),
@@ -135,7 +141,7 @@ def _infer(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup, t
         expected = state_digest(kept_slices(demo_state(args.size_mib, stats.version, group.device, change=args.change),
                                             tp_size, tp_rank))
         print(f"inference rank {group.rank} (TP rank {tp_rank} of {tp_size}) received version {stats.version}: "
-              f"{stats.wire_bytes / 1e9:.3f} GB in {stats.seconds:.3f} s, digest {digest[:16]} "
+              f"{gib_text(stats.wire_bytes)} in {stats.seconds:.3f} s, digest {digest[:16]} "
               f"({'matches' if digest == expected else 'DOES NOT match'} the version sent"
               f"{', a delta' if stats.delta else ''}{', verified' if stats.verified else ''})", flush=True)
         rows.append({"version": stats.version, "digest": digest, "matches": digest == expected,
@@ -162,8 +168,8 @@ def _one_job(args: argparse.Namespace) -> int:
                     stats = sync.receive(state)
                 print(f"rank {group.rank} {'pushed' if group.rank == 0 else 'received'} version "
                       f"{stats.version}: {stats.num_tensors} tensors in {stats.num_buckets} bucket(s), "
-                      f"{stats.nbytes / 1e9:.3f} GB in {stats.seconds:.3f} s = {stats.gb_per_s:.2f} GB/s, "
-                      f"{stats.wire_bytes / 1e9:.3f} GB on the wire{' (a delta)' if stats.delta else ''}", flush=True)
+                      f"{gib_text(stats.nbytes)} in {stats.seconds:.3f} s{_rate(stats.nbytes, stats.seconds)}, "
+                      f"{gib_text(stats.wire_bytes)} on the wire{' (a delta)' if stats.delta else ''}", flush=True)
             digests = group.exchange(state_digest(state))
         finally:
             sync.close()

@@ -59,6 +59,8 @@ class ReadFacts:
     checkpoint are shared between all ranks, replicas or not).
     ``device_data``: the group's data group carries tensors on the device (NCCL for CUDA;
     ``WorkerGroup.wire_device``); InstantTensor shares a read only then.
+    ``cached``: an object-store load with a node cache (``--cache-dir``): only distload's ranged
+    reads go through it, so ``auto`` reads with them where it would otherwise take Run:ai.
     """
 
     sharded_layout_found: bool
@@ -71,6 +73,7 @@ class ReadFacts:
     sliced: bool = False
     replicas: int = 1
     device_data: bool = True
+    cached: bool = False
 
     @property
     def many(self) -> bool:

@@ -54,11 +54,22 @@ def dtensor_blocks(targets: Mapping[str, torch.Tensor]) -> dict[str, Block]:
 def load_dtensors(source: str, device_mesh: Any, placements: Placements, load_format: str = "auto",
                   extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup | None = None,
                   progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor of a whole checkpoint as a DTensor on ``device_mesh``.
+    """Every tensor of a whole checkpoint as a DTensor on ``device_mesh``, each rank reading only
+    its local shards' bytes.
 
-    ``placements``: a tensor name's placements (a dict, or a function of the name); a name it
-    does not know (or None) is replicated on every mesh dimension. Collective over ``group``
-    (None: one from the environment), which must hold the mesh's ranks.
+    Args:
+        source: a whole checkpoint, as for :func:`load`.
+        device_mesh: the mesh the DTensors live on.
+        placements: a tensor name's placements (a dict, or a function of the name); a name it
+            does not know (or None) is replicated on every mesh dimension. ``Shard(d)`` and
+            ``Replicate()`` only.
+        load_format: as for :func:`load`.
+        extra_config: as for :func:`load`.
+        group: collective over it (None: one from the environment); it must hold the mesh's ranks.
+        progress: show a progress bar on rank 0.
+
+    Returns:
+        Tensor name -> DTensor.
     """
     from torch.distributed.tensor import Replicate, empty
 

@@ -111,6 +111,9 @@ def _auto(facts: ReadFacts) -> ReadChoice:
     many, scope, asked, remote = facts.many, facts.scope, facts.asked, facts.remote
     runai_shared = many and not facts.sharded_layout_found and facts.whole_job
     own = "ranged" if remote else AUTO_CPU_BACKEND  # distload's readers of byte ranges
+    # Run:ai's reader fetches from the store itself: with a node cache, distload's ranged reads
+    # (which go through it) instead.
+    store_reader = "ranged" if facts.cached else "runai"
     # Whether ranks that need the same bytes share their reading: where asked, or by default on
     # an object store (job-wide: on one node that is the same ranks).
     share = scope is not False and (asked is not None or remote)
@@ -123,7 +126,9 @@ def _auto(facts: ReadFacts) -> ReadChoice:
     if facts.sharded_layout_found:
         if share and facts.replicas > 1:  # each replica of a TP rank needs the same shard files
             return ReadChoice(True, own, True, shared_scope)
-        return ReadChoice(True, "pread" if not remote and facts.device_type != "cuda" else "runai", False)
+        if remote:
+            return ReadChoice(True, store_reader, False)
+        return ReadChoice(True, "pread" if facts.device_type != "cuda" else "runai", False)
     if facts.device_type == "cuda" and not remote:
         if many and not facts.device_data:
             # A group that cannot carry device tensors (vLLM's gloo cpu_group): InstantTensor
@@ -135,8 +140,8 @@ def _auto(facts: ReadFacts) -> ReadChoice:
         # broadcasts device to device.
         return ReadChoice(False, "runai", runai_shared and scope is not False, asked or "node")
     if not (share and many):
-        return ReadChoice(False, "runai" if remote else AUTO_CPU_BACKEND, False)
-    if remote and facts.whole_job and facts.device_type == "cuda":
+        return ReadChoice(False, store_reader if remote else AUTO_CPU_BACKEND, False)
+    if remote and facts.whole_job and facts.device_type == "cuda" and not facts.cached:
         # Run:ai streams to the device and broadcasts device to device (not measured here yet:
         # benchmarks/gpu_check.sh).
         return ReadChoice(False, "runai", True, shared_scope)
@@ -146,19 +151,25 @@ def _auto(facts: ReadFacts) -> ReadChoice:
 # -- the registry -----------------------------------------------------------------------------
 
 _PATTERN = {"pattern": check_pattern}
+# Run:ai's reader fetches from the store itself, past the node cache.
+_RUNAI_PAST_THE_CACHE = ("Run:ai's reader fetches from the store itself, so the node cache cannot serve it; "
+                         "load with --load-format auto or safetensors (distload's ranged reads go through it)")
+_NOT_CACHED = (("cache_dir", _RUNAI_PAST_THE_CACHE), ("cache_max_gib", _RUNAI_PAST_THE_CACHE))
 
 FORMATS: dict[str, LoadFormat] = {f.name: f for f in (
     LoadFormat("auto", ("pread", "ranged", "instanttensor", "runai"), _auto,
-               {**_PATTERN, "distributed": check_distributed}, backend_keys=("huge_pages", "concurrency")),
+               {**_PATTERN, "distributed": check_distributed},
+               backend_keys=("huge_pages", "concurrency", "cache_dir", "cache_max_gib")),
     LoadFormat("safetensors", ("safetensors", "ranged"), _safetensors),
-    LoadFormat("runai_streamer", ("runai",), _runai_streamer, {"distributed": check_distributed}),
+    LoadFormat("runai_streamer", ("runai",), _runai_streamer, {"distributed": check_distributed},
+               why_not=dict(_NOT_CACHED)),
     LoadFormat("instanttensor", ("instanttensor",), _instanttensor),
     LoadFormat("sharded_state", ("safetensors", "ranged"), _sharded_state, _PATTERN),
     # vLLM rejects concurrency/memory_limit for the sharded Run:ai format although its docs
     # promise them (vLLM issue 30100); distload accepts them.
     LoadFormat("runai_streamer_sharded", ("runai",), _runai_streamer_sharded, _PATTERN, why_not={"distributed": (
         "each rank of a pre-sharded checkpoint reads different files, and Run:ai's distributed "
-        "mode would silently exchange data between them")}),
+        "mode would silently exchange data between them"), **dict(_NOT_CACHED)}),
     LoadFormat("dummy", ("dummy",), _dummy, reads_checkpoint=False),
 )}
 LOAD_FORMATS = tuple(FORMATS)
@@ -175,7 +186,18 @@ def did_you_mean(name: str, names: tuple[str, ...] | list[str]) -> str:
 
 
 def make_load_config(load_format: str, extra_config: str | Mapping[str, Any] | None = None) -> LoadConfig:
-    """Validate a format and its extra config; raise ConfigError before anything is applied."""
+    """Validate a format and its extra config before anything is applied.
+
+    Args:
+        load_format: a name of :data:`LOAD_FORMATS`, in any case.
+        extra_config: the format's keys, as a dict or JSON text (None: none).
+
+    Returns:
+        The validated request.
+
+    Raises:
+        ConfigError: an unknown format or key (with a guess where one is close), or a bad value.
+    """
     if not isinstance(load_format, str):
         raise ConfigError(f"load format must be a string, got {load_format!r}")
     name = load_format.strip().lower()
@@ -189,7 +211,11 @@ def make_load_config(load_format: str, extra_config: str | Mapping[str, Any] | N
     if unexpected:
         reasons = [f"'{key}': {fmt.why_not[key]}" for key in unexpected if key in fmt.why_not]
         allowed_text = ", ".join(sorted(allowed)) if allowed else "none"
-        message = f"Unexpected extra config keys {unexpected} for load format {name!r}; allowed keys: {allowed_text}"
+        # A typo of an allowed key (or of another format's key that this one also takes).
+        guesses = "".join(did_you_mean(str(key), sorted(allowed)).replace("did you mean", f"'{key}': did you mean")
+                          for key in unexpected if key not in fmt.why_not)
+        message = (f"Unexpected extra config keys {unexpected} for load format {name!r}; {guesses}"
+                   f"allowed keys: {allowed_text}")
         if reasons:
             message += " (" + "; ".join(reasons) + ")"
         raise ConfigError(message)

@@ -193,10 +193,18 @@ class CheckpointLayout:
 
 
 def detect_layout(source: "str | Source", pattern: str | None = None) -> CheckpointLayout:
-    """The layout of ``source`` (a local file or folder, or an object-store URI).
+    """The layout of ``source``: whole, or pre-sharded for N ranks.
 
-    ``pattern``: the shard file-name pattern to look for; None takes the manifest's, else
-    :data:`DEFAULT_SHARD_PATTERN`. Raises CheckpointError for a folder a save did not finish.
+    Args:
+        source: a local file or folder, or an object-store URI.
+        pattern: the shard file-name pattern to look for; None takes the manifest's, else
+            :data:`DEFAULT_SHARD_PATTERN`.
+
+    Returns:
+        The layout, with the source, the pattern, the shard files found and the manifest.
+
+    Raises:
+        CheckpointError: a folder a save did not finish.
     """
     src = open_source(source)
     if src.is_file:

@@ -108,6 +108,19 @@ class Loader:
     ``stream()`` hands out ``(name, tensor)`` pairs without holding them; ``load()`` returns a
     :class:`LoadResult`. Both make the same collectives on every rank (see the module docstring),
     so every rank of the group must call the same method with the same arguments.
+
+    Args:
+        source: as for :func:`load`.
+        load_format: as for :func:`load`.
+        extra_config: as for :func:`load`; checked here.
+        group: the WorkerGroup to load over (required: a Loader lives longer than one call).
+        progress: show a progress bar on rank 0 (when stderr is a terminal).
+        tensor_parallel_size: as for :func:`load`.
+        sharding: as for :func:`load`.
+        tensor_parallel_rank: this rank's TP rank where its TP group is not consecutive ranks
+            (default ``rank % tensor_parallel_size``).
+        blocks: DTensor targets: tensor name -> the block of it this rank reads (used by
+            :func:`load_dtensors` and ``reload_into``).
     """
 
     def __init__(self, source: "str | os.PathLike[str]", load_format: str = "auto",
@@ -143,8 +156,15 @@ class Loader:
         return LoadStream(self._steps(plan, dict(destinations or {})))
 
     def load(self, *, gather: bool = False, digest: bool = False) -> LoadResult:
-        """Every tensor of this rank in a dict. ``digest``: the rank report gets the state's digest;
-        ``gather`` (collective): every rank's report, as the job's report, on every rank."""
+        """Every tensor of this rank in a dict.
+
+        Args:
+            gather: (collective) every rank's report, as the job's report, on every rank.
+            digest: the rank report gets the state's digest (a pass over the bytes).
+
+        Returns:
+            The tensors, this rank's report, and with ``gather`` the job's.
+        """
         stream = self.stream()
         state = dict(stream)
         rank_report = stream.rank_report
@@ -233,6 +253,9 @@ class Loader:
             prefaulted_bytes=host_memory.prefaulted_bytes,
             reader_bytes=run.reader_bytes,
             received_bytes=run.received_bytes,
+            cache_bytes=run.cache_bytes,
+            store_bytes=run.store_bytes,
+            corrupt_blocks=run.corrupt_blocks,
         )
 
 
@@ -254,11 +277,32 @@ def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str
          ) -> dict[str, torch.Tensor]:
     """Load ``source`` into a dict of tensors on this rank's device.
 
-    ``group``: the WorkerGroup to load over; None makes one from the environment (torchrun,
-    Slurm or one process, on ``device``) for this call and closes it after.
-    ``tensor_parallel_size`` T: rank r keeps TP rank ``r % T``'s slices of a whole checkpoint
-    (``sharding``: the sharding spec, default ``decoder``), reading only their bytes where the
-    reader can; a checkpoint pre-sharded for T gives each data-parallel replica its TP rank's files.
+    Every rank of the group must call it with the same arguments.
+
+    Args:
+        source: a ``.safetensors`` file, a folder (whole, or pre-sharded per rank), or an
+            object-store URI (``s3://``, ``gs://``, ``az://``); a ``pathlib.Path`` works too.
+        load_format: one of :data:`LOAD_FORMATS` (vLLM's ``--load-format`` names; default ``auto``).
+        extra_config: the format's extra config, as a dict or its JSON text
+            (``--model-loader-extra-config``); checked before anything is read.
+        group: the WorkerGroup to load over; None makes one from the environment (torchrun,
+            Slurm or one process, on ``device``) for this call and closes it after.
+        device: ``auto`` (``cuda:<local_rank>`` or ``cpu``), ``cpu`` or ``cuda``, for a group
+            made here.
+        progress: show a progress bar on rank 0 (when stderr is a terminal).
+        tensor_parallel_size: T: rank r keeps TP rank ``r % T``'s slices of a whole checkpoint,
+            reading only their bytes where the reader can; a checkpoint pre-sharded for T gives
+            each data-parallel replica its TP rank's files.
+        sharding: the sharding spec for ``tensor_parallel_size`` (a built-in name, a JSON spec
+            file or a ShardingSpec; default ``decoder``).
+
+    Returns:
+        This rank's tensors by checkpoint name, on its device.
+
+    Raises:
+        ConfigError: a bad format, key, value or size.
+        CheckpointError: a missing, incomplete or malformed checkpoint.
+        RankFailedError: another rank failed (it is named).
     """
     with WorkerGroup.for_call(group, device=device) as g:
         return Loader(source, load_format, extra_config, group=g, progress=progress,
@@ -271,9 +315,19 @@ def iter_tensors(source: str, load_format: str = "auto",
                  sharding: "str | ShardingSpec | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` on this rank's device without holding them all.
 
-    ``group``: as for :func:`load`; a group made here lives until the iteration ends or the
-    iterator is closed (``contextlib.closing`` makes that certain when breaking out early).
-    ``tensor_parallel_size``, ``sharding``: as for :func:`load`.
+    Args:
+        source: as for :func:`load`.
+        load_format: as for :func:`load`.
+        extra_config: as for :func:`load`; checked here, not at the first ``next()``.
+        group: as for :func:`load`; a group made here lives until the iteration ends or the
+            iterator is closed (``contextlib.closing`` makes that certain when breaking out early).
+        device: as for :func:`load`.
+        progress: as for :func:`load`.
+        tensor_parallel_size: as for :func:`load`.
+        sharding: as for :func:`load`.
+
+    Returns:
+        An iterator of ``(name, tensor)`` pairs; each tensor is the caller's once handed out.
     """
     config = make_load_config(load_format, extra_config)  # a bad argument fails here, not at first next()
     return _iter_tensors(source, config, group, device, progress, tensor_parallel_size, sharding)

@@ -11,6 +11,7 @@ from distload.loading.choice import ReadChoice
 from distload.loading.index import CheckpointIndex
 from distload.loading.manifest import Subtensor
 from distload.loading.rank_slices import RankSlices, TPPlace
+from distload.loading.stores.cache import CacheSettings
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class RankPlan:
     # the split tensors (slice_runs, in the same order).
     members: tuple[int, ...] = ()
     needs: tuple[Mapping[str, tuple], ...] = ()
+    # An object-store load's node cache (--cache-dir), for the backend that reads through it.
+    cache: CacheSettings | None = None
 
     @property
     def nbytes(self) -> int:

@@ -19,6 +19,7 @@ from distload.loading.index import build_index
 from distload.loading.layout import CheckpointLayout, detect_layout
 from distload.loading.plan import RankPlan
 from distload.loading.rank_slices import Blocks, TPPlace, plan_blocks, plan_slices
+from distload.loading.stores.cache import CACHE_DIR_VARIABLE, cache_settings
 from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
             f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
             f"without a sharding spec (--tensor-parallel-size alone gives each data-parallel replica "
             f"its TP rank's files)")
+    # The node cache serves object-store reads (local files have the page cache).
+    cache = cache_settings(config.extra) if src.remote else None
     choice = fmt.choose(ReadFacts(
         sharded_layout_found=layout.sharded,
         device_type=group.device.type,
@@ -63,7 +66,15 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
         # Ranks that load the same shard files of a pre-sharded checkpoint (data-parallel replicas).
         replicas=group.world_size // tp.size if tp is not None else 1,
         device_data=group.wire_device == group.device,
+        cached=cache is not None,
     ))
+    if cache is not None and choice.backend == "runai":
+        # Only the environment can bring a cache here (the Run:ai formats refuse the keys): say
+        # so rather than read past it.
+        raise ConfigError(f"{CACHE_DIR_VARIABLE} is set, and --load-format {config.load_format} reads with "
+                          f"Run:ai, whose reader fetches from the store itself, past the node cache; load with "
+                          f"--load-format auto or safetensors (distload's ranged reads use the cache), or unset "
+                          f"{CACHE_DIR_VARIABLE}")
     if blocks is not None and layout.sharded:
         raise ConfigError(f"{source} is sharded per rank; a model of DTensors loads from a whole checkpoint, "
                           f"each rank reading its local shards' bytes")
@@ -85,6 +96,8 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
                         dict(manifest.views.get(rank, {})) if manifest else {},
                         fingerprints=_fingerprints(choice, src, index),
                         tensor_parallel=tp)
+    if cache is not None and choice.backend == "ranged":
+        plan = replace(plan, cache=cache)
     BACKENDS[choice.backend].preflight(plan, group)
     return plan
 

@@ -20,9 +20,23 @@ from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
 from distload.tp.slices import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a DTensor's local shard
-# What a load into DTensors is given: tensor name -> the block of the DTensor it goes to, or a
-# function of the checkpoint's index that gives them (DTensors made from the headers).
-Blocks = Union[Mapping[str, Block], Callable[[CheckpointIndex], Mapping[str, Block]]]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Runs of whole rows (dim 0), ``(start, stop)`` in ascending order, read one after the other
+    as one tensor: what a TP rank needs of a checkpoint tensor that fuses several parts (a fused
+    q/k/v: its rows of q, then of k, then of v), where one block would span the other ranks' rows."""
+
+    runs: tuple[tuple[int, int], ...]
+
+    def shape(self, whole: tuple[int, ...]) -> tuple[int, ...]:
+        return (sum(stop - start for start, stop in self.runs),) + tuple(whole[1:])
+
+
+# What a sliced load is given: tensor name -> the block (or rows) it needs, or a function of the
+# checkpoint's index that gives them (DTensors made from the headers; a weight map learned there).
+Blocks = Union[Mapping[str, "Block | Rows"], Callable[[CheckpointIndex], Mapping[str, "Block | Rows"]]]
 
 
 @dataclass(frozen=True)
@@ -33,7 +47,7 @@ class RankSlices:
     spec: ShardingSpec | None
     actions: Mapping[str, Action] = field(default_factory=dict)
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
-    blocks: Mapping[str, Block] = field(default_factory=dict)
+    blocks: Mapping[str, "Block | Rows"] = field(default_factory=dict)
 
     def cut(self, name: str, tensor: torch.Tensor, tp: TPPlace | None) -> torch.Tensor:
         """This rank's piece of a whole tensor a library reader delivered (the rest is dropped)."""
@@ -42,6 +56,8 @@ class RankSlices:
             assert tp is not None
             return _own_storage(take_shard(tensor, action, tp.rank, tp.size, name))
         block = self.blocks.get(name)
+        if isinstance(block, Rows):
+            return torch.cat([tensor[start:stop] for start, stop in block.runs])
         if block is not None:
             for dim, (offset, size) in enumerate(zip(*block)):
                 tensor = tensor.narrow(dim, offset, size)
@@ -57,12 +73,16 @@ def _own_storage(piece: torch.Tensor) -> torch.Tensor:
     return piece
 
 
-def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, Block]) -> RankSlices:
-    """The byte ranges of each DTensor target's local shard (tensors without a block: whole)."""
+def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, "Block | Rows"]) -> RankSlices:
+    """The byte ranges of each block (a DTensor target's local shard) or rows (tensors without
+    either: whole)."""
     slices = {}
     for info in index.tensors:
         block = blocks.get(info.name)
         if block is None:
+            continue
+        if isinstance(block, Rows):
+            slices[info.name] = _rows_bytes(info.name, info.shape, info.torch_dtype.itemsize, block)
             continue
         offsets, sizes = block
         if len(sizes) != len(info.shape) or any(o + n > d for o, n, d in zip(offsets, sizes, info.shape)):
@@ -70,6 +90,23 @@ def plan_blocks(index: CheckpointIndex, blocks: Mapping[str, Block]) -> RankSlic
                               f"DTensor's local shard is sizes {list(sizes)} at {list(offsets)}")
         slices[info.name] = block_bytes(info.shape, info.torch_dtype.itemsize, offsets, sizes)
     return RankSlices(None, {}, slices, dict(blocks))
+
+
+def _rows_bytes(name: str, shape: tuple[int, ...], itemsize: int, rows: Rows) -> SliceBytes:
+    at = 0
+    for start, stop in rows.runs:
+        if not (shape and at <= start < stop <= shape[0]):
+            raise ConfigError(f"tensor {name!r} has shape {list(shape)}: rows {list(rows.runs)} are not ascending, "
+                              f"disjoint runs inside it")
+        at = stop
+    row = itemsize
+    for n in shape[1:]:
+        row *= n
+    extents, dst = [], 0
+    for start, stop in rows.runs:
+        extents.append((start * row, dst, (stop - start) * row))
+        dst += (stop - start) * row
+    return SliceBytes(rows.shape(shape), tuple(extents))
 
 
 def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], Mapping]) -> RankSlices:

@@ -27,7 +27,15 @@ def update_digest(hasher: "hashlib._Hash", name: str, tensor: torch.Tensor) -> N
 
 
 def state_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """The report's digest of a name -> tensor mapping."""
+    """The report's digest of a name -> tensor mapping, to check a load against any other read.
+
+    Args:
+        tensors: name -> tensor (any device; the bytes are read as stored).
+
+    Returns:
+        Hex SHA-256 over the tensors sorted by name, feeding for each
+        ``name|DTYPE|d0,d1,...|`` and then its raw bytes.
+    """
     hasher = hashlib.sha256()
     for name in sorted(tensors):
         update_digest(hasher, name, tensors[name])
@@ -69,6 +77,11 @@ class RankReport:
     # Bytes other ranks read and sent to this one (distload's shared reads); None: not counted.
     received_bytes: int | None = None
     tensor_parallel: list[int] | None = None  # [TP rank, TP size] of a tensor-parallel load
+    # Through a node cache (--cache-dir): bytes from it, bytes fetched from the store into it (whole
+    # blocks), blocks found corrupt there and fetched again; None: no cache.
+    cache_bytes: int | None = None
+    store_bytes: int | None = None
+    corrupt_blocks: int | None = None
 
 
 @dataclass
@@ -98,27 +111,65 @@ class LoadReport:
         write_json_atomic(path, self.to_json(), indent=2)
 
     def summary_lines(self) -> list[str]:
+        """The lines ``distload load`` prints: a header, one line per rank, a total.
+
+        Every rank's line has the same fields (a field that some rank reports is shown for all,
+        ``-`` where a rank has no number), so the lines line up and compare. Rates are shown only
+        for a load large and long enough to measure one (:func:`rate_means_something`): a tiny
+        load's rate is its fixed costs, not a speed.
+        """
         lines = [f"distload: {self.load_format} from {self.source} on {self.world_size} rank(s)"]
+        total = self.total
+        rates = rate_means_something(min((r.nbytes for r in self.ranks), default=0),
+                                     min((r.seconds for r in self.ranks), default=0.0))
+        show_requested = any(r.requested_bytes is not None for r in self.ranks)
+        show_received = any(r.received_bytes for r in self.ranks)
+        show_cache = any(r.cache_bytes is not None for r in self.ranks)
+        # Every way any rank read by, on every line (a rank that did not count ways shows -).
+        ways = (sorted({way for r in self.ranks for way in (r.reader_bytes or {})})
+                if any(r.reader_bytes and len(r.reader_bytes) > 1 for r in self.ranks) else [])
         for r in self.ranks:
             digest = r.digest[:16] if r.digest else "-"
             tp = f", TP rank {r.tensor_parallel[0]} of {r.tensor_parallel[1]}" if r.tensor_parallel else ""
-            asked = (f", requested {r.requested_bytes / GIB:.3f} GiB"
-                     if r.requested_bytes is not None and r.requested_bytes != r.nbytes else "")
-            if r.received_bytes:
-                asked += f", received {r.received_bytes / GIB:.3f} GiB from other ranks"
-            if r.reader_bytes and len(r.reader_bytes) > 1:
-                asked += " (" + ", ".join(f"{way} {n / GIB:.3f} GiB" for way, n in sorted(r.reader_bytes.items())) + ")"
+            rate = f" = {r.gib_per_s:.2f} GiB/s" if rates else ""
+            fields = ""
+            if show_requested:
+                fields += f", requested {gib_text(r.requested_bytes)}"
+            if show_received:
+                fields += f", received {gib_text(r.received_bytes or 0)} from other ranks"
+            if show_cache:
+                fields += f", node cache {gib_text(r.cache_bytes)}, store {gib_text(r.store_bytes)}"
+                if r.corrupt_blocks:
+                    fields += f", {r.corrupt_blocks} corrupt block(s) fetched again"
+            if ways:
+                fields += " (" + ", ".join(
+                    f"{way} {gib_text(r.reader_bytes.get(way, 0) if r.reader_bytes is not None else None)}"
+                    for way in ways) + ")"
             lines.append(
                 f"  rank {r.rank} ({r.device}, {r.path}{tp}): {r.num_tensors} tensors, "
-                f"{r.nbytes / GIB:.3f} GiB in {r.seconds:.2f} s = {r.gib_per_s:.2f} GiB/s{asked}, "
-                f"digest {digest}"
+                f"{gib_text(r.nbytes)} in {r.seconds:.2f} s{rate}{fields}, digest {digest}"
             )
-        total = self.total
-        lines.append(
-            f"  total: {total['nbytes'] / GIB:.3f} GiB, slowest rank {total['seconds']:.2f} s, "
-            f"{total['gib_per_s']:.2f} GiB/s"
-        )
+        rate = (f", {total['gib_per_s']:.2f} GiB/s" if rates else
+                f" (no rate: under {MIN_RATE_BYTES // 2**20} MiB or {MIN_RATE_SECONDS} s a rank is "
+                f"mostly fixed costs)")
+        lines.append(f"  total: {gib_text(total['nbytes'])}, slowest rank {total['seconds']:.2f} s{rate}")
         return lines
+
+
+# A rate over less than this is mostly a load's fixed costs (headers, planning, agreement),
+# not a read speed: the summary leaves it out (the JSON report keeps every number).
+MIN_RATE_BYTES = 64 * 2**20
+MIN_RATE_SECONDS = 0.05
+
+
+def rate_means_something(nbytes: int, seconds: float) -> bool:
+    """Whether ``nbytes`` in ``seconds`` is a load big and long enough for its rate to be a speed."""
+    return nbytes >= MIN_RATE_BYTES and seconds >= MIN_RATE_SECONDS
+
+
+def gib_text(nbytes: int | None) -> str:
+    """Bytes as distload prints them everywhere: GiB (2**30 bytes), three decimals; ``-``: unknown."""
+    return "-" if nbytes is None else f"{nbytes / GIB:.3f} GiB"
 
 
 def storage_read_bytes() -> int | None:
@@ -151,19 +202,24 @@ def peak_rss_bytes() -> int:
 
 
 class Progress:
-    """A byte-counting bar (GB/s) on one rank; silent when off or stderr is not a terminal."""
+    """A byte-counting bar in GiB and GiB/s (the unit of every report) on one rank; silent when
+    off or stderr is not a terminal."""
 
     def __init__(self, total: int, enabled: bool, description: str = "Loading weights"):
         self._bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000,
-                             desc=description, file=sys.stderr, dynamic_ncols=True)
+            # Counted in GiB, not bytes with tqdm's unit_scale: that prints k/M/G prefixes of
+            # powers of 1000 (GB), where the summary and the report count GiB.
+            self._bar = tqdm(total=total / GIB, unit="GiB", desc=description, file=sys.stderr,
+                             dynamic_ncols=True,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.2f}/{total:.2f} GiB "
+                                        "[{elapsed}<{remaining}, {rate_fmt}]")
 
     def update(self, nbytes: int) -> None:
         if self._bar is not None:
-            self._bar.update(nbytes)
+            self._bar.update(nbytes / GIB)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -54,6 +54,16 @@ class ReadRequest:
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
     options: ReadOptions | None = None
 
+    def tensor_for(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Where a reader puts tensor ``name`` (or this rank's piece of it, of ``shape``): the
+        caller's destination when it fits exactly (host memory, contiguous, that dtype and shape),
+        else a new host tensor."""
+        dest = self.destinations.get(name)
+        if (dest is not None and self.device.type == "cpu" and dest.device.type == "cpu"
+                and dest.is_contiguous() and dest.dtype == dtype and tuple(dest.shape) == tuple(shape)):
+            return dest
+        return self.host_memory.empty(shape, dtype)
+
     def options_as(self, kind: type[T]) -> T:
         """The options as the reading backend's own type (its defaults where none were given)."""
         if self.options is None:
@@ -81,6 +91,11 @@ class BackendRun:
         self.reader_bytes: dict[str, int] | None = None
         # Bytes that came from other ranks over the group (a shared read); None: not counted.
         self.received_bytes: int | None = None
+        # Through a node cache: bytes its complete blocks gave, bytes fetched from the store into
+        # it, and blocks found corrupt (fetched again); None: no cache.
+        self.cache_bytes: int | None = None
+        self.store_bytes: int | None = None
+        self.corrupt_blocks: int | None = None
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":

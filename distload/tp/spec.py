@@ -302,7 +302,19 @@ def spec_with_config(sharding: "str | ShardingSpec | None", read_config: Callabl
 
 
 def load_spec(spec: str | None, config: Mapping[str, Any] | None = None) -> ShardingSpec:
-    """A built-in sharding spec by name (default ``decoder``), or a JSON spec file by path."""
+    """A built-in sharding spec by name, or a JSON spec file by path.
+
+    Args:
+        spec: ``vllm``, ``decoder`` (aliases ``llama``, ``mistral``, ``qwen2``, ``qwen3``),
+            ``plain``, ``replicate``, or a JSON spec file's path; None: ``decoder``.
+        config: the model's ``config.json`` as a dict: the heads head-aware rules split by.
+
+    Returns:
+        The spec, which gives each tensor's action (replicate, or split along a dimension).
+
+    Raises:
+        ConfigError: neither a built-in spec nor a readable spec file.
+    """
     config = dict(config or {})
     spec = spec or "decoder"
     key = SPEC_ALIASES.get(spec.lower(), spec.lower())

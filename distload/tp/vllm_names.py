@@ -1,5 +1,9 @@
 """The tensors vLLM's engine holds for a Hugging Face decoder, named from the checkpoint's tensors.
 
+Used where vLLM is not installed (``reshard --sharding vllm`` is otherwise made by vLLM's own
+engine, distload/vllm/save.py, for any architecture) and as a cross-check of that save in the
+tests.
+
 vLLM's ``sharded_state`` loader copies each file tensor into the engine parameter of the same
 name and fails unless every parameter was given one (vllm/model_executor/model_loader/
 sharded_state_loader.py, 0.32). The engine's names are not the checkpoint's:
@@ -105,7 +109,7 @@ def _check_architecture(config: Mapping[str, Any], source: str) -> None:
     unknown = [a for a in architectures if a not in ARCHITECTURES]
     if unknown:
         raise ConfigError(
-            f"{source}: the vllm layout knows the engine's parameter names of {', '.join(ARCHITECTURES)}, "
-            f"not of {unknown[0]}: writing a checkpoint vLLM's sharded_state loader might refuse is not "
-            f"done. Use vLLM's own saver (save_sharded_state) for it, or --sharding decoder (distload's "
-            f"loaders read it; vLLM's sharded_state loader does not)")
+            f"{source}: without vLLM installed, the vllm layout knows the engine's parameter names of "
+            f"{', '.join(ARCHITECTURES)} only, not of {unknown[0]}. Install vLLM here: reshard --sharding vllm "
+            f"then saves any architecture vLLM builds, by its own engine. Or use --sharding decoder "
+            f"(distload's loaders read it; vLLM's sharded_state loader does not)")

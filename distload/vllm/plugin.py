@@ -88,6 +88,10 @@ def _loader_class():
             if not isinstance(self.check_weight_map, bool):
                 raise ConfigError(f"--model-loader-extra-config 'check_weight_map' must be true or false, "
                                   f"not {self.check_weight_map!r}")
+            # save_sharded: after the load, each worker writes its parameters (distload/vllm/save.py).
+            from distload.vllm.save import SAVE_KEY, save_options
+
+            self.save = save_options(extra.pop(SAVE_KEY)) if SAVE_KEY in extra else None
             self.reader = reader_config(extra)
 
         def download_model(self, model_config) -> None:
@@ -104,6 +108,13 @@ def _loader_class():
             # logging for the "vllm" namespace only).
             init_logger("vllm.distload").info("Loading weights took %.2f seconds (distload, reader %s)",
                                        time.perf_counter() - start, self.reader.load_format)
+            if self.save is not None:  # before vLLM post-processes the parameters (repacks them)
+                from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
+
+                from distload.vllm.save import save_engine_parameters
+
+                save_engine_parameters(ShardedStateLoader._filter_subtensors(model.state_dict()), self.save, source)
+                init_logger("vllm.distload").info("distload saved this rank's parameters to %s", self.save["output"])
 
         def _vllms_own(self, model_config):
             """vLLM's default loader of safetensors, as ``--load-format safetensors`` runs it."""
@@ -301,7 +312,10 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
             if sharded:  # this TP rank's files, the engine's names
                 loader = Loader(source, reader.load_format, reader.extra, group=g,
                                 tensor_parallel_size=tp.world_size, tensor_parallel_rank=tp.rank_in_group)
-                _copy_into(params, loader.load().state, source)
+                plan = loader.plan()
+                direct = _presharded_destinations(params, plan.index.tensors, source)
+                for name, tensor in loader.stream(plan, destinations=direct):
+                    _copy_one(params, name, tensor, source, direct.get(name))
             else:
                 learned = {}
 
@@ -314,14 +328,20 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
 
                 loader = Loader(source, reader.load_format, reader.extra, group=g, blocks=boxes)
                 plan = loader.plan()
-                init_logger("vllm.distload").info(
-                    "distload: TP rank %d reads %d of the checkpoint's %d bytes (its slices)", tp.rank_in_group,
-                    plan.nbytes, plan.index.nbytes)
                 record = learned["record"]
                 steps = record.by_tensor(learned["boxes"], learned["shapes"])
-                for name, tensor in loader.stream(plan):
+                direct = in_place_destinations(steps, learned["boxes"], learned["shapes"], params)
+                init_logger("vllm.distload").info(
+                    "distload: TP rank %d reads %d of the checkpoint's %d bytes (its slices), %d of %d tensors "
+                    "straight into the parameters", tp.rank_in_group, plan.nbytes, plan.index.nbytes, len(direct),
+                    len(steps))
+                for name in direct:  # a direct tensor's fills (padding) first, as its loader made them
+                    record.fill(name, steps[name][1], params)
+                for name, tensor in loader.stream(plan, destinations=direct):
                     if name in record.whole:
                         model.load_weights(iter([(name, tensor)]))
+                    elif name in direct and _same_memory(tensor, direct[name]):
+                        continue  # the reader put it in place
                     elif name in steps:
                         record.replay(name, tensor, params, steps[name])
     finally:
@@ -350,7 +370,8 @@ def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor]
     from vllm.logger import init_logger
 
     from distload.loading.sources import model_config
-    from distload.vllm.weight_map import Placeholder, cache_weight_map, cached_weight_map, weight_map_key, record_weight_map
+    from distload.vllm.weight_map import (Placeholder, cache_weight_map, cached_weight_map, record_weight_map,
+                                          sample_tensors, verify_weight_map, weight_map_key)
 
     listed = [(t.name, t.torch_dtype, tuple(t.shape)) for t in tensors]
     key = weight_map_key(config=model_config(source), tp_size=tp_size, tp_rank=tp_rank, vllm=vllm.__version__,
@@ -367,30 +388,122 @@ def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor]
             raise DistloadError(f"{source}: the weight loaders of {type(model).__name__} keep the checkpoint "
                                 f"tensor itself in {kept[:5]} instead of copying it; distload cannot load this "
                                 f"model yet: use vLLM's --load-format safetensors")
+        # Checked before it is cached: replayed and vLLM's loaders run on the same random tensors
+        # of a sample (outside the layers, and the first layer), compared bit for bit.
+        sample = sample_tensors(listed)
+        differ = verify_weight_map(record, sample, params, model.load_weights)
+        if differ:
+            raise DistloadError(f"{source}: the weight map recorded from {type(model).__name__}'s loaders does not "
+                                f"reproduce them on TP rank {tp_rank}: parameter(s) {differ[:5]} differ from vLLM's "
+                                f"own load of the same tensors. Use vLLM's --load-format safetensors for this model, "
+                                f"and report it with its config.json")
         cache_weight_map(record)
-        logger.info("distload recorded the weight map of %s on TP rank %d of %d: %d copies from %d tensors",
-                    type(model).__name__, tp_rank, tp_size, len(record.copies), len(listed))
+        logger.info("distload recorded the weight map of %s on TP rank %d of %d: %d copies from %d tensors, "
+                    "verified on %d of them", type(model).__name__, tp_rank, tp_size, len(record.copies), len(listed),
+                    len(sample))
     for name, why in sorted(record.whole.items()):
         logger.info("distload: %s goes through vLLM's own loader (%s)", name, why)
     return record
 
 
-def _copy_into(params: Mapping[str, torch.Tensor], engine: Mapping[str, torch.Tensor], source: str) -> None:
-    unknown = sorted(set(engine) - set(params))
-    missing = sorted(set(params) - set(engine))
+def _presharded_destinations(params: Mapping[str, torch.Tensor], tensors, source: str) -> dict[str, torch.Tensor]:
+    """A pre-sharded save's tensors (the engine's names) as views of their parameters: the part the
+    checkpoint fills (vLLM pads vocabulary rows past it). Refuses, before any byte is read, a save
+    whose names or shapes are not the engine's. A view that is contiguous is read straight into."""
+    shapes = {t.name: tuple(t.shape) for t in tensors}
+    unknown = sorted(set(shapes) - set(params))
+    missing = sorted(set(params) - set(shapes))
     if unknown or missing:
         raise DistloadError(
             f"{source}: the checkpoint does not match the engine's parameters: "
             + (f"no parameter for {unknown[:5]}{' ...' if len(unknown) > 5 else ''}; " if unknown else "")
             + (f"no tensor for {missing[:5]}{' ...' if len(missing) > 5 else ''}" if missing else "")
-            + "; a save for vLLM needs distload save-sharded --sharding vllm")
-    for name, tensor in engine.items():
-        param = params[name].data
-        if tensor.dim() != param.dim() or any(t > p for t, p in zip(tensor.shape, param.shape)):
-            raise DistloadError(f"{source}: {name} is {list(tensor.shape)} but the engine's parameter is "
-                                f"{list(param.shape)}")
-        target = param
-        for dim, size in enumerate(tensor.shape):
-            if size < param.shape[dim]:  # vLLM pads (vocabulary rows): fill what the checkpoint has
-                target = target.narrow(dim, 0, size)
-        target.copy_(tensor)
+            + "; a save for vLLM needs distload reshard --sharding vllm")
+    direct = {}
+    for name, shape in shapes.items():
+        target = _filled_part(params[name].data, shape, name, source)
+        if target.is_contiguous() and target.device.type == "cpu":
+            direct[name] = target
+    return direct
+
+
+def _filled_part(param: torch.Tensor, shape: tuple[int, ...], name: str, source: str) -> torch.Tensor:
+    if len(shape) != param.dim() or any(t > p for t, p in zip(shape, param.shape)):
+        raise DistloadError(f"{source}: {name} is {list(shape)} but the engine's parameter is {list(param.shape)}")
+    for dim, size in enumerate(shape):
+        if size < param.shape[dim]:  # vLLM pads (vocabulary rows): fill what the checkpoint has
+            param = param.narrow(dim, 0, size)
+    return param
+
+
+def _copy_one(params: Mapping[str, torch.Tensor], name: str, tensor: torch.Tensor, source: str,
+              in_place: torch.Tensor | None) -> None:
+    if in_place is not None and _same_memory(tensor, in_place):
+        return  # the reader put it there
+    _filled_part(params[name].data, tuple(tensor.shape), name, source).copy_(tensor)
+
+
+def _same_memory(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    return tensor.data_ptr() == view.data_ptr() and tensor.shape == view.shape and tensor.dtype == view.dtype
+
+
+def in_place_destinations(steps, boxes, shapes, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors the reader can put straight into parameter memory, as views of it.
+
+    A tensor qualifies when its copies (rebased in ``steps`` onto what is read of it: the whole
+    tensor, its box or its rows) move every element read, uncast, each a contiguous run, into one
+    parameter on the host at one fixed distance, so that what is read lies in the parameter
+    exactly as read: a tensor copied whole into its parameter, a vocabulary's rows before its
+    padding, or a fused q/k/v read as this rank's rows of q, k and v into the rows of ``qkv_proj``
+    they fill in that order. And no other tensor's copy or fill touches that memory: the reader's
+    threads write it ahead of the replay order, which must then not matter. The rest are read
+    into new memory and replayed.
+    """
+    from distload.loading.rank_slices import Rows
+    from distload.vllm.weight_map import Region, contiguous
+
+    written: dict[str, list[tuple[str, int, int]]] = {}  # param -> (tensor, first, last element)
+    for name, (copies, fills) in steps.items():
+        for step in list(copies) + list(fills):
+            first, last = step.dest.extent()
+            written.setdefault(step.param, []).append((name, first, last))
+    out = {}
+    for name, (copies, _fills) in steps.items():
+        box = boxes.get(name)
+        read = box.shape(shapes[name]) if isinstance(box, Rows) else tuple(box[1]) if box else tuple(shapes[name])
+        numel = 1
+        for n in read:
+            numel *= n
+        if not copies or numel == 0 or len({c.param for c in copies}) != 1 or any(c.casts for c in copies):
+            continue
+        if not all(contiguous(c.source) and contiguous(c.dest) for c in copies):
+            continue
+        delta = copies[0].dest.offset - copies[0].source.offset
+        runs = sorted((c.source.offset, c.source.offset + _numel(c.source.shape)) for c in copies)
+        if any(c.dest.offset - c.source.offset != delta for c in copies) or runs[0][0] != 0 or runs[-1][1] != numel \
+                or any(a[1] != b[0] for a, b in zip(runs, runs[1:])):
+            continue
+        param = params[copies[0].param].data
+        if param.device.type != "cpu" or delta < 0:
+            continue
+        target = Region(delta, read, _contiguous_strides(read))
+        first, last = target.extent()
+        if any(other != name and a <= last and first <= b for other, a, b in written[copies[0].param]):
+            continue
+        out[name] = target.on(param)
+    return out
+
+
+def _numel(shape) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distload.errors import DistloadError
 from distload.fileio import write_json_atomic
+from distload.loading.rank_slices import Rows
 
 FORMAT_VERSION = 1  # of the cached JSON; a change of the record's meaning bumps it
 
@@ -63,6 +64,15 @@ class Region:
 
     def on(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.as_strided(self.shape, self.stride, tensor.storage_offset() + self.offset)
+
+    def extent(self) -> tuple[int, int]:
+        """The first and last element (from the tensor's first) the region can touch; (0, -1) if
+        it is empty."""
+        if 0 in self.shape:
+            return 0, -1
+        low = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if s < 0)
+        high = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride) if s > 0)
+        return low, high
 
 
 @dataclass(frozen=True)
@@ -113,29 +123,33 @@ class WeightMap:
             out.setdefault(f.tensor, ([], []))[1].append(f)
         return out
 
-    def boxes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Box]:
-        """Per tensor, the smallest box (offsets, sizes along each dimension) holding every element
-        its copies take, where that is less than the whole tensor: all a TP rank needs to read of
-        it. A tensor taken through a region that is no box of it (a view that merges dimensions
-        across a narrowed one) is left whole."""
-        spans: dict[str, tuple[list[int], list[int]] | None] = {}
+    def boxes(self, shapes: Mapping[str, tuple[int, ...]]) -> "dict[str, Box | Rows]":
+        """Per tensor, what a TP rank needs to read of it, where that is less than the whole
+        tensor: the smallest box (offsets, sizes along each dimension) holding every element its
+        copies take; or, where the copies take whole rows in runs with other ranks' rows between
+        them (a checkpoint's fused q/k/v: this rank's rows of each part), those runs of rows. A
+        tensor taken through a region that is no box of it (a view that merges dimensions across
+        a narrowed one) is left whole."""
+        spans: dict[str, list[tuple[list[int], list[int]]] | None] = {}
         for c in self.copies:
             if c.tensor in spans and spans[c.tensor] is None:
                 continue
             span = _span(c.source, shapes[c.tensor])
-            if span is None:
-                spans[c.tensor] = None
+            spans[c.tensor] = None if span is None else spans.get(c.tensor, []) + [span]
+        out: dict[str, Box | Rows] = {}
+        for name, taken in spans.items():
+            if taken is None:
                 continue
-            held = spans.get(c.tensor)
-            spans[c.tensor] = span if held is None else ([min(a, b) for a, b in zip(held[0], span[0])],
-                                                         [max(a, b) for a, b in zip(held[1], span[1])])
-        out = {}
-        for name, span in spans.items():
-            if span is None:
+            shape = tuple(shapes[name])
+            rows = _row_runs(taken, shape)
+            if rows is not None and len(rows.runs) > 1:
+                out[name] = rows
                 continue
-            sizes = tuple(e - s + 1 for s, e in zip(*span))
-            if sizes != tuple(shapes[name]):
-                out[name] = (tuple(span[0]), sizes)
+            first = [min(span[0][d] for span in taken) for d in range(len(shape))]
+            last = [max(span[1][d] for span in taken) for d in range(len(shape))]
+            sizes = tuple(e - s + 1 for s, e in zip(first, last))
+            if sizes != shape:
+                out[name] = (tuple(first), sizes)
         return out
 
     def replay(self, name: str, tensor: torch.Tensor, params: Mapping[str, torch.Tensor],
@@ -146,13 +160,18 @@ class WeightMap:
         if tensor.dim() and not tensor.is_contiguous():
             raise DistloadError(f"{name}: the weight map's source regions are of the checkpoint's contiguous "
                                 f"tensor; this one has strides {tensor.stride()}")
-        for f in fills:
-            f.dest.on(_param(params, f.param, name).data).fill_(f.value)
+        self.fill(name, fills, params)
         for c in copies:
             value = c.source.on(tensor)
             for dtype in c.casts:
                 value = value.to(getattr(torch, dtype))
             c.dest.on(_param(params, c.param, name).data).copy_(value)
+
+    @staticmethod
+    def fill(name: str, fills: Iterable[Fill], params: Mapping[str, torch.Tensor]) -> None:
+        """Make the fills that checkpoint tensor ``name``'s loader made (padding it zeroes)."""
+        for f in fills:
+            f.dest.on(_param(params, f.param, name).data).fill_(f.value)
 
     # -- the cache ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -176,6 +195,27 @@ class WeightMap:
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), distload's block of a tensor
+
+
+def _row_runs(spans: list[tuple[list[int], list[int]]], shape: tuple[int, ...]) -> Rows | None:
+    """The merged runs of rows the spans take, when each span covers whole rows (every dimension
+    after the first entirely); None otherwise."""
+    if len(shape) < 1 or any(span[0][d] != 0 or span[1][d] != shape[d] - 1
+                             for span in spans for d in range(1, len(shape))):
+        return None
+    runs: list[list[int]] = []
+    for start, stop in sorted((span[0][0], span[1][0] + 1) for span in spans):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], stop)
+        else:
+            runs.append([start, stop])
+    return Rows(tuple((a, b) for a, b in runs))
+
+
+def contiguous(region: Region) -> bool:
+    """Whether ``region``'s elements are one run of storage, in order (strides of dimensions of
+    size 1 do not matter)."""
+    return all(n == 1 or a == b for n, a, b in zip(region.shape, region.stride, _strides(tuple(region.shape))))
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
@@ -211,8 +251,19 @@ def _span(region: Region, shape: tuple[int, ...]):
     return start, end
 
 
-def _rebase(region: Region, shape: tuple[int, ...], box: Box) -> Region:
-    """``region`` of a tensor of ``shape`` as a region of its ``box`` (read alone, contiguous)."""
+def _rebase(region: Region, shape: tuple[int, ...], box: "Box | Rows") -> Region:
+    """``region`` of a tensor of ``shape`` as a region of its ``box`` (read alone, contiguous), or
+    of its rows read one run after the other (the region lies in one run: its rows move up by the
+    rows of the runs skipped before it; its strides stay, the rows being whole)."""
+    if isinstance(box, Rows):
+        row = _strides(shape)[0]
+        first = region.offset // row
+        skipped = 0
+        for start, stop in box.runs:
+            if start <= first < stop:
+                return replace(region, offset=region.offset - (start - skipped) * row)
+            skipped += stop - start
+        raise AssertionError(f"row {first} lies in none of the runs {box.runs}")
     strides, inner = _strides(shape), _strides(box[1])
     start = _index(region.offset, strides)
     offset = sum((i - o) * s for i, o, s in zip(start, box[0], inner))
@@ -408,3 +459,57 @@ def record_weight_map(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[
     record.unused = sorted({n for n, _, _ in tensors} - recorder.taken - set(record.whole)
                            - {f.tensor for f in record.fills})
     return record
+
+
+# -- verifying a new record -------------------------------------------------------------------
+
+def sample_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """The tensors a new record is verified on: every tensor outside the repeated layers (names
+    without a number: embeddings, final norm, output layer) and every tensor of the first layer
+    (the smallest first number in a name: its experts included). The other layers repeat the
+    first one's loaders."""
+    import re
+
+    numbered = {name: int(m.group(1)) for name, _, _ in tensors if (m := re.search(r"\.(\d+)(\.|$)", name))}
+    first = min(numbered.values(), default=None)
+    return [(n, d, s) for n, d, s in tensors if n not in numbered or numbered[n] == first]
+
+
+def verify_weight_map(record: WeightMap, sample: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
+                      params: Mapping[str, torch.Tensor],
+                      load_weights: Callable[[Iterable[tuple[str, torch.Tensor]]], object]) -> list[str]:
+    """Replay ``record`` on random tensors of ``sample`` (name, dtype, shape) and run the model's
+    own ``load_weights`` on the same tensors: the parameters they land in, named where the two
+    differ in any bit (empty: the record holds). A pure data movement does not depend on the
+    values, so random bytes check it as well as the checkpoint's would, without reading any.
+    The parameters it writes hold what they held before, afterwards."""
+    generator = torch.Generator().manual_seed(0)
+    sample = [(n, d, s) for n, d, s in sample if n not in record.whole]
+    data = {}
+    for name, dtype, shape in sample:
+        nbytes = torch.empty((), dtype=dtype).element_size()
+        for n in shape:
+            nbytes *= n
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+        data[name] = raw.view(dtype).reshape(shape)
+    steps = record.by_tensor()
+    touched = sorted({c.param for n, _, _ in sample for c in steps.get(n, ([], []))[0]}
+                     | {f.param for n, _, _ in sample for f in steps.get(n, ([], []))[1]})
+    before = {name: params[name].data.clone() for name in touched}
+    try:
+        for name in touched:
+            params[name].data.zero_()
+        load_weights(iter(list(data.items())))
+        expected = {name: params[name].data.clone() for name in touched}
+        for name in touched:
+            params[name].data.zero_()
+        for name, tensor in data.items():
+            record.replay(name, tensor, params, steps.get(name, ([], [])))
+        return [name for name in touched if not torch.equal(_bytes(params[name].data), _bytes(expected[name]))]
+    finally:  # what the parameters held (a load compared with vLLM's own expects it there)
+        for name, held in before.items():
+            params[name].data.copy_(held)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)

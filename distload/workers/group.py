@@ -403,9 +403,15 @@ class WorkerGroup:
         if self.world_size == 1:
             return
         try:
-            self.exchange((False, _describe(exc)), explain=False)
+            statuses = self.exchange((False, _describe(exc)), explain=False)
         except GroupError:
-            pass  # the peers are already gone; the local error is what matters now
+            return  # the peers are already gone; the local error is what matters now
+        # What every rank said, kept on the exception: the command line prints a failure that
+        # every rank shares once, not once per rank (distload.cli.main).
+        try:
+            exc.job_failures = {rank: message for rank, (ok, message) in enumerate(statuses) if not ok}
+        except AttributeError:  # an exception type that takes no attributes
+            pass
 
     def broadcast(self, value: Any, src: int) -> Any:
         """Group rank ``src``'s ``value`` on every rank (other ranks pass anything, e.g. None)."""

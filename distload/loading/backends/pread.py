@@ -138,10 +138,10 @@ class PreadBackend(Backend):
         """Start reading one tensor (or this rank's slice of it), in chunks, into its destination."""
         piece = request.slices.get(info.name)
         if piece is None:
-            tensor = _destination(request, info, info.shape)
+            tensor = request.tensor_for(info.name, info.torch_dtype, info.shape)
             extents: Sequence[Extent] = ((0, 0, info.nbytes),) if info.nbytes else ()
         else:
-            tensor = _destination(request, info, piece.shape)
+            tensor = request.tensor_for(info.name, info.torch_dtype, piece.shape)
             for offset, length in piece.zeros:  # vocabulary padding: zero rows, never read
                 ctypes.memset(tensor.data_ptr() + offset, 0, length)
             extents = piece.extents
@@ -245,12 +245,3 @@ def _where(residency: Residency | None, info: TensorInfo) -> str:
     if residency is None:
         return "unprobed"
     return "page-cache" if residency.fraction(info.begin, info.end) >= CACHED_FRACTION else "storage"
-
-
-def _destination(request: ReadRequest, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
-    """The caller's tensor to read into in place when it fits exactly, else a new one."""
-    dest = request.destinations.get(info.name)
-    if (dest is not None and request.device.type == "cpu" and dest.device.type == "cpu"
-            and dest.is_contiguous() and dest.dtype == info.torch_dtype and tuple(dest.shape) == tuple(shape)):
-        return dest
-    return request.host_memory.empty(shape, info.torch_dtype)

@@ -10,12 +10,15 @@ ranges is fetched with them (one GET per row of a row-sliced tensor would cost m
 bytes), a longer gap starts a new request. A range larger than a request gets one of its own. The
 next request is in flight while the current one's tensors are handed out. Host memory: about
 two requests' bytes plus the tensors being assembled. The report's path is ``ranged-reads``;
-``requested_bytes`` counts every byte asked for, gaps included.
+``requested_bytes`` counts every byte asked for, gaps included. With a node cache
+(``distload.loading.stores.cache``) every range goes through it, and the report says how many
+bytes came from the cache and how many from the store (whole blocks).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
@@ -25,7 +28,8 @@ import torch
 from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.shared_reads.stream import Extent, SharedReadOptions, shared_stream
-from distload.loading.index import TensorInfo
+from distload.loading.index import FileInfo, TensorInfo
+from distload.loading.stores.cache import CacheSettings, NodeCache, Scratch, check_cache_dir, check_cache_max_gib
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -71,22 +75,96 @@ def pieces_of(info: TensorInfo, request: ReadRequest) -> list[FileExtent]:
     return [FileExtent(info, info.begin + src, dst, length) for src, dst, length in piece.extents]
 
 
+@dataclass(frozen=True)
+class RangedOptions(SharedReadOptions):
+    """``cache``: the node cache this load reads through (None: every byte from the store)."""
+
+    cache: CacheSettings | None = None
+
+
 class RangedBackend(Backend):
     name = "ranged"
-    keys = {"huge_pages": check_bool}
+    keys = {"huge_pages": check_bool, "cache_dir": check_cache_dir, "cache_max_gib": check_cache_max_gib}
     creates_host_tensors = True
     reads_slices = True
     shares_reads = True
 
-    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> SharedReadOptions:
-        return SharedReadOptions(members=plan.members, needs=plan.needs)
+    def preflight(self, plan: "RankPlan", group) -> None:
+        super().preflight(plan, group)
+        # The cache's folder must work before any byte moves (the planning step's agreement tells
+        # every rank), not fail in the middle, nor be skipped in silence.
+        if plan.cache is not None:
+            NodeCache(plan.cache).check_writable()
+
+    def options(self, extra: Mapping[str, Any], plan: "RankPlan") -> RangedOptions:
+        return RangedOptions(members=plan.members, needs=plan.needs, cache=plan.cache)
 
     def read(self, request: ReadRequest) -> BackendRun:
+        settings = request.options_as(RangedOptions).cache
+        bytes_of = ObjectBytes(request.index.files, None if settings is None else NodeCache(settings))
         if request.shared:
             run = BackendRun("ranged-shared", requested_bytes=0)
-            return run.start(shared_stream(request, run, StoreBytes(), SHARED_CONCURRENCY))
+            return run.start(_counted(shared_stream(request, run, StoreBytes(bytes_of), SHARED_CONCURRENCY),
+                                      run, bytes_of))
         run = BackendRun("ranged-reads", requested_bytes=0)
-        return run.start(_stream(request, run))
+        return run.start(_counted(_stream(request, run, bytes_of), run, bytes_of))
+
+
+class ObjectBytes:
+    """Byte ranges of the load's objects: from the store, or through the node cache (the bytes
+    of the version planned with, kept for the next load)."""
+
+    def __init__(self, files: Sequence[FileInfo], cache: NodeCache | None):
+        self.files = {f.path: f for f in files}
+        self.cache = cache
+        self._scratch = threading.local()
+
+    def read(self, path: str, start: int, end: int, scratch: Scratch | None = None):
+        """The bytes (through the cache: in ``scratch``, else this thread's own scratch memory,
+        valid until the next read that uses it)."""
+        from distload.loading.stores import store_for
+
+        store, location = store_for(path)
+        if self.cache is None:
+            return store.read(location, start, end)
+        info = self.files[path]
+        scratch = scratch or self.scratch()
+        return self.cache.read(path, info.version, info.size, start, end,
+                               lambda a, b: store.read_version(location, a, b, info.version), scratch)
+
+    def read_into(self, path: str, start: int, end: int, out: memoryview) -> None:
+        """Through the cache, straight into ``out`` (a tensor's memory)."""
+        from distload.loading.stores import store_for
+
+        assert self.cache is not None
+        store, location = store_for(path)
+        info = self.files[path]
+        self.cache.read_into(path, info.version, info.size, start, end, out,
+                             lambda a, b: store.read_version(location, a, b, info.version), self.scratch())
+
+    def scratch(self) -> Scratch:
+        """This thread's own scratch memory."""
+        scratch = getattr(self._scratch, "memory", None)
+        if scratch is None:
+            scratch = self._scratch.memory = Scratch()
+        return scratch
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+
+
+def _counted(tensors: Iterator[tuple[str, torch.Tensor]], run: BackendRun,
+             bytes_of: ObjectBytes) -> Iterator[tuple[str, torch.Tensor]]:
+    """The read's tensors; then the cache's counts into the run (its entries closed either way)."""
+    try:
+        yield from tensors
+    finally:
+        bytes_of.close()
+        cache = bytes_of.cache
+        if cache is not None:
+            run.cache_bytes, run.store_bytes, run.corrupt_blocks = (cache.cache_bytes, cache.store_bytes,
+                                                                    cache.corrupt_blocks)
 
 
 class StoreBytes:
@@ -96,19 +174,24 @@ class StoreBytes:
 
     task_bytes = CHUNK_BYTES
 
-    def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
-        from distload.loading.stores import store_for
+    def __init__(self, bytes_of: ObjectBytes):
+        self.bytes_of = bytes_of
 
-        store, location = store_for(info.file)
+    def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
         pieces = [FileExtent(info, info.begin + src, dst, length) for src, dst, length in extents]
+        if self.bytes_of.cache is not None:  # large pieces straight from the cache into the bucket
+            for piece in [p for p in pieces if p.length >= DIRECT_BYTES]:
+                self.bytes_of.read_into(info.file, piece.start, piece.end,
+                                        view[piece.offset:piece.offset + piece.length])
+            pieces = [p for p in pieces if p.length < DIRECT_BYTES]
         for start, end, members in coalesce(pieces):
-            data = memoryview(store.read(location, start, end))
+            data = memoryview(self.bytes_of.read(info.file, start, end))
             for piece in members:
                 at = piece.start - start
                 view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
 
     def close(self) -> None:
-        pass
+        pass  # the cache closes once the tensors are all out (_counted)
 
 
 class _Assembly:
@@ -117,7 +200,7 @@ class _Assembly:
     def __init__(self, info: TensorInfo, request: ReadRequest, pieces: int):
         piece = request.slices.get(info.name)
         shape = info.shape if piece is None else piece.shape
-        self.tensor = request.host_memory.empty(shape, info.torch_dtype)
+        self.tensor = request.tensor_for(info.name, info.torch_dtype, shape)  # in place where the caller can take it
         self.view = host_view(self.tensor)
         if piece is not None:
             for offset, length in piece.zeros:  # vocabulary padding: zero rows, never fetched
@@ -125,14 +208,11 @@ class _Assembly:
         self.missing = pieces
 
 
-def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.Tensor]]:
-    from distload.loading.stores import store_for
-
+def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Iterator[tuple[str, torch.Tensor]]:
     jobs = []
     pieces_by_name: dict[str, int] = {}
     empty: list[TensorInfo] = []
     for file_info in request.index.files:
-        store, location = store_for(file_info.path)
         pieces = []
         for info in file_info.tensors:
             own = [p for p in pieces_of(info, request) if p.length]
@@ -141,24 +221,31 @@ def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.
                 empty.append(info)  # empty, or a slice that is all padding: complete at once
             pieces += own
         for start, end, members in coalesce(pieces):
-            jobs.append((store, location, start, end, members))
+            jobs.append((file_info.path, start, end, members))
     for info in empty:
         yield info.name, _on_device(_Assembly(info, request, 0).tensor, request)
     if not jobs:
         return
+    if bytes_of.cache is not None:
+        yield from _stream_cached(request, run, bytes_of, jobs, pieces_by_name)
+        return
     assemblies: dict[str, _Assembly] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="distload-ranged") as pool:
-        def fetch(job):
-            store, location, start, end, _ = job
-            return store.read(location, start, end)
+        # Two scratch buffers in turn: job i's bytes are all copied out before job i + 2 starts
+        # (it is submitted once job i + 1's are in, after job i's loop step).
+        scratches = (Scratch(), Scratch())
 
-        pending = pool.submit(fetch, jobs[0])
+        def fetch(i):
+            path, start, end, _ = jobs[i]
+            return bytes_of.read(path, start, end, scratches[i % 2])
+
+        pending = pool.submit(fetch, 0)
         for i, job in enumerate(jobs):
             data = pending.result()
-            run.requested_bytes += job[3] - job[2]
+            run.requested_bytes += job[2] - job[1]
             if i + 1 < len(jobs):
-                pending = pool.submit(fetch, jobs[i + 1])
-            start, members = job[2], job[4]
+                pending = pool.submit(fetch, i + 1)
+            start, members = job[1], job[3]
             for piece in members:
                 name = piece.info.name
                 assembly = assemblies.get(name)
@@ -171,6 +258,73 @@ def _stream(request: ReadRequest, run: BackendRun) -> Iterator[tuple[str, torch.
                     del assemblies[name]
                     yield name, _on_device(assembly.tensor, request)
             del data
+
+
+# Requests read through the node cache at once: each read and checks on its own thread (the
+# cache's checks on more), so a warm load is not one thread's memory bandwidth.
+CACHED_IN_FLIGHT = 3
+# A piece at least this large is read from the cache straight into its tensor (two edge blocks
+# at most go through scratch memory); smaller ones are read together and copied out.
+DIRECT_BYTES = 4 * 1024 * 1024
+
+
+def _stream_cached(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes, jobs: list,
+                   pieces_by_name: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain ranged read through the node cache: a request of one piece (a large tensor, or
+    a 64 MiB part of one) is read straight into its tensor, the others (small tensors coalesced)
+    through scratch memory and copied out, on worker threads; tensors are handed out in order."""
+    # The plain read's requests mix large tensors with the small ones beside them; here a large
+    # piece is a request of its own (read straight into its tensor), the small ones coalesced.
+    regrouped = []
+    for order, (path, start, end, members) in enumerate(jobs):
+        small = [piece for piece in members if piece.length < DIRECT_BYTES]
+        regrouped += [(order, piece.start, (path, piece.start, piece.end, [piece]))
+                      for piece in members if piece.length >= DIRECT_BYTES]
+        regrouped += [(order, a, (path, a, b, group)) for a, b, group in coalesce(small)]
+    jobs = [job for _, _, job in sorted(regrouped, key=lambda item: item[:2])]
+    assemblies: dict[str, _Assembly] = {}
+    lock = threading.Lock()
+
+    def assembly(piece: FileExtent) -> _Assembly:
+        with lock:  # a tensor above CHUNK_BYTES has pieces in several requests
+            found = assemblies.get(piece.info.name)
+            if found is None:
+                found = assemblies[piece.info.name] = _Assembly(piece.info, request,
+                                                                pieces_by_name[piece.info.name])
+                new = True
+            else:
+                new = False
+        if new:  # backed in one call (as pread does), not a page fault at a time while read into
+            request.host_memory.prefault(found.tensor.data_ptr(), found.tensor.numel() * found.tensor.element_size())
+        return found
+
+    def work(job) -> None:
+        path, start, end, members = job
+        if len(members) == 1 and members[0].length == end - start:
+            piece = members[0]
+            bytes_of.read_into(path, start, end, assembly(piece).view[piece.offset:piece.offset + piece.length])
+            return
+        data = bytes_of.read(path, start, end)  # this thread's scratch: copied out before its next read
+        for piece in members:
+            at = piece.start - start
+            assembly(piece).view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
+
+    with ThreadPoolExecutor(CACHED_IN_FLIGHT, thread_name_prefix="distload-ranged") as pool:
+        pending = [pool.submit(work, job) for job in jobs[:CACHED_IN_FLIGHT]]
+        for i, job in enumerate(jobs):
+            pending.pop(0).result()
+            run.requested_bytes += job[2] - job[1]
+            if i + CACHED_IN_FLIGHT < len(jobs):
+                pending.append(pool.submit(work, jobs[i + CACHED_IN_FLIGHT]))
+            for piece in job[3]:
+                name = piece.info.name
+                with lock:
+                    done = assemblies[name]
+                    done.missing -= 1
+                    if done.missing:
+                        continue
+                    del assemblies[name]
+                yield name, _on_device(done.tensor, request)
 
 
 def _on_device(tensor: torch.Tensor, request: ReadRequest) -> torch.Tensor:

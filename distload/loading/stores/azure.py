@@ -140,6 +140,17 @@ class AzureStore(ObjectStore):
     def _read(self, location: ObjectURI, start: int, end: int) -> bytes:
         return self._blob(location).download_blob(offset=start, length=end - start).readall()
 
+    def _read_version(self, location: ObjectURI, start: int, end: int, version: str) -> tuple[bytes, str | None]:
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceModifiedError
+
+        try:
+            download = self._blob(location).download_blob(offset=start, length=end - start, etag=version,
+                                                          match_condition=MatchConditions.IfNotModified)
+        except ResourceModifiedError:
+            return b"", self._stat(location)[1]
+        return download.readall(), getattr(download.properties, "etag", None)
+
     def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int, str | None]:
         from azure.core.exceptions import HttpResponseError
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from distload.loading.index import MAX_HEADER_BYTES, FileInfo, parse_header
-from distload.errors import BackendUnavailableError, ConfigError, ObjectStoreError
+from distload.errors import BackendUnavailableError, CheckpointError, ConfigError, ObjectStoreError
 from distload.runtime import RUNTIME
 
 T = TypeVar("T")
@@ -315,6 +315,12 @@ class ObjectStore:
     def _read(self, location: ObjectURI, start: int, end: int) -> bytes:
         raise NotImplementedError
 
+    def _read_version(self, location: ObjectURI, start: int, end: int, version: str) -> tuple[bytes, str | None]:
+        """Bytes ``[start, end)`` of the object's version ``version`` (asked as a precondition
+        where the store takes one), and the version the answer says it holds (None where the
+        store's answer does not say: the caller then asks again)."""
+        raise NotImplementedError
+
     def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int, str | None]:
         """The first ``nbytes`` (fewer if the object is shorter), the object's size and version,
         as one request gives them where the store allows (its version is that of those bytes)."""
@@ -400,6 +406,28 @@ class ObjectStore:
             raise ObjectStoreError(
                 f"{location}: asked for bytes {start}-{end - 1} but got {len(data)} bytes; the object is "
                 f"shorter than its header says, or it was replaced during the load", "other")
+        return data
+
+    def read_version(self, location: ObjectURI, start: int, end: int, version: str) -> bytes:
+        """Bytes ``[start, end)`` of the object, which must still be at ``version`` (the one
+        planned with): what the node cache keeps under that version, so bytes of another one
+        must never pass. A real store refuses the request itself (If-Match, ifGenerationMatch);
+        the answer's own version is compared too (the emulators ignore preconditions), and where
+        the answer does not name one (GCS), the object is asked its version after the read (a
+        GCS generation is never live again once replaced: still live now, live throughout)."""
+        if end <= start:
+            return b""
+        data, answered = self.call(str(location), lambda: self._read_version(location, start, end, version))
+        if answered is None:
+            answered = self.version(location)
+        if answered != version:
+            raise CheckpointError(
+                f"{location}: it was written again while it was being loaded (its version was {version}, now "
+                f"{answered}), so its bytes were not kept in the node cache; load again once it is no longer written")
+        if len(data) != end - start:
+            raise ObjectStoreError(
+                f"{location}: asked for bytes {start}-{end - 1} but got {len(data)} bytes; the object is "
+                f"shorter than its header says", "other")
         return data
 
     def stat(self, location: ObjectURI) -> tuple[int, str | None]:

@@ -142,6 +142,18 @@ class S3Store(ObjectStore):
                                               Range=f"bytes={start}-{end - 1}")
         return response["Body"].read()
 
+    def _read_version(self, location: ObjectURI, start: int, end: int, version: str) -> tuple[bytes, str | None]:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self._client().get_object(Bucket=location.bucket, Key=location.key,
+                                                  Range=f"bytes={start}-{end - 1}", IfMatch=version)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                return b"", self._stat(location)[1]
+            raise
+        return response["Body"].read(), response.get("ETag")
+
     def _read_head(self, location: ObjectURI, nbytes: int) -> tuple[bytes, int, str | None]:
         from botocore.exceptions import ClientError
 

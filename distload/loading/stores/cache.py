@@ -1,0 +1,546 @@
+"""The node cache: object-store bytes kept on a node's local disk, for every later load there.
+
+``--cache-dir DIR`` (``DISTLOAD_CACHE_DIR``, the extra-config key ``cache_dir``) on a load from
+``s3://``, ``gs://`` or ``az://``: distload's ranged reads take each byte range from the cache
+where it is there and complete, and fetch only what is missing from the store, keeping it. The
+unit is the object's bytes, not a format's or a TP rank's view of them, so a TP 4 load is served
+by what a TP 2 load (or a sliced one, or another job) left, and a partial hit fetches only the
+missing blocks. The layout (docs/cache.md says the same for an operator)::
+
+    DIR/distload-cache-v1/
+      entries/<sha256(uri)[:24]>-<sha256(version, size)[:16]>/   one object version
+        lock        held shared (flock) by every process using the entry; eviction takes it
+                    exclusive, so it never removes an entry in use; its mtime is the last use
+                    (set when a load opens the entry and when it closes it)
+        data        the object's bytes at their own offsets (a sparse file of the object's size)
+        blocks      one 16-byte record per BLOCK_BYTES block: magic, CRC-32C of the block's
+                    bytes, block number, CRC-32 of the record (with the entry's key)
+        meta.json   the URI, version and size, for a person looking
+      trash/        entries being removed (renamed there first, so no half-removed entry is
+                    ever under entries/)
+
+**Keyed by version.** The key holds the object's ETag (S3, Azure) or generation (GCS) as read
+with its header while planning; an object written again has another version, so another
+entry, and its old entry is removed once no process uses it. Bytes are fetched for the cache
+only with that version as a precondition, and the answer's version is compared as well
+(``ObjectStore.read_version``): bytes of another version are never kept.
+
+**Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
+bytes read now matches it. A writer writes the data first and the record after; a process killed
+between the two, a torn record, a power loss before the page cache reached the disk, a byte
+flipped on disk: each is a block that is missing (a valid record over other bytes is *corrupt*:
+logged, counted in the report, fetched again). No fsync is needed for that (every read checks).
+
+**One writer per range.** A process filling blocks takes an exclusive OFD lock (``fcntl``
+F_OFD_SETLK: it conflicts between threads too, and the kernel drops it when the process dies)
+on their records' bytes in ``blocks``, then checks again what another writer filled while it
+waited, and fetches only the rest. Readers take no lock: what they read is checked.
+
+**A size bound** (``--cache-max-gib``, ``DISTLOAD_CACHE_MAX_GIB``, ``cache_max_gib``) evicts the
+least recently used entries not in use, by the disk space their files take (sparse: only filled
+blocks count), when an entry is opened and when a load ends.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from distload.errors import BackendUnavailableError, CheckpointError, ConfigError
+from distload.fileio import write_json_atomic
+
+log = logging.getLogger("distload")
+
+CACHE_DIR_VARIABLE = "DISTLOAD_CACHE_DIR"
+CACHE_MAX_VARIABLE = "DISTLOAD_CACHE_MAX_GIB"
+LAYOUT = "distload-cache-v1"
+# The unit of presence, checking and locking. A fetch is rounded out to whole blocks (at most
+# two more per range than asked for: the ranged reader already fetches across gaps of 1 MiB), and
+# a block is read whole to be checked.
+BLOCK_BYTES = 1 << 20
+RECORD_FORMAT = "<4sIII"  # magic, CRC-32C of the block, block number, CRC-32 of the record
+RECORD_BYTES = 16
+MAGIC = b"DLCC"  # CRC-32C
+# How long a process waits for another filling the same blocks (which holds the lock only while
+# its fetch runs, itself bounded by the store's timeouts) before it gives up with an error.
+LOCK_WAIT_S = 600.0
+GIB = 1024**3
+# Threads that read and check one large range from the cache, each at least this many blocks.
+CHECK_THREADS = 4
+CHECK_GROUP_BLOCKS = 4
+
+
+def check_cache_dir(key: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"extra config '{key}' must be a folder path (a non-empty string), got {value!r}")
+
+
+def check_cache_max_gib(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"extra config '{key}' must be a number of GiB above 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    folder: str  # the cache's root (DIR above), absolute
+    max_bytes: int | None  # None: no bound
+
+
+def cache_settings(extra: Mapping[str, Any], environ: Mapping[str, str] = os.environ) -> CacheSettings | None:
+    """The node cache a load uses: the extra config's keys, else the environment's (None: none)."""
+    folder = extra.get("cache_dir") or environ.get(CACHE_DIR_VARIABLE, "").strip()
+    if not folder:
+        return None
+    limit = extra.get("cache_max_gib")
+    if limit is None and environ.get(CACHE_MAX_VARIABLE, "").strip():
+        text = environ[CACHE_MAX_VARIABLE]
+        try:
+            limit = float(text)
+        except ValueError:
+            limit = None
+        if limit is None or not limit > 0:
+            raise ConfigError(f"{CACHE_MAX_VARIABLE}={text!r}: give the node cache's size bound in GiB, a number "
+                              f"above 0 (or unset it: no bound)")
+    return CacheSettings(os.path.abspath(os.path.expanduser(folder)),
+                         None if limit is None else max(1, int(limit * GIB)))
+
+
+def _lock_range(fd: int, start: int, length: int, deadline: float) -> bool:
+    """An exclusive OFD lock on ``[start, start + length)`` of ``fd``'s file; False at the deadline."""
+    arg = struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, start, length, 0)
+    pause = 0.002
+    while True:
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, arg)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Bytes read into ``view`` from ``offset`` (fewer at the end of the file)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _write_all(fd: int, data, offset: int) -> None:
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+
+
+class _Entry:
+    """One object version in the cache, open (and held in use) by this process."""
+
+    def __init__(self, cache: "NodeCache", uri: str, version: str, size: int):
+        self.cache = cache
+        self.uri, self.version, self.size = uri, version, size
+        self.uri_key = hashlib.sha256(uri.encode()).hexdigest()[:24]
+        self.key = f"{self.uri_key}-{hashlib.sha256(f'{version}/{size}'.encode()).hexdigest()[:16]}"
+        self.salt = self.key.encode()
+        self.folder = os.path.join(cache.entries, self.key)
+        self.nblocks = -(-size // BLOCK_BYTES)
+        self.lock = self._open_in_use()
+        try:
+            self.data = os.open(os.path.join(self.folder, "data"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.records = os.open(self.records_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            # Sized, never shrunk: two processes opening it at once both extend to the same size.
+            if os.fstat(self.data).st_size < size:
+                os.ftruncate(self.data, size)
+            if os.fstat(self.records).st_size < self.nblocks * RECORD_BYTES:
+                os.ftruncate(self.records, self.nblocks * RECORD_BYTES)
+            meta = os.path.join(self.folder, "meta.json")
+            if not os.path.exists(meta):
+                write_json_atomic(meta, {"uri": uri, "version": version, "size": size, "block_bytes": BLOCK_BYTES})
+        except OSError as exc:
+            os.close(self.lock)
+            raise CheckpointError(f"{self.folder}: cannot use this node cache entry ({exc.strerror or exc}); "
+                                  f"check the cache folder's space and permissions") from None
+
+    @property
+    def records_path(self) -> str:
+        return os.path.join(self.folder, "blocks")
+
+    def _open_in_use(self) -> int:
+        """The entry's lock file, held shared. Eviction renames an entry away while holding it
+        exclusive: if that happened between our mkdir and our lock, ours is a removed file (its
+        inode no longer at the path), and we start again."""
+        path = os.path.join(self.folder, "lock")
+        for _ in range(100):
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                continue  # removed between the two calls
+            except OSError as exc:
+                raise CheckpointError(f"{self.folder}: cannot create this node cache entry "
+                                      f"({exc.strerror or exc}); check the cache folder") from None
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.utime(fd)  # the last use: the LRU order
+                return fd
+            os.close(fd)
+        raise CheckpointError(f"{self.folder}: this node cache entry was removed 100 times while being "
+                              f"opened; is another process clearing the cache?")
+
+    def close(self) -> None:
+        try:
+            os.utime(self.lock)  # in use until now: the last use
+        except OSError:
+            pass
+        for fd in (self.data, self.records, self.lock):
+            os.close(fd)
+
+    # -- blocks ----------------------------------------------------------------------------------
+    def _span(self, i: int) -> tuple[int, int]:
+        return i * BLOCK_BYTES, min(self.size, (i + 1) * BLOCK_BYTES)
+
+    def _record(self, i: int, raw: bytes) -> int | None:
+        """The block's CRC-32C from a valid record, else None (never written, torn, misplaced)."""
+        if len(raw) != RECORD_BYTES:
+            return None
+        magic, crc, number, check = struct.unpack(RECORD_FORMAT, raw)
+        if magic != MAGIC or number != i or check != zlib.crc32(raw[:12] + self.salt):
+            return None
+        return crc
+
+    def _pack(self, i: int, crc: int) -> bytes:
+        head = struct.pack("<4sII", MAGIC, crc, i)
+        return head + struct.pack("<I", zlib.crc32(head + self.salt))
+
+    def _check(self, first: int, last: int, view: memoryview, lo: int, fd: int, again: bool = False) -> list[int]:
+        """Read blocks ``first..last`` from the data file into ``view`` (which starts at file
+        offset ``lo``) and check them: the blocks that are not complete. ``again``: the second
+        look, under the lock (a corrupt block was told of at the first)."""
+        raw = os.pread(fd, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
+        crcs = {i: self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
+                for i in range(first, last + 1)}
+
+        def read_and_check(blocks: range) -> list[bool]:
+            """Whether each block of a group, read in one call, matches its record (a block without a
+            valid record is read with its group all the same, and counts as missing)."""
+            start, end = self._span(blocks[0])[0], self._span(blocks[-1])[1]
+            got = _read_into(self.data, view[start - lo:end - lo], start)
+            return [crcs[i] is not None and self._span(i)[1] - start <= got
+                    and _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]) == crcs[i] for i in blocks]
+
+        # Reading and checking a large range on several threads (both release the GIL): the
+        # check costs about as much as the read, and a warm load is nothing else.
+        groups = _split(range(first, last + 1), CHECK_THREADS)
+        fine = [ok for part in (self.cache.pool().map(read_and_check, groups) if len(groups) > 1
+                                else map(read_and_check, groups)) for ok in part]
+        bad = []
+        for i, ok in zip(range(first, last + 1), fine):
+            s, e = self._span(i)
+            crc = crcs[i]
+            if ok:
+                self.cache.count(cache=e - s)
+                continue
+            if crc is not None and not again:
+                self.cache.count(corrupt=1)
+                log.warning("node cache: block %d of %s (version %s) does not match its checksum: fetched again "
+                            "(%s)", i, self.uri, self.version, self.folder)
+            bad.append(i)
+        return bad
+
+    def read(self, start: int, end: int, fetch: Callable[[int, int], bytes],
+             scratch: "Scratch | None" = None) -> memoryview:
+        """Bytes ``[start, end)`` of the object: complete blocks from here, the rest fetched
+        (``fetch(start, end)``: the store's bytes of this version) and kept. In ``scratch``'s
+        memory where given (valid until its next use)."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        lo, hi = self._span(first)[0], self._span(last)[1]
+        view = (scratch or Scratch()).view(hi - lo)
+        missing = self._check(first, last, view, lo, self.records)
+        for a, b in _runs(missing):
+            self._fill(a, b, view, lo, fetch)
+        return view[start - lo:end - lo]
+
+    def read_into(self, start: int, end: int, out: memoryview, fetch: Callable[[int, int], bytes],
+                  scratch: "Scratch") -> None:
+        """Bytes ``[start, end)`` of the object into ``out`` (a tensor's memory): the blocks wholly
+        inside the range are read and checked there, straight; the one or two it covers only in
+        part go through ``scratch`` (a block is checked whole)."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        inner_first = first if start == self._span(first)[0] else first + 1
+        inner_last = last if end == self._span(last)[1] else last - 1
+        for edge in sorted({first, last} - set(range(inner_first, inner_last + 1))):
+            s, e = max(start, self._span(edge)[0]), min(end, self._span(edge)[1])
+            out[s - start:e - start] = self.read(s, e, fetch, scratch)
+        if inner_first > inner_last:
+            return
+        lo, hi = self._span(inner_first)[0], self._span(inner_last)[1]
+        view = out[lo - start:hi - start]
+        for a, b in _runs(self._check(inner_first, inner_last, view, lo, self.records)):
+            self._fill(a, b, view, lo, fetch)
+
+    def _fill(self, first: int, last: int, view: memoryview, lo: int, fetch: Callable[[int, int], bytes]) -> None:
+        # Its own open file description: OFD locks then conflict with this process's other
+        # threads as with other processes; closing it releases the lock.
+        fd = os.open(self.records_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            length = (last + 1 - first) * RECORD_BYTES
+            if not _lock_range(fd, first * RECORD_BYTES, length, time.monotonic() + LOCK_WAIT_S):
+                raise CheckpointError(
+                    f"{self.uri}: waited {LOCK_WAIT_S:.0f} s for another process filling blocks {first}-{last} "
+                    f"of it in the node cache ({self.folder}); is a load on this node stuck?")
+            # What another writer filled while this one waited is complete now: checked, not fetched.
+            for a, b in _runs(self._check(first, last, view, lo, fd, again=True)):
+                start, end = self._span(a)[0], self._span(b)[1]
+                data = fetch(start, end)
+                self.cache.count(store=len(data))
+                view[start - lo:end - lo] = data
+                _write_all(self.data, data, start)  # the bytes first, then the records that vouch for them
+                records = b"".join(self._pack(i, _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
+                                   for i in range(a, b + 1))
+                _write_all(fd, records, a * RECORD_BYTES)
+        except OSError as exc:
+            raise CheckpointError(f"{self.folder}: writing to the node cache failed ({exc.strerror or exc}); "
+                                  f"free space there, or load without --cache-dir") from None
+        finally:
+            os.close(fd)
+
+    def disk_bytes(self) -> int:
+        return _disk_bytes(self.folder)
+
+
+class Scratch:
+    """Memory a reader reuses for its reads through the cache. A new 64 MiB buffer costs a page
+    fault per page (the kernel zeroing it: measured slower than the read and the check together
+    here); one buffer reused costs that once."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray(0)
+
+    def view(self, nbytes: int) -> memoryview:
+        if len(self._buffer) < nbytes:
+            self._buffer = bytearray(nbytes)  # views of the old one (if any) keep it alive
+        return memoryview(self._buffer)[:nbytes]
+
+
+def _crc32c():
+    """google-crc32c (hardware CRC-32C: 2.5-3.5 GiB/s a core here, against 0.6-1.4 for zlib's
+    CRC-32, which made a warm load's check cost twice its read)."""
+    try:
+        import google_crc32c
+    except ImportError:
+        raise BackendUnavailableError(
+            "the node cache checks every block with CRC-32C: pip install google-crc32c (distload's s3, gcs "
+            "and azure extras install it)") from None
+    return google_crc32c
+
+
+def _block_crc(data: memoryview) -> int:
+    # Its C function takes read-only bytes only: one copy of the block (a memcpy, cheap next to
+    # the checksum zlib would cost).
+    return _crc32c().value(bytes(data))
+
+
+def _split(blocks: range, parts: int) -> list[range]:
+    """``blocks`` in up to ``parts`` contiguous groups of at least CHECK_GROUP_BLOCKS."""
+    parts = max(1, min(parts, len(blocks) // CHECK_GROUP_BLOCKS))
+    step = -(-len(blocks) // parts)
+    return [blocks[i:i + step] for i in range(0, len(blocks), step)]
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for i in blocks:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
+def _disk_bytes(folder: str) -> int:
+    total = 0
+    for name in ("data", "blocks"):
+        try:
+            total += os.stat(os.path.join(folder, name)).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+class NodeCache:
+    """The cache of one load on this process: entries opened as files are first read, the
+    bytes each way counted (``cache_bytes``, ``store_bytes``, ``corrupt_blocks``), closed (and
+    the size bound kept) at the end."""
+
+    def __init__(self, settings: CacheSettings):
+        self.settings = settings
+        self.root = os.path.join(settings.folder, LAYOUT)
+        self.entries = os.path.join(self.root, "entries")
+        self.trash = os.path.join(self.root, "trash")
+        self._entries: dict[tuple[str, str], _Entry] = {}
+        self._lock = threading.Lock()
+        self.cache_bytes = 0
+        self.store_bytes = 0
+        self.corrupt_blocks = 0
+        self.evicted = 0
+        self._pool: ThreadPoolExecutor | None = None
+
+    def pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="distload-cache")
+            return self._pool
+
+    def check_writable(self) -> None:
+        """Create the cache's folders and write there once: a cache that cannot work is an error
+        while planning, on every rank, never a load that quietly reads the store instead."""
+        _crc32c()
+        try:
+            os.makedirs(self.entries, exist_ok=True)
+            os.makedirs(self.trash, exist_ok=True)
+            probe = os.path.join(self.trash, f"write-check-{os.getpid()}-{threading.get_ident()}")
+            with open(probe, "wb") as f:
+                f.write(b"x")
+            os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(f"{self.settings.folder}: cannot use it as the node cache ({exc.strerror or exc}); "
+                                  f"--cache-dir ({CACHE_DIR_VARIABLE}) must be a writable local folder") from None
+
+    def count(self, cache: int = 0, store: int = 0, corrupt: int = 0) -> None:
+        with self._lock:
+            self.cache_bytes += cache
+            self.store_bytes += store
+            self.corrupt_blocks += corrupt
+
+    def entry(self, uri: str, version: str | None, size: int) -> _Entry:
+        if version is None:
+            raise CheckpointError(f"{uri}: the store gave no version (ETag or generation) for it, and the node "
+                                  f"cache keeps only versioned bytes (else a rewritten object could be served "
+                                  f"stale); load it without --cache-dir")
+        with self._lock:
+            entry = self._entries.get((uri, version))
+            if entry is None:
+                self.check_writable()
+                entry = self._entries[(uri, version)] = _Entry(self, uri, version, size)
+                opened = True
+            else:
+                opened = False
+        if opened:
+            self._drop_other_versions(entry)
+            self.trim(reserve=max(0, size - entry.disk_bytes()))
+        return entry
+
+    def read(self, uri: str, version: str | None, size: int, start: int, end: int,
+             fetch: Callable[[int, int], bytes], scratch: Scratch | None = None) -> memoryview:
+        return self.entry(uri, version, size).read(start, end, fetch, scratch)
+
+    def read_into(self, uri: str, version: str | None, size: int, start: int, end: int, out: memoryview,
+                  fetch: Callable[[int, int], bytes], scratch: Scratch) -> None:
+        self.entry(uri, version, size).read_into(start, end, out, fetch, scratch)
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            entry.close()
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown()
+        self.trim()
+
+    # -- removal ---------------------------------------------------------------------------------
+    def _remove(self, key: str) -> bool:
+        """Remove an entry nobody uses (False if one does)."""
+        folder = os.path.join(self.entries, key)
+        try:
+            fd = os.open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            fd = None  # a folder without its lock file: never complete, nobody holds it
+        except OSError:
+            return False
+        try:
+            if fd is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False
+            target = os.path.join(self.trash, f"{key}.{os.getpid()}.{time.monotonic_ns()}")
+            try:
+                os.rename(folder, target)
+            except OSError:
+                return False
+        finally:
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(target, ignore_errors=True)
+        return True
+
+    def _drop_other_versions(self, entry: _Entry) -> None:
+        """An object written again leaves its old version's entry behind: removed once unused."""
+        try:
+            keys = os.listdir(self.entries)
+        except OSError:
+            return
+        for key in keys:
+            if key.startswith(entry.uri_key + "-") and key != entry.key:
+                self._remove(key)
+
+    def trim(self, reserve: int = 0) -> None:
+        """Evict the least recently used entries not in use until the cache (plus ``reserve``
+        bytes about to be filled) fits the bound."""
+        limit = self.settings.max_bytes
+        if limit is None:
+            return
+        for name in _listdir(self.trash):  # what a removal killed midway left
+            shutil.rmtree(os.path.join(self.trash, name), ignore_errors=True)
+        found = []
+        for key in _listdir(self.entries):
+            folder = os.path.join(self.entries, key)
+            try:
+                used = os.stat(os.path.join(folder, "lock")).st_mtime_ns
+            except OSError:
+                used = 0
+            found.append((used, key, _disk_bytes(folder)))
+        total = sum(size for _, _, size in found) + reserve
+        with self._lock:
+            mine = {entry.key for entry in self._entries.values()}
+        for _, key, size in sorted(found):
+            if total <= limit:
+                break
+            if key not in mine and self._remove(key):
+                total -= size
+                with self._lock:
+                    self.evicted += 1
+        if total > limit:
+            log.warning("node cache %s: %.3f GiB in use by loads on this node, above its bound of %.3f GiB; "
+                        "what is in use stays until its loads end", self.settings.folder, total / GIB, limit / GIB)
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []

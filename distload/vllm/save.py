@@ -1,0 +1,189 @@
+"""``distload reshard --sharding vllm``: a pre-sharded save in vLLM's own parameters, any architecture.
+
+vLLM's ``sharded_state`` loader wants, per TP rank, exactly the engine's parameters as its model
+holds them before ``process_weights_after_loading``: their names (fused ``qkv_proj``, expert stacks,
+attention scales), their shapes on that rank and their padding (vocabulary rows). Only the model's
+own code knows them, so where vLLM is installed the save is made by it: an engine starts at the
+requested TP size with ``--load-format distload`` and the extra-config key ``save_sharded``; each
+worker loads by its recorded weight map (distload/vllm/weight_map.py), then, before vLLM
+post-processes anything, writes its parameters (one name per storage, as vLLM's own saver) with
+distload's saver, which commits the manifest last. The engine is then shut down.
+
+Where vLLM is not installed, the four decoder families distload/tp/vllm_names.py names are saved
+from that table (the report says so); any other model needs vLLM, and the error says that.
+
+The engine runs in a child process of the same interpreter (``python -m distload.vllm.save``): vLLM
+sets process-wide state (logging, its settings cache, the CPU binding of its workers) that the
+caller's process should not inherit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Mapping
+
+from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE, check_save_args
+from distload.checkpoints.reshard import ReshardReport, check_reshard_source, default_save_spec
+from distload.checkpoints.reshard import reshard as reshard_by_spec
+from distload.errors import ConfigError, DistloadError
+from distload.loading.layout import DEFAULT_SHARD_PATTERN
+from distload.loading.manifest import read_manifest
+from distload.loading.sources import model_config, read_header, whole_checkpoint
+from distload.tp.spec import ShardingSpec
+
+SAVE_KEY = "save_sharded"  # the --model-loader-extra-config key that makes the engine save
+KV_CACHE_BYTES = 64 << 20  # the saving engine serves nothing: the least KV cache it accepts
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *,
+            pattern: str = DEFAULT_SHARD_PATTERN, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
+            sharding: str | ShardingSpec | None = None, world_size: int | None = None) -> ReshardReport:
+    """Turn a whole safetensors checkpoint into one shard per TP rank; ``distload reshard``.
+
+    With the ``vllm`` spec (named, or the default for a checkpoint it fits) and vLLM installed, the
+    shards are vLLM's own parameters, written by an engine (module docstring): any architecture
+    vLLM can build here. Otherwise it streams the checkpoint through the spec's slices
+    (distload.checkpoints.reshard.reshard, whose arguments these are).
+    """
+    if _wants_vllm(source, sharding) and vllm_installed():
+        size = tensor_parallel_size if world_size is None else world_size
+        if tensor_parallel_size is not None and world_size is not None:
+            raise ConfigError("reshard: pass tensor_parallel_size only (world_size is its old name)")
+        if size is None:
+            raise ConfigError("reshard: tensor_parallel_size (the number of TP ranks to write shards for) is required")
+        if world_size is not None:
+            import warnings
+
+            warnings.warn("reshard(world_size=...) is the old name of tensor_parallel_size", DeprecationWarning,
+                          stacklevel=2)
+        return save_with_engine(source, output, size, pattern=pattern, max_file_size=max_file_size)
+    return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
+                           sharding=sharding, world_size=world_size)
+
+
+def _wants_vllm(source: str, sharding: str | ShardingSpec | None) -> bool:
+    if isinstance(sharding, ShardingSpec):
+        return sharding.engine == "vllm"
+    if isinstance(sharding, str):
+        return sharding.strip().lower() == "vllm"
+    if sharding is None:
+        try:
+            path, _ = check_reshard_source(source)
+            files, _ = whole_checkpoint(path)
+            names = [t.name for f in files for t in read_header(f).tensors]
+        except DistloadError:
+            return False  # the spec path reports the problem with the source
+        return default_save_spec(model_config(path), names, source)[0] == "vllm"
+    return False
+
+
+def save_with_engine(source: str, output: str, tensor_parallel_size: int, *, pattern: str = DEFAULT_SHARD_PATTERN,
+                     max_file_size: int = DEFAULT_MAX_FILE_SIZE, timeout_s: float | None = None) -> ReshardReport:
+    """Start a vLLM engine on ``source`` at ``tensor_parallel_size`` whose workers save their
+    parameters to ``output`` (module docstring); the report of what it wrote."""
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be an int >= 1, got {tensor_parallel_size!r}")
+    check_save_args(output, pattern, max_file_size, tensor_parallel_size)
+    path, folder = check_reshard_source(source)
+    if os.path.abspath(folder) == os.path.abspath(output):
+        raise ConfigError(f"output {output} must differ from the source folder")
+    start = time.perf_counter()
+    request = {"source": path, "output": output, "tp": tensor_parallel_size,
+               "save": {"output": output, "pattern": pattern, "max_file_size": max_file_size}}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    try:
+        run = subprocess.run([sys.executable, "-m", "distload.vllm.save", json.dumps(request)], env=env,
+                             capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise DistloadError(f"reshard --sharding vllm: the vLLM engine saving {source} did not finish within "
+                            f"{timeout_s} s") from None
+    if run.returncode != 0:
+        raise DistloadError(f"reshard --sharding vllm: the vLLM engine that saves {source} at TP "
+                            f"{tensor_parallel_size} failed (exit {run.returncode}); nothing was committed. "
+                            f"Its last output:\n{_tail(run.stdout + run.stderr)}")
+    manifest = read_manifest(output)
+    if manifest is None:
+        raise DistloadError(f"reshard --sharding vllm: the engine exited without committing {output}'s manifest")
+    import vllm  # noqa: F401 - installed (checked by the caller); only its version is read
+
+    return ReshardReport(
+        output=output, world_size=manifest.world_size, files=list(manifest.files), replicated_unmatched=[],
+        copied=sorted(n for n in os.listdir(output) if not n.endswith(".safetensors") and not n.startswith(".")),
+        nbytes_read=sum(os.path.getsize(f) for f in whole_checkpoint(path)[0]),
+        seconds=time.perf_counter() - start, spec="vllm",
+        engine_note=f"vLLM {vllm.__version__}'s own parameters, written by its engine at TP {tensor_parallel_size} "
+                    f"from the weight map of the model's loaders: loads with vLLM's sharded_state")
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def save_options(value: Any) -> dict:
+    """The ``save_sharded`` extra-config value: a folder, or {"output", "pattern"?, "max_file_size"?}."""
+    if isinstance(value, str):
+        value = {"output": value}
+    if not isinstance(value, Mapping) or not isinstance(value.get("output"), str):
+        raise ConfigError(f"--model-loader-extra-config '{SAVE_KEY}' must be an output folder or "
+                          f"{{\"output\": FOLDER, \"pattern\"?: ..., \"max_file_size\"?: BYTES}}, not {value!r}")
+    unknown = sorted(set(value) - {"output", "pattern", "max_file_size"})
+    if unknown:
+        raise ConfigError(f"--model-loader-extra-config '{SAVE_KEY}': unknown key(s) {unknown}; it takes output, "
+                          f"pattern, max_file_size")
+    options = {"output": value["output"], "pattern": value.get("pattern", DEFAULT_SHARD_PATTERN),
+               "max_file_size": value.get("max_file_size", DEFAULT_MAX_FILE_SIZE)}
+    check_save_args(options["output"], options["pattern"], options["max_file_size"])
+    return options
+
+
+def save_engine_parameters(params: Mapping[str, Any], options: Mapping[str, Any], source: str) -> None:
+    """In a vLLM worker, after the load and before vLLM's post-processing: this TP rank's
+    parameters (one name per storage) as its shard files; every TP rank calls it."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from distload.checkpoints.save import save_sharded
+    from distload.workers.group import WorkerGroup
+
+    tp = get_tp_group()
+    state = {name: t.detach().cpu() for name, t in params.items()}
+    group = WorkerGroup(device="cpu", process_group=tp.cpu_group) if tp.world_size > 1 else None
+    try:
+        with WorkerGroup.for_call(group, device="cpu") as g:
+            save_sharded(state, options["output"], group=g, pattern=options["pattern"],
+                         max_file_size=options["max_file_size"],
+                         metadata_from=source if os.path.exists(source) else None)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _engine_main(request: dict) -> None:
+    """The child: one engine that loads and saves, then exits."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # no engine-core process to start
+    tp = request["tp"]
+    import torch
+
+    if tp > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's CPU workers bind to NUMA nodes by default and refuse more workers than nodes.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    from vllm import LLM
+
+    config = model_config(request["source"])
+    longest = int(config.get("max_position_embeddings") or 0) or None
+    llm = LLM(model=request["source"], load_format="distload", tensor_parallel_size=tp, skip_tokenizer_init=True,
+              enforce_eager=True, max_model_len=min(128, longest) if longest else 128, max_num_seqs=1,
+              kv_cache_memory_bytes=KV_CACHE_BYTES, model_loader_extra_config={SAVE_KEY: request["save"]})
+    del llm
+
+
+if __name__ == "__main__":
+    _engine_main(json.loads(sys.argv[1]))
