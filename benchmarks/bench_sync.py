@@ -20,7 +20,15 @@ rank sends to two inference ranks on gloo:
 
 Seconds are the trainer's (a push ends when every receiver has its update), or for the one-job
 broadcasts the slowest rank's, median of ``--repeats`` after one warm-up. Bytes are each
-inference rank's received bytes. Results: benchmarks/results/sync.{json,md}.
+inference rank's received bytes. Results: benchmarks/results/sync.{json,md}. These are full
+pushes (``delta=False``; ``verify`` as each case says).
+
+    python benchmarks/bench_sync.py --deltas             # delta updates of real optimizer steps
+
+measures delta updates (distload/live/delta.py) on a transformers Llama's AdamW steps: the
+encodings, then full and delta pushes of the same steps in the same jobs, whole and TP 2
+(needs ``transformers`` and ``zstandard``: the ``bench`` extra). Results:
+benchmarks/results/sync_delta.{json,md}.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ def one_job(args: argparse.Namespace) -> None:
     with WorkerGroup(device="cpu") as group:
         state = demo_state(args.size_mib, 1 if group.rank == 0 else 0, group.device, args.hidden)
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20)
+        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20, verify=False, delta=False)
         flat = torch.empty(nbytes, dtype=torch.uint8)
         times: dict[str, list[float]] = {"flat": [], "per-tensor": [], "one job": []}
         for _ in range(args.repeats + 1):
@@ -92,7 +100,7 @@ def trainer(args: argparse.Namespace) -> None:
 
     state = demo_state(args.size_mib, 1, torch.device("cpu"), args.hidden)
     with SyncChannel(args.rendezvous, "trainer", rank=0, size=1, device="cpu", timeout_s=300,
-                     bucket_bytes=args.bucket_mib * 2**20, verify=args.verify) as channel:
+                     bucket_bytes=args.bucket_mib * 2**20, verify=args.verify, delta=False) as channel:
         seconds: dict[bool, list[float]] = {False: [], True: []}
         # With --interleave-verify, verified and plain pushes alternate in the same two jobs
         # (after one warm-up of each), so that the verify cost is not a difference between two
@@ -117,7 +125,7 @@ def inference(args: argparse.Namespace) -> None:
         held = whole if args.locally else slices
         channel_tp = 1 if args.locally else tp
         with SyncChannel(args.rendezvous, "inference", rank=group.rank, size=group.world_size, device="cpu",
-                         timeout_s=300, tensor_parallel_size=channel_tp,
+                         timeout_s=300, tensor_parallel_size=channel_tp, verify=False,
                          sharding="decoder" if channel_tp > 1 else None,
                          model_config=demo_config(args.hidden) if channel_tp > 1 else None) as channel:
             received, seconds = [], []
@@ -237,6 +245,327 @@ def orchestrate(args: argparse.Namespace) -> None:
     print("\n".join(lines), flush=True)
 
 
+# -- delta updates (--deltas): real optimizer steps -------------------------------------------------
+# A small Llama from transformers (fp32 master weights), AdamW steps at several learning rates from
+# one initialisation, each version cast to bf16 (what an inference engine serves). In one run:
+# the encodings measured on every step, then the channel's pushes of the same steps across two
+# jobs (1 trainer rank -> 2 inference ranks, whole and TP 2): full push (verify off, on) and delta
+# push, each against the other in the same jobs. Results: benchmarks/results/sync_delta.{json,md}.
+
+LLAMA = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
+         "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": False}
+LRS = (1e-6, 1e-5)
+STEPS = 3  # per learning rate, from the same initialisation
+if os.environ.get("BENCH_SYNC_TINY"):  # a quick check of the script itself, not a measurement
+    LLAMA.update(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=1000)
+_ENCODINGS = ("chunked uint16 + values", "int32 positions + values", "bitmask + values", "XOR + zstd-1",
+              "XOR + zstd-3")
+
+
+def _versions(scratch: str) -> list[str]:
+    """Train and save every version (v0, then each learning rate's steps); their file names."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    names = _versions_names()
+    if all(os.path.exists(os.path.join(scratch, f"{n}.safetensors")) for n in names):
+        return names
+    torch.manual_seed(0)
+    init = LlamaForCausalLM(LlamaConfig(**LLAMA)).state_dict()
+    save_file({n: t.to(torch.bfloat16).contiguous() for n, t in init.items()}, os.path.join(scratch, "v0.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, LLAMA["vocab_size"], (2, 64), generator=gen) for _ in range(STEPS)]
+    for lr in LRS:
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA))
+        model.load_state_dict(init)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        for k, batch in enumerate(batches, start=1):
+            optimizer.zero_grad()
+            model(input_ids=batch, labels=batch).loss.backward()
+            optimizer.step()
+            save_file({n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()},
+                      os.path.join(scratch, f"lr{lr:g}-step{k}.safetensors"))
+    return names
+
+
+def _load(scratch: str, name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(scratch, f"{name}.safetensors"))
+
+
+def _transitions(names: list[str]) -> list[tuple[str, str]]:
+    """(from, to) of each measured step: each learning rate's steps from v0."""
+    out = []
+    for lr in LRS:
+        chain = ["v0"] + [f"lr{lr:g}-step{k}" for k in range(1, STEPS + 1)]
+        out += list(zip(chain, chain[1:]))
+    return out
+
+
+def encodings(args: argparse.Namespace) -> dict:
+    """Every measured encoding's bytes and encode seconds on every step, in this process."""
+    import zstandard
+
+    from distload.live import delta as deltas
+
+    rows = {}
+    for old_name, new_name in _transitions(_versions(args.scratch)):
+        old, new = _load(args.scratch, old_name), _load(args.scratch, new_name)
+        total = sum(t.numel() * t.element_size() for t in new.values())
+        numel = sum(t.numel() for t in new.values())
+        sizes = dict.fromkeys(_ENCODINGS, 0)
+        seconds = dict.fromkeys(_ENCODINGS + ("compare",), 0.0)
+        changed = 0
+        for name, tensor in new.items():
+            start = time.perf_counter()
+            patch = deltas.diff(tensor, old[name])
+            seconds["compare"] += time.perf_counter() - start
+            k, n, size = patch.positions.numel(), tensor.numel(), tensor.element_size()
+            changed += k
+            start = time.perf_counter()
+            encoded = deltas.encoded_size(n, k, size)
+            if k and deltas.pays(n, k, size):
+                deltas.encode(torch.empty(encoded, dtype=torch.uint8), n, patch)
+            seconds["chunked uint16 + values"] += time.perf_counter() - start
+            sizes["chunked uint16 + values"] += min(encoded, n * size)
+            sizes["int32 positions + values"] += min(k * (4 + size), n * size)
+            sizes["bitmask + values"] += min(-(-n // 8) + k * size, n * size) if k else 0
+            xor = (deltas.flat_ints(tensor) ^ deltas.flat_ints(old[name])).numpy().tobytes()
+            for level in (1, 3):
+                start = time.perf_counter()
+                out = zstandard.ZstdCompressor(level=level).compress(xor)
+                seconds[f"XOR + zstd-{level}"] += time.perf_counter() - start
+                sizes[f"XOR + zstd-{level}"] += min(len(out), n * size)
+        rows[new_name] = {"from": old_name, "changed_fraction": round(changed / numel, 5), "state_bytes": total,
+                          "bytes_vs_state": {e: round(b / total, 5) for e, b in sizes.items()},
+                          "vs_changed_fraction": {e: round(b / total / (changed / numel), 3) for e, b in sizes.items()},
+                          "encode_seconds": {e: round(v, 4) for e, v in seconds.items()}}
+        print(new_name, rows[new_name], flush=True)
+    return rows
+
+
+def _timed_checks() -> dict[str, float]:
+    """Wrap the delta checks (patch sums, audits, data checksums) and the trainer's compare to
+    add up their seconds."""
+    from distload.live import delta as deltas
+
+    spent = {"checks": 0.0, "compare": 0.0}
+    for fn, what in (("patch_sums", "checks"), ("sent_audit", "checks"), ("held_audit", "checks"),
+                     ("checksum", "checks"), ("diff", "compare")):
+        real = getattr(deltas, fn)
+
+        def timed(*a, _real=real, _what=what, **k):
+            start = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                spent[_what] += time.perf_counter() - start
+        setattr(deltas, fn, timed)
+    return spent
+
+
+def _ready(args: argparse.Namespace, number: int, rank: int | None = None) -> None:
+    """Inference ranks say they are ready for schedule entry ``number`` (their checks of the
+    previous one done); the trainer (``rank`` None) waits for both, so no push's time includes them."""
+    if rank is not None:
+        open(os.path.join(args.scratch, f"ready-{args.case}-{number}-{rank}"), "w").close()
+        return
+    while not all(os.path.exists(os.path.join(args.scratch, f"ready-{args.case}-{number}-{r}")) for r in (0, 1)):
+        time.sleep(0.01)
+
+
+def _schedule() -> list[tuple[str, bool]]:
+    """(version to push, measured): each step pushed 3 times, its previous version between."""
+    out = [("v0", False)]
+    for old, new in _transitions(_versions_names()):
+        if out[-1][0] != old:
+            out.append((old, False))
+        out += [(new, True), (old, False), (new, True), (old, False), (new, True)]
+    return out
+
+
+def _versions_names() -> list[str]:
+    return ["v0"] + [f"lr{lr:g}-step{k}" for lr in LRS for k in range(1, STEPS + 1)]
+
+
+def delta_trainer(args: argparse.Namespace) -> None:
+    from distload.live.channel import SyncChannel
+
+    spent = _timed_checks()
+    delta_address, full_address = args.rendezvous.split(",")
+    rows = []
+    with SyncChannel(delta_address, "trainer", rank=0, size=1, device="cpu", timeout_s=600,
+                     bucket_bytes=args.bucket_mib * 2**20) as delta, \
+            SyncChannel(full_address, "trainer", rank=0, size=1, device="cpu", timeout_s=600,
+                        bucket_bytes=args.bucket_mib * 2**20, delta=False) as full:
+        for number, (name, measured) in enumerate(_schedule()):
+            state = _load(args.scratch, name)
+            _ready(args, number)
+            row = {"version": name, "measured": measured}
+            for verify in (False, True):
+                full.verify = verify
+                stats = full.push(state, number)
+                row[f"full, verify {'on' if verify else 'off'}"] = [stats.seconds, stats.wire_bytes]
+            spent["checks"] = spent["compare"] = 0.0
+            stats = delta.push(state, number)
+            row["delta"] = [stats.seconds, stats.wire_bytes, stats.delta]
+            row["delta checks"], row["delta compare"] = spent["checks"], spent["compare"]
+            row["state_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+            row["base_bytes"] = delta._base.nbytes
+            rows.append(row)
+    _write_part(args, f"{args.case}-trainer", {"rows": rows})
+
+
+def delta_inference(args: argparse.Namespace) -> None:
+    from distload.live.channel import SyncChannel
+    from distload.tp.slices import take_shard
+    from distload.tp.spec import load_spec
+    from distload.workers.group import WorkerGroup
+
+    spent = _timed_checks()
+    tp = args.tensor_parallel_size
+    delta_address, full_address = args.rendezvous.split(",")
+    whole = _load(args.scratch, "v0")
+    with WorkerGroup(device="cpu") as group:
+        spec = load_spec("decoder", LLAMA) if tp > 1 else None
+
+        def held() -> dict[str, torch.Tensor]:
+            if tp == 1:
+                return {n: torch.zeros_like(t) for n, t in whole.items()}
+            return {n: torch.zeros_like(take_shard(t, spec.action(n, tuple(t.shape)), group.rank % tp, tp, n))
+                    .contiguous() for n, t in whole.items()}
+
+        into_delta, into_full = held(), held()
+        options = {"rank": group.rank, "size": group.world_size, "device": "cpu", "timeout_s": 600,
+                   "tensor_parallel_size": tp, "sharding": "decoder" if tp > 1 else None,
+                   "model_config": LLAMA if tp > 1 else None, "verify": False}
+        rows = []
+        with SyncChannel(delta_address, "inference", **options) as delta, \
+                SyncChannel(full_address, "inference", **options) as full:
+            for number, _ in enumerate(_schedule()):
+                _ready(args, number, group.rank)
+                row = {}
+                for verify in (False, True):
+                    stats = full.receive(into_full)
+                    row[f"full, verify {'on' if verify else 'off'}"] = [stats.seconds, stats.wire_bytes]
+                spent["checks"] = 0.0
+                stats = delta.receive(into_delta)
+                row["delta"] = [stats.seconds, stats.wire_bytes, stats.delta]
+                row["delta checks"] = spent["checks"]
+                row["identical"] = all(torch.equal(into_delta[n].view(torch.int16), into_full[n].view(torch.int16))
+                                       for n in into_full)
+                rows.append(row)
+        every = group.exchange(rows)
+        if group.rank == 0:
+            _write_part(args, f"{args.case}-inference", {"ranks": every})
+
+
+def orchestrate_deltas(args: argparse.Namespace) -> None:
+    os.makedirs(args.scratch, exist_ok=True)
+    names = _versions(args.scratch)
+    assert names == _versions_names()
+    for stale in os.listdir(args.scratch):  # an earlier run's readiness marks
+        if stale.startswith("ready-"):
+            os.remove(os.path.join(args.scratch, stale))
+    load_before = os.getloadavg()
+    encoded = encodings(args)
+    cases = {}
+    for case, tp in (("whole", 1), ("TP 2", 2)):
+        key = case.replace(" ", "")
+        addresses = f"tcp://127.0.0.1:{_free_port()},tcp://127.0.0.1:{_free_port()}"
+        base = ["--bucket-mib", str(args.bucket_mib), "--scratch", args.scratch, "--rendezvous", addresses,
+                "--case", key]
+        jobs = [subprocess.Popen(_torchrun(2, "--part", "delta-inference", "--tensor-parallel-size", str(tp), *base)),
+                subprocess.Popen(_torchrun(1, "--part", "delta-trainer", *base))]
+        for job in jobs:
+            if job.wait(timeout=3600) != 0:
+                raise SystemExit(f"deltas, {case}: a job failed ({job.args})")
+        sent = json.load(open(os.path.join(args.scratch, f"{key}-trainer.json")))["rows"]
+        got = json.load(open(os.path.join(args.scratch, f"{key}-inference.json")))["ranks"]
+        assert all(row["identical"] for rank in got for row in rank), f"{case}: a delta receiver differs from full"
+        steps = {}
+        for i, row in enumerate(sent):
+            if not row["measured"]:
+                continue
+            step = steps.setdefault(row["version"], {k: [] for k in ("full, verify off", "full, verify on", "delta",
+                                                                        "checks", "compare", "wire_full", "wire_delta",
+                                                                        "receiver_checks")})
+            step["compare"].append(row["delta compare"])
+            step["full, verify off"].append(row["full, verify off"][0])
+            step["full, verify on"].append(row["full, verify on"][0])
+            step["delta"].append(row["delta"][0])
+            step["checks"].append(row["delta checks"])
+            step["receiver_checks"].append(max(rank[i]["delta checks"] for rank in got))
+            step["wire_full"] = row["full, verify off"][1]
+            step["wire_delta"] = row["delta"][1]
+            step["state_bytes"], step["base_bytes"] = row["state_bytes"], row["base_bytes"]
+        table = {}
+        for version, step in steps.items():
+            full_s = statistics.median(step["full, verify off"])
+            delta_s = statistics.median(step["delta"])
+            table[version] = {
+                "changed_fraction": encoded[version]["changed_fraction"],
+                "full_seconds": round(full_s, 4), "full_verified_seconds": round(statistics.median(step["full, verify on"]), 4),
+                "delta_seconds": round(delta_s, 4), "delta_vs_full_seconds": round(delta_s / full_s, 3),
+                "wire_full": step["wire_full"], "wire_delta": step["wire_delta"],
+                "delta_vs_full_bytes": round(step["wire_delta"] / step["wire_full"], 4),
+                "trainer_check_share": round(statistics.median(step["checks"]) / delta_s, 4),
+                "trainer_compare_share": round(statistics.median(step["compare"]) / delta_s, 4),
+                "receiver_check_share": round(statistics.median(step["receiver_checks"]) / delta_s, 4),
+                "verify_cost_full": round(statistics.median(step["full, verify on"]) / full_s - 1, 4),
+                "state_bytes": step["state_bytes"], "base_bytes": step["base_bytes"]}
+        cases[case] = table
+    load = [round(x, 2) for x in load_before + os.getloadavg()]
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                       "load_average_before_after": load},
+           "model": LLAMA, "backend": "gloo", "bucket_mib": args.bucket_mib, "encodings": encoded, "pushes": cases}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sync_delta.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    first = next(iter(encoded.values()))
+    lines = [f"Delta updates of real optimizer steps: a transformers Llama (hidden {LLAMA['hidden_size']}, "
+             f"{LLAMA['num_hidden_layers']} layers, vocabulary {LLAMA['vocab_size']}: "
+             f"{first['state_bytes'] / 2**20:.0f} MiB in bf16), fp32 master weights, AdamW at learning rates "
+             f"{', '.join(f'{lr:g}' for lr in LRS)}, {STEPS} steps each from one initialisation, every version cast "
+             f"to bf16. gloo, 1 trainer rank -> 2 inference ranks (two jobs), buckets of {args.bucket_mib} MiB; "
+             f"{os.cpu_count()} CPUs shared with other work (load average {load[0]} before, {load[3]} after: "
+             f"every figure is noisy; ratios are of pushes interleaved in the same jobs), torch {torch.__version__}, "
+             f"{platform.platform()}.", "",
+             "Encodings (bytes on the wire / the state's bytes; each piece sent raw where its encoding would not "
+             "be smaller; in brackets: / the changed fraction):", "",
+             "| step | changed | " + " | ".join(_ENCODINGS) + " |", "|---|---|" + "---|" * len(_ENCODINGS)]
+    for version, row in encoded.items():
+        lines.append(f"| {version} | {row['changed_fraction']:.4f} | " + " | ".join(
+            f"{row['bytes_vs_state'][e]:.4f} ({row['vs_changed_fraction'][e]:.2f}x)" for e in _ENCODINGS) + " |")
+    lines += ["", "Encode seconds over the whole state, this process (compare: finding what changed, which the "
+                  "first three share; the int32 and bitmask encodings were sized, not built):", "",
+              "| step | compare | " + " | ".join(_ENCODINGS) + " |", "|---|---|" + "---|" * len(_ENCODINGS)]
+    for version, row in encoded.items():
+        lines.append(f"| {version} | {row['encode_seconds']['compare']} | " + " | ".join(
+            str(row['encode_seconds'][e]) for e in _ENCODINGS) + " |")
+    for case, table in cases.items():
+        lines += ["", f"Pushes, {case} (median of 3 pushes of each step, each against a full push in the same jobs; "
+                      f"bytes: what the trainer sent to both receivers):", "",
+                  "| step | changed | full s | full+verify s | delta s | delta/full time | full bytes | delta bytes | "
+                  "delta/full bytes | checks/delta time (trainer, receiver) | compare/delta time | full verify cost |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for version, r in table.items():
+            lines.append(f"| {version} | {r['changed_fraction']:.4f} | {r['full_seconds']} | {r['full_verified_seconds']} | "
+                         f"{r['delta_seconds']} | {r['delta_vs_full_seconds']} | {r['wire_full'] / 2**20:.1f} MiB | "
+                         f"{r['wire_delta'] / 2**20:.1f} MiB | {r['delta_vs_full_bytes']} | "
+                         f"{r['trainer_check_share'] * 100:.1f}%, {r['receiver_check_share'] * 100:.1f}% | "
+                         f"{r['trainer_compare_share'] * 100:.1f}% | {r['verify_cost_full'] * 100:.1f}% |")
+    base = next(iter(cases["whole"].values()))
+    lines += ["", f"The trainer's host copy (the base): {base['base_bytes'] / 2**20:.0f} MiB for a "
+                  f"{base['state_bytes'] / 2**20:.0f} MiB state. Every delta receiver ended bit-identical to the "
+                  f"full push's receiver after every push."]
+    with open(os.path.join(args.out, "sync_delta.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=560, help="approximate state size (560: just over 512 MiB at hidden 2048)")
@@ -246,7 +575,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--scratch", default=f"/tmp/distload-bench-sync-{os.getpid()}")
-    parser.add_argument("--part", choices=("one-job", "trainer", "inference"), help=argparse.SUPPRESS)
+    parser.add_argument("--part", choices=("one-job", "trainer", "inference", "delta-trainer", "delta-inference"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--deltas", action="store_true",
+                        help="delta updates of a real model's optimizer steps: encodings, then full vs delta pushes")
     parser.add_argument("--rendezvous", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -256,9 +588,12 @@ def main() -> int:
     parser.add_argument("--only-verify", action="store_true",
                         help="run only the verified and plain two-job pushes, interleaved (the verify cost)")
     args = parser.parse_args()
-    parts = {"one-job": one_job, "trainer": trainer, "inference": inference}
+    parts = {"one-job": one_job, "trainer": trainer, "inference": inference, "delta-trainer": delta_trainer,
+             "delta-inference": delta_inference}
     if args.part:
         parts[args.part](args)
+    elif args.deltas:
+        orchestrate_deltas(args)
     else:
         orchestrate(args)
     return 0

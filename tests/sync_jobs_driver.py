@@ -90,7 +90,7 @@ def nbytes(state) -> int:
 def stats_row(stats) -> dict:
     return {"version": stats.version, "nbytes": stats.nbytes, "num_tensors": stats.num_tensors,
             "num_buckets": stats.num_buckets, "wire_bytes": stats.wire_bytes, "verified": stats.verified,
-            "seconds": stats.seconds}
+            "delta": stats.delta, "seconds": stats.seconds}
 
 
 def session_id(ch: SyncChannel):
@@ -270,7 +270,8 @@ def verify(role, address, result, args):
     shapes = {f"w{i:02d}": ((64, 64), torch.float32) for i in range(8)}  # 16 KiB each: 2 a bucket
     shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: sent directly, from the tensor itself
     real_checksum = channel_module.checksum
-    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference")) as ch:
+    # Full updates (a delta's own checks are the delta scenario's); only the inference side asks.
+    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference"), delta=False) as ch:
         if role == "trainer":
             for version in (1, 2, 3, 4, 5):
                 summed = []
@@ -356,7 +357,113 @@ def sleep(role, address, result, args):
                         "exact": exact(target, state_of(shapes, 2))}
 
 
-SCENARIOS = {"full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
+def _trainer_model(seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    """fp32 master weights of the Llama shapes, an AdamW over them, and fixed inputs for a loss."""
+    gen = torch.Generator().manual_seed(seed)
+    params = {n: torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for n, s in llama_shapes().items()}
+    inputs = {n: torch.randn(s[-1], 4, generator=gen) for n, s in llama_shapes().items()}
+    return params, torch.optim.AdamW(params.values(), lr=1e-5, weight_decay=0.01), inputs
+
+
+def train_step(params, optimizer, inputs, lr: float) -> dict[str, torch.Tensor]:
+    """One real optimizer step (autograd, AdamW) on a loss over every weight; the bf16 state the
+    inference side serves."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    loss = sum(((p @ inputs[n]) ** 2).mean() if p.dim() == 2 else ((p - 1) ** 2).mean() for n, p in params.items())
+    loss.backward()
+    optimizer.step()
+    return bf16_state(params)
+
+
+def bf16_state(params) -> dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.bfloat16) for n, p in params.items()}
+
+
+# The delta scenario, as (version, learning rate of the step before it or None: the same state
+# pushed again, what an inference rank does to its tensors before receiving it).
+DELTA_STEPS = [(1, None, None), (2, 1e-6, None), (3, 1e-2, None), (4, 1e-6, "drift-1"), (4, None, None),
+               (5, 1e-6, "move-0"), (6, 1e-6, "fail-0"), (6, None, None), (7, None, "flip-1"), (7, None, None),
+               (8, 1e-6, "restart"), (9, 1e-6, None)]
+
+
+def delta(role, address, result, args):
+    """Real AdamW steps pushed as deltas to TP 2 inference ranks, bit for bit, with receivers whose
+    base drifts (at changed positions: the patch sums; elsewhere: the audit), a tensor that moves,
+    and a receiver that fails mid-update (every change undone); each followed by a full update."""
+    from safetensors.torch import load_file, save_file
+
+    out = result["out"]
+    if role == "trainer":
+        params, optimizer, inputs = _trainer_model()
+        state = bf16_state(params)
+        ch = open_channel(role, address, bucket_bytes=256 * 1024, host="inference")
+        try:
+            for version, lr, action in DELTA_STEPS:
+                if lr is not None:
+                    state = train_step(params, optimizer, inputs, lr)
+                if action == "restart":  # a new trainer process would hold no base either
+                    ch.close()
+                    ch = open_channel(role, address, bucket_bytes=256 * 1024, host="inference")
+                save_file(state, os.path.join(out, f"v{version}.safetensors"))
+                try:
+                    row = stats_row(ch.push(state, version))
+                except SyncError as exc:
+                    row = {"version": version, "error": str(exc)}
+                row.update(delta=row.get("delta"), base_bytes=ch._base.nbytes, state_bytes=nbytes(state))
+                result.setdefault("pushes", []).append(row)
+        finally:
+            ch.close()
+        return
+    import distload.live.delta as delta_module
+    from distload.tp.slices import take_shard
+    from distload.tp.spec import load_spec
+
+    model_config = {k: LLAMA_CONFIG[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}
+    spec = load_spec("decoder", model_config)
+    with open_channel(role, address, tensor_parallel_size=2, sharding="decoder", model_config=model_config,
+                      host="inference") as ch:  # the store outlives a restarted trainer
+        tp_rank = ch.rank % 2
+
+        def expected(version):
+            whole = load_file(os.path.join(out, f"v{version}.safetensors"))
+            return {n: take_shard(t, spec.action(n, tuple(t.shape)), tp_rank, 2, n).contiguous()
+                    for n, t in whole.items()}
+
+        target = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in llama_slice_shapes(2).items()}
+        real_receive = delta_module.receive_bucket
+        for version, _, action in DELTA_STEPS:
+            calls = []
+            if action == f"drift-{ch.rank}":  # an engine rewrote a weight in place: same storage
+                target["model.layers.0.mlp.up_proj.weight"].add_(0.5)
+            if action == f"move-{ch.rank}":  # an engine repacked a weight into new memory
+                target["model.layers.1.self_attn.q_proj.weight"] = target["model.layers.1.self_attn.q_proj.weight"].clone()
+            if action == f"flip-{ch.rank}":  # a bug flipped bits the next update does not touch
+                for t in target.values():
+                    raw(t).view(torch.int16)[::97] ^= 1
+            if action == f"fail-{ch.rank}":
+                def failing(*a, **k):
+                    calls.append(1)
+                    if len(calls) == 3:
+                        raise RuntimeError("injected: this receiver fails in its third bucket")
+                    return real_receive(*a, **k)
+                delta_module.receive_bucket = failing
+            before = {n: t.clone() for n, t in target.items()}
+            try:
+                row = stats_row(ch.receive(target))
+            except SyncError as exc:
+                row = {"version": version, "error": str(exc)}
+            finally:
+                delta_module.receive_bucket = real_receive
+            held = ch.version
+            row.update(channel_version=held, consistent=ch.consistent, delta=row.get("delta"),
+                       unchanged=exact(target, before), own_bytes=nbytes(target), calls=len(calls),
+                       exact=held is not None and exact(target, expected(held)))
+            result.setdefault("receives", []).append(row)
+
+
+SCENARIOS = {"delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
              "sleep": sleep}
 
 

@@ -82,13 +82,19 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
     shapes["scalar"] = ((), torch.float64)
     def value(name, version):
         shape, dtype = shapes[name]
+        if version == 4:  # version 3 with every 40th element's lowest bit flipped: a delta of 2.5%
+            t = value(name, 3)
+            ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+            ints.view(-1)[::40] ^= 1
+            return t
         gen = torch.Generator().manual_seed(hash((name, version)) % 2**31)
         return (torch.randn(shape, generator=gen) * 8).to(dtype)
     def mine(name):  # with two senders, each pushes its own slice
         return mode != "two-senders" or (hash(name) % 2) == g.rank
+    versions = (1, 2, 3) if mode == "refuse" else (1, 2, 3, 4)
     result = {"rank": g.rank}
     if g.rank in senders:
-        for version in (1, 2, 3):
+        for version in versions:
             if mode == "refuse" and version != 2:
                 continue
             state = {n: value(n, version) for n in shapes if mine(n)}
@@ -104,8 +110,8 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
         if mode == "refuse" and g.rank == 2:
             target["layer3.w"] = torch.zeros(3, 3, dtype=shapes["layer3.w"][1])
         pointers = {n: t.data_ptr() for n, t in target.items()}
-        result["versions"], result["exact"] = [], []
-        for version in (1, 2, 3):
+        result["versions"], result["exact"], result["delta"], result["wire"] = [], [], [], []
+        for version in versions:
             if mode == "refuse" and version != 2:
                 continue
             before = {n: t.clone() for n, t in target.items()}
@@ -118,6 +124,8 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
                 result["consistent"] = sync.consistent
                 continue
             result["versions"].append(stats.version)
+            result["delta"].append(stats.delta and stats.verified)
+            result["wire"].append(stats.wire_bytes)
             result["exact"].append(all(
                 target[n].view(torch.uint8).equal(value(n, version).view(torch.uint8)) if target[n].dim()
                 else target[n].reshape(1).view(torch.uint8).equal(value(n, version).reshape(1).view(torch.uint8))
@@ -139,7 +147,10 @@ def test_versions_arrive_exact_and_in_place(tmp_path):
     run = run_script(script, ["one-sender", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
     assert run.returncode == 0, run.stderr[-4000:]
     for r in _results(tmp_path, 3)[1:]:
-        assert r["versions"] == [1, 2, 3] and r["exact"] == [True, True, True] and r["in_place"], r
+        assert r["versions"] == [1, 2, 3, 4] and r["exact"] == [True] * 4 and r["in_place"], r
+        # The first update is full; then each receiver holds the sender's base: deltas, checked.
+        assert r["delta"] == [False, True, True, True], r
+        assert r["wire"][3] < 0.3 * r["wire"][0], r  # 2.5% of the elements changed
 
 
 @pytest.mark.slow
@@ -149,7 +160,9 @@ def test_several_senders_each_push_a_slice(tmp_path):
     run = run_script(script, ["two-senders", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
     assert run.returncode == 0, run.stderr[-4000:]
     receiver = _results(tmp_path, 3)[2]
-    assert receiver["versions"] == [1, 2, 3] and all(receiver["exact"]) and receiver["in_place"], receiver
+    assert receiver["versions"] == [1, 2, 3, 4] and all(receiver["exact"]) and receiver["in_place"], receiver
+    assert receiver["delta"] == [False, True, True, True], receiver  # from each of the two senders
+    assert receiver["wire"][3] < 0.3 * receiver["wire"][0], receiver
 
 
 @pytest.mark.slow
@@ -173,7 +186,8 @@ import distload.live.channel as channel
 from distload.live.sync import WeightSync, SyncError
 out = sys.argv[1]
 with distload.WorkerGroup(device="cpu", timeout_s=30) as g:
-    sync = WeightSync([0], group=g, bucket_bytes=1 << 16)
+    # A full update (every byte), whose failure may leave a mix: a delta's undo is tested in test_sync_jobs.
+    sync = WeightSync([0], group=g, bucket_bytes=1 << 16, delta=False)
     state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(64)}  # 1 MiB in 16 buckets
     if g.rank == 0:
         sync.push(state, 1)

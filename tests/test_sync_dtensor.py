@@ -19,6 +19,11 @@ from distload.live.channel import SyncChannel
 role, address, out = sys.argv[1], sys.argv[2], sys.argv[3]
 
 def whole(version):
+    if version == 3:  # version 2 after a step that changed a few elements: a delta
+        out = whole(2)
+        for t in out.values():
+            t.view(-1)[::9] += 1
+        return out
     g = torch.Generator().manual_seed(version)
     return {"layers.0.w": torch.randn(64, 48, generator=g),                      # Shard(0)
             "layers.0.v": torch.randn(40, 24, generator=g).to(torch.bfloat16),   # Shard(1)
@@ -33,23 +38,26 @@ with WorkerGroup(device="cpu", timeout_s=60) as group:
         mesh = init_device_mesh("cpu", (group.world_size,))
         with SyncChannel(address, "trainer", rank=group.rank, size=group.world_size, device="cpu",
                          timeout_s=60, bucket_bytes=8192) as channel:
-            result["sent"] = []
-            for version in (1, 2):
+            result["sent"], result["delta"] = [], []
+            for version in (1, 2, 3):
                 full = whole(version)
                 state = {"layers.0.w": distribute_tensor(full["layers.0.w"], mesh, [Shard(0)]),
                          "layers.0.v": distribute_tensor(full["layers.0.v"], mesh, [Shard(1)]),
                          "norm.weight": distribute_tensor(full["norm.weight"], mesh, [Replicate()])}
                 if group.rank == 1:
                     state["head.bias"] = full["head.bias"]
-                result["sent"].append(channel.push(state, version).num_tensors)
+                stats = channel.push(state, version)
+                result["sent"].append(stats.num_tensors)
+                result["delta"].append(stats.delta)
     else:
         held = {n: torch.zeros_like(t) for n, t in whole(0).items()}
         with SyncChannel(address, "inference", rank=group.rank, size=group.world_size, device="cpu",
                          timeout_s=60) as channel:
-            result["versions"], result["exact"] = [], []
-            for _ in (1, 2):
+            result["versions"], result["exact"], result["delta"] = [], [], []
+            for _ in (1, 2, 3):
                 stats = channel.receive(held)
                 result["versions"].append(stats.version)
+                result["delta"].append(stats.delta)
                 result["exact"].append(all(torch.equal(held[n], t) for n, t in whole(stats.version).items()))
     with open(f"{out}/{role}{group.rank}.json", "w") as f:
         json.dump(result, f)
@@ -76,6 +84,10 @@ def test_dtensor_trainer_ranks_gather_and_rank_0_sends(tmp_path):
     for run in runs:
         assert run.returncode == 0, run.stderr[-4000:]
     t0, t1 = (json.loads((tmp_path / f"trainer{r}.json").read_text()) for r in (0, 1))
-    assert t0["sent"] == [3, 3] and t1["sent"] == [1, 1]  # DTensors from rank 0, its own plain tensor from 1
+    assert t0["sent"] == [3] * 3 and t1["sent"] == [1] * 3  # DTensors from rank 0, its own plain tensor from 1
+    # After the first update each trainer rank sends a delta against its own base (rank 0's of the
+    # gathered DTensors).
+    assert t0["delta"] == t1["delta"] == [False, True, True], (t0, t1)
     received = json.loads((tmp_path / "inference0.json").read_text())
-    assert received["versions"] == [1, 2] and received["exact"] == [True, True], received
+    assert received["versions"] == [1, 2, 3] and received["exact"] == [True] * 3, received
+    assert received["delta"] == [False, True, True], received

@@ -57,6 +57,11 @@ def log(event, **fields):
 
 
 def state(version):
+    if cfg.get("delta") and version > 1:  # a training step after version 1: 1 element in 50 moves
+        s = state(version - 1)
+        for t in s.values():
+            t.view(-1)[version::50] += 1
+        return s
     gen = torch.Generator().manual_seed(1000 + version)
     s = {f"w{i}": torch.randn(64, 64, generator=gen) for i in range(48)}  # 16 KiB each: 4 a bucket
     s["emb"] = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
@@ -81,7 +86,11 @@ def arm(fn_name, after, sig, pause=0.0):
     """The ``after``-th call of channel.<fn_name> (pack: one a bucket sent, unpack: one a bucket
     received) sends this process ``sig`` first: SIGKILL like an OOM kill, SIGSTOP like a hang;
     or (``sig`` 0) sleeps ``pause`` seconds there, like a slow copy."""
-    real = getattr(channel, fn_name)
+    module = channel
+    if fn_name.startswith("delta."):  # a delta update's packing (distload/live/delta.py)
+        import distload.live.delta as module
+        fn_name = fn_name[len("delta."):]
+    real = getattr(module, fn_name)
     calls = []
 
     def sabotaged(*args, **kwargs):
@@ -95,7 +104,7 @@ def arm(fn_name, after, sig, pause=0.0):
             log("paused")
         return real(*args, **kwargs)
 
-    setattr(channel, fn_name, sabotaged)
+    setattr(module, fn_name, sabotaged)
 
 
 class Logged(logging.Handler):
@@ -116,8 +125,9 @@ def seen(buffers):
 log("start")
 t0 = time.monotonic()
 try:
+    # Full updates (their packing and unpacking are what ``arm`` sabotages) unless cfg says delta.
     ch = SyncChannel(cfg["addr"], cfg["role"], rank=rank, size=size, host=cfg["host"], device="cpu",
-                     timeout_s=cfg["timeout"], bucket_bytes=1 << 16)
+                     timeout_s=cfg["timeout"], bucket_bytes=1 << 16, delta=bool(cfg.get("delta")))
 except SyncError as exc:
     log("open", ok=False, error=str(exc), seconds=time.monotonic() - t0)
     sys.exit(0)
@@ -184,12 +194,13 @@ class Jobs:
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, role: str, steps: list[str], *, host: str = "trainer", rank: int | None = 0,
-              size: int | None = 1, nproc: int | None = None, timeout: float = TIMEOUT_S) -> subprocess.Popen:
+              size: int | None = 1, nproc: int | None = None, timeout: float = TIMEOUT_S,
+              delta: bool = False) -> subprocess.Popen:
         """A plain process (``nproc`` None) with an explicit rank and size, or a torchrun job of
         ``nproc`` ranks (rank and size from torchrun's environment). Its log lines are
         ``NAME<rank>.jsonl``."""
         cfg = {"out": str(self.dir), "addr": self.address, "host": host, "role": role, "name": name,
-               "steps": steps, "timeout": timeout}
+               "steps": steps, "timeout": timeout, "delta": delta}
         if nproc is None:
             cmd = [sys.executable, self.script]
             cfg.update(rank=rank, size=size)
@@ -356,6 +367,30 @@ def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
     assert pushed["ok"] and pushed["version"] == 3, pushed
     assert jobs.exit_codes("trainB", "inf") == {"trainB": 0, "inf": 0}, jobs.report()
     _no_abort(jobs.stderr("inf") + jobs.stderr("trainB"))
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_trainer_killed_mid_delta_update_leaves_every_receiver_exactly_at_its_version(jobs):
+    """A delta update (version 2: a step after version 1) whose trainer is SIGKILLed after a few
+    buckets landed: every inference rank undoes what they wrote, so it holds version 1 exactly
+    (consistent True, its tensors unchanged), and a restarted trainer's first update (it holds
+    no base: every byte) arrives exact."""
+    inference = jobs.start("inf", "inference", ["recv", "recv", "recv:60"], host="inference", nproc=2, delta=True)
+    jobs.start("trainA", "trainer", ["push:1", f"arm:delta.send_bucket,6,{int(signal.SIGKILL)}", "push:2"],
+               host="inference", nproc=1, delta=True)
+    failures = [jobs.wait(f"inf{r}", "recv", 2)[1] for r in (0, 1)]
+    jobs.wait("trainA0", "dying")
+    for failure in failures:
+        assert not failure["ok"], failure
+        assert "version 2 did not arrive whole; still at version 1 (every change undone)" in failure["error"], failure
+        assert failure["version"] == 1 and failure["consistent"] is True and failure["unchanged"], failure
+        assert failure["seconds"] < BOUND_S, failure
+    assert inference.poll() is None
+    jobs.start("trainB", "trainer", ["push:3"], host="inference", nproc=1, delta=True)
+    for r in (0, 1):
+        _assert_received(jobs.wait(f"inf{r}", "recv", 3, timeout=90)[2], 3)
+    assert jobs.exit_codes("trainB", "inf") == {"trainB": 0, "inf": 0}, jobs.report()
 
 
 @pytest.mark.slow

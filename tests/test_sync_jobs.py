@@ -145,7 +145,62 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
             assert r["nbytes"] == total == rank["target_bytes"], r
             assert r["num_tensors"] == len(shapes) and r["num_buckets"] == push["num_buckets"], r
             assert total <= r["wire_bytes"] <= total * 1.05, r
-            assert not r["verified"], r
+            assert r["verified"], r  # every update is checked by default
+    results.assert_exited_cleanly()
+
+
+# -- 1b. deltas -----------------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
+    """sync_jobs_driver.DELTA_STEPS: AdamW steps of a Llama's fp32 weights, cast to bf16, pushed to
+    TP 2 inference ranks. After the first (full) update each is a delta of a fraction of the
+    bytes; every receiver ends with the trainer's exact slices, or, where its base drifted (found
+    by the patch sums or by the audit) or a receiver failed mid-update, every receiver is back at
+    its previous version exactly (the undo) and the same state pushed again arrives in full; so
+    does the first push of a restarted trainer (a new channel: it holds no base)."""
+    results = run_driver(tmp_path, "delta", 1, 2)
+    (trainer,) = results.trainer
+    pushes = trainer["pushes"]
+    assert [p["version"] for p in pushes] == [v for v, _, _ in driver.DELTA_STEPS]
+    failed = {3: "inference rank 1", 6: "inference rank 0", 8: "inference rank 1"}
+    for i, push in enumerate(pushes):
+        assert ("error" in push) == (i in failed), (i, push)
+        if i in failed:
+            assert push["error"].startswith(f"{failed[i]}: "), push["error"]
+    assert "were not the base's here" in pushes[3]["error"]  # drift at changed positions: the patch sums
+    assert "not the version 3 it received" in pushes[3]["error"]
+    assert "injected: this receiver fails in its third bucket" in pushes[6]["error"]
+    assert "differ from trainer rank 0's after the update" in pushes[8]["error"]  # drift elsewhere: the audit
+    # ... and after the restart (a new trainer: no base) one full update, then deltas again
+    assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, None, False, None, False,
+                                                False, True]
+    assert all(p["verified"] for p in pushes if "error" not in p), pushes
+    full, step = pushes[0]["wire_bytes"], pushes[1]["wire_bytes"]
+    assert full >= pushes[0]["state_bytes"] and step < 0.15 * full, (full, step)  # lr 1e-6: about 4% of the elements changed
+    assert step < pushes[2]["wire_bytes"] <= 1.05 * full, pushes[2]  # lr 1e-2: most pieces raw
+    assert pushes[-1]["base_bytes"] == pushes[-1]["state_bytes"]  # the trainer's host copy: 1x the state
+
+    # (version held after each receive, whether it took a delta) on each rank; None: it failed
+    took = {0: [True, True, None, False, False, None, False, None, False, False, True],
+            1: [True, True, None, False, True, None, False, None, False, False, True]}
+    for rank in results.inference:
+        r = rank["rank"]
+        receives = rank["receives"]
+        assert [x["channel_version"] for x in receives] == [1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 9], (r, receives)
+        assert [x.get("delta") for x in receives[1:]] == took[r], (r, receives)
+        for i, x in enumerate(receives):
+            assert x["consistent"], (r, i, x)
+            if i in failed:
+                assert x["error"].startswith(f"version {x['version']} did not arrive whole; still at version "
+                                             f"{x['channel_version']} (every change undone)"), x["error"]
+                assert x["unchanged"], (r, i)  # exactly its previous tensors, drift included
+                assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 6), (r, i)
+            else:
+                assert x["exact"] and x["verified"], (r, i, x)
+        assert receives[1]["wire_bytes"] < 0.15 * receives[0]["wire_bytes"], receives[1]
+        assert receives[0]["own_bytes"] <= receives[0]["wire_bytes"] <= 1.05 * receives[0]["own_bytes"]
+    assert results.inference[0]["receives"][6]["calls"] == 3
     results.assert_exited_cleanly()
 
 
@@ -390,7 +445,7 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     from distload.loading.report import state_digest
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "2", "--verify",
+    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "3", "--change", "0.04",
               "--size-mib", "16", "--device", "cpu", "--timeout", "60"]
     reports = {role: str(tmp_path / f"{role}.json") for role in ("trainer", "inference")}
     jobs = run_jobs(tmp_path, [
@@ -408,18 +463,23 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     assert inference["role"] == "inference" and [r["rank"] for r in inference["ranks"]] == [0, 1]
     assert trainer["role"] == "trainer" and [r["rank"] for r in trainer["ranks"]] == [0]
     pushed = trainer["ranks"][0]["versions"]
-    assert [p["version"] for p in pushed] == [1, 2]
-    received_total = {1: 0, 2: 0}
+    assert [p["version"] for p in pushed] == [1, 2, 3]
+    assert [p["delta"] for p in pushed] == [False, True, True]  # versions that change like training steps
+    received_total = {1: 0, 2: 0, 3: 0}
     for rank in inference["ranks"]:
         rows = rank["versions"]
-        assert [row["version"] for row in rows] == [1, 2], rows
+        assert [row["version"] for row in rows] == [1, 2, 3], rows
         for row in rows:
-            assert row["matches"] is True and row["verified"] is True, row
+            assert row["matches"] is True and row["verified"] is True, row  # verified by default
             # Not only the demo's own say-so: the digest is that of this TP rank's slices.
-            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu")), 2, rank["rank"]))
+            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu"), change=0.04), 2,
+                                            rank["rank"]))
             assert row["digest"] == want, (rank["rank"], row)
             assert isinstance(row["seconds"], float) and row["seconds"] > 0, row
-            assert row["tensor_bytes"] <= row["bytes_received"] <= 1.05 * row["tensor_bytes"], row
+            if row["version"] == 1:
+                assert row["tensor_bytes"] <= row["bytes_received"] <= 1.05 * row["tensor_bytes"], row
+            else:  # 4% of the elements: 4 bytes each and the checks, about 8% of the bf16 bytes
+                assert row["delta"] and row["bytes_received"] < 0.12 * row["tensor_bytes"], row
             received_total[row["version"]] += row["bytes_received"]
     assert inference["ranks"][0]["versions"][0]["digest"] != inference["ranks"][1]["versions"][0]["digest"]
     whole = sum(t.numel() * t.element_size() for t in demo_state(16, 1, torch.device("cpu")).values())

@@ -123,13 +123,17 @@ def state(folder):
 
 with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=600, bucket_bytes=64 << 10) as sync:
     print("pushed", sync.push(state(first), 1).version, flush=True)
-    real, packed = channel.pack, []
-    def dying(*args, **kwargs):
-        packed.append(1)
-        if len(packed) == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(*args, **kwargs)
-    channel.pack = dying
+    # Version 2 differs in every element: a delta update sends each piece raw, packed by delta.py.
+    import distload.live.delta as delta
+    packed = []
+    def dying(real):
+        def packing(*args, **kwargs):
+            packed.append(1)
+            if len(packed) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*args, **kwargs)
+        return packing
+    channel.pack, delta.pack = dying(channel.pack), dying(delta.pack)
     sync.push(state(second), 2)
 """
 

@@ -145,7 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
                            help="inference side: each rank keeps and receives only its TP slices (default 1)")
     sync_demo.add_argument("--versions", "--steps", dest="versions", type=int, default=3,
                            help="weight versions to push (default 3)")
-    sync_demo.add_argument("--verify", action="store_true", help="check a checksum of every bucket")
+    sync_demo.add_argument("--verify", action="store_true", help="check every update (the default)")
+    sync_demo.add_argument("--no-verify", action="store_true", help="do not check full updates (deltas always are)")
+    sync_demo.add_argument("--no-delta", action="store_true", help="send every byte of every version")
+    sync_demo.add_argument("--change", type=float, default=None, metavar="FRACTION",
+                           help="versions change like training steps: each changes this fraction of the "
+                                "previous one's elements (e.g. 0.04), so every update after the first is a delta "
+                                "(default: every version all new)")
     sync_demo.add_argument("--report-json", default=None, metavar="PATH",
                            help="write each rank's versions, digests, bytes and seconds here")
     sync_demo.add_argument("--size-mib", type=int, default=256, help="approximate model size (default 256)")

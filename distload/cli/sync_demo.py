@@ -8,7 +8,9 @@ and the other ranks the inference workers. Across two jobs, each started by its 
         --tensor-parallel-size 2
 
 The trainer holds a Llama-shaped bf16 state dict and pushes ``--versions`` versions of it (each
-version's values come from a seed, so any rank can recompute what it should hold). Each
+version's values come from a seed, so any rank can recompute what it should hold). With
+``--change 0.04`` versions change like training steps (4% of the elements each), so every update
+after the first is a delta: the lines show its bytes on the wire against the first. Each
 inference rank holds its tensors (whole, or its tensor-parallel slices), allocated once, and
 receives each version in place; it prints and reports version, digest, bytes and seconds, and
 checks its digest against the slices of the version it was sent.
@@ -44,12 +46,24 @@ def demo_shapes(size_mib: int, hidden: int = HIDDEN) -> dict[str, tuple[int, ...
     return {name: shape for name, (shape, _) in llama_shapes(hidden, layers, VOCAB).items()}
 
 
-def demo_state(size_mib: int, version: int, device: torch.device, hidden: int = HIDDEN) -> dict[str, torch.Tensor]:
+def demo_state(size_mib: int, version: int, device: torch.device, hidden: int = HIDDEN,
+               change: float | None = None) -> dict[str, torch.Tensor]:
     """Version ``version`` of the demo's weights (a seeded function of the version, drawn on the
-    host so that a trainer and an inference rank on different devices agree on it)."""
-    generator = torch.Generator().manual_seed(version)
-    return {name: torch.randn(shape, generator=generator).to(torch.bfloat16).to(device)
-            for name, shape in demo_shapes(size_mib, hidden).items()}
+    host so that a trainer and an inference rank on different devices agree on it). With
+    ``change``, versions change like training steps: version v is version v - 1 with the lowest
+    bit of a seeded ``change`` fraction of its elements flipped (what a bf16 cast of an optimizer
+    step does to a few percent of them)."""
+    if change is None or version <= 1:
+        generator = torch.Generator().manual_seed(version)
+        return {name: torch.randn(shape, generator=generator).to(torch.bfloat16).to(device)
+                for name, shape in demo_shapes(size_mib, hidden).items()}
+    state = demo_state(size_mib, 1, torch.device("cpu"), hidden)
+    for step in range(2, version + 1):
+        generator = torch.Generator().manual_seed(10_000 + step)
+        for tensor in state.values():
+            bits = tensor.view(torch.int16).reshape(-1)
+            bits[torch.rand(bits.numel(), generator=generator) < change] ^= 1
+    return {name: tensor.to(device) for name, tensor in state.items()}
 
 
 def kept_slices(state: dict[str, torch.Tensor], tp_size: int, tp_rank: int,
@@ -78,8 +92,8 @@ def run_sync_demo(args: argparse.Namespace) -> int:
         tp_size = args.tensor_parallel_size if args.role == "inference" else 1
         channel = SyncChannel(args.rendezvous, args.role, rank=group.rank, size=group.world_size,
                               device=str(group.device), timeout_s=args.timeout,
-                              bucket_bytes=args.bucket_mib * 2**20, verify=args.verify,
-                              tensor_parallel_size=tp_size,
+                              bucket_bytes=args.bucket_mib * 2**20, verify=not args.no_verify,
+                              delta=not args.no_delta, tensor_parallel_size=tp_size,
                               sharding="decoder" if tp_size > 1 else None,
                               model_config=demo_config() if tp_size > 1 else None)
         with channel:
@@ -104,13 +118,15 @@ def _train(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup) -
     rows = []
     for version in range(1, args.versions + 1):
         # Several trainer ranks split the tensors between them (disjoint names).
-        state = demo_state(args.size_mib, version, group.device)
+        state = demo_state(args.size_mib, version, group.device, change=args.change)
         mine = {n: t for i, (n, t) in enumerate(state.items()) if i % group.world_size == group.rank}
         stats = channel.push(mine, version)
         print(f"trainer rank {group.rank} pushed version {version}: {stats.num_tensors} tensors in "
-              f"{stats.num_buckets} bucket(s), {gib_text(stats.wire_bytes)} sent in {stats.seconds:.3f} s",
+              f"{stats.num_buckets} bucket(s), {gib_text(stats.wire_bytes)} sent in {stats.seconds:.3f} s"
+              f"{' (a delta: what changed since the version the receivers hold)' if stats.delta else ''}",
               flush=True)
-        rows.append({"version": version, "bytes_sent": stats.wire_bytes, "seconds": round(stats.seconds, 4)})
+        rows.append({"version": version, "bytes_sent": stats.wire_bytes, "seconds": round(stats.seconds, 4),
+                     "delta": stats.delta})
     return rows
 
 
@@ -122,14 +138,15 @@ def _infer(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup, t
     for _ in range(args.versions):
         stats = channel.receive(held)
         digest = state_digest(held)
-        expected = state_digest(kept_slices(demo_state(args.size_mib, stats.version, group.device), tp_size, tp_rank))
+        expected = state_digest(kept_slices(demo_state(args.size_mib, stats.version, group.device, change=args.change),
+                                            tp_size, tp_rank))
         print(f"inference rank {group.rank} (TP rank {tp_rank} of {tp_size}) received version {stats.version}: "
               f"{gib_text(stats.wire_bytes)} in {stats.seconds:.3f} s, digest {digest[:16]} "
               f"({'matches' if digest == expected else 'DOES NOT match'} the version sent"
-              f"{', verified' if stats.verified else ''})", flush=True)
+              f"{', a delta' if stats.delta else ''}{', verified' if stats.verified else ''})", flush=True)
         rows.append({"version": stats.version, "digest": digest, "matches": digest == expected,
                      "bytes_received": stats.wire_bytes, "tensor_bytes": stats.nbytes,
-                     "seconds": round(stats.seconds, 4), "verified": stats.verified})
+                     "seconds": round(stats.seconds, 4), "verified": stats.verified, "delta": stats.delta})
     return rows
 
 
@@ -139,19 +156,20 @@ def _one_job(args: argparse.Namespace) -> int:
             print("sync-demo needs at least 2 ranks: torchrun --nproc-per-node 3 -m distload sync-demo "
                   "(or --role/--rendezvous for two jobs)")
             return 2
-        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20, verify=args.verify)
+        sync = WeightSync([0], group=group, bucket_bytes=args.bucket_mib * 2**20, verify=not args.no_verify,
+                          delta=not args.no_delta)
         state = {n: torch.zeros_like(t) for n, t in demo_state(args.size_mib, 0, group.device).items()}
         try:
             for version in range(1, args.versions + 1):
                 if group.rank == 0:
-                    state = demo_state(args.size_mib, version, group.device)
+                    state = demo_state(args.size_mib, version, group.device, change=args.change)
                     stats = sync.push(state, version)
                 else:
                     stats = sync.receive(state)
                 print(f"rank {group.rank} {'pushed' if group.rank == 0 else 'received'} version "
                       f"{stats.version}: {stats.num_tensors} tensors in {stats.num_buckets} bucket(s), "
-                      f"{gib_text(stats.nbytes)} in {stats.seconds:.3f} s{_rate(stats.nbytes, stats.seconds)}",
-                      flush=True)
+                      f"{gib_text(stats.nbytes)} in {stats.seconds:.3f} s{_rate(stats.nbytes, stats.seconds)}, "
+                      f"{gib_text(stats.wire_bytes)} on the wire{' (a delta)' if stats.delta else ''}", flush=True)
             digests = group.exchange(state_digest(state))
         finally:
             sync.close()

@@ -45,7 +45,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -53,12 +54,14 @@ import torch
 from distload.errors import ConfigError, SyncError
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
+from distload.live import delta as deltas
 from distload.live import rendezvous
 from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
 from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
 from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
+from distload.loading.buckets import ALIGN, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
@@ -84,10 +87,30 @@ class SyncStats:
     seconds: float
     wire_bytes: int = 0  # bytes that crossed the transport (alignment and checksums included)
     verified: bool = False
+    delta: bool = False  # a receiver: it took a delta update; a trainer: some receiver did
 
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Route:
+    """Receivers a trainer rank sends the same buckets: one place, one kind of update."""
+
+    place: TPPlace
+    ranks: list[int]  # their session ranks
+    layouts: list[BucketLayout]
+    delta: bool  # they hold this trainer rank's base: sent what changed since it
+
+
+@dataclass
+class _Changes:
+    """What a push makes of the trainer's base once every receiver holds it (delta.Base.commit)."""
+
+    patches: dict[str, deltas.Patch] = field(default_factory=dict)  # tensors the base holds
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors it does not yet hold
+    pending: int = 0  # the copies' bytes
 
 
 class SyncChannel:
@@ -100,8 +123,14 @@ class SyncChannel:
     side declares ``tensor_parallel_size`` T and ``sharding`` (the specs ``save-sharded`` takes,
     default ``decoder``; ``model_config``, the model's config.json as a dict or path, sizes the
     head-aware rules): rank r keeps TP rank ``r % T``'s slices, the tensors ``save-sharded
-    --tensor-parallel-size T`` writes for it, and receives only those bytes. ``verify``: check a
-    checksum of every bucket (either side may ask). Every wait is bounded by ``timeout_s``.
+    --tensor-parallel-size T`` writes for it, and receives only those bytes. ``delta`` (default
+    on; the trainer's setting): after the first update a receiver holding the trainer's last
+    version is sent only the elements that changed (distload/live/delta.py), applied in place,
+    undone if the update fails, and always checked; a receiver that does not hold that version
+    (new, restarted, after a failed update, its tensors moved) is sent every byte.
+    ``max_base_bytes`` bounds the host memory the trainer keeps for it (a copy of what it pushed;
+    None: all of it). ``verify`` (default on): check a checksum of every bucket of a full update
+    (either side may ask; both sides turn it off). Every wait is bounded by ``timeout_s``.
     ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
     and how its messages name members (by job rank).
     """
@@ -111,7 +140,8 @@ class SyncChannel:
                  device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
                  tensor_parallel_size: int = 1, sharding: str | ShardingSpec | None = None,
                  model_config: Mapping[str, Any] | str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False, store: Any = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, delta: bool = True,
+                 max_base_bytes: int | None = None, store: Any = None,
                  member_name: Callable[[str, int], str] = describe):
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -120,6 +150,9 @@ class SyncChannel:
                               f"got {host!r}")
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
             raise ConfigError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if max_base_bytes is not None and (isinstance(max_base_bytes, bool) or not isinstance(max_base_bytes, int)
+                                           or max_base_bytes < 0):
+            raise ConfigError(f"max_base_bytes must be None or a non-negative int, got {max_base_bytes!r}")
         if not timeout_s or timeout_s <= 0:
             raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         launch = detect_launch()
@@ -133,6 +166,17 @@ class SyncChannel:
         self.timeout_s = float(timeout_s)
         self.bucket_bytes = bucket_bytes
         self.verify = bool(verify)
+        self.delta = bool(delta)
+        # The trainer's copy of the version its receivers hold (delta.py), named by this process
+        # and its count of completed pushes: a restarted trainer's base is never a receiver's.
+        self._base = deltas.Base(max_base_bytes)
+        self._nonce = uuid.uuid4().hex[:12]
+        self._pushes = 0  # completed pushes: turns the audit window
+        self._attempts = 0
+        # A receiver: per trainer rank, the base its next delta may patch (the version received
+        # last from it), and where its tensors were then (a tensor that moved was rewritten).
+        self._held: dict[int, str] = {}
+        self._marks: dict[str, tuple] = {}
         self.place = self._place(tensor_parallel_size, sharding, model_config)
         if store is None and rendezvous_address is None:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
@@ -220,15 +264,22 @@ class SyncChannel:
         entries, tensors, dtensors = _describe_state(state, leader=self.rank == 0)
         groups = group_entries(entries, self.bucket_bytes)
         verify = self.verify or any(i.get("verify") for i in session.record.infos.values())
+        # The base's name once this push is done: one per attempt, so that no receiver that
+        # completed an attempt its trainer then failed can hold a name the base later takes.
+        self._attempts += 1
+        following = f"{self._nonce}:{self._attempts}"
+        changes = _Changes()
         try:
             session.put("meta", {"version": version, "entries": entries, "groups": groups, "verify": verify,
-                                 "gathered": list(dtensors)})
+                                 "gathered": list(dtensors), "delta": self.delta,
+                                 "base": self._base.id if self.delta else None,
+                                 "next": following if self.delta else None, "audit": self._pushes})
             session.put("ready", [])
             metas = session.collect("meta", deadline, session.record.trainer_size)
             self._check_refusals(session, session.collect("ready", deadline), metas, version)
             routes = self._routes(session, entries, groups, verify)
             sent = session.supervise(lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
-                                                                  groups, cancelled), deadline)
+                                                                  groups, changes, cancelled), deadline)
             session.finish(deadline, self._serving)
         except _Refused:
             raise
@@ -236,31 +287,48 @@ class SyncChannel:
             self._drop_session()
             raise
         session.seq += 1
+        self._pushes += 1
+        if self.delta:  # every receiver now holds this version: so does the base
+            self._base.commit(changes.patches, changes.copies, following)
+        any_delta = any(route.delta for route in routes)
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
-                         time.perf_counter() - start, sent, verify)
+                         time.perf_counter() - start, sent, verify or (any_delta and all(r.delta for r in routes)),
+                         any_delta)
 
     def _routes(self, session: Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
-                verify: bool) -> list[tuple[TPPlace, list[int], list[BucketLayout]]]:
-        """Each distinct receiver place, the session ranks that keep it, and its bucket layouts."""
-        by_place: dict[tuple, tuple[TPPlace, list[int]]] = {}
+                verify: bool) -> list[_Route]:
+        """Each distinct receiver place and kind of update (delta or full), the session ranks
+        that take it, and its bucket layouts. A receiver takes a delta from this trainer rank
+        where it said it holds this rank's base (its ``takes`` answer, posted before ``ready``)."""
+        by_place: dict[tuple, _Route] = {}
         record = session.record
         for rank in range(record.inference_size):
             info = record.infos[rendezvous.member_key("inference", rank)]
+            member = record.channel_rank("inference", rank)
+            takes = self.delta and self._base.id is not None and self.rank in rendezvous.get(
+                session.store, session.key("takes", member))
             tp_size = info["tp_size"]
-            key = (tp_size, rank % tp_size)
+            key = (tp_size, rank % tp_size, takes)
             if key not in by_place:
                 spec = None if info["spec"] is None else spec_from_json(info["spec"])
-                by_place[key] = (TPPlace(tp_size, rank % tp_size, spec), [])
-            by_place[key][1].append(record.channel_rank("inference", rank))
-        return [(place, ranks, layouts(entries, groups, place, verify)) for place, ranks in by_place.values()]
+                place = TPPlace(tp_size, rank % tp_size, spec)
+                # A delta update carries its own checks (delta.py): its layouts need no bucket sums.
+                by_place[key] = _Route(place, [], layouts(entries, groups, place, verify and not takes), takes)
+            by_place[key].ranks.append(member)
+        return list(by_place.values())
 
-    def _send(self, session: Session, routes: Sequence[tuple[TPPlace, list[int], list[BucketLayout]]],
-              tensors: Mapping[int, torch.Tensor], dtensors: Mapping[str, torch.Tensor],
-              metas: Sequence[Mapping[str, Any]], groups: Sequence[Sequence[int]], cancelled: threading.Event) -> int:
+    def _send(self, session: Session, routes: Sequence[_Route], tensors: Mapping[int, torch.Tensor],
+              dtensors: Mapping[str, torch.Tensor], metas: Sequence[Mapping[str, Any]],
+              groups: Sequence[Sequence[int]], changes: "_Changes", cancelled: threading.Event) -> int:
         if self.rank != 0 and dtensors:
             _gather_with_leader(metas[0], dtensors)
+        entries = metas[self.rank]["entries"]
         in_flight: dict[tuple[int, int], list[tuple[int, Any]]] = {}
-        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per place: its buckets' checksums
+        held: dict[tuple[int, int], list[torch.Tensor]] = {}  # what a slot's sends read, until they end
+        sums: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # per route: its checksums
+        audited: dict[int, list[torch.Tensor]] = {v: [] for v in range(len(routes))}  # a delta's audit rows
+        audits = [deltas.audit_parts(route.layouts, metas[self.rank]["audit"]) if route.delta else {}
+                  for route in routes]
 
         def wait(works: list[tuple[int, Any]]) -> None:
             for dst, work in works:
@@ -269,29 +337,59 @@ class SyncChannel:
         wire = 0
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}
-            for v, (place, ranks, lays) in enumerate(routes):
+            patches = self._changes(group, entries, whole, changes) if self.delta else {}
+            for v, route in enumerate(routes):
                 slot = (v, i % 2)
                 wait(in_flight.pop(slot, []))  # two buckets in flight; a slot's buffer is free again
-                layout = lays[i]
+                held.pop(slot, None)
+                layout = route.layouts[i]
+                if route.delta:
+                    audited[v] += deltas.sent_audit(audits[v].get(i, ()), whole, route.place)
                 if not layout.size:
                     continue
                 device = self._transport_device()
+                if route.delta:
+                    messages, row = deltas.send_bucket(layout, entries, whole, patches, route.place, device)
+                    sums[v].append(row)
+                    held[slot] = messages
+                    in_flight[slot] = [(dst, session.post(dst, m)) for dst in route.ranks for m in messages]
+                    wire += sum(m.numel() * m.element_size() for m in messages) * len(route.ranks)
+                    continue
                 if layout.direct:
                     data = run_bytes(whole[layout.items[0][0].entry].to(device), layout.items[0][0])
                 else:
                     data = self._buffer(("send",) + slot, layout.size)
-                    pack(data, layout, {k: t.to(device) for k, t in whole.items()}, place)
-                in_flight[slot] = [(dst, session.post(dst, data)) for dst in ranks]
+                    pack(data, layout, {k: t.to(device) for k, t in whole.items()}, route.place)
+                in_flight[slot] = [(dst, session.post(dst, data)) for dst in route.ranks]
                 if layout.verified:  # summed while the transport copies it: the sends never wait for a sum
                     sums[v].append(checksum(data))
-                wire += layout.wire_bytes * len(ranks)
+                wire += layout.wire_bytes * len(route.ranks)
         for works in in_flight.values():
             wait(works)
-        for v, (_, ranks, _) in enumerate(routes):
-            if sums[v]:  # the update's checksums, one message to each receiver after its data
-                table = torch.stack(sums[v])
-                wait([(dst, session.post(dst, table)) for dst in ranks])
+        for v, route in enumerate(routes):
+            rows = sums[v] + audited[v]
+            if rows:  # the update's checks, one message to each receiver after its data
+                table = torch.stack(rows).to(self._transport_device())
+                wait([(dst, session.post(dst, table)) for dst in route.ranks])
+                if route.delta:
+                    wire += table.numel() * table.element_size() * len(route.ranks)
         return wire
+
+    def _changes(self, group: Sequence[int], entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
+                 changes: "_Changes") -> dict[int, deltas.Patch]:
+        """Each entry's patch since the base (by entry index; none where the base does not hold
+        it: it travels raw). What the base becomes once the push is done goes into ``changes``."""
+        out = {}
+        for index in group:
+            name = entries[index].name
+            host = whole[index].detach().to("cpu").contiguous()
+            base = self._base.held(name, host)
+            if base is not None:
+                out[index] = changes.patches[name] = deltas.diff(host, base)
+            elif self._base.room_for(name, entries[index].nbytes, changes.pending):
+                changes.copies[name] = host.clone()  # the caller's tensor may change after push() returns
+                changes.pending += entries[index].nbytes
+        return out
 
     # -- inference ----------------------------------------------------------------------------
     def receive(self, target: torch.nn.Module | Mapping[str, torch.Tensor] | Callable[[dict], Mapping[str, torch.Tensor]],
@@ -423,6 +521,8 @@ class SyncChannel:
                 for meta, plan in zip(metas, plans):
                     pieces = [piece for layout in plan for piece, _ in layout.items]
                     problems += check_pieces(meta["entries"], pieces, targets)
+            takes = [] if problems else self._takes(metas, plans, targets)
+            session.put("takes", takes)  # read by the trainer ranks once every member is ready
             session.put("ready", problems)
             self._check_refusals(session, session.collect("ready", deadline), metas, version)
         except _Refused:
@@ -432,31 +532,64 @@ class SyncChannel:
             raise
         self.consistent = False  # from here on, a failure may leave a mix of two versions
         undo: dict[str, torch.Tensor] | None = {} if rollback else None
+        landing = _Landing()
         try:
-            wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, cancelled,
-                                                                         undo), deadline)
+            wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, takes,
+                                                                         landing, cancelled, undo), deadline)
             session.finish(deadline, self._serving)
         except BaseException as exc:
             # supervise() has ended the transfer thread: nothing of this update lands after this.
             self._drop_session()
+            undone = self._undo(landing)
             rolled = " (what had landed was rolled back)" if undo else ""
             if undo is not None:
                 self._roll_back(undo, targets)
             if not isinstance(exc, SyncError):
                 raise
-            raise SyncError(f"version {version} did not arrive whole; still at version {self.version}{rolled}: "
+            raise SyncError(f"version {version} did not arrive whole; still at version {self.version}"
+                            f"{rolled or undone}: "
                             f"{exc}") from exc
         session.seq += 1
         self.version, self.consistent, self.last_error = version, True, None
+        # What the next delta from each trainer rank may patch: this version, as it now lies here.
+        self._held = {t: m["next"] for t, m in enumerate(metas) if m.get("next")}
+        self._marks = {name: _mark(targets[name]) for name in _names(metas, plans)}
         nbytes = sum(piece.nbytes for plan in plans for layout in plan for piece, _ in layout.items)
+        verified = all(m["verify"] or t in takes for t, m in enumerate(metas))
         return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas), sum(len(p) for p in plans),
-                         time.perf_counter() - start, wire, bool(metas[0]["verify"]))
+                         time.perf_counter() - start, wire, verified, bool(takes))
+
+    def _takes(self, metas: Sequence[Mapping[str, Any]], plans: Sequence[Sequence[BucketLayout]],
+               targets: Mapping[str, torch.Tensor]) -> list[int]:
+        """The trainer ranks whose delta this rank can take: it holds exactly the base that trainer
+        rank will patch (received whole from it last, and its tensors have not moved since)."""
+        if any(self._marks.get(name) != _mark(targets[name]) for name in _names(metas, plans)):
+            self._held.clear()  # a tensor was reallocated, repacked or is new here: its base is unknown
+            return []
+        return [t for t, m in enumerate(metas) if m.get("base") is not None and self._held.get(t) == m["base"]]
+
+    def _undo(self, landing: "_Landing") -> str:
+        """After a failed update: put back what its deltas overwrote (its transfer thread has
+        ended). Every base is then unknown: the next update sends every byte. Returns what the
+        message adds."""
+        self._held.clear()
+        self._marks.clear()
+        landing.undo.restore()
+        if not landing.full:
+            self.consistent = True  # only deltas wrote here, and every change is undone
+            return " (every change undone)"
+        return ""
 
     def _receive_all(self, session: Session, metas: Sequence[Mapping[str, Any]],
                      plans: Sequence[Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
-                     cancelled: threading.Event, undo: dict[str, torch.Tensor] | None) -> int:
+                     takes: Sequence[int], landing: "_Landing", cancelled: threading.Event,
+                     undo: dict[str, torch.Tensor] | None) -> int:
         wire = 0
         for sender, (meta, plan) in enumerate(zip(metas, plans)):
+            if sender in takes:
+                wire += self._receive_delta(session, sender, meta, plan, targets, landing.undo, cancelled)
+                continue
+            landing.full = True
             posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
             sums: list[torch.Tensor] = []  # the checksum of every verified bucket that arrived, in order
 
@@ -512,6 +645,76 @@ class SyncChannel:
             torch.cuda.synchronize(self.device)
         self.consistent = True
         undo.clear()
+
+    def _receive_delta(self, session: Session, sender: int, meta: Mapping[str, Any], plan: Sequence[BucketLayout],
+                       targets: Mapping[str, torch.Tensor], undo: deltas.Undo, cancelled: threading.Event) -> int:
+        """Take ``sender``'s delta (delta.py: a header and the data, bucket by bucket), applying each
+        bucket in place as it lands, then check it: the trainer's rows against this rank's."""
+        entries = meta["entries"]
+        trainer = self._name("trainer", sender)
+        rows, buckets, wire = [], [], 0
+        device = self._transport_device()
+        for i, layout in enumerate(plan):
+            if not layout.size:
+                continue
+            header = torch.empty(len(layout.items), dtype=torch.int64, device=device)
+            session.wait(session.post(sender, header), cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
+            counts = header.cpu().tolist()
+            for (piece, _), count in zip(layout.items, counts):
+                if not deltas.RAW <= count <= piece.nbytes:
+                    raise SyncError(f"bucket {i} from {trainer}: its header is not the header sent ({count} changes "
+                                    f"to {entries[piece.entry].name})")
+            size = offsets(deltas.data_sizes(layout, entries, counts), ALIGN)[1]
+            data = None
+            if size:
+                data = self._buffer(("delta",), size)
+                session.wait(session.post(sender, data), cancelled,
+                             lambda i=i: f"receiving bucket {i} from {trainer}")
+            if cancelled.is_set():
+                return wire  # the update was given up: never write into the model after that
+            try:
+                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo))
+            except deltas.PatchError as exc:
+                raise SyncError(f"bucket {i} from {trainer} failed its check on {self._name(self.role, self.rank)}: "
+                                f"{exc}: the bytes that arrived are not the bytes sent") from None
+            buckets.append(i)
+            wire += header.numel() * 8 + size
+        parts = deltas.audit_parts(plan, meta["audit"])
+        audited = [part for i in sorted(parts) for part in parts[i]]
+        rows += deltas.held_audit(audited, entries, targets)
+        if rows:
+            mine = torch.stack(rows)
+            table = torch.empty_like(mine, device=device)
+            session.wait(session.post(sender, table), cancelled, lambda: f"receiving the checks from {trainer}")
+            wire += table.numel() * 8
+            self._check_delta(mine, table.cpu(), buckets, audited, plan, entries, trainer)
+        return wire
+
+    def _check_delta(self, mine: torch.Tensor, table: torch.Tensor, buckets: Sequence[int],
+                     audited: Sequence[tuple[Any, int, int]], plan: Sequence[BucketLayout],
+                     entries: Sequence[SyncTensor], trainer: str) -> None:
+        """Raise, naming what differs, where this rank's check rows are not the trainer's."""
+        bad = first_mismatch(mine, table)
+        if bad is None:
+            return
+        me = self._name(self.role, self.rank)
+        drifted = (f"{me}'s tensors are not the version {self.version} it received (rewritten or repacked in "
+                   f"place since, or a bug): the delta was not patched over them; every change is undone and the "
+                   f"next push sends {me} every byte")
+        if bad >= len(buckets):
+            piece, start, stop = audited[bad - len(buckets)]
+            raise SyncError(f"{entries[piece.entry].name} bytes [{start}, {stop}) differ from {trainer}'s after "
+                            f"the update: {drifted}")
+        i = buckets[bad]
+        names = ", ".join(entries[piece.entry].name for piece, _ in plan[i].items[:_SHOWN])
+        ours, theirs = mine[bad], table[bad]
+        if not torch.equal(ours[:2], theirs[:2]):
+            raise SyncError(f"bucket {i} from {trainer} failed its checksum on {me} ({plan[i].size} bytes of "
+                            f"tensors): the bytes that arrived are not the bytes sent")
+        if ours[2] != theirs[2]:
+            raise SyncError(f"bucket {i} from {trainer} ({names}): the values it changes were not the base's "
+                            f"here: {drifted}")
+        raise SyncError(f"bucket {i} from {trainer} ({names}): the patch {me} decoded is not the patch sent")
 
     def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:
@@ -599,6 +802,25 @@ class SyncChannel:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+@dataclass
+class _Landing:
+    """What an update wrote into a receiver's tensors so far."""
+
+    undo: deltas.Undo = field(default_factory=deltas.Undo)  # the deltas' overwritten values
+    full: bool = False  # a full update's bytes may have landed: no undo for them
+
+
+def _mark(tensor: torch.Tensor) -> tuple:
+    """Where a receiver's tensor lies: a tensor that moved (reallocated, repacked) between two
+    updates no longer holds the base it held."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def _names(metas: Sequence[Mapping[str, Any]], plans: Sequence[Sequence[BucketLayout]]) -> set[str]:
+    return {m["entries"][piece.entry].name for m, plan in zip(metas, plans) for layout in plan
+            for piece, _ in layout.items}
 
 
 def _config(model_config: Mapping[str, Any] | str) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """Weight sync inside one job: some ranks of the job push, the others receive in place.
 
 :class:`WeightSync` is the weight-sync channel (distload/live/channel.py: metadata and agreement
-through a store, data point to point, versioned, all-or-nothing, verified on request) run over
+through a store, data point to point, versioned, all-or-nothing, verified; after the first
+update only what changed: distload/live/delta.py) run over
 the job's own rendezvous store, with the job's ranks as its members. Two separately launched
 jobs use :class:`~distload.live.channel.SyncChannel` with a ``tcp://`` address instead.
 """
@@ -31,24 +32,28 @@ class WeightSync:
     senders each pushes its own part (disjoint names, or the same DTensors) and a receiver takes
     all of them before its version advances. Receivers may keep tensor-parallel slices
     (``tensor_parallel_size``, ``sharding``, ``model_config``: receiver i keeps TP rank
-    ``i % T``). Timeouts and devices are the group's.
+    ``i % T``). ``delta``, ``max_base_bytes`` and ``verify`` are SyncChannel's: senders send
+    what changed since the version every receiver holds, checked; ``verify`` checks full updates
+    too. Timeouts and devices are the group's.
     """
 
     def __init__(self, senders: Sequence[int], receivers: Sequence[int] | None = None, *,
                  group: WorkerGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify: bool = False, tensor_parallel_size: int = 1,
+                 verify: bool = True, delta: bool = True, max_base_bytes: int | None = None,
+                 tensor_parallel_size: int = 1,
                  sharding: str | ShardingSpec | None = None, model_config: Mapping[str, Any] | str | None = None):
         self._own_group = group is None
         self.group = WorkerGroup() if group is None else group
         self._channel: SyncChannel | None = None
         try:
-            self._setup(senders, receivers, bucket_bytes, verify, tensor_parallel_size, sharding, model_config)
+            self._setup(senders, receivers, bucket_bytes, verify, tensor_parallel_size, sharding, model_config,
+                        {"delta": delta, "max_base_bytes": max_base_bytes})
         except BaseException:
             self.close()
             raise
 
     def _setup(self, senders: Sequence[int], receivers: Sequence[int] | None, bucket_bytes: int, verify: bool,
-               tensor_parallel_size: int, sharding: Any, model_config: Any) -> None:
+               tensor_parallel_size: int, sharding: Any, model_config: Any, deltas: dict[str, Any]) -> None:
         group = self.group
         world = group.world_size
         if world < 2:
@@ -78,7 +83,7 @@ class WeightSync:
                 timeout_s=group.timeout.total_seconds(), bucket_bytes=bucket_bytes, verify=verify,
                 tensor_parallel_size=tensor_parallel_size if role == "inference" else 1,
                 sharding=sharding if role == "inference" else None,
-                model_config=model_config if role == "inference" else None, store=store,
+                model_config=model_config if role == "inference" else None, store=store, **deltas,
                 member_name=lambda r, i: f"rank {members[r][i]}")
 
     @property

@@ -1,0 +1,462 @@
+"""Delta updates: what changed since the base, encoded, applied in place with its undo, and checked.
+
+The *base* is the version every receiver of a trainer rank already holds: the trainer keeps a copy
+of it in host memory (:class:`Base`, the tensors it pushed last, whole, in their own dtype; bounded
+by ``max_bytes``), so that the next push sends only the elements whose bits changed. A trainer
+step changes a few percent of a bf16 model's elements (benchmarks/results/sync.md), so the
+encoding is element-level: a *patch* is the changed elements' flat positions and new values.
+
+On the wire a piece's patch is (measured against sparse int32 positions, a bitmask and XOR with
+zstd on real optimizer steps: benchmarks/bench_sync.py --encodings):
+
+    [int32 count of changes per 64 Ki elements] [uint16 position within its chunk, each change]
+    [pad to 8 bytes] [new value, each change, in the tensor's own bits]
+
+4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would be as large
+as the piece itself travels *raw* (its bytes, as a full push sends them); one with no change
+sends nothing. Values are compared and written as integers of the element's size, so a bf16 NaN
+or a -0.0 is a change like any other and the receiver ends with the trainer's exact bits.
+
+Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
+each bucket the trainer sums, over its patches' positions, a position-weighted sum of the base's
+values and one of the new values (:func:`patch_sums`); the receiver makes the same sums from the
+values it found in its own tensors before writing (its undo) and from the positions and values
+it decoded. A receiver whose tensors changed since the base at a changed position fails the
+first sum; a patch read wrong the second. A drift at positions the trainer did not change is found by the
+*audit*: each update also checks one window of 1/AUDIT_ROUNDS of every receiver's bytes, in turn
+(:func:`audit_window`), so every byte is checked once every AUDIT_ROUNDS updates; a receiver whose
+tensors moved (another storage: repacked or reallocated) is sent the next update raw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from distload.live.transfer import BucketLayout, KeptSlice, SyncTensor, checksum, pack, run_bytes, unpack
+from distload.loading.buckets import ALIGN, aligned, flat_bytes, offsets
+from distload.loading.index import DTYPES
+from distload.tp.place import TPPlace
+from distload.tensor_io import host_view
+from distload.tp.slices import rank_slice
+
+CHUNK_BITS = 16  # positions travel as their low 16 bits within chunks of 64 Ki elements
+RAW = -1  # a piece's count in a bucket's header: sent whole (its patch would not pay)
+AUDIT_ROUNDS = 64  # every receiver byte is audited once every this many delta updates
+_SCAN = 1 << 22  # elements compared per step: temporaries stay small
+# A position's weight in a patch sum: odd, so a changed value always changes the sum (an odd
+# number is invertible modulo 2**64); the golden-ratio multiplier spreads neighbouring positions.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64
+
+# The integer dtype of each element size, by size (an immutable table).
+_INT_OF_SIZE = (None, torch.uint8, torch.int16, None, torch.int32, None, None, None, torch.int64)
+
+
+def int_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements as integers of their size (same memory, any strides)."""
+    return tensor.detach().view(_INT_OF_SIZE[tensor.element_size()])
+
+
+def flat_ints(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous host tensor's elements as a 1-d integer view."""
+    return int_view(tensor).reshape(-1)
+
+
+# -- host arrays ----------------------------------------------------------------------------------
+# On the host every step below runs on numpy arrays: under a loaded machine torch's CPU kernels
+# (2 threads synchronising per op) measured 5-10x slower than numpy's single-threaded loops for
+# these scans and gathers (bench_sync.py --deltas). Views of a caller's tensor go through ctypes
+# (distload/tensor_io.py): a numpy view of the tensor itself would pin its storage for good.
+
+def _np_int(itemsize: int) -> np.dtype:
+    return np.dtype(f"<{'u' if itemsize == 1 else 'i'}{itemsize}")
+
+
+def host_ints(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous host tensor's elements as a 1-d numpy integer view of its memory (writable;
+    the view keeps the tensor alive)."""
+    return np.frombuffer(host_view(tensor.detach().reshape(-1)), dtype=_np_int(tensor.element_size()))
+
+
+def _array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor of ours (a patch's, a gather's) as numpy."""
+    return tensor.detach().cpu().numpy()
+
+
+# -- finding what changed -------------------------------------------------------------------------
+
+def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    per = 8 // a.itemsize
+    found = []
+    for start in range(0, a.size, _SCAN):
+        x, y = a[start:start + _SCAN], b[start:start + _SCAN]
+        if per > 1 and x.size % per == 0:
+            # 8-byte words first: at a few percent of changed elements most words are equal, and a
+            # quarter as many items (bf16) to compare and scan is what makes the whole-state scan,
+            # the trainer's cost of a delta, fast; only the differing words are looked into.
+            x64, y64 = x.view(np.int64), y.view(np.int64)
+            words = np.flatnonzero(x64 != y64)
+            lanes = np.flatnonzero((x64[words] ^ y64[words]).view(a.dtype))
+            found.append(words[lanes // per] * per + lanes % per + start)
+        else:
+            found.append(np.flatnonzero(x != y) + start)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+
+
+def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """Sorted flat positions (int64) where ``new`` and ``base`` (contiguous host tensors of one
+    dtype and length) differ bit for bit."""
+    return torch.from_numpy(_changed(host_ints(new), host_ints(base)))
+
+
+@dataclass
+class Patch:
+    """A whole tensor's change since the base: flat positions, their base and new values."""
+
+    positions: torch.Tensor  # int64, sorted
+    old: torch.Tensor  # the base's values there (integer view)
+    new: torch.Tensor
+
+
+def diff(new: torch.Tensor, base: torch.Tensor) -> Patch:
+    """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous)."""
+    a, b = host_ints(new), host_ints(base)
+    positions = _changed(a, b)
+    return Patch(torch.from_numpy(positions), torch.from_numpy(b[positions]), torch.from_numpy(a[positions]))
+
+
+def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TPPlace,
+                piece_shape: Sequence[int]) -> Patch:
+    """The part of a whole tensor's ``patch`` that a receiver at ``place`` keeps (``action``: its
+    piece's split, None for the whole tensor), in that piece's own flat positions."""
+    if action is None:
+        return patch
+    cut = rank_slice(name, tuple(shape), action, place.rank, place.size)
+    if cut is None:
+        return patch
+    dim = action.dim
+    inner = 1
+    for size in shape[dim + 1:]:
+        inner *= int(size)
+    whole_dim, kept_dim = int(shape[dim]), int(piece_shape[dim])
+    pos = _array(patch.positions)
+    coord = (pos // inner) % whole_dim
+    keep = np.zeros(pos.size, dtype=bool)
+    local = np.zeros_like(pos)
+    at = 0
+    for start, stop in cut.ranges:
+        inside = (coord >= start) & (coord < stop)
+        keep |= inside
+        local[inside] = coord[inside] - start + at
+        at += stop - start
+    local = ((pos // (inner * whole_dim)) * kept_dim + local) * inner + pos % inner
+    local, old, new = local[keep], _array(patch.old)[keep], _array(patch.new)[keep]
+    order = np.argsort(local, kind="stable")  # fused parts' ranges need not come in order
+    return Patch(torch.from_numpy(local[order]), torch.from_numpy(old[order]), torch.from_numpy(new[order]))
+
+
+# -- the encoding ---------------------------------------------------------------------------------
+
+def chunks(numel: int) -> int:
+    return -(-numel // (1 << CHUNK_BITS))
+
+
+def encoded_size(numel: int, count: int, itemsize: int) -> int:
+    """Bytes of a patch of ``count`` changes to a piece of ``numel`` elements (0: no change)."""
+    if not count:
+        return 0
+    return aligned(4 * chunks(numel) + 2 * count, 8) + count * itemsize
+
+
+def pays(numel: int, count: int, itemsize: int) -> bool:
+    """Whether a patch is smaller than the piece itself (else the piece travels raw)."""
+    return encoded_size(numel, count, itemsize) < numel * itemsize
+
+
+def encode(into: torch.Tensor, numel: int, patch: Patch) -> None:
+    """Write ``patch`` (of a piece of ``numel`` elements) into ``into``, 1-d uint8 of exactly
+    ``encoded_size`` bytes, on any device."""
+    positions, values = _array(patch.positions), _array(patch.new)
+    count, m = positions.size, chunks(numel)
+    values_at = aligned(4 * m + 2 * count, 8)
+    host = np.zeros(values_at + values.nbytes, dtype=np.uint8)
+    host[:4 * m].view(np.int32)[:] = np.bincount(positions >> CHUNK_BITS, minlength=m)
+    host[4 * m:4 * m + 2 * count].view(np.uint16)[:] = positions & ((1 << CHUNK_BITS) - 1)
+    host[values_at:].view(values.dtype)[:] = values
+    into.copy_(torch.from_numpy(host))
+
+
+class PatchError(ValueError):
+    """A patch whose counts or positions cannot be those of the piece: its bytes are not the
+    bytes sent."""
+
+
+def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions (int64) and new values (integers of ``dtype``'s size) in ``data`` (a
+    received buffer of ours, on any device), on the host."""
+    raw = np.frombuffer(host_view(data.cpu()), dtype=np.uint8)
+    m = chunks(numel)
+    counts = raw[:4 * m].view(np.int32).astype(np.int64)
+    if int(counts.sum()) != count or bool((counts < 0).any()):
+        raise PatchError(f"the patch's chunk counts add up to {int(counts.sum())}, not {count}")
+    low = raw[4 * m:4 * m + 2 * count].view(np.uint16).astype(np.int64)
+    positions = np.repeat(np.arange(m, dtype=np.int64) << CHUNK_BITS, counts) + low
+    if count and int(positions.max()) >= numel:
+        raise PatchError(f"a position lies past the piece's {numel} elements")
+    values_at = aligned(4 * m + 2 * count, 8)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    values = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize)).copy()
+    return torch.from_numpy(positions), torch.from_numpy(values)
+
+
+# -- applying, with the undo ----------------------------------------------------------------------
+
+@dataclass
+class Undo:
+    """What a delta update overwrote on a receiver, in the order written, to restore on failure."""
+
+    writes: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+
+    def restore(self) -> None:
+        """Put back every overwritten value, last write first."""
+        with torch.no_grad():
+            for target, positions, old in reversed(self.writes):
+                if positions is None:
+                    target.detach().copy_(old)
+                else:
+                    _scatter(target, positions, old)
+        self.writes.clear()
+
+
+def _on_host(target: torch.Tensor) -> bool:
+    return target.device.type == "cpu" and target.is_contiguous()
+
+
+def _gather(target: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    if _on_host(target):
+        return torch.from_numpy(host_ints(target)[_array(positions)])
+    ints = int_view(target)
+    positions = positions.to(target.device)
+    if target.is_contiguous():
+        return ints.reshape(-1)[positions].cpu()
+    return ints[torch.unravel_index(positions, tuple(target.shape))].cpu()
+
+
+def _scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    if _on_host(target):
+        host_ints(target)[_array(positions)] = _array(values)
+        return
+    ints = int_view(target)
+    positions, values = positions.to(target.device), values.to(target.device)
+    if target.is_contiguous():
+        ints.reshape(-1).index_copy_(0, positions, values)
+    else:
+        ints[torch.unravel_index(positions, tuple(target.shape))] = values
+
+
+def apply(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, undo: Undo) -> torch.Tensor:
+    """Write ``values`` at flat ``positions`` of ``target`` in place, keeping the overwritten
+    values in ``undo``. Returns the values found before, for the sums."""
+    with torch.no_grad():
+        found = _gather(target, positions)
+        undo.writes.append((target, positions, found))
+        _scatter(target, positions, values)
+        return found
+
+
+def keep_whole(target: torch.Tensor, undo: Undo) -> None:
+    """Before a raw piece overwrites ``target``: its old bytes into ``undo``."""
+    undo.writes.append((target, None, target.detach().clone()))
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+def patch_sums(positions: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
+    """For each of ``values`` (integers at ``positions``), an int64 position-weighted sum
+    (wrapping); the weights are made once for all of them."""
+    with np.errstate(over="ignore"):
+        weights = ((_array(positions) + 1) * _GOLDEN) | 1
+        return [torch.tensor(int(np.dot(weights, _array(v).astype(np.int64))), dtype=torch.int64) for v in values]
+
+
+def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """An int64 position-weighted sum of integer ``values`` at ``positions`` (wrapping)."""
+    return patch_sums(positions, values)[0]
+
+
+def audit_window(sizes: Sequence[int], turn: int) -> list[tuple[int, int, int]]:
+    """Turn ``turn``'s window of a receiver's pieces (their byte ``sizes``, in order, laid end to
+    end): 1/AUDIT_ROUNDS of their bytes, as (piece, start, stop) byte ranges of its pieces."""
+    total = sum(sizes)
+    turn %= AUDIT_ROUNDS
+    lo, hi = total * turn // AUDIT_ROUNDS, total * (turn + 1) // AUDIT_ROUNDS
+    out, at = [], 0
+    for i, size in enumerate(sizes):
+        start, stop = max(lo, at), min(hi, at + size)
+        if start < stop:
+            out.append((i, start - at, stop - at))
+        at += size
+    return out
+
+
+# -- the trainer's copy ---------------------------------------------------------------------------
+
+class Base:
+    """The trainer's copy of what every receiver holds (host memory, at most ``max_bytes``; None:
+    no bound). A tensor past the bound is not kept: it travels raw in every update."""
+
+    def __init__(self, max_bytes: int | None):
+        self.max_bytes = max_bytes
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.id: str | None = None  # what a receiver holding exactly this copy holds
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def held(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The base of ``name`` where it matches ``tensor``'s dtype and shape."""
+        base = self.tensors.get(name)
+        if base is None or base.dtype != tensor.dtype or base.shape != tensor.shape:
+            return None
+        return base
+
+    def room_for(self, name: str, nbytes: int, pending: int) -> bool:
+        """Whether a new tensor of ``nbytes`` fits the bound, beside ``pending`` bytes already to be kept."""
+        if self.max_bytes is None:
+            return True
+        kept = self.nbytes - (self.tensors[name].numel() * self.tensors[name].element_size()
+                              if name in self.tensors else 0)
+        return kept + pending + nbytes <= self.max_bytes
+
+    def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str) -> None:
+        """Every receiver now holds the pushed version: apply it to the copy."""
+        for name, patch in patches.items():
+            flat_ints(self.tensors[name]).index_copy_(0, patch.positions, patch.new)
+        self.tensors.update(copies)
+        self.id = new_id
+
+
+# -- buckets of a delta update --------------------------------------------------------------------
+# A delta update sends, per bucket of a receiver's layout (transfer.py), two messages: a header
+# (an int64 per piece: RAW, or its count of changes, 0 for none) and, when any piece changed,
+# the data: each piece's patch or raw bytes at 64-byte aligned offsets. The header is what lets a
+# receiver size the data message: a patch's size is known only once the trainer has compared.
+
+def _itemsize(entry: SyncTensor) -> int:
+    return DTYPES[entry.dtype].itemsize
+
+
+def data_sizes(layout: BucketLayout, entries: Sequence[SyncTensor], counts: Sequence[int]) -> list[int]:
+    """Each piece's bytes in a bucket's data message, from its header's ``counts``."""
+    sizes = []
+    for (piece, _), count in zip(layout.items, counts):
+        size = _itemsize(entries[piece.entry])
+        sizes.append(piece.nbytes if count == RAW else encoded_size(piece.nbytes // size, count, size))
+    return sizes
+
+
+def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
+                patches: Mapping[int, Patch], place: TPPlace, device: torch.device
+                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A bucket's messages (header, then data where there is any) for receivers at ``place``, and
+    its row of the update's check: the data's checksum and the base's and new values' patch sums."""
+    counts, parts = [], []
+    old_sum = new_sum = torch.zeros((), dtype=torch.int64)
+    for piece, _ in layout.items:
+        entry = entries[piece.entry]
+        patch = patches.get(piece.entry)
+        if not piece.nbytes or patch is None:  # nothing kept, or no base: raw
+            counts.append(0 if not piece.nbytes else RAW)
+            parts.append(None)
+            continue
+        part = piece_patch(patch, entry.shape, entry.name, piece.action, place, piece.shape)
+        count = part.positions.numel()
+        if count and not pays(piece.nbytes // _itemsize(entry), count, _itemsize(entry)):
+            counts.append(RAW)
+            parts.append(None)
+            continue
+        counts.append(count)
+        parts.append(part)
+        old_part, new_part = patch_sums(part.positions, part.old, part.new)
+        old_sum, new_sum = old_sum + old_part, new_sum + new_part
+    header = torch.tensor(counts, dtype=torch.int64).to(device)
+    at, size = offsets(data_sizes(layout, entries, counts), ALIGN)
+    if not size:
+        return [header], torch.stack([torch.zeros((), dtype=torch.int64)] * 2 + [old_sum, new_sum])
+    data = torch.zeros(size, dtype=torch.uint8, device=device)
+    for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at,
+                                                      data_sizes(layout, entries, counts)):
+        if count == RAW:
+            pack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes),
+                 {piece.entry: whole[piece.entry].to(device)}, place)
+        elif count:
+            encode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entries[piece.entry]), part)
+    return [header, data], torch.cat([checksum(data).cpu(), old_sum.view(1), new_sum.view(1)])
+
+
+def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: BucketLayout,
+                   entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo) -> torch.Tensor:
+    """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``);
+    returns its row of the check, as this receiver found it."""
+    old_sum = new_sum = torch.zeros((), dtype=torch.int64)
+    sizes = data_sizes(layout, entries, counts)
+    at, _ = offsets(sizes, ALIGN)
+    for (piece, _), count, offset, nbytes in zip(layout.items, counts, at, sizes):
+        if not count:
+            continue
+        entry = entries[piece.entry]
+        target = targets[entry.name]
+        assert data is not None
+        if count == RAW:
+            keep_whole(target, undo)
+            unpack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes), entries, targets)
+            continue
+        positions, values = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
+                                   DTYPES[entry.dtype])
+        # The second sum is of the values as decoded: the data's checksum covers the bytes that
+        # arrived, this their reading (positions and values as the trainer meant them).
+        old_part, new_part = patch_sums(positions, apply(target, positions, values, undo), values)
+        old_sum, new_sum = old_sum + old_part, new_sum + new_part
+    summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
+    return torch.cat([summed, old_sum.view(1), new_sum.view(1)])
+
+
+def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple[KeptSlice, int, int]]]:
+    """This turn's audit window of a receiver's pieces, by bucket: (piece, start, stop) bytes."""
+    pieces = [(i, piece) for i, layout in enumerate(plan) for piece, _ in layout.items]
+    out: dict[int, list[tuple[KeptSlice, int, int]]] = {}
+    for k, start, stop in audit_window([piece.nbytes for _, piece in pieces], turn):
+        bucket, piece = pieces[k]
+        out.setdefault(bucket, []).append((piece, start, stop))
+    return out
+
+
+def audit_row(data: torch.Tensor) -> torch.Tensor:
+    return torch.cat([checksum(data).cpu(), torch.zeros(2, dtype=torch.int64)])
+
+
+def sent_audit(parts: Sequence[tuple[KeptSlice, int, int]], whole: Mapping[int, torch.Tensor],
+               place: TPPlace) -> list[torch.Tensor]:
+    """The audit rows of ``parts`` from the version being sent (``whole``: its tensors)."""
+    rows = []
+    for piece, start, stop in parts:
+        source = whole[piece.entry].detach().to("cpu")
+        if piece.run is not None:
+            data = run_bytes(source, piece)[start:stop]
+        else:
+            data = torch.empty(piece.nbytes, dtype=torch.uint8)
+            pack(data, BucketLayout(((piece, 0),), piece.nbytes), {piece.entry: source}, place)
+            data = data[start:stop]
+        rows.append(audit_row(data))
+    return rows
+
+
+def held_audit(parts: Sequence[tuple[KeptSlice, int, int]], entries: Sequence[SyncTensor],
+               targets: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The audit rows of ``parts`` from what a receiver's tensors hold."""
+    return [audit_row(flat_bytes(targets[entries[piece.entry].name].detach().contiguous().cpu())[start:stop])
+            for piece, start, stop in parts]

@@ -1,0 +1,241 @@
+"""Delta updates (distload/live/delta.py) as pure functions: what changed, its encoding, a TP
+piece's share of it, the undo, the checks and the audit window. The protocol between jobs is
+tested in tests/test_sync_jobs.py (the "delta" scenario) and inside one job in tests/test_sync.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distload.live import delta as deltas
+from distload.live.transfer import SyncTensor, group_entries, layouts, pack
+from distload.loading.index import dtype_code
+from distload.tp.place import TPPlace
+from distload.tp.slices import take_shard
+from distload.tp.spec import load_spec
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return deltas.flat_ints(t.contiguous())
+
+
+def _changed(shape, dtype, fraction, seed=0):
+    """A tensor and a copy with about ``fraction`` of its elements changed (bit patterns)."""
+    gen = torch.Generator().manual_seed(seed)
+    old = (torch.randn(shape, generator=gen) * 4).to(dtype)
+    new = old.clone()
+    ints = deltas.flat_ints(new)
+    hit = torch.rand(ints.numel(), generator=gen) < fraction
+    ints[hit] ^= 1  # the lowest bit: the smallest change a value can make
+    return old, new
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("numel", [1, 7, 4096 + 3, (1 << 16) * 3 + 5])
+def test_changed_positions_are_every_element_whose_bits_differ(dtype, numel):
+    old, new = _changed((numel,), dtype, 0.05)
+    want = torch.ne(_bits(old), _bits(new)).nonzero().squeeze(1)
+    got = deltas.changed_positions(_bits(new), _bits(old))
+    assert torch.equal(got, want)
+    # Unaligned views (a slice one element in) take the element-wise path and agree.
+    if numel > 1:
+        got = deltas.changed_positions(_bits(new)[1:], _bits(old)[1:])
+        assert torch.equal(got, want[want > 0] - 1)
+
+
+def test_a_nan_payload_and_a_signed_zero_are_changes():
+    old = torch.tensor([0.0, float("nan"), 1.0, 2.0], dtype=torch.bfloat16)
+    new = old.clone()
+    new[0] = -0.0  # == 0.0 as a number, other bits
+    deltas.flat_ints(new)[1] ^= 1  # another NaN
+    assert deltas.diff(new, old).positions.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("numel,count", [(10, 3), ((1 << 16) * 2 + 9, 2000), ((1 << 16) * 4, 1)])
+def test_a_patch_decodes_to_what_was_encoded_and_applies_exactly(numel, count):
+    old, _ = _changed((numel,), torch.bfloat16, 0.0)
+    gen = torch.Generator().manual_seed(numel)
+    positions = torch.randperm(numel, generator=gen)[:count].sort().values
+    new = old.clone()
+    deltas.flat_ints(new)[positions] += 3
+    patch = deltas.diff(new, old)
+    assert torch.equal(patch.positions, positions)
+    size = deltas.encoded_size(numel, count, 2)
+    assert size == deltas.aligned(4 * deltas.chunks(numel) + 2 * count, 8) + 2 * count
+    data = torch.full((size,), 0xAB, dtype=torch.uint8)
+    deltas.encode(data, numel, patch)
+    got_positions, values = deltas.decode(data, numel, count, torch.bfloat16)
+    assert torch.equal(got_positions, positions) and torch.equal(values, patch.new)
+    target = old.clone()
+    undo = deltas.Undo()
+    found = deltas.apply(target, got_positions, values, undo)
+    assert torch.equal(_bits(target), _bits(new)) and torch.equal(found, patch.old)
+    undo.restore()
+    assert torch.equal(_bits(target), _bits(old))
+
+
+def test_a_corrupted_patch_is_refused_before_it_writes():
+    old, new = _changed((5000,), torch.float32, 0.1)
+    patch = deltas.diff(new, old)
+    count = patch.positions.numel()
+    data = torch.empty(deltas.encoded_size(5000, count, 4), dtype=torch.uint8)
+    deltas.encode(data, 5000, patch)
+    counts = data[:4].view(torch.int32)
+    counts += 1
+    with pytest.raises(deltas.PatchError, match="add up to"):
+        deltas.decode(data, 5000, count, torch.float32)
+    counts -= 1
+    with pytest.raises(deltas.PatchError, match="past the piece"):
+        deltas.decode(data, 4000, count, torch.float32)
+
+
+def test_a_patch_pays_only_when_smaller_than_the_piece():
+    assert deltas.pays(1 << 20, 1000, 2)
+    assert not deltas.pays(1 << 20, 1 << 19, 2)  # half the elements: 4 bytes a change, 2 a piece's element
+    assert not deltas.pays(3, 1, 4)  # the chunk count alone costs as much
+    assert deltas.encoded_size(1 << 20, 0, 2) == 0
+
+
+def test_undo_at_any_strides_restores_exactly():
+    whole = torch.randn(16, 12)
+    target = whole.t()  # not contiguous
+    before = target.clone()
+    undo = deltas.Undo()
+    positions = torch.tensor([0, 5, 13, 100, 191])
+    values = deltas.flat_ints(torch.arange(5, dtype=torch.float32))
+    deltas.apply(target, positions, values, undo)
+    assert torch.equal(target.reshape(-1)[positions], torch.arange(5, dtype=torch.float32))
+    deltas.keep_whole(target, undo)
+    target.fill_(7)
+    undo.restore()
+    assert torch.equal(target, before)
+
+
+# A Llama-shaped tensor set: fused parts, heads, a padded vocabulary, a dim-1 split.
+_CONFIG = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_size": 32,
+           "vocab_size": 100}
+_SHAPES = {"model.embed_tokens.weight": (100, 32), "model.layers.0.self_attn.qkv_proj.weight": (64, 32),
+           "model.layers.0.self_attn.o_proj.weight": (32, 32), "model.layers.0.mlp.down_proj.weight": (32, 48),
+           "model.layers.0.input_layernorm.weight": (32,), "lm_head.weight": (100, 32)}
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_a_tp_piece_gets_exactly_its_slices_changes(tp_size):
+    spec = load_spec("decoder", _CONFIG)
+    olds, news = {}, {}
+    for i, (name, shape) in enumerate(_SHAPES.items()):
+        olds[name], news[name] = _changed(shape, torch.bfloat16, 0.1, seed=i)
+    entries = [SyncTensor(n, dtype_code(t.dtype), tuple(t.shape), t.numel() * 2) for n, t in olds.items()]
+    for rank in range(tp_size):
+        place = TPPlace(tp_size, rank, spec)
+        for layout in layouts(entries, group_entries(entries, 1 << 20), place, False):
+            for piece, _ in layout.items:
+                name = entries[piece.entry].name
+                action = spec.action(name, _SHAPES[name])
+                old_slice = take_shard(olds[name], action, rank, tp_size, name).contiguous()
+                new_slice = take_shard(news[name], action, rank, tp_size, name).contiguous()
+                part = deltas.piece_patch(deltas.diff(news[name], olds[name]), _SHAPES[name], name, piece.action,
+                                          place, piece.shape)
+                want = deltas.diff(new_slice, old_slice)
+                assert torch.equal(part.positions, want.positions), (rank, name)
+                assert torch.equal(part.new, want.new) and torch.equal(part.old, want.old), (rank, name)
+
+
+def test_a_bucket_round_trips_through_its_messages_with_matching_checks():
+    """send_bucket's messages into receive_bucket: the receiver ends at the new version, its
+    check row equals the trainer's; a receiver whose base differs at a changed position does not."""
+    shapes = {"a": (300, 40), "b": (64,), "c": (7, 3), "d": (0, 4)}
+    olds, news = {}, {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        olds[name], news[name] = _changed(shape, torch.bfloat16, 0.03 if name != "c" else 1.0, seed=i)
+    entries = [SyncTensor(n, "BF16", shapes[n], olds[n].numel() * 2) for n in shapes]
+    (layout,) = layouts(entries, group_entries(entries, 1 << 20), TPPlace(), False)
+    patches = {i: deltas.diff(news[e.name], olds[e.name]) for i, e in enumerate(entries)}
+    whole = {i: news[e.name] for i, e in enumerate(entries)}
+    messages, row = deltas.send_bucket(layout, entries, whole, patches, TPPlace(), torch.device("cpu"))
+    header, data = messages
+    counts = header.tolist()
+    assert counts[2] == deltas.RAW and counts[3] == 0 and 0 < counts[0] < 300 * 40 // 10, counts
+    assert data.numel() < 0.2 * sum(e.nbytes for e in entries)
+
+    for drifted in (False, True):
+        targets = {n: t.clone() for n, t in olds.items()}
+        if drifted:  # every element of "a" moved one bit since the base
+            deltas.flat_ints(targets["a"]).__ixor__(2)
+        before = {n: t.clone() for n, t in targets.items()}
+        undo = deltas.Undo()
+        mine = deltas.receive_bucket(data, counts, layout, entries, targets, undo)
+        assert torch.equal(mine[:2], row[:2])  # the bytes arrived as sent
+        assert torch.equal(mine[3], row[3])  # and were read as sent
+        if not drifted:
+            assert torch.equal(mine, row)
+            assert all(torch.equal(_bits(targets[n]), _bits(news[n])) for n in shapes)
+        else:
+            assert mine[2] != row[2]  # the values overwritten were not the base's
+        undo.restore()
+        assert all(torch.equal(_bits(targets[n]), _bits(before[n])) for n in shapes)
+
+
+def test_patch_sums_tell_every_single_change_apart():
+    positions = torch.arange(0, 10000, 7)
+    values = torch.randint(-2**15, 2**15, (positions.numel(),), dtype=torch.int16)
+    total = deltas.patch_sum(positions, values)
+    for k in (0, 5, positions.numel() - 1):
+        for delta in (1, -1, 2**14):
+            other = values.clone()
+            other[k] += delta
+            assert deltas.patch_sum(positions, other) != total
+    moved = positions.clone()
+    moved[3] += 1
+    assert deltas.patch_sum(moved, values) != total
+
+
+def test_the_audit_window_covers_every_byte_once_per_round():
+    sizes = [0, 10, 3, 1000, 0, 77, 1 << 16]
+    seen = [torch.zeros(s, dtype=torch.int32) for s in sizes]
+    for turn in range(deltas.AUDIT_ROUNDS):
+        for piece, start, stop in deltas.audit_window(sizes, turn):
+            seen[piece][start:stop] += 1
+    assert all(bool((s == 1).all()) for s in seen)
+    assert deltas.audit_window(sizes, deltas.AUDIT_ROUNDS + 3) == deltas.audit_window(sizes, 3)
+
+
+def test_the_audit_of_a_sliced_piece_is_the_bytes_the_receiver_holds():
+    spec = load_spec("decoder", _CONFIG)
+    news = {n: torch.randn(s).to(torch.bfloat16) for n, s in _SHAPES.items()}
+    entries = [SyncTensor(n, "BF16", s, news[n].numel() * 2) for n, s in _SHAPES.items()]
+    place = TPPlace(2, 1, spec)
+    plan = layouts(entries, group_entries(entries, 1 << 20), place, False)
+    held = {}
+    for layout in plan:
+        for piece, _ in layout.items:
+            buffer = torch.empty(piece.nbytes, dtype=torch.uint8)
+            pack(buffer, type(layout)(((piece, 0),), piece.nbytes), {piece.entry: news[entries[piece.entry].name]},
+                 place)
+            held[entries[piece.entry].name] = buffer.view(torch.bfloat16).view(piece.shape)
+    whole = dict(enumerate(news.values()))
+    for turn in range(deltas.AUDIT_ROUNDS):
+        parts = [p for ps in deltas.audit_parts(plan, turn).values() for p in ps]
+        assert torch.equal(torch.stack(deltas.sent_audit(parts, whole, place)),
+                           torch.stack(deltas.held_audit(parts, entries, held)))
+    name = "model.layers.0.mlp.down_proj.weight"  # split along dim 1: packed, not a run
+    deltas.flat_ints(held[name])[5] ^= 1
+    mismatches = 0
+    for turn in range(deltas.AUDIT_ROUNDS):
+        parts = [p for ps in deltas.audit_parts(plan, turn).values() for p in ps]
+        mismatches += not torch.equal(torch.stack(deltas.sent_audit(parts, whole, place)),
+                                      torch.stack(deltas.held_audit(parts, entries, held)))
+    assert mismatches == 1  # found by exactly one turn of the round
+
+
+def test_the_base_keeps_only_what_fits_its_bound():
+    base = deltas.Base(max_bytes=100)
+    assert base.room_for("a", 80, 0) and not base.room_for("b", 30, 80)
+    base.commit({}, {"a": torch.zeros(20, dtype=torch.float32)}, "x:1")
+    assert base.nbytes == 80 and base.id == "x:1"
+    assert base.room_for("a", 100, 0)  # replacing "a" frees its own bytes
+    assert base.held("a", torch.zeros(20)) is not None and base.held("a", torch.zeros(21)) is None
+    new = torch.zeros(20)
+    new[[3, 7]] = 1
+    base.commit({"a": deltas.diff(new, base.tensors["a"])}, {}, "x:2")
+    assert torch.equal(base.tensors["a"], new) and base.id == "x:2"
