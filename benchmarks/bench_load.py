@@ -296,7 +296,14 @@ def measure_probe(folder: str) -> dict:
 
 
 def machine() -> dict:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    def version(name: str) -> str:  # a peer not installed here is said so, not a failed run
+        try:
+            return installed(name)
+        except PackageNotFoundError:
+            return "not installed"
 
     disk = psutil.disk_usage(tempfile.gettempdir())
     return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
