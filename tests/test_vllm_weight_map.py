@@ -60,6 +60,17 @@ def checkpoint():
             "scaled": r(4), "rotary": r(3), "fused": r(8, 2)}
 
 
+def loaded_and_blank(ck):
+    """Two models that start alike: one loaded by its own loaders, one to fill from a record."""
+    expected = Tiny()
+    for p in expected.parameters():
+        p.data.fill_(3)
+    actual = Tiny()
+    actual.load_state_dict(expected.state_dict())
+    expected.load_weights(iter(ck.items()))
+    return expected, actual
+
+
 def _box_of(tensor, box):
     if isinstance(box, Rows):
         return torch.cat([tensor[a:b] for a, b in box.runs])
@@ -79,12 +90,7 @@ def test_a_record_replayed_equals_the_loaders_bit_for_bit(boxed):
     assert {c.tensor for c in record.copies} == {"embed", "q", "k", "v", "conv", "norm", "fused"}
     assert [c.casts for c in record.copies if c.tensor == "norm"] == [("float32",)]
 
-    expected = Tiny()
-    for p in expected.parameters():
-        p.data.fill_(3)
-    actual = Tiny()
-    actual.load_state_dict(expected.state_dict())
-    expected.load_weights(iter(ck.items()))
+    expected, actual = loaded_and_blank(ck)
     targets = dict(actual.state_dict(keep_vars=True))
     replayed = WeightMap.from_json(__import__("json").dumps(record.to_dict()))  # through the cache form
     shapes = {n: tuple(t.shape) for n, t in ck.items()}
@@ -114,12 +120,7 @@ def test_reading_straight_into_the_parameters_equals_the_loaders_bit_for_bit():
     model = Tiny()
     record = record_weight_map("k", [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()],
                                dict(model.state_dict(keep_vars=True)), model.load_weights)
-    expected = Tiny()
-    for p in expected.parameters():
-        p.data.fill_(3)
-    actual = Tiny()
-    actual.load_state_dict(expected.state_dict())
-    expected.load_weights(iter(ck.items()))
+    expected, actual = loaded_and_blank(ck)
     targets = dict(actual.state_dict(keep_vars=True))
     shapes = {n: tuple(t.shape) for n, t in ck.items()}
     boxes = record.boxes(shapes)
