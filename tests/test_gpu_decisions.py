@@ -104,7 +104,7 @@ def test_pairs_time_out_after_the_channel_timeout_and_abort_only_their_communica
     monkeypatch.setattr(rendezvous, "await_session", lambda *a: record)
     monkeypatch.setattr(rendezvous, "process_group", lambda store, rank, size, backend, timeout_s:
                         made.append((backend, timeout_s)) or object())
-    store = dist.HashStore()
+    store = rendezvous.BoundedStore(dist.HashStore(), "x", "trainer rank 0")  # the channel's bounded store
     s = session_mod.join(store, "inference", 0, 1, _info("cuda", "GPU-b"), time.monotonic() - 1, address="x",
                          timeout_s=120.0, name=lambda role, rank: f"{role} {rank}")
     s.beat.stop()
