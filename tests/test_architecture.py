@@ -313,7 +313,7 @@ FLOORS = [
     {"tp"},  # tensor parallelism as pure data
     {"loading"},  # the load path: the base every feature stands on
     {"checkpoints", "live"},  # checkpoints as files; live updates to a loaded model (peers: neither imports the other)
-    {"vllm"},  # inside vLLM (and reshard for vLLM, made by its engine)
+    {"vllm", "verl"},  # inside vLLM (and reshard for vLLM, made by its engine); verl's checkpoint engine
     {"cli"},  # the command line
     {"__init__", "__main__"},  # the package's face
 ]
