@@ -223,9 +223,10 @@ class DistloadCheckpointEngine(CheckpointEngine):
                                   f"({type(name).__name__}, {type(tensor).__name__})")
             if name in staged:
                 raise ConfigError(f"the actor's weights yield {name!r} twice in one step")
+            if hasattr(tensor, "full_tensor"):  # gathering it is collective: only the master is here
+                raise ConfigError(f"the actor's weights yield {name!r} as a DTensor: the distload checkpoint "
+                                  f"engine takes full tensors, as verl's get_per_tensor_param yields them")
             tensor = tensor.detach()
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
             copy = self._staged.get(name)
             if copy is None or copy.dtype != tensor.dtype or copy.shape != tensor.shape:
                 copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
