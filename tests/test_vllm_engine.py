@@ -5,8 +5,9 @@ of the original Hugging Face checkpoint, on 1 and 2 tensor-parallel ranks; and (
 architecture through the weight map recorded from vLLM's own loaders, bit for bit.
 
 vLLM runs in its own virtual environment (``.vllm-venv``, which ``bash .ci/run`` makes; or
-DISTLOAD_VLLM_PYTHON), with distload installed in it. Engines start one after the other inside one
-driver process, TP 1 then TP 2 (tests/vllm_driver.py); the tests read its results.
+DISTLOAD_VLLM_PYTHON), with distload installed in it. Every engine of the module starts one after
+the other inside one driver process, TP 1, TP 2, then the architectures (tests/vllm_driver.py;
+vLLM imported once); the tests read its results.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import distload
 
 from conftest import in_ci
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1300)]  # the first test waits for every engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tests", "vllm_driver.py")
@@ -32,7 +33,7 @@ DRIVER = os.path.join(ROOT, "tests", "vllm_driver.py")
 MAKE_MODELS = r"""
 import sys, torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-llama, qwen = sys.argv[1:3]
+llama, qwen, root = sys.argv[1:4]
 shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
 torch.manual_seed(0)
@@ -70,17 +71,21 @@ def vllm_python() -> str:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    """Every model of the module, made by transformers in one start of vLLM's environment: the
+    Llama and the Qwen2 of the TP 1 and TP 2 cases, and one per architecture (root/NAME)."""
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-models")
-    paths = {"llama": str(root / "llama"), "qwen": str(root / "qwen2-tied")}
-    made = subprocess.run([python, "-c", CHECK_ENVIRONMENT + MAKE_MODELS, paths["llama"], paths["qwen"]],
-                          capture_output=True, text=True, timeout=300)
+    paths = {"llama": str(root / "llama"), "qwen": str(root / "qwen2-tied"), "root": str(root)}
+    made = subprocess.run([python, "-c", CHECK_ENVIRONMENT + MAKE_MODELS + MAKE_ARCHITECTURES, paths["llama"],
+                           paths["qwen"], str(root)], capture_output=True, text=True, timeout=300)
     if made.returncode == 3 and made.stdout.startswith("IMPORT FAILED: "):
         missing_vllm(f"{python} cannot import vllm and distload: {made.stdout.strip()[len('IMPORT FAILED: '):]}")
     assert made.returncode == 0, made.stderr[-3000:]
-    for tp in (1, 2):
-        paths[f"llama-tp{tp}"] = str(root / f"llama-tp{tp}")
-        assert distload.reshard(paths["llama"], paths[f"llama-tp{tp}"], tp).spec == "vllm"
+    # TP 1: saved by distload.reshard for vLLM, which runs vLLM's engine in a child process (the
+    # tp1 "saved" case); TP 2: by distload's table of vLLM's names (vLLM not installed here).
+    paths["llama-tp1"] = str(root / "llama-tp1")
+    paths["llama-tp2"] = str(root / "llama-tp2")
+    assert distload.reshard(paths["llama"], paths["llama-tp2"], 2).spec == "vllm"
     paths["qwen-tp2"] = str(root / "qwen2-tied-tp2")
     distload.reshard(paths["qwen"], paths["qwen-tp2"], 2)
     paths["llama-tp2-engine"] = str(root / "llama-tp2-engine")  # saved by the TP 2 plugin engine (save_sharded)
@@ -143,7 +148,7 @@ def _drive(python: str, tp: int, cases: list[dict], weight_maps: str) -> dict:
                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     env["DISTLOAD_WEIGHT_MAP_CACHE"] = weight_maps  # the plugin's cache, not the user's ~/.cache
     result = subprocess.run([python, DRIVER, str(tp), json.dumps(cases)], capture_output=True, text=True,
-                            timeout=840, env=env)
+                            timeout=1200, env=env)
     lines = [x for x in result.stdout.splitlines() if x.startswith("RESULT ")]
     assert result.returncode == 0 and lines, result.stdout[-3000:] + result.stderr[-6000:]
     out = json.loads(lines[0][len("RESULT "):])
@@ -154,7 +159,7 @@ def _drive(python: str, tp: int, cases: list[dict], weight_maps: str) -> dict:
 def tp1_cases(p: dict) -> list[dict]:
     return [
         {"name": "reference", "model": p["llama"], "format": "auto"},
-        {"name": "saved", "model": p["llama-tp1"], "format": "sharded_state"},
+        {"name": "saved", "model": p["llama-tp1"], "format": "sharded_state", "reshard_from": p["llama"]},
         {"name": "plugin", "model": p["llama"], "format": "distload", "extra": {"reader": "auto"}},
         {"name": "dummy", "model": p["llama"], "format": "dummy", "reload": p["llama"]},
     ]
@@ -180,10 +185,27 @@ def tp2_cases(p: dict, address: str) -> list[dict]:
     ]
 
 
+def architecture_cases(p: dict) -> list[dict]:
+    """One TP 2 engine per architecture, loaded by distload with check_weight_map: the load is
+    compared with vLLM's own load of the same checkpoint into the same model, every parameter bit
+    for bit, before vLLM's post-processing (the engine fails to start on any difference).
+    Identical parameters there give identical tokens: the reference engines of --load-format
+    safetensors are left out to keep the suite's time (one engine start per architecture, ~25 s
+    each here). Phi-3 (no table knows it) is also saved for vLLM by its engine (save_sharded),
+    then served from that save by vLLM's own sharded_state loader."""
+    root = p["root"]
+    cases = [{"name": a, "model": f"{root}/{a}", "format": "distload", "extra": {"check_weight_map": True}}
+             for a in ARCHITECTURES]
+    cases[ARCHITECTURES.index("phi3")]["extra"]["save_sharded"] = f"{root}/phi3-tp2"
+    cases.append({"name": "phi3 saved", "model": f"{root}/phi3-tp2", "format": "sharded_state"})
+    return [dict(case, tp=2, name=f"arch {case['name']}") for case in cases]
+
+
 @pytest.fixture(scope="module")
 def engines(checkpoints, tmp_path_factory):
-    """Every engine of this module, TP 1 then TP 2, one after the other in one driver process
-    (vLLM imported once): tensor-parallel size -> case name -> its result."""
+    """Every engine of this module, one after the other in one driver process (vLLM imported
+    once): TP 1, TP 2, then the architectures at TP 2. tensor-parallel size (or "arch") -> case
+    name -> its result; "_output" is the driver's output (vLLM logs its workers' lines there)."""
     python, p = checkpoints
     from dist_helpers import clean_env, free_port, write_script
 
@@ -193,19 +215,21 @@ def engines(checkpoints, tmp_path_factory):
                                 script, address, p["llama-b"], p["llama"]], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=clean_env())
     cases = {1: tp1_cases(p), 2: tp2_cases(p, address)}
+    weight_maps = str(tmp_path_factory.mktemp("weight-maps"))
     try:
         results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}")
-                                     for tp in (1, 2) for case in cases[tp]],
-                         str(tmp_path_factory.mktemp("weight-maps")))
+                                     for tp in (1, 2) for case in cases[tp]] + architecture_cases(p), weight_maps)
         trainer_output = trainer.communicate(timeout=120)[0]
     finally:
         if trainer.poll() is None:
             trainer.kill()
     out = {tp: {case["name"]: results[f"tp{tp} {case['name']}"] for case in cases[tp]
                 if f"tp{tp} {case['name']}" in results} for tp in (1, 2)}
-    for tp in (1, 2):
-        out[tp]["_output"] = results["_output"]
+    out["arch"] = {name[len("arch "):]: value for name, value in results.items() if name.startswith("arch ")}
+    for key in out:
+        out[key]["_output"] = results["_output"]
     out[2]["_trainer"] = trainer_output
+    out["arch"]["_cached"] = sorted(os.listdir(weight_maps))
     return out
 
 
@@ -325,8 +349,7 @@ def test_a_trainer_job_pushes_into_a_running_vllm_engine(tp2):
 
 # One tiny model per trait the recorder must get right, each saved by transformers itself.
 MAKE_ARCHITECTURES = r"""
-import sys, torch, transformers as T
-root = sys.argv[1]
+import transformers as T
 shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256)
 models = {
@@ -349,26 +372,17 @@ ARCHITECTURES = ["qwen2moe", "phi3", "gpt2", "qwen3", "bloom"]
 
 
 @pytest.fixture(scope="module")
-def architectures(tmp_path_factory):
-    """One TP 2 engine per architecture, loaded by distload with check_weight_map: the load is compared
-    with vLLM's own load of the same checkpoint into the same model, every parameter bit for bit,
-    before vLLM's post-processing (the engine fails to start on any difference). Identical
-    parameters there give identical tokens: the reference engines of --load-format safetensors
-    are left out to keep the suite's time (one engine start per architecture, ~25 s each here)."""
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm-architectures")
-    made = subprocess.run([python, "-c", MAKE_ARCHITECTURES, str(root)], capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-3000:]
-    cache = root / "layouts"
-    cases = [{"name": a, "model": str(root / a), "format": "distload", "extra": {"check_weight_map": True}}
-             for a in ARCHITECTURES]
-    # Phi-3 (no table knows it) saved for vLLM by distload.reshard, which runs vLLM's engine to write
-    # it; then served from that save by vLLM's own sharded_state loader.
-    cases.append({"name": "phi3 saved", "model": str(root / "phi3-tp2"), "format": "sharded_state",
-                  "reshard_from": str(root / "phi3")})
-    results = _drive(python, 2, cases, str(cache))
-    results["_cached"] = sorted(os.listdir(cache))
-    return results
+def architectures(engines):
+    return engines["arch"]
+
+
+def _case_output(output: str, name: str) -> str:
+    """The driver's output of one case: from the end of the case before it to its own CASE line
+    (the driver runs the cases one after the other and prints CASE when each ends)."""
+    lines = output.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith(f"CASE {name} "))
+    begin = max((i for i, line in enumerate(lines[:end]) if line.startswith("CASE ")), default=-1)
+    return "\n".join(lines[begin + 1:end])
 
 
 @pytest.mark.slow
@@ -378,11 +392,27 @@ def test_any_architecture_loads_through_the_recorded_weight_map_bit_for_bit(arch
 
 
 @pytest.mark.slow
-def test_reshard_for_vllm_saves_an_architecture_no_table_knows(architectures):
+def test_the_engine_saves_an_architecture_no_table_knows_for_vllms_sharded_state_loader(architectures):
+    """Phi-3's TP 2 engine (no table knows its names) saves its parameters (save_sharded, what
+    reshard --sharding vllm runs in vLLM's engine); vLLM's own sharded_state loader serves that save
+    token for token as distload's load of the checkpoint (equal to vLLM's own, checked above)."""
     saved = architectures["phi3 saved"]
     assert "tokens" in saved, saved
-    assert saved["resharded"]["spec"] == "vllm" and "written by its engine at TP 2" in saved["resharded"]["note"]
-    assert saved["tokens"] == architectures["phi3"]["tokens"]  # phi3: distload's load, equal to vLLM's own
+    assert saved["tokens"] == architectures["phi3"]["tokens"]
+
+
+@pytest.mark.slow
+def test_reshard_for_vllm_runs_vllms_engine_to_save(tp1):
+    """distload.reshard(..., sharding="vllm") where vLLM is installed: vLLM's engine, started in a
+    child process at the asked TP size, writes the save; vLLM's sharded_state loader serves it."""
+    saved = tp1["saved"]
+    assert saved["resharded"]["spec"] == "vllm" and "written by its engine at TP 1" in saved["resharded"]["note"]
+    assert _tokens(tp1, "saved") == _tokens(tp1, "reference")
+
+
+# The class vLLM names each architecture's model with, in its log of the weight map it records.
+MODEL_CLASSES = {"qwen2moe": "Qwen2MoeForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
+                 "qwen3": "Qwen3ForCausalLM", "bloom": "BloomForCausalLM"}
 
 
 @pytest.mark.slow
@@ -392,12 +422,13 @@ def test_each_tp_rank_reads_its_slices_only(architectures):
     embeddings, BLOOM's q/k/v read whole, make it more than half)."""
     import re
 
-    output = architectures["_output"]
-    for rank in (0, 1):
-        assert output.count(f"on TP rank {rank} of 2") == len(ARCHITECTURES)
-    reads = [(int(a), int(b)) for a, b in re.findall(r"reads (\d+) of the checkpoint's (\d+) bytes", output)]
-    assert len(reads) == 2 * len(ARCHITECTURES)
-    assert all(read < 0.75 * total for read, total in reads), reads
+    for architecture in ARCHITECTURES:
+        output = _case_output(architectures["_output"], f"arch {architecture}")
+        for rank in (0, 1):
+            assert f"weight map of {MODEL_CLASSES[architecture]} on TP rank {rank} of 2" in output, architecture
+        reads = [(int(a), int(b)) for a, b in re.findall(r"reads (\d+) of the checkpoint's (\d+) bytes", output)]
+        assert len(reads) == 2, (architecture, reads)
+        assert all(read < 0.75 * total for read, total in reads), (architecture, reads)
 
 
 @pytest.mark.slow
@@ -405,9 +436,13 @@ def test_a_loader_that_computes_sends_its_tensors_through_vllms_own_loader(archi
     """BLOOM's loader interleaves the heads of its fused q/k/v (a reshape of a transposed view, a
     copy): no region says it, so those tensors go whole through vLLM's loader, and the log says so."""
     assert "tokens" in architectures["bloom"], architectures["bloom"]
-    assert "query_key_value.weight goes through vLLM's own loader" in architectures["_output"]
+    assert "query_key_value.weight goes through vLLM's own loader" in _case_output(architectures["_output"],
+                                                                                  "arch bloom")
 
 
 @pytest.mark.slow
 def test_each_tp_ranks_weight_map_is_cached(architectures):
-    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES), architectures["_cached"]
+    """One cache entry per model and TP rank that loaded a whole checkpoint through distload: each
+    architecture's 2 ranks, and the Llama's (1 at TP 1, 2 at TP 2) and the Qwen2's (2) plugin cases.
+    The Llama's TP 2 pushes and reload and its pre-sharded load record none."""
+    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2, architectures["_cached"]
