@@ -135,6 +135,7 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
         assert push["nbytes"] == push["state_bytes"] == total, push
         assert push["num_tensors"] == len(shapes) and push["num_buckets"] > 3, push
         assert push["wire_bytes"] >= 2 * total, push  # each of the 2 receivers got every byte
+        assert push["transport"] == "shm", push  # one host: packed once into the segment, for both receivers
     for rank in results.inference:
         receives = rank["receives"]
         assert [r["version"] for r in receives] == [1, 2, 3], rank
@@ -146,6 +147,33 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
             assert r["num_tensors"] == len(shapes) and r["num_buckets"] == push["num_buckets"], r
             assert total <= r["wire_bytes"] <= total * 1.05, r
             assert r["verified"], r  # every update is checked by default
+            assert r["transport"] == "shm", r
+    results.assert_exited_cleanly()
+
+
+# -- 1a. same-host handoff ---------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_same_host_pairs_hand_off_through_shared_memory_exactly_as_the_socket_delivers(tmp_path):
+    """One trainer rank and a TP-2 inference job on this host, two channels at once: the default
+    one hands off through shared memory, the other is forced onto the socket. Both deliver
+    every slice of a full update and two delta steps bit for bit; the segment's file is gone
+    from /dev/shm once the session formed, and nothing of it is held after close."""
+    results = run_driver(tmp_path, "handoff", 1, 2, f"tcp://127.0.0.1:{free_port()}")
+    (trainer,) = results.trainer
+    for rank in [trainer] + results.inference:
+        for path in ("shm", "socket"):
+            rows = rank[path]
+            assert [r["version"] for r in rows] == [1, 2, 3], rows
+            assert [r["transport"] for r in rows] == [path] * 3, (rank["role"], rows)
+            assert [r["delta"] for r in rows] == [False, True, True], (rank["role"], rows)
+            assert all(r["verified"] for r in rows), rows
+            if rank["role"] == "inference":
+                assert all(r["exact"] and r["channel_version"] == r["version"] for r in rows), rows
+        assert [r["wire_bytes"] for r in rank["shm"]] == [r["wire_bytes"] for r in rank["socket"]], rank
+        # Open: the trainer holds its segment (no longer named in /dev/shm), each receiver maps it.
+        assert rank["held_open"]["fds"] >= 1 and rank["held_open"]["maps"] >= 1, rank
+        assert rank["held_open"]["named"] == 0 and rank["held_closed"] == {"fds": 0, "maps": 0, "named": 0}, rank
     results.assert_exited_cleanly()
 
 

@@ -5,7 +5,9 @@ own loads) that meet at a TCP rendezvous address, or ranks of one job (:class:`~
 sync.WeightSync` runs this channel over the job's own store). Neither job's default group is used.
 
 Control goes through the store; data through a two-member process group between each trainer
-rank and each inference rank, built on the store: both belong to the session
+rank and each inference rank (a *pair*), built on the store, or, for a pair whose members share a
+host, through a segment of memory both map (distload/live/handoff.py: the trainer packs a bucket
+there once for all its same-host receivers, each unpacks from it): both belong to the session
 (distload/live/session.py), which every update runs over. Every trainer rank calls
 :meth:`SyncChannel.push` for a version, every inference rank :meth:`SyncChannel.receive` (which
 first waits for the metadata); one update, numbered within its session:
@@ -133,7 +135,10 @@ class SyncChannel:
     (new, restarted, after a failed update, its tensors moved) is sent every byte.
     ``max_base_bytes`` bounds the host memory the trainer keeps for it (a copy of what it pushed;
     None: all of it). ``verify`` (default on): check a checksum of every bucket of a full update
-    (either side may ask; both sides turn it off). Every wait is bounded by ``timeout_s``.
+    (either side may ask; both sides turn it off). ``transport`` ("auto", or "socket", also
+    forced by DISTLOAD_SYNC_TRANSPORT=socket): "auto" hands a same-host pair's bytes off through
+    shared memory (handoff.py), "socket" keeps every pair of this member on its process group.
+    Every wait is bounded by ``timeout_s``.
     ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
     and how its messages name members (by job rank).
     """
@@ -341,12 +346,11 @@ class SyncChannel:
             for dst, work in works:
                 session.wait(work, cancelled, lambda d=dst: f"sending to {session.who(d)}")
 
-        for v, route in enumerate(routes):
-            if self._hands_off(session, route.ranks):
-                for s in (0, 1):  # each slot's region sized once, for its biggest bucket
-                    sizes = [layout.size for layout in route.layouts[s::2]]
-                    if sizes:
-                        session.staging(("send", v, s), max(sizes))
+        # Each slot's region in the segment sized once, for its biggest bucket (a delta's
+        # messages may take a little more: that region then grows).
+        session.reserve({("send", v, s): max(layout.size for layout in route.layouts[s::2])
+                         for v, route in enumerate(routes) if self._hands_off(session, route.ranks)
+                         for s in (0, 1) if route.layouts[s::2]})
         wire = 0
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}

@@ -123,22 +123,27 @@ class _HostSegment:
             raise SyncError(f"the shared-memory segment for same-host receivers could not grow to "
                             f"{size / 2**20:.0f} MiB in {SHM_DIR} ({exc.strerror}): free room there, use "
                             f"smaller buckets, or force the socket path ({TRANSPORT_ENV}=socket)") from None
-        self.maps.append(mmap.mmap(self.fd, size))
-        self.view = torch.frombuffer(self.maps[-1], dtype=torch.uint8)
+        self.view = _remap(self.maps, self.fd, size)
         self.size = size
 
+    def reserve(self, wanted: Mapping[Any, int]) -> None:
+        """Make each key's region (a slot of buckets in flight, kept from update to update) hold
+        at least its bytes, growing the segment once for all of them. A region too small is
+        replaced by a bigger one at the end (the last one grows where it is)."""
+        for key, nbytes in wanted.items():
+            offset, capacity = self.regions.get(key, (0, -1))
+            if capacity < nbytes:
+                if -(-(offset + capacity) // _ALIGN) * _ALIGN == self.end:
+                    self.end = offset
+                self.regions[key] = (self.end, nbytes)
+                self.end = -(-(self.end + nbytes) // _ALIGN) * _ALIGN
+        if self.end > self.size:
+            self._grow(self.end)
+
     def region(self, key: Any, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of the segment kept for ``key`` (a slot of buckets in flight) from update
-        to update; a region too small is replaced by a bigger one at the end."""
-        offset, capacity = self.regions.get(key, (0, -1))
-        if capacity < nbytes:
-            if offset + capacity == self.end:  # the last region: it grows where it is
-                self.end = offset
-            offset, capacity = self.end, nbytes
-            self.end = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-            if self.end > self.size:
-                self._grow(self.end)
-            self.regions[key] = (offset, capacity)
+        """``nbytes`` of the segment kept for ``key``."""
+        self.reserve({key: nbytes})
+        offset = self.regions[key][0]
         return self.view[offset:offset + nbytes]
 
     def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
@@ -168,6 +173,21 @@ class _HostSegment:
         self.maps, self.view, self.regions = [], None, {}
 
 
+def _remap(maps: list[mmap.mmap], fd: int, size: int) -> torch.Tensor:
+    """Map ``size`` bytes of ``fd`` (appended to ``maps``) and return them as a tensor. Earlier
+    maps are closed where no view of them is left (each holds a descriptor); the others stay
+    until their last view goes (the same pages: what one shows, every map of the file shows)."""
+    maps.append(mmap.mmap(fd, size))
+    view = torch.frombuffer(maps[-1], dtype=torch.uint8)
+    for old in maps[:-1]:
+        try:
+            old.close()
+            maps.remove(old)
+        except BufferError:
+            pass
+    return view
+
+
 class _CudaSegment:
     """A trainer rank's CUDA segment: device tensors, one a region, each shared by its IPC handle."""
 
@@ -186,6 +206,10 @@ class _CudaSegment:
 
     def where(self) -> dict[str, Any]:
         return {"kind": self.kind, "handle": pickle.dumps(self._reduce(self.hello)), "nonce": self.nonce}
+
+    def reserve(self, wanted: Mapping[Any, int]) -> None:
+        for key, nbytes in wanted.items():
+            self.region(key, nbytes)
 
     def region(self, key: Any, nbytes: int) -> torch.Tensor:
         held = self.regions.get(key)
@@ -234,9 +258,7 @@ class _HostMapping:
             raise
 
     def _map(self) -> None:
-        size = os.fstat(self.fd).st_size
-        self.maps.append(mmap.mmap(self.fd, size))
-        self.view = torch.frombuffer(self.maps[-1], dtype=torch.uint8)
+        self.view = _remap(self.maps, self.fd, os.fstat(self.fd).st_size)
 
     def read(self, where: tuple, nbytes: int) -> torch.Tensor:
         offset, sent = where

@@ -245,6 +245,11 @@ class Session:
         from update to update: what it writes there, it sends to any same-host peer without a copy."""
         return self.segment.region(key, nbytes)
 
+    def reserve(self, wanted: Mapping[Any, int]) -> None:
+        """Size :meth:`staging`'s regions (key -> bytes) at once, before an update's first bucket."""
+        if wanted:
+            self.segment.reserve(wanted)
+
     def take(self, peer: int, nbytes: int) -> Any:
         """An inference rank's, from a same-host trainer: receive ``nbytes`` where they lie in the
         trainer's segment; once waited for, the work's ``data`` is them until its ``release()``."""
