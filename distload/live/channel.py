@@ -642,9 +642,10 @@ class SyncChannel:
                 # trainer could still land there after the rollback.
                 into = None if undo is not None else self._direct_target(layout, meta, targets)
                 straight = into is not None
-                if not straight and session.maps(sender):
-                    # From a same-host trainer: read where it lies (no copy into a buffer first),
-                    # released once unpacked.
+                if not straight and session.transport([sender]) == "shm":
+                    # From a same-host trainer's host memory: read where it lies (no copy into a
+                    # buffer first), released once unpacked. (CUDA IPC memory is on the trainer's
+                    # GPU: it is copied onto this rank's, as a process group would.)
                     work = session.take(sender, layout.size)
                 else:
                     if into is None:

@@ -308,9 +308,9 @@ class _CudaMapping:
         return memory[offset:offset + nbytes]
 
     def done(self) -> None:
-        # This process's reads (copies, unpacking, sums) are queued on its stream: finished
-        # before the trainer may overwrite what they read.
-        torch.cuda.current_stream(self.device).synchronize()
+        # This process's reads (copies from the trainer's GPU, queued on a stream of either
+        # device) have finished before the trainer may overwrite what they read.
+        torch.cuda.synchronize()
 
     def close(self) -> None:
         self.opened = {}
