@@ -461,8 +461,11 @@ def test_inference_rank_killed_mid_update_names_it_and_its_replacement_receives(
 def test_inference_rank_killed_while_the_trainer_is_between_buckets_is_named(jobs):
     """The same death, timed so that the trainer's next gloo call is posting a send (not waiting
     on one): it packs bucket 2 slowly while inference rank 1 dies copying bucket 0. The push
-    still names the rank it lost, in distload's words, well before DEAD_AFTER_S could."""
-    jobs.start("train", "trainer", ["push:1", "arm:pack,3,0,2.0", "push:2"])
+    still names the rank it lost, in distload's words, well before DEAD_AFTER_S could. On the
+    socket: a send ends once its bytes are in the socket, so the trainer reaches bucket 2 (a
+    same-host trainer instead waits for the dead rank to release bucket 0's place in its segment,
+    and names it by its heartbeat: test_inference_rank_killed_mid_update_names_it... covers that)."""
+    jobs.start("train", "trainer", ["push:1", "arm:pack,3,0,2.0", "push:2"], transport="socket")
     jobs.start("inf", "inference", ["recv", "recv"], rank=0, size=2)
     jobs.start("dead", "inference", ["recv", f"arm:unpack,1,{int(signal.SIGKILL)}", "recv"], rank=1, size=2)
     (dying,) = jobs.wait("dead1", "dying")
