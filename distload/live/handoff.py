@@ -147,6 +147,8 @@ class _HostSegment:
         return self.view[offset:offset + nbytes]
 
     def locate(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """Where ``tensor`` lies in the segment, for a receiver. The channel posts a message right
+        after writing it into a region, no region asked for between: it lies in the latest map."""
         offset = tensor.data_ptr() - self.view.data_ptr()
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or not 0 <= offset <= self.size - nbytes:
