@@ -9,7 +9,8 @@ rank sends to two inference ranks on gloo:
 - ``flat``: one torchrun job of 3 ranks, one broadcast of all bytes already packed in one
   buffer (the transport's ceiling);
 - ``per-tensor``: the same job, one broadcast per tensor (the naive way);
-- ``one job``: the same job, ``WeightSync.push``/``receive``;
+- ``one job``: the same job, ``WeightSync.push``/``receive`` (its ranks share this host: its pairs
+  hand off through shared memory, the default);
 - ``two jobs``: a trainer job (1 rank) and an inference job (2 ranks), started as two torchrun
   commands, meeting at a ``tcp://`` address: ``SyncChannel.push``/``receive``, whole tensors;
 - ``two jobs, verify``: the same with a checksum per bucket;
@@ -153,7 +154,14 @@ def inference(args: argparse.Namespace) -> None:
             _write_part(args, f"{args.case}-inference", {"ranks": every})
 
 
-SAME_HOST_MODES = [("shm", False), ("socket", False), ("shm", True), ("socket", True)]  # one round
+# One round: (path, verify, the receivers' rollback). Rollback (receive's default for a dict) costs
+# each receiver a copy of the old bytes, on either path: without it is what the paths themselves cost.
+SAME_HOST_MODES = [(path, verify, rollback) for verify, rollback in ((False, True), (True, True), (False, False))
+                   for path in ("shm", "socket")]
+
+
+def _mode(path: str, verify: bool, rollback: bool) -> str:
+    return path + (", verify" if verify else "") + ("" if rollback else ", no rollback")
 
 
 def same_host_trainer(args: argparse.Namespace, state: dict) -> None:
@@ -169,13 +177,13 @@ def same_host_trainer(args: argparse.Namespace, state: dict) -> None:
             SyncChannel(socket_address, "trainer", transport="socket", **options) as sock:
         channels = {"shm": shm, "socket": sock}
         for version in range(args.repeats + 1):
-            for number, (path, verify) in enumerate(SAME_HOST_MODES):
+            for number, (path, verify, rollback) in enumerate(SAME_HOST_MODES):
                 channels[path].verify = verify
                 _ready(args, version * len(SAME_HOST_MODES) + number)  # the receivers' checks are not timed
                 stats = channels[path].push(state, version)
                 assert stats.transport == path, (path, stats.transport)
                 if version:
-                    seconds.setdefault(f"{path}{', verify' if verify else ''}", []).append(stats.seconds)
+                    seconds.setdefault(_mode(path, verify, rollback), []).append(stats.seconds)
     _write_part(args, "same_host-trainer", {"seconds": seconds})
 
 
@@ -192,11 +200,11 @@ def same_host_inference(args: argparse.Namespace, group) -> None:
             SyncChannel(socket_address, "inference", transport="socket", **options) as sock:
         channels = {"shm": shm, "socket": sock}
         for version in range(args.repeats + 1):
-            for number, (path, _verify) in enumerate(SAME_HOST_MODES):
+            for number, (path, _verify, rollback) in enumerate(SAME_HOST_MODES):
                 for tensor in held.values():  # not the last push's bytes: this push must write every one
                     tensor.view(torch.uint8).view(-1)[::4096] ^= 0xFF
                 _ready(args, version * len(SAME_HOST_MODES) + number, group.rank)
-                stats = channels[path].receive(held)
+                stats = channels[path].receive(held, rollback=rollback)
                 transports.add(stats.transport)
                 exact.append(all(torch.equal(held[n].view(torch.uint8), t.view(torch.uint8)) for n, t in want.items()))
     every = group.exchange({"exact": all(exact), "transports": sorted(transports)})
@@ -303,13 +311,14 @@ def orchestrate(args: argparse.Namespace) -> None:
             row["received_vs_slices"] = round(row["received_per_rank"] / row["slice_bytes"], 4)
     load = [round(x, 2) for x in load_before + os.getloadavg()]
     handoff_ratio = {mode: round(same_host[f"same host: socket{mode}"] / same_host[f"same host: shm{mode}"], 3)
-                     for mode in ("", ", verify")}
+                     for mode in ("", ", verify", ", no rollback")}
     out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                        "load_average_before_after": load},
            "backend": "gloo", "nbytes": nbytes, "num_tensors": one["num_tensors"], "bucket_mib": args.bucket_mib,
            "repeats": args.repeats, "results": rows, "verify_cost": round(verify_cost, 4),
            "two_jobs_vs_flat": rows["two jobs"]["vs_flat"],
-           "same_host_shm_speedup": {"plain": handoff_ratio[""], "verify": handoff_ratio[", verify"]}}
+           "same_host_shm_speedup": {"plain": handoff_ratio[""], "verify": handoff_ratio[", verify"],
+                                     "no rollback": handoff_ratio[", no rollback"]}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sync.json"), "w") as f:
         json.dump(out, f, indent=2)
@@ -328,8 +337,11 @@ def orchestrate(args: argparse.Namespace) -> None:
                   f"verify costs {verify_cost * 100:.1f}% (plain and verified pushes interleaved in the same two "
                   f"jobs, median of {args.repeats} each).",
               "", f"Same host, shared memory against the socket in the same jobs (pushes alternating, every receive "
-                  f"bit-exact): {handoff_ratio['']}x as fast plain, {handoff_ratio[', verify']}x verified. The "
-                  f"`two jobs` rows take the socket (forced), as across hosts."]
+                  f"bit-exact): {handoff_ratio['']}x as fast plain, {handoff_ratio[', verify']}x verified, "
+                  f"{handoff_ratio[', no rollback']}x with the receivers' rollback off (`receive(rollback=False)`: no "
+                  f"copy of the old bytes, which costs each receiver a copy of the state on either path). The "
+                  f"`two jobs` rows take the socket (forced), as across hosts; `one job` (WeightSync) hands off "
+                  f"through shared memory, its default on one host."]
     with open(os.path.join(args.out, "sync.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
