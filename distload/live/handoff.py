@@ -207,7 +207,8 @@ class _CudaSegment:
         torch.cuda.synchronize(device)
 
     def where(self) -> dict[str, Any]:
-        return {"kind": self.kind, "handle": pickle.dumps(self._reduce(self.hello)), "nonce": self.nonce}
+        return {"kind": self.kind, "handle": pickle.dumps(self._reduce(self.hello)), "nonce": self.nonce,
+                "gpu": str(torch.cuda.get_device_properties(self.device).uuid)}
 
     def reserve(self, wanted: Mapping[Any, int]) -> None:
         for key, nbytes in wanted.items():
@@ -281,18 +282,29 @@ class _HostMapping:
         self.maps, self.view = [], None
 
 
+_STORAGE_DEVICE = 6  # in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments
+
+
 class _CudaMapping:
     kind = "cuda-ipc"
 
     def __init__(self, where: Mapping[str, Any], device: torch.device):
         self.device = device
         self.opened: dict[int, torch.Tensor] = {}
+        # A handle names the trainer's GPU by its index in the trainer's process; this process
+        # may number its GPUs otherwise (CUDA_VISIBLE_DEVICES): find that GPU here by its UUID.
+        here = [i for i in range(torch.cuda.device_count())
+                if str(torch.cuda.get_device_properties(i).uuid) == where["gpu"]]
+        if not here:
+            raise OSError(f"the trainer's GPU {where['gpu']} is not visible to this process (CUDA_VISIBLE_DEVICES)")
+        self.index = here[0]
         hello = self._open(where["handle"])
         if bytes(hello.cpu().numpy()) != where["nonce"].encode():
             raise OSError("the CUDA IPC handle opened memory that does not hold the trainer's nonce")
 
     def _open(self, handle: bytes) -> torch.Tensor:
         rebuild, args = pickle.loads(handle)
+        args = args[:_STORAGE_DEVICE] + (self.index,) + args[_STORAGE_DEVICE + 1:]
         try:
             return rebuild(*args)
         except Exception as exc:  # noqa: BLE001 - named for the user
