@@ -107,17 +107,21 @@ def open_channel(role: str, address: str, **kwargs) -> SyncChannel:
 # -- scenarios ----------------------------------------------------------------------------------
 
 def full(role, address, result, args):
-    """Whole tensors, 3 versions, small buckets."""
+    """Whole tensors, 3 versions, small buckets; the same versions over a second channel at
+    ``args[0]`` forced onto the socket (this one, on one host, hands off through shared memory)."""
     shapes = mixed_shapes()
-    with open_channel(role, address, bucket_bytes=64 * 1024) as ch:
+    with open_channel(role, address, bucket_bytes=64 * 1024) as ch, \
+            open_channel(role, args[0], bucket_bytes=64 * 1024, transport="socket") as sock:
         if role == "trainer":
             for version in (1, 2, 3):
                 state = state_of(shapes, version)
                 stats = ch.push(state, version)
                 result.setdefault("pushes", []).append(
                     {**stats_row(stats), "digest": digest(state), "state_bytes": nbytes(state)})
+                result.setdefault("socket", []).append(stats_row(sock.push(state, version)))
         else:
             target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+            other = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
             pointers = {n: t.data_ptr() for n, t in target.items()}
             result["target_bytes"] = nbytes(target)
             for version in (1, 2, 3):
@@ -126,6 +130,13 @@ def full(role, address, result, args):
                     {**stats_row(stats), "channel_version": ch.version, "consistent": ch.consistent,
                      "digest": digest(target), "exact": exact(target, state_of(shapes, version)),
                      "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())})
+                result.setdefault("socket", []).append(
+                    {**stats_row(sock.receive(other)), "exact": exact(other, state_of(shapes, version))})
+        result["held_open"] = segments_held()
+    import gc
+
+    gc.collect()  # the maps go with their last view
+    result["held_closed"] = segments_held()
 
 
 def two_trainers(role, address, result, args):
@@ -226,15 +237,6 @@ def sliced(role, address, result, args):
         save_file(target, os.path.join(result["out"], f"received{ch.rank}.safetensors"))
 
 
-def stepped(version: int) -> dict[str, torch.Tensor]:
-    """Version 1 of the Llama, then one "training step" per version: 1 element in 97 moves."""
-    state = llama_state(1)
-    for v in range(2, version + 1):
-        for t in state.values():
-            t.view(-1)[v::97] += 1
-    return state
-
-
 def segments_held() -> dict[str, int]:
     """This process's hold on same-host segments: open files, mappings, and files of its own
     still named in /dev/shm (a trainer's segment file carries its pid)."""
@@ -248,47 +250,6 @@ def segments_held() -> dict[str, int]:
         maps = sum(handoff.PREFIX in line for line in f)
     named = glob.glob(os.path.join(handoff.SHM_DIR, f"{handoff.PREFIX}*-{os.getpid()}-*"))
     return {"fds": fds, "maps": maps, "named": len(named)}
-
-
-def handoff_scenario(role, address, result, args):
-    """Three versions (a full update, then two delta steps) over two channels at once: the one at
-    ``address`` hands off through shared memory (the default on one host), the one at ``args[0]``
-    is forced onto the socket. Inference ranks keep TP 2 slices (decoder spec)."""
-    tp = 2
-    model_config = {k: LLAMA_CONFIG[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}
-    sides = {} if role == "trainer" else {"tensor_parallel_size": tp, "sharding": "decoder",
-                                          "model_config": model_config}
-    channels = {"shm": open_channel(role, address, bucket_bytes=256 * 1024, **sides),
-                "socket": open_channel(role, args[0], bucket_bytes=256 * 1024, transport="socket", **sides)}
-    try:
-        if role == "trainer":
-            for version in (1, 2, 3):
-                state = stepped(version)
-                for name, ch in channels.items():
-                    result.setdefault(name, []).append(stats_row(ch.push(state, version)))
-        else:
-            from distload.tp.slices import take_shard
-            from distload.tp.spec import load_spec
-
-            spec = load_spec("decoder", model_config)
-            rank = channels["shm"].rank
-            targets = {name: {n: torch.full(s, 7.0, dtype=torch.bfloat16) for n, s in llama_slice_shapes(tp).items()}
-                       for name in channels}
-            for version in (1, 2, 3):
-                want = {n: take_shard(t, spec.action(n, tuple(t.shape)), rank % tp, tp, n)
-                        for n, t in stepped(version).items()}
-                for name, ch in channels.items():
-                    row = stats_row(ch.receive(targets[name]))
-                    row.update(exact=exact(targets[name], want), channel_version=ch.version)
-                    result.setdefault(name, []).append(row)
-        result["held_open"] = segments_held()
-    finally:
-        for ch in channels.values():
-            ch.close()
-    import gc
-
-    gc.collect()
-    result["held_closed"] = segments_held()
 
 
 MISFIT_SHAPES = {f"w{i:02d}": ((16, 32), torch.float32) for i in range(12)}
@@ -529,7 +490,7 @@ def delta(role, address, result, args):
             result.setdefault("receives", []).append(row)
 
 
-SCENARIOS = {"handoff": handoff_scenario, "delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
+SCENARIOS = {"delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
              "sleep": sleep}
 
 
