@@ -9,14 +9,20 @@ rank sends to two inference ranks on gloo:
 - ``flat``: one torchrun job of 3 ranks, one broadcast of all bytes already packed in one
   buffer (the transport's ceiling);
 - ``per-tensor``: the same job, one broadcast per tensor (the naive way);
-- ``one job``: the same job, ``WeightSync.push``/``receive``;
+- ``one job``: the same job, ``WeightSync.push``/``receive`` (its ranks share this host: its pairs
+  hand off through shared memory, the default);
 - ``two jobs``: a trainer job (1 rank) and an inference job (2 ranks), started as two torchrun
   commands, meeting at a ``tcp://`` address: ``SyncChannel.push``/``receive``, whole tensors;
 - ``two jobs, verify``: the same with a checksum per bucket;
 - ``two jobs, TP 2``: the inference job keeps the decoder spec's TP 2 slices: each rank
   receives only its slices (the trainer scatters);
 - ``two jobs, TP 2 by broadcast``: the alternative: every rank receives whole tensors and cuts
-  its slices locally (what the trainer-scatters choice is measured against).
+  its slices locally (what the trainer-scatters choice is measured against);
+- ``same host: shm`` / ``same host: socket`` (and ``, verify``): another pair of jobs holding two
+  channels, one handing off through shared memory (the default for a same-host pair,
+  distload/live/handoff.py), one forced onto the socket (``transport="socket"``), pushes of the
+  same state alternating between them; every receive checked bit-exact against the trainer's
+  state. The ``two jobs`` rows above are forced onto the socket too (the path across hosts).
 
 Seconds are the trainer's (a push ends when every receiver has its update), or for the one-job
 broadcasts the slowest rank's, median of ``--repeats`` after one warm-up. Bytes are each
@@ -99,8 +105,11 @@ def trainer(args: argparse.Namespace) -> None:
     from distload.live.channel import SyncChannel
 
     state = demo_state(args.size_mib, 1, torch.device("cpu"), args.hidden)
+    if args.case == "same_host":
+        return same_host_trainer(args, state)
     with SyncChannel(args.rendezvous, "trainer", rank=0, size=1, device="cpu", timeout_s=300,
-                     bucket_bytes=args.bucket_mib * 2**20, verify=args.verify, delta=False) as channel:
+                     bucket_bytes=args.bucket_mib * 2**20, verify=args.verify, delta=False,
+                     transport="socket") as channel:
         seconds: dict[bool, list[float]] = {False: [], True: []}
         # With --interleave-verify, verified and plain pushes alternate in the same two jobs
         # (after one warm-up of each), so that the verify cost is not a difference between two
@@ -119,13 +128,15 @@ def inference(args: argparse.Namespace) -> None:
     from distload.live.channel import SyncChannel
 
     with WorkerGroup(device="cpu") as group:
+        if args.case == "same_host":
+            return same_host_inference(args, group)
         tp = args.tensor_parallel_size
         whole = demo_state(args.size_mib, 0, group.device, args.hidden)
         slices = kept_slices(whole, tp, group.rank % tp, args.hidden)
         held = whole if args.locally else slices
         channel_tp = 1 if args.locally else tp
         with SyncChannel(args.rendezvous, "inference", rank=group.rank, size=group.world_size, device="cpu",
-                         timeout_s=300, tensor_parallel_size=channel_tp, verify=False,
+                         timeout_s=300, tensor_parallel_size=channel_tp, verify=False, transport="socket",
                          sharding="decoder" if channel_tp > 1 else None,
                          model_config=demo_config(args.hidden) if channel_tp > 1 else None) as channel:
             received, seconds = [], []
@@ -141,6 +152,80 @@ def inference(args: argparse.Namespace) -> None:
         every = group.exchange({"received": received[1:], "slice_bytes": slice_bytes, "seconds": seconds[1:]})
         if group.rank == 0:
             _write_part(args, f"{args.case}-inference", {"ranks": every})
+
+
+# One round: (path, verify, the receivers' rollback). Rollback (receive's default for a dict) costs
+# each receiver a copy of the old bytes, on either path: without it is what the paths themselves cost.
+SAME_HOST_MODES = [(path, verify, rollback) for verify, rollback in ((False, True), (True, True), (False, False))
+                   for path in ("shm", "socket")]
+
+
+def _mode(path: str, verify: bool, rollback: bool) -> str:
+    return path + (", verify" if verify else "") + ("" if rollback else ", no rollback")
+
+
+def same_host_trainer(args: argparse.Namespace, state: dict) -> None:
+    """Two channels in these jobs, one per path; each round pushes the same state over each, plain
+    and verified, alternating (after one warm-up round), so both paths see the same machine."""
+    from distload.live.channel import SyncChannel
+
+    shm_address, socket_address = args.rendezvous.split(",")
+    options = {"rank": 0, "size": 1, "device": "cpu", "timeout_s": 300, "bucket_bytes": args.bucket_mib * 2**20,
+               "delta": False}
+    seconds: dict[str, list[float]] = {}
+    with SyncChannel(shm_address, "trainer", **options) as shm, \
+            SyncChannel(socket_address, "trainer", transport="socket", **options) as sock:
+        channels = {"shm": shm, "socket": sock}
+        for version in range(args.repeats + 1):
+            for number, (path, verify, rollback) in enumerate(SAME_HOST_MODES):
+                channels[path].verify = verify
+                _ready(args, version * len(SAME_HOST_MODES) + number)  # the receivers' checks are not timed
+                stats = channels[path].push(state, version)
+                assert stats.transport == path, (path, stats.transport)
+                if version:
+                    seconds.setdefault(_mode(path, verify, rollback), []).append(stats.seconds)
+    _write_part(args, "same_host-trainer", {"seconds": seconds})
+
+
+def same_host_inference(args: argparse.Namespace, group) -> None:
+    from distload.cli.sync_demo import demo_state
+    from distload.live.channel import SyncChannel
+
+    shm_address, socket_address = args.rendezvous.split(",")
+    held = demo_state(args.size_mib, 0, group.device, args.hidden)
+    want = demo_state(args.size_mib, 1, group.device, args.hidden)
+    options = {"rank": group.rank, "size": group.world_size, "device": "cpu", "timeout_s": 300, "verify": False}
+    exact, transports = [], set()
+    with SyncChannel(shm_address, "inference", **options) as shm, \
+            SyncChannel(socket_address, "inference", transport="socket", **options) as sock:
+        channels = {"shm": shm, "socket": sock}
+        for version in range(args.repeats + 1):
+            for number, (path, _verify, rollback) in enumerate(SAME_HOST_MODES):
+                for tensor in held.values():  # not the last push's bytes: this push must write every one
+                    tensor.view(torch.uint8).view(-1)[::4096] ^= 0xFF
+                _ready(args, version * len(SAME_HOST_MODES) + number, group.rank)
+                stats = channels[path].receive(held, rollback=rollback)
+                transports.add(stats.transport)
+                exact.append(all(torch.equal(held[n].view(torch.uint8), t.view(torch.uint8)) for n, t in want.items()))
+    every = group.exchange({"exact": all(exact), "transports": sorted(transports)})
+    if group.rank == 0:
+        _write_part(args, "same_host-inference", {"ranks": every})
+
+
+def _same_host(args: argparse.Namespace) -> dict[str, float]:
+    """The same-host rows: shm and socket pushes alternating in one pair of jobs, every receive exact."""
+    addresses = f"tcp://127.0.0.1:{_free_port()},tcp://127.0.0.1:{_free_port()}"
+    base = _common(args) + ["--rendezvous", addresses, "--case", "same_host"]
+    jobs = [subprocess.Popen(_torchrun(2, "--part", "inference", *base)),
+            subprocess.Popen(_torchrun(1, "--part", "trainer", *base))]
+    for job in jobs:
+        if job.wait(timeout=1800) != 0:
+            raise SystemExit(f"same host: a job failed ({job.args})")
+    got = json.load(open(os.path.join(args.scratch, "same_host-inference.json")))["ranks"]
+    if not all(r["exact"] for r in got) or any(r["transports"] != ["shm", "socket"] for r in got):
+        raise SystemExit(f"same host: a receiver was not exact, or a path not the one asked for: {got}")
+    sent = json.load(open(os.path.join(args.scratch, "same_host-trainer.json")))["seconds"]
+    return {f"same host: {mode}": statistics.median(times) for mode, times in sent.items()}
 
 
 def _write_part(args: argparse.Namespace, name: str, value: dict) -> None:
@@ -190,7 +275,9 @@ def orchestrate(args: argparse.Namespace) -> None:
         return
     if subprocess.run(_torchrun(3, "--part", "one-job", *_common(args)), timeout=1800).returncode:
         raise SystemExit("the one-job part failed")
+    load_before = os.getloadavg()
     seconds, verify_cost = _verify_cost(args)
+    same_host = _same_host(args)
     cases = [("two jobs, TP 2", {"tp": 2}), ("two jobs, TP 2 by broadcast", {"tp": 2, "locally": True})]
     for case, options in cases:
         _two_jobs(args, case.replace(" ", "_").replace(",", ""), **options)
@@ -213,6 +300,8 @@ def orchestrate(args: argparse.Namespace) -> None:
                       "slice_bytes": max(r["slice_bytes"] for r in got)}
         if "TP 2" in case:  # the receivers' own clock: the local cut happens after the push ends
             rows[case]["seconds"] = max(statistics.median(r["seconds"]) for r in got)
+    for case, value in same_host.items():
+        rows[case] = {"seconds": value, "received_per_rank": nbytes}
     flat = rows["flat"]["seconds"]
     for row in rows.values():
         row["gb_per_s"] = round(nbytes / 1e9 / row["seconds"], 3)
@@ -220,17 +309,24 @@ def orchestrate(args: argparse.Namespace) -> None:
         row["seconds"] = round(row["seconds"], 4)
         if "slice_bytes" in row:
             row["received_vs_slices"] = round(row["received_per_rank"] / row["slice_bytes"], 4)
-    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    load = [round(x, 2) for x in load_before + os.getloadavg()]
+    handoff_ratio = {mode: round(same_host[f"same host: socket{mode}"] / same_host[f"same host: shm{mode}"], 3)
+                     for mode in ("", ", verify", ", no rollback")}
+    out = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                       "load_average_before_after": load},
            "backend": "gloo", "nbytes": nbytes, "num_tensors": one["num_tensors"], "bucket_mib": args.bucket_mib,
            "repeats": args.repeats, "results": rows, "verify_cost": round(verify_cost, 4),
-           "two_jobs_vs_flat": rows["two jobs"]["vs_flat"]}
+           "two_jobs_vs_flat": rows["two jobs"]["vs_flat"],
+           "same_host_shm_speedup": {"plain": handoff_ratio[""], "verify": handoff_ratio[", verify"],
+                                     "no rollback": handoff_ratio[", no rollback"]}}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "sync.json"), "w") as f:
         json.dump(out, f, indent=2)
     lines = [f"Weight sync on gloo, 1 trainer rank -> 2 inference ranks, {nbytes / 2**20:.0f} MiB in "
              f"{one['num_tensors']} bf16 tensors (sync-demo's Llama shape, hidden {args.hidden}), buckets of {args.bucket_mib} MiB, "
              f"median of {args.repeats} after a warm-up; {os.cpu_count()} CPUs, torch {torch.__version__}, "
-             f"{platform.platform()}.", "",
+             f"{platform.platform()}; load average {load[0]} before, {load[3]} after (1-minute; the machine is "
+             f"shared with other work).", "",
              "| method | seconds | GB/s (whole state) | vs flat | bytes received per inference rank | vs its slices |",
              "|---|---|---|---|---|---|"]
     for method, r in rows.items():
@@ -239,7 +335,13 @@ def orchestrate(args: argparse.Namespace) -> None:
                      f"{r['received_per_rank'] / 2**20:.1f} MiB | {ratio} |")
     lines += ["", f"Across two jobs vs the flat broadcast inside one: {rows['two jobs']['vs_flat']}x; "
                   f"verify costs {verify_cost * 100:.1f}% (plain and verified pushes interleaved in the same two "
-                  f"jobs, median of {args.repeats} each)."]
+                  f"jobs, median of {args.repeats} each).",
+              "", f"Same host, shared memory against the socket in the same jobs (pushes alternating, every receive "
+                  f"bit-exact): {handoff_ratio['']}x as fast plain, {handoff_ratio[', verify']}x verified, "
+                  f"{handoff_ratio[', no rollback']}x with the receivers' rollback off (`receive(rollback=False)`: no "
+                  f"copy of the old bytes, which costs each receiver a copy of the state on either path). The "
+                  f"`two jobs` rows take the socket (forced), as across hosts; `one job` (WeightSync) hands off "
+                  f"through shared memory, its default on one host."]
     with open(os.path.join(args.out, "sync.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)

@@ -23,6 +23,7 @@ import torch
 
 import distload
 import distload.live.channel as channel_module
+from distload.live import handoff
 from distload.errors import SyncError
 from distload.live.channel import SyncChannel
 
@@ -90,7 +91,7 @@ def nbytes(state) -> int:
 def stats_row(stats) -> dict:
     return {"version": stats.version, "nbytes": stats.nbytes, "num_tensors": stats.num_tensors,
             "num_buckets": stats.num_buckets, "wire_bytes": stats.wire_bytes, "verified": stats.verified,
-            "delta": stats.delta, "seconds": stats.seconds}
+            "delta": stats.delta, "seconds": stats.seconds, "transport": stats.transport}
 
 
 def session_id(ch: SyncChannel):
@@ -106,17 +107,21 @@ def open_channel(role: str, address: str, **kwargs) -> SyncChannel:
 # -- scenarios ----------------------------------------------------------------------------------
 
 def full(role, address, result, args):
-    """Whole tensors, 3 versions, small buckets."""
+    """Whole tensors, 3 versions, small buckets; the same versions over a second channel at
+    ``args[0]`` forced onto the socket (this one, on one host, hands off through shared memory)."""
     shapes = mixed_shapes()
-    with open_channel(role, address, bucket_bytes=64 * 1024) as ch:
+    with open_channel(role, address, bucket_bytes=64 * 1024) as ch, \
+            open_channel(role, args[0], bucket_bytes=64 * 1024, transport="socket") as sock:
         if role == "trainer":
             for version in (1, 2, 3):
                 state = state_of(shapes, version)
                 stats = ch.push(state, version)
                 result.setdefault("pushes", []).append(
                     {**stats_row(stats), "digest": digest(state), "state_bytes": nbytes(state)})
+                result.setdefault("socket", []).append(stats_row(sock.push(state, version)))
         else:
             target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+            other = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
             pointers = {n: t.data_ptr() for n, t in target.items()}
             result["target_bytes"] = nbytes(target)
             for version in (1, 2, 3):
@@ -125,6 +130,13 @@ def full(role, address, result, args):
                     {**stats_row(stats), "channel_version": ch.version, "consistent": ch.consistent,
                      "digest": digest(target), "exact": exact(target, state_of(shapes, version)),
                      "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())})
+                result.setdefault("socket", []).append(
+                    {**stats_row(sock.receive(other)), "exact": exact(other, state_of(shapes, version))})
+        result["held_open"] = segments_held()
+    import gc
+
+    gc.collect()  # the maps go with their last view
+    result["held_closed"] = segments_held()
 
 
 def two_trainers(role, address, result, args):
@@ -223,6 +235,21 @@ def sliced(role, address, result, args):
                                "in_place": all(target[n].data_ptr() == p for n, p in pointers.items())}]
         result["target_bytes"] = nbytes(target)
         save_file(target, os.path.join(result["out"], f"received{ch.rank}.safetensors"))
+
+
+def segments_held() -> dict[str, int]:
+    """This process's hold on same-host segments: open files, mappings, and files of its own
+    still named in /dev/shm (a trainer's segment file carries its pid)."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += handoff.PREFIX in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    with open("/proc/self/maps") as f:
+        maps = sum(handoff.PREFIX in line for line in f)
+    named = glob.glob(os.path.join(handoff.SHM_DIR, f"{handoff.PREFIX}*-{os.getpid()}-*"))
+    return {"fds": fds, "maps": maps, "named": len(named)}
 
 
 MISFIT_SHAPES = {f"w{i:02d}": ((16, 32), torch.float32) for i in range(12)}

@@ -14,6 +14,7 @@ restarted trainer) at the right moment.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 from distload.errors import SyncError
+from distload.live import handoff
 from distload.live.channel import SyncChannel
 from distload.live.rendezvous import ANSWER_S
 from distload.live.session import DEAD_AFTER_S
@@ -127,7 +129,8 @@ t0 = time.monotonic()
 try:
     # Full updates (their packing and unpacking are what ``arm`` sabotages) unless cfg says delta.
     ch = SyncChannel(cfg["addr"], cfg["role"], rank=rank, size=size, host=cfg["host"], device="cpu",
-                     timeout_s=cfg["timeout"], bucket_bytes=1 << 16, delta=bool(cfg.get("delta")))
+                     timeout_s=cfg["timeout"], bucket_bytes=1 << 16, delta=bool(cfg.get("delta")),
+                     transport=cfg.get("transport") or "auto")
 except SyncError as exc:
     log("open", ok=False, error=str(exc), seconds=time.monotonic() - t0)
     sys.exit(0)
@@ -153,7 +156,8 @@ for step in cfg["steps"]:
             stats = ch.receive(target, timeout_s=float(arg) if arg else None)
             log("recv", ok=True, version=stats.version, channel_version=ch.version, exact=exact(target, stats.version),
                 in_place=all(target[n].data_ptr() == p for n, p in pointers.items()), consistent=ch.consistent,
-                last_error=ch.last_error, seconds=time.monotonic() - t0, buffers_kept=seen(ch._buffers.values()))
+                last_error=ch.last_error, seconds=time.monotonic() - t0, buffers_kept=seen(ch._buffers.values()),
+                transport=stats.transport)
         except SyncError as exc:
             log("recv", ok=False, error=str(exc), version=ch.version, consistent=ch.consistent,
                 last_error=ch.last_error, unchanged=all(before[n].equal(target[n]) for n in target),
@@ -195,12 +199,12 @@ class Jobs:
 
     def start(self, name: str, role: str, steps: list[str], *, host: str = "trainer", rank: int | None = 0,
               size: int | None = 1, nproc: int | None = None, timeout: float = TIMEOUT_S,
-              delta: bool = False) -> subprocess.Popen:
+              delta: bool = False, transport: str | None = None) -> subprocess.Popen:
         """A plain process (``nproc`` None) with an explicit rank and size, or a torchrun job of
         ``nproc`` ranks (rank and size from torchrun's environment). Its log lines are
         ``NAME<rank>.jsonl``."""
         cfg = {"out": str(self.dir), "addr": self.address, "host": host, "role": role, "name": name,
-               "steps": steps, "timeout": timeout, "delta": delta}
+               "steps": steps, "timeout": timeout, "delta": delta, "transport": transport}
         if nproc is None:
             cmd = [sys.executable, self.script]
             cfg.update(rank=rank, size=size)
@@ -314,6 +318,11 @@ def jobs(tmp_path, request):
         assert not stray, f"processes still running at the end of the test: {stray}\n{started.report()}"
 
 
+def _segments_left(pid: int) -> list[str]:
+    """Same-host segment files of process ``pid`` still named in /dev/shm (handoff.py names them by pid)."""
+    return glob.glob(os.path.join(handoff.SHM_DIR, f"{handoff.PREFIX}*-{pid}-*"))
+
+
 def _no_abort(text: str) -> None:
     for marker in ABORT_MARKERS:
         assert marker not in text, f"{marker!r} in output:\n{text[-4000:]}"
@@ -330,19 +339,24 @@ def _assert_received(event: dict, version: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("host", ["trainer", "inference"])
-def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host):
+@pytest.mark.parametrize("host, transport", [("trainer", "shm"), ("inference", "socket")])
+def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host, transport):
     """Two torchrun jobs: the trainer (1 rank) is SIGKILLed while version 2's buckets are out.
     Every inference rank raises within BOUND_S, holds exactly version 1 again (rolled back),
     and, in the same process, receives version 3 from a new trainer job at the same address
     bit-exact. With host="trainer" the store died with the trainer and the receivers reach the
-    restarted trainer's store; with host="inference" inference rank 0's store lives on."""
-    inference = jobs.start("inf", "inference", ["recv", "recv", "recv:60"], host=host, nproc=2)
+    restarted trainer's store; with host="inference" inference rank 0's store lives on. The
+    first case's pairs hand off through shared memory (one host), the second's are forced onto
+    the socket; the killed trainer leaves no segment in /dev/shm."""
+    forced = "socket" if transport == "socket" else None
+    inference = jobs.start("inf", "inference", ["recv", "recv", "recv:60"], host=host, nproc=2, transport=forced)
     jobs.start("trainA", "trainer", ["push:1", f"arm:pack,6,{int(signal.SIGKILL)}", "push:2"],
                host=host, nproc=1)
-    failures = [jobs.wait(f"inf{r}", "recv", 2)[1] for r in (0, 1)]
+    firsts, failures = zip(*[jobs.wait(f"inf{r}", "recv", 2) for r in (0, 1)])
     (dying,) = jobs.wait("trainA0", "dying")
     assert jobs.exit_code("trainA") != 0  # torchrun reports its worker's death
+    assert [first["transport"] for first in firsts] == [transport] * 2, firsts
+    assert not _segments_left(dying["pid"])
     assert not jobs.events("trainA0", "push")[1:], "the killed trainer finished version 2?"
     for r, failure in enumerate(failures):
         assert not failure["ok"], failure
@@ -447,8 +461,11 @@ def test_inference_rank_killed_mid_update_names_it_and_its_replacement_receives(
 def test_inference_rank_killed_while_the_trainer_is_between_buckets_is_named(jobs):
     """The same death, timed so that the trainer's next gloo call is posting a send (not waiting
     on one): it packs bucket 2 slowly while inference rank 1 dies copying bucket 0. The push
-    still names the rank it lost, in distload's words, well before DEAD_AFTER_S could."""
-    jobs.start("train", "trainer", ["push:1", "arm:pack,3,0,2.0", "push:2"])
+    still names the rank it lost, in distload's words, well before DEAD_AFTER_S could. On the
+    socket: a send ends once its bytes are in the socket, so the trainer reaches bucket 2 (a
+    same-host trainer instead waits for the dead rank to release bucket 0's place in its segment,
+    and names it by its heartbeat: test_inference_rank_killed_mid_update_names_it... covers that)."""
+    jobs.start("train", "trainer", ["push:1", "arm:pack,3,0,2.0", "push:2"], transport="socket")
     jobs.start("inf", "inference", ["recv", "recv"], rank=0, size=2)
     jobs.start("dead", "inference", ["recv", f"arm:unpack,1,{int(signal.SIGKILL)}", "recv"], rank=1, size=2)
     (dying,) = jobs.wait("dead1", "dying")
@@ -666,7 +683,9 @@ def test_trainer_killed_right_after_push_returns_leaves_every_receiver_at_that_v
     on: the next trainer's version arrives too. When no trainer comes back, the wait ends at the
     receive's timeout, saying that the store's server is gone."""
     for r in (0, 1):
-        jobs.start(f"inf{r}-", "inference", ["recv", "recv", "recv:4"], rank=r, size=2)
+        # Forced onto the socket: the buffers checked below are the socket path's (a same-host
+        # receiver reads from the trainer's segment and holds none).
+        jobs.start(f"inf{r}-", "inference", ["recv", "recv", "recv:4"], rank=r, size=2, transport="socket")
     jobs.start("trainA", "trainer", ["push:1", f"die:{int(signal.SIGKILL)}"])
     assert jobs.exit_code("trainA") == -signal.SIGKILL
     jobs.start("trainB", "trainer", ["push:2", f"die:{int(signal.SIGKILL)}"])
@@ -694,7 +713,9 @@ def test_one_of_two_trainer_ranks_killed_mid_data_leaves_the_receiver_at_its_old
     jobs.start("train", "trainer", ["push:1", "push:2"], rank=0, size=2)
     jobs.start("dead", "trainer", ["push:1", f"arm:pack,3,{int(signal.SIGKILL)}", "push:2"], rank=1, size=2)
     jobs.start("inf", "inference", ["recv", "recv"])
-    _assert_received(jobs.wait("inf0", "recv")[0], 1)
+    first = jobs.wait("inf0", "recv")[0]
+    _assert_received(first, 1)
+    assert first["transport"] == "shm", first  # one host: both pairs hand off through shared memory
     failure = jobs.wait("inf0", "recv", 2)[1]
     assert not failure["ok"] and "still at version 1 (what had landed was rolled back)" in failure["error"], failure
     assert "trainer rank 1" in failure["error"], failure
@@ -702,6 +723,7 @@ def test_one_of_two_trainer_ranks_killed_mid_data_leaves_the_receiver_at_its_old
     pushed = jobs.wait("train0", "push", 2)[1]
     assert not pushed["ok"] and "trainer rank 1" in pushed["error"], pushed
     assert jobs.exit_codes("train", "inf", "dead") == {"train": 0, "inf": 0, "dead": -signal.SIGKILL}, jobs.report()
+    assert not _segments_left(jobs.wait("dead1", "dying")[0]["pid"])  # killed mid-update: nothing left in /dev/shm
 
 
 # -- 11. a member that left is not said to have stopped -----------------------------------------------------

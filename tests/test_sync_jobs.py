@@ -122,7 +122,10 @@ def mixed_bytes() -> int:
 
 @pytest.mark.dist
 def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path):
-    results = run_driver(tmp_path, "full", 1, 2)
+    """On one host the pairs hand off through shared memory; a second channel in the same jobs,
+    forced onto the socket, delivers the same versions exactly. The segment's file leaves
+    /dev/shm once the session formed, and nothing of it is held after close."""
+    results = run_driver(tmp_path, "full", 1, 2, f"tcp://127.0.0.1:{free_port()}")
     total = mixed_bytes()
     shapes = driver.mixed_shapes()
     expected = {v: driver.digest(driver.state_of(shapes, v)) for v in (1, 2, 3)}
@@ -135,6 +138,7 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
         assert push["nbytes"] == push["state_bytes"] == total, push
         assert push["num_tensors"] == len(shapes) and push["num_buckets"] > 3, push
         assert push["wire_bytes"] >= 2 * total, push  # each of the 2 receivers got every byte
+        assert push["transport"] == "shm", push  # one host: packed once into the segment, for both receivers
     for rank in results.inference:
         receives = rank["receives"]
         assert [r["version"] for r in receives] == [1, 2, 3], rank
@@ -146,6 +150,15 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
             assert r["num_tensors"] == len(shapes) and r["num_buckets"] == push["num_buckets"], r
             assert total <= r["wire_bytes"] <= total * 1.05, r
             assert r["verified"], r  # every update is checked by default
+            assert r["transport"] == "shm", r
+        assert [(r["version"], r["exact"], r["transport"]) for r in rank["socket"]] == [
+            (v, True, "socket") for v in (1, 2, 3)], rank["socket"]
+    assert [(p["version"], p["transport"], p["wire_bytes"]) for p in trainer["socket"]] == [
+        (p["version"], "socket", p["wire_bytes"]) for p in pushes]
+    for rank in [trainer] + results.inference:
+        # Open: the trainer holds its segment (no longer named in /dev/shm), each receiver maps it.
+        assert rank["held_open"]["fds"] >= 1 and rank["held_open"]["maps"] >= 1, rank
+        assert rank["held_open"]["named"] == 0 and rank["held_closed"] == {"fds": 0, "maps": 0, "named": 0}, rank
     results.assert_exited_cleanly()
 
 
@@ -197,7 +210,7 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
                 assert x["unchanged"], (r, i)  # exactly its previous tensors, drift included
                 assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 6), (r, i)
             else:
-                assert x["exact"] and x["verified"], (r, i, x)
+                assert x["exact"] and x["verified"] and x["transport"] == "shm", (r, i, x)
         assert receives[1]["wire_bytes"] < 0.15 * receives[0]["wire_bytes"], receives[1]
         assert receives[0]["own_bytes"] <= receives[0]["wire_bytes"] <= 1.05 * receives[0]["own_bytes"]
     assert results.inference[0]["receives"][6]["calls"] == 3

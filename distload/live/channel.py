@@ -5,7 +5,9 @@ own loads) that meet at a TCP rendezvous address, or ranks of one job (:class:`~
 sync.WeightSync` runs this channel over the job's own store). Neither job's default group is used.
 
 Control goes through the store; data through a two-member process group between each trainer
-rank and each inference rank, built on the store: both belong to the session
+rank and each inference rank (a *pair*), built on the store, or, for a pair whose members share a
+host, through a segment of memory both map (distload/live/handoff.py: the trainer packs a bucket
+there once for all its same-host receivers, each unpacks from it): both belong to the session
 (distload/live/session.py), which every update runs over. Every trainer rank calls
 :meth:`SyncChannel.push` for a version, every inference rank :meth:`SyncChannel.receive` (which
 first waits for the metadata); one update, numbered within its session:
@@ -55,13 +57,13 @@ from distload.errors import ConfigError, SyncError
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
 from distload.live import delta as deltas
-from distload.live import rendezvous
+from distload.live import handoff, rendezvous
 from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
 from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
 from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
-from distload.loading.buckets import ALIGN, offsets
+from distload.loading.buckets import ALIGN, flat_bytes, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
@@ -88,6 +90,9 @@ class SyncStats:
     wire_bytes: int = 0  # bytes that crossed the transport (alignment and checksums included)
     verified: bool = False
     delta: bool = False  # a receiver: it took a delta update; a trainer: some receiver did
+    # How the bytes moved between this rank and its peers: "socket" (the pair's process group),
+    # "shm" (same host: shared memory), "cuda-ipc" (same host, on GPUs); several joined by "+".
+    transport: str = "socket"
 
     @property
     def gb_per_s(self) -> float:
@@ -130,7 +135,10 @@ class SyncChannel:
     (new, restarted, after a failed update, its tensors moved) is sent every byte.
     ``max_base_bytes`` bounds the host memory the trainer keeps for it (a copy of what it pushed;
     None: all of it). ``verify`` (default on): check a checksum of every bucket of a full update
-    (either side may ask; both sides turn it off). Every wait is bounded by ``timeout_s``.
+    (either side may ask; both sides turn it off). ``transport`` ("auto", or "socket", also
+    forced by DISTLOAD_SYNC_TRANSPORT=socket): "auto" hands a same-host pair's bytes off through
+    shared memory (handoff.py), "socket" keeps every pair of this member on its process group.
+    Every wait is bounded by ``timeout_s``.
     ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
     and how its messages name members (by job rank).
     """
@@ -141,7 +149,7 @@ class SyncChannel:
                  tensor_parallel_size: int = 1, sharding: str | ShardingSpec | None = None,
                  model_config: Mapping[str, Any] | str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, delta: bool = True,
-                 max_base_bytes: int | None = None, store: Any = None,
+                 max_base_bytes: int | None = None, transport: str = "auto", store: Any = None,
                  member_name: Callable[[str, int], str] = describe):
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -167,6 +175,7 @@ class SyncChannel:
         self.bucket_bytes = bucket_bytes
         self.verify = bool(verify)
         self.delta = bool(delta)
+        self.transport = handoff.transport_choice(transport)
         # The trainer's copy of the version its receivers hold (delta.py), named by this process
         # and its count of completed pushes: a restarted trainer's base is never a receiver's.
         self._base = deltas.Base(max_base_bytes)
@@ -229,7 +238,9 @@ class SyncChannel:
         spec = self.place.spec
         return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
                 "device": self.device.type, "gpu": gpu_identity(self.device), "verify": self.verify,
-                "pid": os.getpid()}
+                "pid": os.getpid(),
+                # Only a member that posts its host may hand off to a same-host peer (handoff.py).
+                "host": handoff.host_identity() if self.transport == "auto" else None}
 
     def _join(self, deadline: float) -> Session:
         if self._session is not None:
@@ -237,7 +248,8 @@ class SyncChannel:
                 return self._session
             self._drop_session()
         self._session = join(self._store, self.role, self.rank, self.size, self._info(), deadline,
-                             address=self.address, timeout_s=self.timeout_s, name=self._name)
+                             address=self.address, timeout_s=self.timeout_s, name=self._name,
+                             device=self.device)
         return self._session
 
     def _drop_session(self) -> None:
@@ -293,7 +305,7 @@ class SyncChannel:
         any_delta = any(route.delta for route in routes)
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify or (any_delta and all(r.delta for r in routes)),
-                         any_delta)
+                         any_delta, session.transport(range(session.record.trainer_size, session.record.world_size)))
 
     def _routes(self, session: Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
                 verify: bool) -> list[_Route]:
@@ -334,6 +346,11 @@ class SyncChannel:
             for dst, work in works:
                 session.wait(work, cancelled, lambda d=dst: f"sending to {session.who(d)}")
 
+        # Each slot's region in the segment sized once, for its biggest bucket (a delta's
+        # messages may take a little more: that region then grows).
+        session.reserve({("send", v, s): max(layout.size for layout in route.layouts[s::2])
+                         for v, route in enumerate(routes) if self._hands_off(session, route.ranks)
+                         for s in (0, 1) if route.layouts[s::2]})
         wire = 0
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}
@@ -350,6 +367,7 @@ class SyncChannel:
                 device = self._transport_device()
                 if route.delta:
                     messages, row = deltas.send_bucket(layout, entries, whole, patches, route.place, device)
+                    messages = self._staged(session, route.ranks, ("send",) + slot, messages)
                     sums[v].append(row)
                     held[slot] = messages
                     in_flight[slot] = [(dst, session.post(dst, m)) for dst in route.ranks for m in messages]
@@ -357,8 +375,10 @@ class SyncChannel:
                     continue
                 if layout.direct:
                     data = run_bytes(whole[layout.items[0][0].entry].to(device), layout.items[0][0])
-                else:
-                    data = self._buffer(("send",) + slot, layout.size)
+                    (data,) = self._staged(session, route.ranks, ("send",) + slot, [data])
+                else:  # packed where same-host receivers read it, if any: written once for all of them
+                    data = (session.staging(("send",) + slot, layout.size) if self._hands_off(session, route.ranks)
+                            else self._buffer(("send",) + slot, layout.size))
                     pack(data, layout, {k: t.to(device) for k, t in whole.items()}, route.place)
                 in_flight[slot] = [(dst, session.post(dst, data)) for dst in route.ranks]
                 if layout.verified:  # summed while the transport copies it: the sends never wait for a sum
@@ -370,10 +390,30 @@ class SyncChannel:
             rows = sums[v] + audited[v]
             if rows:  # the update's checks, one message to each receiver after its data
                 table = torch.stack(rows).to(self._transport_device())
-                wait([(dst, session.post(dst, table)) for dst in route.ranks])
+                (message,) = self._staged(session, route.ranks, ("table", v), [table])
+                wait([(dst, session.post(dst, message)) for dst in route.ranks])
                 if route.delta:
                     wire += table.numel() * table.element_size() * len(route.ranks)
         return wire
+
+    @staticmethod
+    def _hands_off(session: Session, ranks: Sequence[int]) -> bool:
+        return any(session.maps(rank) for rank in ranks)
+
+    def _staged(self, session: Session, ranks: Sequence[int], key: tuple, messages: Sequence[torch.Tensor]
+                ) -> list[torch.Tensor]:
+        """``messages`` as they go to ``ranks``: copied once into this trainer's segment (region
+        ``key``) where any of them is a same-host receiver, which reads only from there (a
+        socket peer reads the copy as well); as they are otherwise."""
+        if not self._hands_off(session, ranks):
+            return list(messages)
+        spots, size = offsets([m.numel() * m.element_size() for m in messages], ALIGN)
+        region = session.staging(key, size)
+        staged = []
+        for message, at in zip(messages, spots):
+            raw = flat_bytes(message.contiguous())
+            staged.append(region[at:at + raw.numel()].copy_(raw))
+        return staged
 
     def _changes(self, group: Sequence[int], entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
                  changes: "_Changes") -> dict[int, deltas.Patch]:
@@ -557,7 +597,8 @@ class SyncChannel:
         nbytes = sum(piece.nbytes for plan in plans for layout in plan for piece, _ in layout.items)
         verified = all(m["verify"] or t in takes for t, m in enumerate(metas))
         return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas), sum(len(p) for p in plans),
-                         time.perf_counter() - start, wire, verified, bool(takes))
+                         time.perf_counter() - start, wire, verified, bool(takes),
+                         session.transport(range(session.record.trainer_size)))
 
     def _takes(self, metas: Sequence[Mapping[str, Any]], plans: Sequence[Sequence[BucketLayout]],
                targets: Mapping[str, torch.Tensor]) -> list[int]:
@@ -601,9 +642,15 @@ class SyncChannel:
                 # trainer could still land there after the rollback.
                 into = None if undo is not None else self._direct_target(layout, meta, targets)
                 straight = into is not None
-                if into is None:
-                    into = self._buffer(("recv", i % 2), layout.size)
-                work = session.post(sender, into)
+                if not straight and session.transport([sender]) == "shm":
+                    # From a same-host trainer's host memory: read where it lies (no copy into a
+                    # buffer first), released once unpacked. (CUDA IPC memory is on the trainer's
+                    # GPU: it is copied onto this rank's, as a process group would.)
+                    work = session.take(sender, layout.size)
+                else:
+                    if into is None:
+                        into = self._buffer(("recv", i % 2), layout.size)
+                    work = session.post(sender, into)
                 if undo is not None:  # while the bucket is on its way
                     _set_aside(undo, self._set_aside_in, layout, meta["entries"], targets)
                 if straight:
@@ -617,12 +664,17 @@ class SyncChannel:
                     data, work = posted.pop(i)
                     session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
                                                               f"{self._name('trainer', sender)}")
+                    taken = data is None
+                    if taken:
+                        data = work.data
                     if layout.verified:
                         sums.append(checksum(data))
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
                     if not layout.direct or not _same_memory(data, targets[meta["entries"][layout.items[0][0].entry].name]):
                         unpack(data, layout, meta["entries"], targets)
+                    if taken:
+                        work.release()
                     wire += layout.wire_bytes
                 post(i + 2)
             if sums:

@@ -8,7 +8,8 @@ supervisor. The update protocol (distload/live/channel.py) runs over it. On ever
 
 1. :func:`join` forms it: trainer rank 0 (the leader) writes the record, every other member
    waits for a record that lists it; each makes its pairs (gloo, or NCCL where every member is
-   on CUDA) and starts its heartbeat. Before the next update :meth:`Session.current` says
+   on CUDA; a pair whose members share a host hands off through memory both map instead:
+   distload/live/handoff.py) and starts its heartbeat. Before the next update :meth:`Session.current` says
    whether to keep it (the leader's lasts until an update fails; another member's while the
    rendezvous still names it); an inference rank waiting for an update asks
    :meth:`Session.trainer_gone` (the leader formed a new one, or a trainer went silent);
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 from distload.errors import SyncError
 from distload.workers.heartbeat import Beat, PeerWatch
-from distload.live import rendezvous
+from distload.live import handoff, rendezvous
 from distload.live.rendezvous import BoundedStore, SessionRecord, StoreLost, short
 
 DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
@@ -65,6 +66,8 @@ class Session:
     address: str  # the rendezvous's, for messages
     timeout_s: float  # the channel's, for messages
     name: Callable[[str, int], str]  # how messages call a member ("inference rank 1", or a job's rank)
+    lanes: dict[int, handoff.Lane] = field(default_factory=dict)  # same-host peers: no process group
+    segment: Any = None  # a trainer's: the memory its lanes hand buckets off through
     seq: int = 0  # the next update's number
     issued: dict[int, list[Any]] = field(default_factory=dict)  # the last data step's works, by peer
     into_model: list[Any] = field(default_factory=list)  # its receives straight into the model
@@ -216,7 +219,13 @@ class Session:
 
     def post(self, peer: int, tensor: torch.Tensor) -> Any:
         """Start moving ``tensor`` between this member and ``peer`` (a broadcast in their pair
-        group, from the trainer): sent by a trainer, received by an inference rank."""
+        group, from the trainer): sent by a trainer, received by an inference rank. To a
+        same-host peer (:meth:`maps`) a trainer sends only what lies in :meth:`staging`."""
+        lane = self.lanes.get(peer)
+        if lane is not None:
+            work = lane.post(tensor)
+            self.issued.setdefault(peer, []).append(work)
+            return work
         options = dist.BroadcastOptions()
         options.rootRank = 0
         try:
@@ -226,6 +235,33 @@ class Session:
             raise SyncError(f"{verb} {self.who(peer)} failed: {short(exc)}") from None
         self.issued.setdefault(peer, []).append(work)
         return work
+
+    def maps(self, peer: int) -> bool:
+        """Whether this member and ``peer`` hand bytes off through memory both map (same host)."""
+        return peer in self.lanes
+
+    def staging(self, key: Any, nbytes: int) -> torch.Tensor:
+        """A trainer's: ``nbytes`` of its segment, kept for ``key`` (a slot of buckets in flight)
+        from update to update: what it writes there, it sends to any same-host peer without a copy."""
+        return self.segment.region(key, nbytes)
+
+    def reserve(self, wanted: Mapping[Any, int]) -> None:
+        """Size :meth:`staging`'s regions (key -> bytes) at once, before an update's first bucket."""
+        if wanted:
+            self.segment.reserve(wanted)
+
+    def take(self, peer: int, nbytes: int) -> Any:
+        """An inference rank's, from a same-host trainer: receive ``nbytes`` where they lie in the
+        trainer's segment; once waited for, the work's ``data`` is them until its ``release()``."""
+        work = self.lanes[peer].post(None, nbytes)
+        self.issued.setdefault(peer, []).append(work)
+        return work
+
+    def transport(self, peers: Iterable[int]) -> str:
+        """How bytes move between this member and ``peers``: "socket", "shm", "cuda-ipc", or
+        several of them joined by "+"."""
+        kinds = {self.lanes[p].kind if p in self.lanes else "socket" for p in peers}
+        return "+".join(sorted(kinds)) or "socket"
 
     def wait(self, work: Any, cancelled: threading.Event, what: Callable[[], str]) -> None:
         """Wait for ``work`` by polling, so that a given-up update's thread can stop at once."""
@@ -250,6 +286,10 @@ class Session:
         """Stop this member's heartbeat and release its pairs. Returns the receives into the
         model that have not ended (a given-up update's, whose trainer stopped, not died)."""
         self.beat.stop()
+        # A lane's bytes move on the waiting thread, and the transfer thread has ended: whatever
+        # has not moved never will. The segment goes with the last process that maps it.
+        _close(self.lanes, self.segment)
+        self.lanes, self.segment = {}, None
         landing = [work for work in self.into_model if not work.is_completed()]
         self.unfinished = any(not work.is_completed() for works in self.issued.values() for work in works)
         for peer, pair in self.pairs.items():
@@ -318,9 +358,11 @@ def gpu_identity(device: torch.device) -> str | None:
 
 
 def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str, Any], deadline: float, *,
-         address: str, timeout_s: float, name: Callable[[str, int], str]) -> Session:
+         address: str, timeout_s: float, name: Callable[[str, int], str],
+         device: torch.device = torch.device("cpu")) -> Session:
     """Form a new session with this member (``role`` rank ``rank`` of ``size``; ``info``: what it
-    keeps, its device type) over ``root``, the channel's store."""
+    keeps, its device type, its host unless it forces the socket path; ``device``: its tensors')
+    over ``root``, the channel's store."""
     nonce = rendezvous.post_hello(root, role, rank, size, info)
     if role == "trainer" and rank == 0:
         record = rendezvous.form_session(root, size, rendezvous.Hello(nonce, size, info), deadline, address)
@@ -332,11 +374,18 @@ def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str,
     beat = Beat(_Beating(store), me, until=lambda: _Beating(root).check([rendezvous.CLOSING]))
     peers = range(record.trainer_size, record.world_size) if role == "trainer" else range(record.trainer_size)
     pairs: dict[int, Any] = {}
+    lanes: dict[int, handoff.Lane] = {}
+    segment = None
     try:
+        # Same-host pairs first (every member decides them alike); the others get a process group.
+        lanes, segment = handoff.form(store, record, me, peers, backend, device, deadline,
+                                      lambda r: name(*record.member(r)))
         # Every member makes its pairs in (trainer, inference) order, so no two wait on each other.
         # Each on a thread of its own: the connect goes through the store, whose server may have
         # stopped answering (SIGSTOP), and nothing in torch bounds that.
         for peer in peers:
+            if peer in lanes:
+                continue
             trainer, receiver = (me, peer) if role == "trainer" else (peer, me)
             pairs[peer] = rendezvous.within(
                 max(0.1, deadline - time.monotonic()), rendezvous.process_group,
@@ -344,16 +393,29 @@ def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str,
                 backend, timeout_s)
     except TimeoutError:
         beat.stop()
+        _close(lanes, segment)
         raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together within "
-                        f"{timeout_s:.0f} s: {', '.join(name(*record.member(p)) for p in peers if p not in pairs)} "
+                        f"{timeout_s:.0f} s: "
+                        f"{', '.join(name(*record.member(p)) for p in peers if p not in pairs and p not in lanes)} "
                         f"did not connect (stopped, or {root.server} that serves the store stopped)") from None
-    except Exception as exc:
+    except BaseException as exc:
         beat.stop()
+        _close(lanes, segment)
+        if not isinstance(exc, Exception):
+            raise
         raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together (a member "
                         f"died while joining, or the timeout passed): {short(exc)}") from None
     others = [r for r in range(record.world_size) if r != me]
     return Session(record, store, pairs, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S), address,
-                   timeout_s, name)
+                   timeout_s, name, lanes, segment)
+
+
+def _close(lanes: Mapping[int, handoff.Lane], segment: Any) -> None:
+    """Close this member's lanes and its segment (a trainer's): what has not moved never will."""
+    for lane in lanes.values():
+        lane.close()
+    if segment is not None:
+        segment.close()
 
 
 def leave(root: Any, session: Session | None, serving: bool) -> None:

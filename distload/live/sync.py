@@ -32,7 +32,7 @@ class WeightSync:
     senders each pushes its own part (disjoint names, or the same DTensors) and a receiver takes
     all of them before its version advances. Receivers may keep tensor-parallel slices
     (``tensor_parallel_size``, ``sharding``, ``model_config``: receiver i keeps TP rank
-    ``i % T``). ``delta``, ``max_base_bytes`` and ``verify`` are SyncChannel's: senders send
+    ``i % T``). ``delta``, ``max_base_bytes``, ``verify`` and ``transport`` are SyncChannel's: senders send
     what changed since the version every receiver holds, checked; ``verify`` checks full updates
     too. Timeouts and devices are the group's.
     """
@@ -40,14 +40,14 @@ class WeightSync:
     def __init__(self, senders: Sequence[int], receivers: Sequence[int] | None = None, *,
                  group: WorkerGroup | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  verify: bool = True, delta: bool = True, max_base_bytes: int | None = None,
-                 tensor_parallel_size: int = 1,
+                 transport: str = "auto", tensor_parallel_size: int = 1,
                  sharding: str | ShardingSpec | None = None, model_config: Mapping[str, Any] | str | None = None):
         self._own_group = group is None
         self.group = WorkerGroup() if group is None else group
         self._channel: SyncChannel | None = None
         try:
             self._setup(senders, receivers, bucket_bytes, verify, tensor_parallel_size, sharding, model_config,
-                        {"delta": delta, "max_base_bytes": max_base_bytes})
+                        {"delta": delta, "max_base_bytes": max_base_bytes, "transport": transport})
         except BaseException:
             self.close()
             raise
