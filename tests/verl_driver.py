@@ -107,7 +107,7 @@ def worker(conn, is_master: bool) -> None:
                 got = asyncio.run(consume(engine.receive_weights(global_steps=arg)))
                 stats = engine.last_stats
                 out = {"wrong": exact(got, arg), "version": stats.version, "delta": stats.delta,
-                       "verified": stats.verified, "nbytes": stats.nbytes}
+                       "verified": stats.verified, "nbytes": stats.nbytes, "transport": stats.transport}
             elif command == "finalize":
                 out = engine.finalize()
             elif command == "die":

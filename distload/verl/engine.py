@@ -54,7 +54,8 @@ class DistloadCheckpointEngine(CheckpointEngine):
     ``bucket_size`` (bytes; verl passes ``update_weights_bucket_megabytes << 20``) is the
     channel's bucket. ``is_master``: verl sets it on actor rank 0, which sends. The rest come
     from ``checkpoint_engine.engine_kwargs.distload``: ``timeout_s`` (every wait of every member),
-    ``verify`` and ``delta`` (both on by default), ``max_base_bytes``, ``host`` (the address
+    ``verify`` and ``delta`` (both on by default), ``max_base_bytes``, ``transport`` (``auto``: a rollout worker on the actor's host takes the bytes
+    through shared memory; ``socket``), ``host`` (the address
     the rollout workers reach the master at; default Ray's node IP, else this host's),
     ``rebuild_group`` (close the channel after every update, as verl's NCCL engine can: each
     update is then a full one).
@@ -64,14 +65,14 @@ class DistloadCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int, is_master: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  verify: bool = True, delta: bool = True, max_base_bytes: int | None = None,
-                 host: str | None = None, rebuild_group: bool = False) -> None:
+                 transport: str = "auto", host: str | None = None, rebuild_group: bool = False) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ConfigError(f"the distload checkpoint engine's bucket_size must be a positive number of bytes, "
                               f"got {bucket_size!r} (verl's update_weights_bucket_megabytes << 20)")
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.options = {"timeout_s": float(timeout_s), "verify": bool(verify), "delta": bool(delta),
-                        "max_base_bytes": max_base_bytes, "bucket_bytes": bucket_size}
+                        "max_base_bytes": max_base_bytes, "bucket_bytes": bucket_size, "transport": transport}
         self.host = host
         self.rebuild_group = bool(rebuild_group)
         self.role: str | None = None
@@ -166,7 +167,7 @@ class DistloadCheckpointEngine(CheckpointEngine):
         self.last_stats = stats
         return {"distload/seconds": stats.seconds, "distload/bytes": stats.nbytes,
                 "distload/wire_bytes": stats.wire_bytes, "distload/delta": stats.delta,
-                "distload/verified": stats.verified}
+                "distload/verified": stats.verified, "distload/transport": stats.transport}
 
     @torch.no_grad()
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
