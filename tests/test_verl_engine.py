@@ -2,7 +2,7 @@
 own environment ``.verl-venv``, which ``bash .ci/run`` makes; or DISTLOAD_VERL_PYTHON): verl's
 protocol moves every version exactly, across separate processes and inside a local Ray cluster
 through verl's own CheckpointEngineManager; a rollout worker killed mid-update ends the others'
-waits within their timeout, naming it; a replacement rejoins. One driver run (tests/verl_driver.py)
+waits within their timeout, naming it, in both; a replacement rejoins. One driver run (tests/verl_driver.py)
 for the module: the tests read its result.
 """
 
@@ -92,6 +92,19 @@ def test_verls_own_manager_on_ray_moves_every_version_exactly(driven):
         assert checked == [{"step": s, "wrong": []} for s in (1, 2, 3)], checked
         assert stats == {"delta": True, "verified": True}
     assert [m["distload/delta"] for m in ray["metrics"].values()] == [False, True, True]  # returned to verl's trainer
+
+
+def test_on_ray_a_rollout_worker_killed_mid_update_fails_verls_update_and_ends_every_wait(driven):
+    """verl's manager raises as soon as the actor is gone; the trainer actor's send and the other
+    rollout worker's receive each end with a SyncError naming it, within the timeout, and the
+    survivor keeps version 3."""
+    killed = driven["ray"]["killed"]
+    assert killed["error"] and "ActorDiedError" in killed["error"], killed
+    for side in ("trainer", "survivor"):
+        failed = killed[side]
+        assert failed and failed["error"].startswith("SyncError") and "inference rank 1" in failed["error"], killed
+        assert failed["seconds"] < TIMEOUT_S, killed
+    assert "still at version 3" in killed["survivor"]["error"]
 
 
 def test_the_ray_example_syncs_a_plain_ray_job_exactly(driven):

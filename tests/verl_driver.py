@@ -265,8 +265,16 @@ async def _ray_updates() -> dict:
 
         @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
         async def update_weights(self, global_steps=None, mode="auto"):
-            return await self.checkpoint_engine.send_weights(iter(version_state(global_steps).items()),
-                                                             global_steps=global_steps)
+            started = time.monotonic()
+            try:
+                return await self.checkpoint_engine.send_weights(iter(version_state(global_steps).items()),
+                                                                 global_steps=global_steps)
+            except Exception as exc:
+                self.failed = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+                raise
+
+        def failure(self):  # called on one worker's handle: how its last update failed, if it did
+            return getattr(self, "failed", None)
 
         @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
         def execute_checkpoint_engine(self, method, *args, **kwargs):
@@ -279,7 +287,12 @@ async def _ray_updates() -> dict:
             self.config, self.model_config, self.checked = config, model_config, []
 
         async def update_weights(self, weights, global_steps=None, **kwargs):
-            got = await consume(weights)
+            started = time.monotonic()
+            try:
+                got = await consume(weights)
+            except Exception as exc:
+                self.failed = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - started}
+                raise
             self.checked.append({"step": global_steps, "wrong": exact(got, global_steps)})
 
         async def resume(self, tags):
@@ -296,6 +309,12 @@ async def _ray_updates() -> dict:
         def checked(self):
             stats = self.checkpoint_engine.last_stats
             return self.server_adapter.checked, {"delta": stats.delta, "verified": stats.verified}
+
+        def die_in_the_third_bucket(self):  # called on one worker's handle, not through the group
+            die_in_the_third_bucket()
+
+        def failure(self):
+            return getattr(self.server_adapter, "failed", None)
 
     class Replica(RolloutReplica):
         """A rollout replica whose workers are the rollout worker group's (no inference server)."""
@@ -338,7 +357,22 @@ async def _ray_updates() -> dict:
     metrics = {}
     for step in (1, 2, 3):
         metrics[step] = await manager.update_weights(global_steps=step)
-    return {"checked": rollout.checked(), "metrics": metrics}
+    out = {"checked": rollout.checked(), "metrics": metrics}
+    # Rollout worker 1 dies mid-update: verl's manager raises, within the engines' timeout.
+    ray.get(rollout.workers[1].die_in_the_third_bucket.remote())
+    started = time.monotonic()
+    try:
+        await manager.update_weights(global_steps=4)
+        out["killed"] = {"error": None}
+    except Exception as exc:  # noqa: BLE001 - what verl's trainer would see
+        out["killed"] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+    out["killed"]["seconds"] = time.monotonic() - started
+    # The survivors' own waits end too, each with its own error (the manager raised at the first).
+    for side, worker in (("trainer", trainer.workers[0]), ("survivor", rollout.workers[0])):
+        while (failed := ray.get(worker.failure.remote())) is None and time.monotonic() - started < TIMEOUT_S + 10:
+            await asyncio.sleep(0.2)
+        out["killed"][side] = failed
+    return out
 
 
 def main() -> None:
