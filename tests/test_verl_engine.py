@@ -83,6 +83,13 @@ def test_a_rollout_worker_killed_mid_update_ends_the_others_in_time_and_a_replac
         assert got["wrong"] == [] and got["version"] == 50 and not got["delta"], got
 
 
+def test_a_rollout_worker_refuses_a_version_other_than_the_step_verl_announced(driven):
+    sent, *received = driven["processes"]["mismatch"]
+    assert _ok(sent)["distload/bytes"] > 0
+    for status, error, _ in received:
+        assert status == "error" and "received version 60, but verl asked for step 70" in error, error
+
+
 def test_verls_own_manager_on_ray_moves_every_version_exactly(driven):
     """verl's CheckpointEngineManager, RayWorkerGroup and CheckpointEngineWorker (the rollout
     side's real class, its server adapter a checker): 2 trainer actors (rank 1 walks its generator,

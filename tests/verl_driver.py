@@ -206,6 +206,12 @@ def run_processes() -> dict:
     workers.rollouts[1] = workers._start(False)
     workers.form()
     result["rejoined"] = workers.update(50)
+    # verl announces step 70 to the rollout workers while the actor pushes step 60: they refuse it.
+    for (_, conn) in workers.actors:
+        conn.send(("send", 60))
+    for (_, conn) in workers.rollouts:
+        conn.send(("receive", 70))
+    result["mismatch"] = workers._answers(workers.actors + workers.rollouts)
     for answer in workers.call(workers.actors + workers.rollouts, "exit", [None] * 3):
         _ok(answer)
     return result
