@@ -157,9 +157,10 @@ def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[i
     lower for it, so a bucket goes to a member that keeps it where the loads allow (what its
     reader keeps, nobody sends). Pure: every member computes the same.
 
-    Within a class the members differ only by load, so each bucket takes the least loaded free
-    member of each class (a heap per class) and the best of those: O(buckets x classes x log k),
-    not O(buckets x k), which matters at a thousand members."""
+    Within a class the members differ only by load, so each bucket takes the best of the least
+    loaded free member of each class that keeps some of it (a heap per class) and the least loaded
+    free member of all (a heap): O(buckets x classes keeping it x log k), not O(buckets x k),
+    which matters at a thousand members."""
     classes = list(range(k)) if classes is None else list(classes)
     count = max(classes, default=-1) + 1
     by_class: list[list[int]] = [[] for _ in range(count)]
@@ -170,15 +171,30 @@ def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[i
     sizes = [sum(s.length for s in bucket) for bucket in buckets]
     for first in range(0, len(buckets), k):
         round_ = sorted(range(first, min(first + k, len(buckets))), key=lambda b: (-sizes[b], b))
+        # The round's free members: in one heap, and in one per class (taken ones skipped lazily).
         free = [[(load[m], m) for m in members] for members in by_class]
         for heap in free:
             heapq.heapify(heap)
+        every = [(load[m], m) for m in range(k)]
+        heapq.heapify(every)
+        taken: set[int] = set()
         for b in round_:
-            kept = keeps[b] if keeps is not None else None
-            best = min(((heap[0][0] - (kept[c] if kept is not None else 0), heap[0][0], heap[0][1], c)
-                        for c, heap in enumerate(free) if heap))
-            m, c = best[2], best[3]
-            heapq.heappop(free[c])
+            # A member of a class that keeps nothing of b is weighed by its load alone: the least
+            # loaded free member overall stands for all of them; each class that keeps some of b
+            # offers its least loaded free member, weighed by load less what it keeps.
+            while every[0][1] in taken:
+                heapq.heappop(every)
+            best = (every[0][0], every[0][0], every[0][1])
+            if keeps is not None:
+                for c, kept in enumerate(keeps[b]):
+                    if kept and c < count:
+                        heap = free[c]
+                        while heap and heap[0][1] in taken:
+                            heapq.heappop(heap)
+                        if heap:
+                            best = min(best, (heap[0][0] - kept, heap[0][0], heap[0][1]))
+            m = best[2]
+            taken.add(m)
             owners[b] = m
             load[m] += sizes[b]
     return owners
@@ -226,8 +242,7 @@ class ExchangePlan:
         self.bucket_bytes = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
         self.buckets = plan_buckets(totals, self.bucket_bytes)
         self.spans = [self._spans(bucket) for bucket in self.buckets]
-        keeps = [[run_bytes(run for _, run in self._pieces(b, need)) for need in self.distinct]
-                 for b in range(len(self.buckets))]
+        keeps = [self._keeps(b) for b in range(len(self.buckets))]
         self.readers = assign_readers(self.buckets, self.k, keeps, self.classes)
         # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
         self.identical = len(set(self.classes)) <= 1
@@ -254,6 +269,24 @@ class ExchangePlan:
     def pieces(self, b: int, member: int) -> list[TensorRun]:
         """What ``member`` keeps of bucket ``b``: runs from the buffer into its tensors."""
         return self._pieces(b, self.distinct[self.classes[member]])
+
+    def _keeps(self, b: int) -> list[int]:
+        """The bytes each distinct need keeps of bucket ``b`` (needs equal on the bucket's tensors
+        counted once: an expert's bucket has two, kept whole or not at all)."""
+        spans = self.spans[b]
+        if len(spans) == 1:
+            i = spans[0].tensor
+            keys: list = [need[i] for need in self.distinct]
+        else:
+            keys = [tuple(need[span.tensor] for span in spans) for need in self.distinct]
+        known: dict = {}
+        out = []
+        for key, need in zip(keys, self.distinct):
+            kept = known.get(key)
+            if kept is None:
+                kept = known[key] = run_bytes(run for _, run in self._pieces(b, need))
+            out.append(kept)
+        return out
 
     def _pieces(self, b: int, need: Sequence[Need]) -> list[TensorRun]:
         out: list[TensorRun] = []
