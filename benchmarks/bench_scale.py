@@ -532,10 +532,13 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
     chain = r_replicas - 1 + size // TP - 1  # buckets a relayed byte waits, at most
     bucket_s = DEFAULT_BUCKET_BYTES / LINK_BYTES_S
     r_egress_msgs = [len(group_entries(entries, DEFAULT_BUCKET_BYTES)) * 2 for entries in owned[:16]]
-    relay_out = max(kept_inf) + dense_slot  # passed on to the next replica, and within the replica
+    # passed on to the next replica (a chain; the last keeps it), and within a replica of several
+    # TP groups, the dense slices to the next group
+    relay_out = (max(kept_inf) if r_replicas > 1 else 0) + (dense_slot if size > TP else 0)
     relay_msgs = 2 * math.ceil(relay_out / DEFAULT_BUCKET_BYTES) + max(len(p) for p in pairs_i)
     redesign_s = max(max(owned_bytes) / LINK_BYTES_S + max(r_egress_msgs) * message_s,
-                     relay_out / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s)
+                     relay_out / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s,
+                     max(kept_inf) / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s)
     bound_s = max(max(owned_bytes), max(kept_inf)) / LINK_BYTES_S
     metas = [{"version": 1, "entries": entries, "groups": groups_of[t] if t < len(groups_of)
               else group_entries(entries, DEFAULT_BUCKET_BYTES), "verify": True, "gathered": [], "delta": False,
