@@ -87,6 +87,7 @@ STORE_BYTES_S_PER_RANK = 10 * GB / 8
 STORE_REQUEST_S = 0.030
 FILE_BYTES = 5 * 1024**3  # checkpoint files of about 5 GiB, as Hugging Face saves them
 HEADER_BYTES_PER_TENSOR = 180  # a safetensors header's JSON per tensor (name, dtype, shape, offsets)
+RELAY_BYTES = 64 * 1024**2  # the redesign's relay chunk
 GLOO_THREADS_PER_GROUP = 2  # ProcessGroupGloo's default worker threads (Options.threads)
 
 
@@ -530,12 +531,15 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
     pairs_t, pairs_i, size = _redesign_pairs(model, trainers, inference)
     r_replicas = max(1, inference // size)
     chain = r_replicas - 1 + size // TP - 1  # buckets a relayed byte waits, at most
-    bucket_s = DEFAULT_BUCKET_BYTES / LINK_BYTES_S
-    r_egress_msgs = [len(group_entries(entries, DEFAULT_BUCKET_BYTES)) * 2 for entries in owned[:16]]
+    # A relay passes buckets on in chunks of RELAY_BYTES as they land (pipelined: a byte waits a
+    # chunk per hop, not a bucket).
+    bucket_s = RELAY_BYTES / LINK_BYTES_S
+    # A trainer rank: one message per bucket to the rank that keeps it, the checksums after.
+    r_egress_msgs = [len(group_entries(entries, DEFAULT_BUCKET_BYTES)) + TP + 1 for entries in owned[:16]]
     # passed on to the next replica (a chain; the last keeps it), and within a replica of several
     # TP groups, the dense slices to the next group
     relay_out = (max(kept_inf) if r_replicas > 1 else 0) + (dense_slot if size > TP else 0)
-    relay_msgs = 2 * math.ceil(relay_out / DEFAULT_BUCKET_BYTES) + max(len(p) for p in pairs_i)
+    relay_msgs = math.ceil(relay_out / RELAY_BYTES) + math.ceil(max(kept_inf) / RELAY_BYTES) + max(len(p) for p in pairs_i)
     redesign_s = max(max(owned_bytes) / LINK_BYTES_S + max(r_egress_msgs) * message_s,
                      relay_out / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s,
                      max(kept_inf) / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s)
@@ -623,6 +627,8 @@ def run(ranks: int, old_up_to: int = 32, message_s: float | None = None, models:
         setup = LoadSetup(model)
         rows = []
         for n in sizes_up_to(ranks):
+            if n < setup.count:
+                continue  # fewer ranks than an EP group: the job does not hold every expert
             row = load_at(setup, n, message_s, old if n <= old_up_to else None)
             rows.append(row)
             print(f"load {model.name} N={n}: plan {row['planning_s_per_rank']:.2f} s, "
@@ -631,6 +637,8 @@ def run(ranks: int, old_up_to: int = 32, message_s: float | None = None, models:
         rows = []
         for n in sizes_up_to(ranks):
             trainers, inference = max(TP, n // 4), max(EP, n // 8)  # 1,024: 256 -> 128, as the shape
+            if rows and (rows[-1]["trainer_ranks"], rows[-1]["inference_ranks"]) == (trainers, inference):
+                continue
             row = sync_at(model, trainers, inference, message_s)
             rows.append(row)
             print(f"sync {model.name} {trainers}->{inference}: today {row['today']['connections_per_process']} conn, "
@@ -743,7 +751,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=1024, help="the largest rank count (8, 16, ... up to it)")
     parser.add_argument("--json", help="write the figures here (and a .md and .png beside it)")
-    parser.add_argument("--old-up-to", type=int, default=32, help="run main's exchange plan up to this N")
+    parser.add_argument("--old-up-to", type=int, default=64, help="run main's exchange plan up to this N")
     args = parser.parse_args()
     start = time.perf_counter()
     result = run(args.ranks, args.old_up_to)
