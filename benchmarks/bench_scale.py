@@ -197,6 +197,13 @@ def ring_allgather_s(n: int, item_bytes: float, message_s: float) -> float:
     return 2 * (n - 1) * message_s + (n - 1) * item_bytes / LINK_BYTES_S
 
 
+def moving_s(nbytes: float, messages: int, message_s: float) -> float:
+    """A rank moving ``nbytes`` in ``messages`` over its link: the channel keeps two buckets in
+    flight and a shared read reads two rounds ahead, so each message's own cost overlaps the wire
+    time of another; the slower of the two, plus one message's cost to start."""
+    return max(nbytes / LINK_BYTES_S, messages * message_s) + message_s
+
+
 def measure_message_s(count: int = 300) -> float:
     """One small gloo message between two processes on this machine, one way (half a round trip)."""
     code = r"""
@@ -327,7 +334,7 @@ def load_at(setup: LoadSetup, n: int, message_s: float, old: Any | None) -> dict
                    + (n - 1) * facts_unpickle_s + runs_unpickle_s)
     old_agreement_s = ring_allgather_s(n, old_item, message_s) + (n - 1) * old_unpickle_s
     round_s = ring_allgather_s(n, 64, message_s)  # each round's "fine?" exchange
-    data_s = max(max(r / STORE_BYTES_S_PER_RANK + messages[i] * message_s + sent[i] / LINK_BYTES_S,
+    data_s = max(max(r / STORE_BYTES_S_PER_RANK, moving_s(sent[i], messages[i], message_s),
                      received[i] / LINK_BYTES_S) for i, r in enumerate(read))
     bound_s = max(exchange.union_bytes / n / STORE_BYTES_S_PER_RANK, max(kept_bytes) / LINK_BYTES_S)
     out = {
@@ -522,8 +529,8 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
     egress_msgs = [replicas * (sum(m) + verify_msgs * TP) for m in layout_msgs]
     ingress = [sum(layout_bytes[t][i % TP] for t in range(trainers)) for i in range(inference)]
     ingress_msgs = [sum(layout_msgs[t][i % TP] + verify_msgs for t in range(trainers)) for i in range(inference)]
-    today_s = max(max(e / LINK_BYTES_S + m * message_s for e, m in zip(egress, egress_msgs)),
-                  max(g / LINK_BYTES_S + m * message_s for g, m in zip(ingress, ingress_msgs)))
+    today_s = max(max(moving_s(e, m, message_s) for e, m in zip(egress, egress_msgs)),
+                  max(moving_s(g, m, message_s) for g, m in zip(ingress, ingress_msgs)))
     # The redesign (model only): pairs where a trainer rank holds bytes an inference rank keeps,
     # expert parallelism on the inference side, relays in chains (see _redesign_pairs).
     owned_bytes = [sum(e.nbytes for e in entries) for entries in owned]
@@ -540,9 +547,9 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
     # TP groups, the dense slices to the next group
     relay_out = (max(kept_inf) if r_replicas > 1 else 0) + (dense_slot if size > TP else 0)
     relay_msgs = math.ceil(relay_out / RELAY_BYTES) + math.ceil(max(kept_inf) / RELAY_BYTES) + max(len(p) for p in pairs_i)
-    redesign_s = max(max(owned_bytes) / LINK_BYTES_S + max(r_egress_msgs) * message_s,
-                     relay_out / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s,
-                     max(kept_inf) / LINK_BYTES_S + chain * bucket_s + relay_msgs * message_s)
+    redesign_s = max(moving_s(max(owned_bytes), max(r_egress_msgs), message_s),
+                     moving_s(relay_out, relay_msgs, message_s) + chain * bucket_s,
+                     moving_s(max(kept_inf), relay_msgs, message_s) + chain * bucket_s)
     bound_s = max(max(owned_bytes), max(kept_inf)) / LINK_BYTES_S
     metas = [{"version": 1, "entries": entries, "groups": groups_of[t] if t < len(groups_of)
               else group_entries(entries, DEFAULT_BUCKET_BYTES), "verify": True, "gathered": [], "delta": False,
@@ -750,9 +757,14 @@ def machine() -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, default=1024, help="the largest rank count (8, 16, ... up to it)")
-    parser.add_argument("--json", help="write the figures here (and a .md and .png beside it)")
+    parser.add_argument("--json", help="write the figures here (and a .md and, with matplotlib, a .png beside it)")
     parser.add_argument("--old-up-to", type=int, default=64, help="run main's exchange plan up to this N")
+    parser.add_argument("--report-only", action="store_true", help="write the .md and .png from --json's figures")
     args = parser.parse_args()
+    if args.report_only:
+        with open(args.json) as f:
+            write_report(json.load(f), args.json)
+        return 0
     start = time.perf_counter()
     result = run(args.ranks, args.old_up_to)
     result["machine"] = machine()
