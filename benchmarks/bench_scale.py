@@ -9,7 +9,7 @@ What is **measured by running distload's own code** here (one process, one CPU):
   and the job-wide exchange plan (``shared_reads.plan.ExchangePlan``) of a shared read, for
   every rank count; the sync's bucket grouping and per-place layouts
   (``live.transfer.group_entries``, ``layouts``);
-- the old load design: the exchange plan as branch ``main`` had it (its module, loaded from git),
+- the old load design: the exchange plan as ``main`` had it before (its module, loaded from git at BEFORE),
   at small N only (it grows as N; larger N are that line extended, and say so);
 - the sync channel's store protocol: ``rendezvous.post_hello``, ``form_session`` and
   ``await_session``, and ``Session.put`` / ``Session.collect`` / ``Session.finish`` for one
@@ -274,14 +274,17 @@ class LoadSetup:
         return runs
 
 
+BEFORE = "bcd7d01"  # the last commit before the load's redesign (issue 36)
+
+
 def old_exchange_plan() -> Any:
-    """ExchangePlan as branch main had it, before this change (its module, from git)."""
-    text = subprocess.run(["git", "-C", os.path.dirname(HERE), "show", "main:distload/loading/shared_reads/plan.py"],
+    """ExchangePlan as main had it before the redesign (its module, from git at BEFORE)."""
+    text = subprocess.run(["git", "-C", os.path.dirname(HERE), "show", f"{BEFORE}:distload/loading/shared_reads/plan.py"],
                           capture_output=True, text=True, check=True).stdout
     spec = importlib.util.spec_from_loader("distload_main_exchange_plan", loader=None)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[spec.name] = module  # type: ignore[union-attr]  (dataclasses look their module up)
-    exec(compile(text, "main:distload/loading/shared_reads/plan.py", "exec"), module.__dict__)
+    exec(compile(text, f"{BEFORE}:distload/loading/shared_reads/plan.py", "exec"), module.__dict__)
     return module.ExchangePlan
 
 
