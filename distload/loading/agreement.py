@@ -7,6 +7,7 @@ distributed mode silently hands ranks each other's data otherwise.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 from distload.errors import GroupError
@@ -22,10 +23,19 @@ def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[tuple[int, ..
     """Collective over ``group``: the same choice everywhere, identical lists where ranks read
     in a shared read. Returns, for a backend that shares reads, the ranks that read this rank's files
     with it (this one included; on its node only for the ``node`` scope) and what each of them
-    keeps (``RankPlan.slice_runs``, in the same order); else ((), ())."""
+    keeps (``RankPlan.slice_runs``, in the same order; members that keep the same slices share
+    one mapping); else ((), ()).
+
+    By digest: every rank sends every other one its choice, host and the digests of its file
+    list, share key and slices (a few hundred bytes, whatever the checkpoint), not the lists and
+    slices themselves (a 1T checkpoint's slices, to a thousand ranks, were megabytes each). A
+    second exchange, only for a shared read, carries each distinct set of slices once (from the
+    first rank that keeps it: a TP-8 load keeps 8, however many ranks); the file lists travel
+    whole only where some digests differ, for the error that names what differs."""
     shares = plan.choice.shared and BACKENDS[plan.choice.backend].shares_reads
     runs = plan.slice_runs() if shares else None  # only a shared read needs the others' slices
-    everyone = group.exchange((plan.choice, plan.signature(), plan.share_key(), group.hostname, runs))
+    signature = plan.signature()
+    everyone = group.exchange(read_facts(plan.choice, signature, plan.share_key(), group.hostname, runs))
     choices = {rank: choice for rank, (choice, _, _, _, _) in enumerate(everyone)}
     if len(set(choices.values())) > 1:
         raise GroupError(
@@ -35,19 +45,54 @@ def agree_on_read(group: "WorkerGroup", plan: "RankPlan") -> tuple[tuple[int, ..
         )
     if not plan.choice.shared:
         return (), ()
-    members: tuple[int, ...] = ()
-    compared = list(range(group.world_size))
-    if shares:
-        members = member_ranks([(key, host) for _, _, key, host, _ in everyone], group.rank, plan.choice.scope)
+    keys = [(key, host) for _, _, key, host, _ in everyone]
+    # Who compares file lists with whom: a shared read's members, else the whole group.
+    scope = plan.choice.scope if shares else "job"
+    circles = keys if shares else [((), "")] * len(everyone)
+    differ_somewhere = _differ_somewhere([facts[1] for facts in everyone], circles, scope)
+    members = member_ranks(keys, group.rank, scope) if shares else tuple(range(group.world_size))
+    first = {}  # runs digest -> the first rank that keeps those slices: it sends them
+    for r, facts in enumerate(everyone):
+        first.setdefault(facts[4], r)
+    extra: list = [None] * group.world_size
+    if shares or differ_somewhere:
+        extra = group.exchange((signature if differ_somewhere else None,
+                                runs if shares and first[everyone[group.rank][4]] == group.rank else None))
+    if differ_somewhere:
         compared = list(members)
-    differing = mismatched_ranks([everyone[r][1] for r in compared], compared)
-    if differing:
-        details = "; ".join(f"rank {r} {what}" for r, what in differing.items())
-        raise GroupError(
-            f"shared read refused: every rank must read the identical file list, but {details}. Make the checkpoint visible at the same path with the "
-            f"same files on every node, or let each rank read alone (extra config distributed=false)."
-        )
-    return members, tuple(everyone[r][4] for r in members)
+        differing = mismatched_ranks([extra[r][0] for r in compared], compared)
+        if differing:
+            details = "; ".join(f"rank {r} {what}" for r, what in differing.items())
+            raise GroupError(
+                f"shared read refused: every rank must read the identical file list, but {details}. Make the checkpoint visible at the same path with the "
+                f"same files on every node, or let each rank read alone (extra config distributed=false)."
+            )
+    if not shares:
+        return (), ()
+    return members, tuple(extra[first[everyone[r][4]]][1] for r in members)
+
+
+def read_facts(choice: ReadChoice, signature: list[tuple], share_key: tuple, host: str,
+               runs: dict | None) -> tuple:
+    """What one rank sends every other in the agreement: its choice and host, and digests of its
+    file list, share key and slices (None: no slices travel)."""
+    return (choice, _digest(signature), _digest(share_key), host, None if runs is None else _digest(runs))
+
+
+def _digest(value: object) -> str:
+    return hashlib.sha256(repr(value).encode()).hexdigest()
+
+
+def _differ_somewhere(signatures: list[str], circles: list[tuple], scope: str) -> bool:
+    """Whether any two ranks of one circle (equal share key, and host for the ``node`` scope)
+    hold file lists of different digests: every rank sees the same, so all of them exchange the
+    lists whole together."""
+    seen: dict[tuple, str] = {}
+    for signature, (key, host) in zip(signatures, circles):
+        circle = (key, host if scope == "node" else "")
+        if seen.setdefault(circle, signature) != signature:
+            return True
+    return False
 
 
 def member_ranks(needs: list[tuple[tuple, str]], rank: int, scope: str) -> tuple[int, ...]:

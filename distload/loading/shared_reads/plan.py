@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Sequence
@@ -146,25 +147,56 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
-def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[int]] | None = None) -> list[int]:
+def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[int]] | None = None,
+                   classes: Sequence[int] | None = None) -> list[int]:
     """Which of ``k`` members reads each bucket: one bucket per member in each round of k, the
     round's largest bucket first, each to the member that has read least so far (ties by
-    position), so that buckets of unequal sizes still spread evenly. ``keeps[b][m]``: the bytes
-    member m keeps of bucket b; a member's load counts as that much lower for it, so a bucket goes
-    to a member that keeps it where the loads allow (what its reader keeps, nobody sends).
-    Pure: every member computes the same."""
+    position), so that buckets of unequal sizes still spread evenly. ``keeps[b][c]``: the bytes
+    a member of class c keeps of bucket b (``classes[m]``: member m's class, by default its own
+    position: members that keep the same bytes share one); a member's load counts as that much
+    lower for it, so a bucket goes to a member that keeps it where the loads allow (what its
+    reader keeps, nobody sends). Pure: every member computes the same.
+
+    Within a class the members differ only by load, so each bucket takes the best of the least
+    loaded free member of each class that keeps some of it (a heap per class) and the least loaded
+    free member of all (a heap): O(buckets x classes keeping it x log k), not O(buckets x k),
+    which matters at a thousand members."""
+    classes = list(range(k)) if classes is None else list(classes)
+    count = max(classes, default=-1) + 1
+    by_class: list[list[int]] = [[] for _ in range(count)]
+    for m, c in enumerate(classes):
+        by_class[c].append(m)
     load = [0] * k
     owners = [0] * len(buckets)
+    sizes = [sum(s.length for s in bucket) for bucket in buckets]
     for first in range(0, len(buckets), k):
-        round_ = sorted(range(first, min(first + k, len(buckets))),
-                        key=lambda b: (-sum(s.length for s in buckets[b]), b))
-        free = list(range(k))
+        round_ = sorted(range(first, min(first + k, len(buckets))), key=lambda b: (-sizes[b], b))
+        # The round's free members: in one heap, and in one per class (taken ones skipped lazily).
+        free = [[(load[m], m) for m in members] for members in by_class]
+        for heap in free:
+            heapq.heapify(heap)
+        every = [(load[m], m) for m in range(k)]
+        heapq.heapify(every)
+        taken: set[int] = set()
         for b in round_:
-            kept = keeps[b] if keeps is not None else [0] * k
-            m = min(free, key=lambda m: (load[m] - kept[m], load[m], m))
-            free.remove(m)
+            # A member of a class that keeps nothing of b is weighed by its load alone: the least
+            # loaded free member overall stands for all of them; each class that keeps some of b
+            # offers its least loaded free member, weighed by load less what it keeps.
+            while every[0][1] in taken:
+                heapq.heappop(every)
+            best = (every[0][0], every[0][0], every[0][1])
+            if keeps is not None:
+                for c, kept in enumerate(keeps[b]):
+                    if kept and c < count:
+                        heap = free[c]
+                        while heap and heap[0][1] in taken:
+                            heapq.heappop(heap)
+                        if heap:
+                            best = min(best, (heap[0][0] - kept, heap[0][0], heap[0][1]))
+            m = best[2]
+            taken.add(m)
             owners[b] = m
-            load[m] += sum(s.length for s in buckets[b])
+            load[m] += sizes[b]
     return owners
 
 
@@ -182,16 +214,24 @@ class Span:
 
 class ExchangePlan:
     """The plan for ``k`` members over tensors of ``sizes`` bytes; ``needs[m][i]``: member m's
-    need of tensor i. Buckets, their readers, and each member's pieces of each bucket."""
+    need of tensor i. Buckets, their readers, and each member's pieces of each bucket.
 
-    def __init__(self, sizes: Sequence[int], needs: Sequence[Sequence[Need]], bucket_bytes: int = BUCKET_BYTES):
-        self.needs = needs
-        self.k = len(needs)
+    ``classes`` (optional): ``needs`` then holds each *distinct* need once and ``classes[m]`` is
+    member m's (the agreement sends each distinct need once: a thousand ranks of a TP-8 load
+    keep 8). The plan's cost then grows with the distinct needs, not with the members."""
+
+    def __init__(self, sizes: Sequence[int], needs: Sequence[Sequence[Need]], bucket_bytes: int = BUCKET_BYTES,
+                 classes: Sequence[int] | None = None):
+        if classes is None:
+            needs, classes = distinct_needs(needs)
+        self.distinct = [list(need) for need in needs]
+        self.classes = list(classes)
+        self.k = len(self.classes)
         self.sizes = list(sizes)
         unions: dict[tuple, list[Interval]] = {}  # the layers of a model repeat their needs
         self.unions: list[list[Interval]] = []
         for i, nbytes in enumerate(sizes):
-            distinct = tuple(sorted({member[i] for member in needs}))
+            distinct = tuple(sorted({need[i] for need in self.distinct}))
             key = (nbytes, distinct)
             if key not in unions:
                 unions[key] = union(distinct, nbytes)
@@ -202,16 +242,20 @@ class ExchangePlan:
         self.bucket_bytes = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
         self.buckets = plan_buckets(totals, self.bucket_bytes)
         self.spans = [self._spans(bucket) for bucket in self.buckets]
-        keeps = [[run_bytes(run for _, run in self.pieces(b, m)) for m in range(self.k)]
-                 for b in range(len(self.buckets))]
-        self.readers = assign_readers(self.buckets, self.k, keeps)
+        keeps = [self._keeps(b) for b in range(len(self.buckets))]
+        self.readers = assign_readers(self.buckets, self.k, keeps, self.classes)
         # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
-        self.identical = all(list(member) == list(needs[0]) for member in needs)
+        self.identical = len(set(self.classes)) <= 1
+
+    @property
+    def needs(self) -> list[list[Need]]:
+        """Each member's need of each tensor (the distinct ones, shared by the members of a class)."""
+        return [self.distinct[c] for c in self.classes]
 
     def digest(self) -> str:
         """The facts the plan is made of (tensor sizes, needs, bucket size), hashed: members
         compare it, since plans that differ would pair sends and receives of different sizes."""
-        facts = (self.sizes, [list(member) for member in self.needs], self.bucket_bytes)
+        facts = (self.sizes, self.distinct, self.classes, self.bucket_bytes)
         return hashlib.sha256(repr(facts).encode()).hexdigest()
 
     def nbytes(self, b: int) -> int:
@@ -224,9 +268,30 @@ class ExchangePlan:
 
     def pieces(self, b: int, member: int) -> list[TensorRun]:
         """What ``member`` keeps of bucket ``b``: runs from the buffer into its tensors."""
+        return self._pieces(b, self.distinct[self.classes[member]])
+
+    def _keeps(self, b: int) -> list[int]:
+        """The bytes each distinct need keeps of bucket ``b`` (needs equal on the bucket's tensors
+        counted once: an expert's bucket has two, kept whole or not at all)."""
+        spans = self.spans[b]
+        if len(spans) == 1:
+            i = spans[0].tensor
+            keys: list = [need[i] for need in self.distinct]
+        else:
+            keys = [tuple(need[span.tensor] for span in spans) for need in self.distinct]
+        known: dict = {}
+        out = []
+        for key, need in zip(keys, self.distinct):
+            kept = known.get(key)
+            if kept is None:
+                kept = known[key] = run_bytes(run for _, run in self._pieces(b, need))
+            out.append(kept)
+        return out
+
+    def _pieces(self, b: int, need: Sequence[Need]) -> list[TensorRun]:
         out: list[TensorRun] = []
         for span in self.spans[b]:
-            for src, dst, n, count, ss, ds in clip_runs(self.needs[member][span.tensor], span.lo, span.hi):
+            for src, dst, n, count, ss, ds in clip_runs(need[span.tensor], span.lo, span.hi):
                 out.append((span.tensor, (src - span.lo + span.at, dst, n, count, ss, ds)))
         return out
 
@@ -248,6 +313,23 @@ class ExchangePlan:
         starts, intervals = self._starts[i], self.unions[i]
         j = bisect.bisect_right(starts, offset - 1 if end else offset) - 1
         return intervals[j][0] + offset - starts[j]
+
+
+def distinct_needs(needs: Sequence[Sequence[Need]]) -> tuple[list[Sequence[Need]], list[int]]:
+    """Members' needs as (each distinct need once, in order of first use; each member's class)."""
+    seen: dict[int, int] = {}  # id of a member's list -> class: members often share one list
+    distinct: list[Sequence[Need]] = []
+    by_value: dict[tuple, int] = {}
+    classes = []
+    for need in needs:
+        c = seen.get(id(need))
+        if c is None:
+            c = by_value.setdefault(tuple(need), len(distinct))
+            if c == len(distinct):
+                distinct.append(need)
+            seen[id(need)] = c
+        classes.append(c)
+    return distinct, classes
 
 
 def _cumulative(intervals: Sequence[Interval]) -> list[int]:

@@ -92,11 +92,25 @@ class SharedReadOptions(ReadOptions):
     needs: tuple[Mapping[str, tuple], ...] = ()
 
 
-def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> list[list[Need]]:
-    """Each member's need of each tensor (``needs``, in ``members``'s order): its runs where it
-    keeps a slice, else the whole tensor."""
+def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> tuple[list[list[Need]], list[int]]:
+    """Each distinct need of the members (``needs``, in ``members``'s order), as runs per tensor
+    (its runs where a member keeps a slice, else the whole tensor), and each member's: members
+    that keep the same slices (the agreement hands them one mapping) share one list, so this
+    costs the distinct needs x tensors, not the members x tensors."""
     needs = request.options_as(SharedReadOptions).needs
-    return [[member.get(info.name, whole_need(info.nbytes)) for info in infos] for member in needs]
+    lists: dict[int, int] = {}
+    mappings: list[Mapping[str, tuple]] = []
+    distinct: list[list[Need]] = []
+    classes = []
+    for member in needs:
+        if id(member) not in lists:
+            same = [c for c, other in enumerate(mappings) if other == member]
+            if not same:
+                mappings.append(member)
+                distinct.append([member.get(info.name, whole_need(info.nbytes)) for info in infos])
+            lists[id(member)] = same[0] if same else len(distinct) - 1
+        classes.append(lists[id(member)])
+    return distinct, classes
 
 
 class _Tensors:
@@ -259,11 +273,11 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
 
     def planning() -> tuple[int, str]:  # inside the agreement: a rank that cannot plan stops every rank
         nonlocal plan
-        needs = member_needs(request, infos)
-        if group.rank not in members or len(needs) != k:
-            raise DistloadError(f"the shared read has members {members} but what {len(needs)} "
+        needs, classes = member_needs(request, infos)
+        if group.rank not in members or len(classes) != k:
+            raise DistloadError(f"the shared read has members {members} but what {len(classes)} "
                                 f"keep (the load's agreement fills both)")
-        plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES)
+        plan = ExchangePlan([t.nbytes for t in infos], needs, BUCKET_BYTES, classes)
         return math.ceil(len(plan.buckets) / k), plan.digest()
 
     planned = agree(group, planning, "planning the shared read")

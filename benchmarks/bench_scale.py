@@ -1,0 +1,784 @@
+"""distload at the scale users run (issue 36): 8 ... 4,096 ranks, in one process, by simulation.
+
+    python benchmarks/bench_scale.py --ranks 1024 --json benchmarks/results/scale.json
+
+What is **measured by running distload's own code** here (one process, one CPU):
+
+- planning: the sharding rules (``distload.loading.rank_slices.plan_slices``: a rank's TP slices
+  of a checkpoint's index), the load's agreement payload (``agreement.read_facts``, the digests)
+  and the job-wide exchange plan (``shared_reads.plan.ExchangePlan``) of a shared read, for
+  every rank count; the sync's bucket grouping and per-place layouts
+  (``live.transfer.group_entries``, ``layouts``);
+- the old load design: the exchange plan as ``main`` had it before (its module, loaded from git at BEFORE),
+  at small N only (it grows as N; larger N are that line extended, and say so);
+- the sync channel's store protocol: ``rendezvous.post_hello``, ``form_session`` and
+  ``await_session``, and ``Session.put`` / ``Session.collect`` / ``Session.finish`` for one
+  update's metadata, agreement and done steps, run against an in-process store that counts keys,
+  bytes and round trips (``CountingStore``); the pickled sizes of the real metadata;
+- the per-message cost of a gloo point-to-point message between two processes on this machine.
+
+What is **modelled** (from reading the code; no process per rank):
+
+- the pairs' store traffic (torch's gloo rendezvous: one address posted and one read per member
+  and pair), the heartbeats (every member reads every other member's counter every INTERVAL_S
+  while data moves), connections and threads per process;
+- the gloo all-gathers of the load's agreement and of each round (a ring: N - 1 steps);
+- the transport: per-link bandwidth and the measured per-message cost, replaying the sends the
+  plans make (each exchange-plan bucket's reader to each member that keeps some of it; each
+  trainer rank's bucket layouts to each inference rank), against the link-bandwidth bound (the
+  bytes a rank must move at least, over its link);
+- the sync redesign (pairs only where a trainer rank holds bytes an inference rank keeps, expert
+  parallelism on the inference side, a relay tree for what every replica keeps, agreement
+  answers gathered by the leader): not in the code yet (distload/live/session.py and channel.py
+  are being changed); its numbers are the model's only.
+
+Shapes: a Llama-70B-like dense model (80 layers, hidden 8192, GQA 64/8 heads, bf16) and a
+1T-parameter MoE like Kimi-K2 (61 layers, 60 of them with 256 experts of intermediate 3072, hidden
+7168, bf16: 2.06 TB). Inference and load layout: replicas of 32 ranks (4 nodes), attention and
+dense layers TP 8 (replicated 4 times in a replica), experts spread over the replica's 32 ranks
+(EP 32: rank r keeps the experts e with e % 32 == r % 32 whole, 8 of each layer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import pickle
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import torch  # noqa: E402
+
+from distload.live import rendezvous  # noqa: E402
+from distload.live.channel import DEFAULT_BUCKET_BYTES  # noqa: E402
+from distload.live.rendezvous import SessionRecord  # noqa: E402
+from distload.live.session import Session  # noqa: E402
+from distload.live.transfer import SyncTensor, group_entries, layouts  # noqa: E402
+from distload.loading.agreement import read_facts  # noqa: E402
+from distload.loading.choice import ReadChoice  # noqa: E402
+from distload.loading.index import CheckpointIndex, FileInfo, TensorInfo  # noqa: E402
+from distload.loading.plan import RankPlan  # noqa: E402
+from distload.loading.rank_slices import plan_slices  # noqa: E402
+from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, whole_need  # noqa: E402
+from distload.loading.buckets import run_bytes  # noqa: E402
+from distload.tp.place import TPPlace  # noqa: E402
+from distload.tp.spec import BUILTIN_SPECS, Rule, ShardingSpec  # noqa: E402
+from distload.workers.heartbeat import INTERVAL_S  # noqa: E402
+
+GB = 1e9
+TP = 8
+EP = 32  # an inference replica (and a load's rank class): 32 ranks, experts e % EP each, TP 8 for the rest
+# The model's links and store (assumed; say so in the results): one 400 Gb/s NIC per GPU, an object
+# store serving each 8-GPU node at 10 GB/s with 30 ms a request.
+LINK_BYTES_S = 50 * GB
+LINK_LATENCY_S = 5e-6
+STORE_BYTES_S_PER_RANK = 10 * GB / 8
+STORE_REQUEST_S = 0.030
+FILE_BYTES = 5 * 1024**3  # checkpoint files of about 5 GiB, as Hugging Face saves them
+HEADER_BYTES_PER_TENSOR = 180  # a safetensors header's JSON per tensor (name, dtype, shape, offsets)
+RELAY_BYTES = 64 * 1024**2  # the redesign's relay chunk
+GLOO_THREADS_PER_GROUP = 2  # ProcessGroupGloo's default worker threads (Options.threads)
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]
+    config: dict
+    experts: int  # 0: dense
+
+    @property
+    def nbytes(self) -> int:
+        return sum(2 * math.prod(shape) for _, shape in self.tensors)
+
+
+def _attention(prefix: str, hidden: int, heads: int, kv: int, head_dim: int) -> list:
+    return [(f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+            (f"{prefix}.self_attn.k_proj.weight", (kv * head_dim, hidden)),
+            (f"{prefix}.self_attn.v_proj.weight", (kv * head_dim, hidden)),
+            (f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+            (f"{prefix}.input_layernorm.weight", (hidden,)),
+            (f"{prefix}.post_attention_layernorm.weight", (hidden,))]
+
+
+def _mlp(prefix: str, hidden: int, inter: int) -> list:
+    return [(f"{prefix}.gate_proj.weight", (inter, hidden)), (f"{prefix}.up_proj.weight", (inter, hidden)),
+            (f"{prefix}.down_proj.weight", (hidden, inter))]
+
+
+def llama70b() -> Model:
+    hidden, vocab = 8192, 128256
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    for layer in range(80):
+        out += _attention(f"model.layers.{layer}", hidden, 64, 8, 128) + _mlp(f"model.layers.{layer}.mlp", hidden, 28672)
+    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return Model("Llama-70B-like", tuple(out), {"num_attention_heads": 64, "num_key_value_heads": 8,
+                                                "head_dim": 128, "hidden_size": hidden}, 0)
+
+
+def moe1t(experts: int = 256) -> Model:
+    hidden, vocab = 7168, 163840
+    out = [("model.embed_tokens.weight", (vocab, hidden))]
+    for layer in range(61):
+        p = f"model.layers.{layer}"
+        out += _attention(p, hidden, 64, 8, 128)
+        if layer == 0:
+            out += _mlp(f"{p}.mlp", hidden, 18432)
+            continue
+        out += [(f"{p}.mlp.gate.weight", (experts, hidden))] + _mlp(f"{p}.mlp.shared_experts", hidden, 3072)
+        for e in range(experts):
+            out += _mlp(f"{p}.mlp.experts.{e}", hidden, 3072)
+    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+    return Model("1T MoE, Kimi-K2-like", tuple(out), {"num_attention_heads": 64, "num_key_value_heads": 8,
+                                                       "head_dim": 128, "hidden_size": hidden}, experts)
+
+
+def expert_of(name: str) -> int | None:
+    if ".experts." not in name:
+        return None
+    return int(name.split(".experts.")[1].split(".")[0])
+
+
+def spec_for(model: Model) -> ShardingSpec:
+    """The decoder rules; with experts, those kept whole (expert parallelism places them)."""
+    rules = BUILTIN_SPECS["decoder"]
+    if model.experts:
+        rules = (Rule("*.mlp.experts.*", None), Rule("*.mlp.gate.weight", None)) + rules
+    return ShardingSpec("decoder" + ("+ep" if model.experts else ""), rules, dict(model.config))
+
+
+def checkpoint_index(model: Model) -> CheckpointIndex:
+    """The model as a whole checkpoint on an object store: files of about FILE_BYTES."""
+    files, tensors, offset, number = [], [], 0, 0
+
+    def close() -> None:
+        nonlocal tensors, offset, number
+        if tensors:
+            files.append(FileInfo(f"s3://models/{model.name}/model-{number:05d}.safetensors", offset, tuple(tensors),
+                                  None, version=f"etag-{number}"))
+            tensors, offset, number = [], 0, number + 1
+
+    for name, shape in model.tensors:
+        nbytes = 2 * math.prod(shape)
+        if offset and offset + nbytes > FILE_BYTES:
+            close()
+        tensors.append(TensorInfo(name, "BF16", shape, f"model-{number:05d}", offset, offset + nbytes))
+        offset += nbytes
+    close()
+    return CheckpointIndex(tuple(files))
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def ring_allgather_s(n: int, item_bytes: float, message_s: float) -> float:
+    """gloo's all-gather of n items (all_gather_object: sizes, then the items): a ring, n - 1 steps
+    each, every rank receiving the n - 1 others' items."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * message_s + (n - 1) * item_bytes / LINK_BYTES_S
+
+
+def moving_s(nbytes: float, messages: int, message_s: float) -> float:
+    """A rank moving ``nbytes`` in ``messages`` over its link: the channel keeps two buckets in
+    flight and a shared read reads two rounds ahead, so each message's own cost overlaps the wire
+    time of another; the slower of the two, plus one message's cost to start."""
+    return max(nbytes / LINK_BYTES_S, messages * message_s) + message_s
+
+
+def measure_message_s(count: int = 300) -> float:
+    """One small gloo message between two processes on this machine, one way (half a round trip)."""
+    code = r"""
+import os, sys, time, torch, torch.distributed as dist
+rank = int(sys.argv[1]); dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
+t = torch.zeros(16, dtype=torch.uint8); n = int(sys.argv[3])
+for i in range(20 + n):
+    if i == 20: start = time.perf_counter()
+    if rank == 0: dist.send(t, 1); dist.recv(t, 1)
+    else: dist.recv(t, 0); dist.send(t, 0)
+if rank == 0: print((time.perf_counter() - start) / n / 2)
+dist.destroy_process_group()
+"""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port, str(count)], stdout=subprocess.PIPE,
+                              text=True, env=env) for r in range(2)]
+    out = procs[0].communicate(timeout=120)[0]
+    procs[1].wait(timeout=120)
+    return float(out.strip().splitlines()[-1])
+
+
+# -- the load --------------------------------------------------------------------------------------
+
+CHOICE = ReadChoice(sharded=False, backend="ranged", shared=True, scope="job")
+
+
+class LoadSetup:
+    """One model's checkpoint, and each distinct rank class's plan (class c = rank % EP keeps TP
+    rank c % TP's slices and the experts e with e % EP == c; a dense model: c = rank % TP): the
+    real plan_slices and RankPlan.slice_runs per class."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.index = checkpoint_index(model)
+        self.infos = self.index.tensors
+        self.sizes = [t.nbytes for t in self.infos]
+        spec = spec_for(model)
+        self.plans, self.runs, self.slice_s = [], [], []
+        self.count = EP if model.experts else TP
+        by_slot: dict[int, tuple[RankPlan, dict]] = {}
+        for c in range(self.count):
+            slot = c % TP
+            if slot not in by_slot:  # a class's rank plans its slot's slices once (the same for its EP peers)
+                (by_slot[slot]), seconds = timed(lambda slot=slot: self._plan(spec, slot))
+                self.slice_s.append(seconds)
+            plan, runs = by_slot[slot]
+            self.plans.append(plan)
+            self.runs.append(self._experts(dict(runs), c))
+        self.needs = [[runs.get(info.name, whole_need(info.nbytes)) for info in self.infos] for runs in self.runs]
+
+    def _plan(self, spec: ShardingSpec, slot: int) -> tuple[RankPlan, dict]:
+        place = TPPlace(TP, slot, spec)
+        plan = RankPlan("s3://models/x", CHOICE, self.index, tensor_parallel=place,
+                        slices=plan_slices(self.index, place, lambda: self.model.config))
+        return plan, plan.slice_runs()
+
+    def _experts(self, runs: dict, c: int) -> dict:
+        """Expert parallelism: the experts of the other classes are not kept (an empty need)."""
+        if self.model.experts:
+            for info in self.infos:
+                e = expert_of(info.name)
+                if e is not None and e % EP != c:
+                    runs[info.name] = ()
+        return runs
+
+
+BEFORE = "bcd7d01"  # the last commit before the load's redesign (issue 36)
+
+
+def old_exchange_plan() -> Any:
+    """ExchangePlan as main had it before the redesign (its module, from git at BEFORE)."""
+    text = subprocess.run(["git", "-C", os.path.dirname(HERE), "show", f"{BEFORE}:distload/loading/shared_reads/plan.py"],
+                          capture_output=True, text=True, check=True).stdout
+    spec = importlib.util.spec_from_loader("distload_main_exchange_plan", loader=None)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]  (dataclasses look their module up)
+    exec(compile(text, f"{BEFORE}:distload/loading/shared_reads/plan.py", "exec"), module.__dict__)
+    return module.ExchangePlan
+
+
+def load_at(setup: LoadSetup, n: int, message_s: float, old: Any | None) -> dict:
+    """A job of n ranks loading the whole checkpoint, shared job-wide (each byte from the store once)."""
+    count = min(n, setup.count)
+    classes = [r % setup.count for r in range(n)]
+    t0 = classes[0]
+    plan0 = setup.plans[t0]
+    facts, digest_s = timed(lambda: read_facts(CHOICE, plan0.signature(), plan0.share_key(), "node-0", setup.runs[t0]))
+    facts_bytes = len(pickle.dumps(facts))
+    runs_bytes = [len(pickle.dumps(runs)) for runs in setup.runs]
+    old_payload = pickle.dumps((CHOICE, plan0.signature(), plan0.share_key(), "node-0", setup.runs[t0]))
+    old_item = len(old_payload)
+    # all_gather_object unpickles every item it receives: measured here, one item of each kind.
+    _, old_unpickle_s = timed(lambda: pickle.loads(old_payload))
+    _, facts_unpickle_s = timed(lambda: pickle.loads(pickle.dumps(facts)))
+    _, runs_unpickle_s = timed(lambda: [pickle.loads(pickle.dumps(runs)) for runs in setup.runs[:count]])
+    exchange, plan_s = timed(lambda: ExchangePlan(setup.sizes, setup.needs[:count], BUCKET_BYTES, classes))
+    # What each rank reads, sends and receives: the plan's own sends, replayed.
+    k = n
+    keeps = [[run_bytes(run for _, run in exchange.pieces(b, c)) for c in range(count)]
+             for b in range(len(exchange.buckets))]
+    members_of = [classes.count(c) for c in range(count)]
+    read = [0] * n
+    sent = [0] * n
+    messages = [0] * n
+    received = [0] * n
+    peers: list[set] = [set() for _ in range(min(n, 64))]  # connections, for the first ranks
+    for b, reader in enumerate(exchange.readers):
+        read[reader] += exchange.read_bytes(b)
+        for c, kept in enumerate(keeps[b]):
+            if not kept:
+                continue
+            others = members_of[c] - (1 if classes[reader] == c else 0)
+            sent[reader] += kept * others
+            messages[reader] += others
+            for m in range(c, n, setup.count):
+                if m != reader:
+                    received[m] += kept
+                    if m < len(peers):
+                        peers[m].add(reader)
+                    if reader < len(peers):
+                        peers[reader].add(m)
+    rounds = math.ceil(len(exchange.buckets) / k)
+    kept_bytes = [sum(run_bytes(n_) for n_ in setup.needs[c]) for c in range(count)]
+    headers = HEADER_BYTES_PER_TENSOR * len(setup.infos) + 8 * len(setup.index.files)
+    header_s = STORE_REQUEST_S + headers / STORE_BYTES_S_PER_RANK
+    agreement_s = (ring_allgather_s(n, facts_bytes, message_s) + ring_allgather_s(n, sum(runs_bytes[:count]) / n, message_s)
+                   + (n - 1) * facts_unpickle_s + runs_unpickle_s)
+    old_agreement_s = ring_allgather_s(n, old_item, message_s) + (n - 1) * old_unpickle_s
+    round_s = ring_allgather_s(n, 64, message_s)  # each round's "fine?" exchange
+    data_s = max(max(r / STORE_BYTES_S_PER_RANK, moving_s(sent[i], messages[i], message_s),
+                     received[i] / LINK_BYTES_S) for i, r in enumerate(read))
+    bound_s = max(exchange.union_bytes / n / STORE_BYTES_S_PER_RANK, max(kept_bytes) / LINK_BYTES_S)
+    out = {
+        "ranks": n, "checkpoint_bytes": setup.model.nbytes, "tensors": len(setup.infos), "files": len(setup.index.files),
+        "buckets": len(exchange.buckets), "bucket_bytes": exchange.bucket_bytes, "rounds": rounds,
+        "plan_slices_s": max(setup.slice_s), "digest_s": digest_s, "exchange_plan_s": plan_s,
+        "planning_s_per_rank": max(setup.slice_s) + digest_s + plan_s,
+        "agreement_bytes_per_rank": (n - 1) * facts_bytes + sum(runs_bytes[:count]),
+        "old_agreement_bytes_per_rank": (n - 1) * old_item,
+        "agreement_s_model": agreement_s, "old_agreement_s_model": old_agreement_s,
+        "plan_and_agreement_s": max(setup.slice_s) + digest_s + plan_s + agreement_s,
+        "old_plan_and_agreement_s_at_least": max(setup.slice_s) + old_agreement_s,
+        "store_data_bytes": sum(read), "store_data_bytes_once": sum(read) == exchange.union_bytes,
+        "store_header_bytes": headers * n, "store_requests": len(exchange.buckets) + n * len(setup.index.files),
+        "max_bytes_sent_per_rank": max(sent), "max_bytes_received_per_rank": max(received),
+        "connections_per_process": max(len(p) for p in peers), "rounds_exchange_s_model": rounds * round_s,
+        "load_s_model": header_s + agreement_s + data_s + rounds * round_s, "load_bound_s": bound_s,
+    }
+    if old is not None:
+        per_member = [setup.needs[c] for c in classes]
+        _, out["old_exchange_plan_s"] = timed(lambda: old(setup.sizes, per_member, BUCKET_BYTES))
+        out["old_planning_s_per_rank"] = max(setup.slice_s) + out["old_exchange_plan_s"]
+    return out
+
+
+# -- the sync --------------------------------------------------------------------------------------
+
+class CountingStore:
+    """An in-process store (the calls distload's BoundedStore offers) that counts what crosses it:
+    every call one round trip, the bytes of keys and values both ways."""
+
+    def __init__(self, prefix: str = "", data: dict | None = None, counts: dict | None = None):
+        self.prefix = prefix
+        self.data: dict[str, bytes] = {} if data is None else data
+        self.counts = {"round_trips": 0, "bytes": 0, "keys": 0} if counts is None else counts
+
+    def _count(self, keys: Sequence[str], value: bytes = b"") -> None:
+        self.counts["round_trips"] += 1
+        self.counts["bytes"] += sum(len(self.prefix) + len(k) for k in keys) + len(value)
+
+    def prefixed(self, prefix: str) -> "CountingStore":
+        return CountingStore(self.prefix + prefix, self.data, self.counts)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._count([key], value)
+        if self.prefix + key not in self.data:
+            self.counts["keys"] += 1
+        self.data[self.prefix + key] = value
+
+    def get(self, key: str) -> bytes:
+        value = self.data[self.prefix + key]
+        self._count([key], value)
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        self._count(keys)
+        return all(self.prefix + k in self.data for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        self._count([key], b"12345678")
+        value = int(self.data.get(self.prefix + key, b"0")) + amount
+        self.data[self.prefix + key] = str(value).encode()
+        return value
+
+
+def sync_entries(model: Model, trainers: int) -> list[list[SyncTensor]]:
+    """Each trainer rank's tensors: experts by expert parallelism (expert e to rank e % trainers),
+    the rest whole, spread in turn (the disjoint names each trainer rank sends)."""
+    out: list[list[SyncTensor]] = [[] for _ in range(trainers)]
+    turn = 0
+    for name, shape in model.tensors:
+        e = expert_of(name)
+        if e is None:
+            owner, turn = turn % trainers, turn + 1
+        else:
+            owner = e % trainers
+        out[owner].append(SyncTensor(name, "BF16", shape, 2 * math.prod(shape)))
+    return out
+
+
+def store_protocol(model: Model, metas: list[dict], trainers: int, inference: int, redesign: bool) -> dict:
+    """One session's forming and one update's store traffic, on the real rendezvous and Session code
+    (pairs and heartbeats by the model)."""
+    root = CountingStore()
+    hellos = {}
+    for role, size in (("trainer", trainers), ("inference", inference)):
+        for rank in range(size):
+            if (role, rank) != ("trainer", 0):
+                hellos[(role, rank)] = rendezvous.post_hello(root, role, rank, size, {"tp_size": TP, "spec": None})
+    leader_nonce = rendezvous.post_hello(root, "trainer", 0, trainers, {"tp_size": TP, "spec": None})
+    record = rendezvous.form_session(root, trainers, rendezvous.Hello(leader_nonce, trainers, {}), time.monotonic() + 60, "x")
+    for (role, rank), nonce in hellos.items():
+        rendezvous.await_session(root, role, rank, nonce, time.monotonic() + 60, "x")
+    joined = dict(root.counts)
+    store = root.prefixed(f"s/{record.id}/")
+    world = trainers + inference
+    sessions = [Session(record, store, {}, "gloo", me, None, None, "x", 60.0, lambda role, rank: f"{role} {rank}")  # type: ignore[arg-type]
+                for me in range(world)]
+    deadline = time.monotonic() + 60
+    for me in range(trainers):
+        sessions[me].put("meta", metas[me])
+    for s in sessions:
+        s.put("ready", [])
+    before = dict(root.counts)
+    if redesign:
+        # The leader reads every answer and posts one verdict; an inference rank reads the metadata
+        # of the trainer ranks it pairs with only (what it keeps comes from them), once per session.
+        pairs_of = _redesign_pairs(model, trainers, inference)[1]
+        sessions[0].collect("ready", deadline)
+        rendezvous.put(store, "u/0/verdict", [])
+        for me in range(1, world):
+            rendezvous.get(store, "u/0/verdict")
+        for me in range(trainers):
+            sessions[me].collect("meta", deadline, 1)  # the leader's (version, bucket size)
+        for i in range(inference):
+            for t in pairs_of[i]:
+                rendezvous.get(store, sessions[0].key("meta", t))
+        for s in sessions:
+            s.put("done", None)
+        sessions[0].collect("done", deadline)
+        rendezvous.put(store, "u/0/complete", True)
+        for me in range(1, world):
+            rendezvous.get(store, "u/0/complete")
+    else:
+        for s in sessions:  # trainer ranks and inference ranks alike read every trainer rank's metadata
+            s.collect("meta", deadline, trainers)
+        for s in sessions:
+            s.collect("ready", deadline)
+        for s in sessions:
+            s.put("done", None)
+        for s in sessions:
+            s.collect("done", deadline)
+        for s in sessions[1:]:
+            s.put("seen", None)
+        sessions[0].store.check([sessions[0].key("seen", r) for r in range(1, world)])
+    update = {k: root.counts[k] - before[k] for k in before}
+    return {"join_round_trips": joined["round_trips"], "join_bytes": joined["bytes"],
+            "update_round_trips": update["round_trips"], "update_bytes": update["bytes"],
+            "meta_bytes": sum(len(pickle.dumps(m)) for m in metas)}
+
+
+def _redesign_pairs(model: Model, trainers: int, inference: int) -> tuple[list[set], list[set], int]:
+    """The redesign's pairs, and the ranks of an inference replica. A replica is EP ranks (a dense
+    model: TP ranks); rank j of a replica keeps TP slot j % TP of the dense tensors and the experts
+    e % EP == j. Trainer rank t sends to replica t % replicas only: its experts to the rank that
+    keeps them, its dense tensors to the TP ranks of one group of that replica ((t // replicas) %
+    groups); the replica's other groups and the other replicas get them passed on, in chains
+    (relays). Returns (per trainer rank, per inference rank) the peers, and the replica size."""
+    size = EP if model.experts else TP
+    replicas = max(1, inference // size)
+    groups = size // TP
+    of_trainer: list[set] = [set() for _ in range(trainers)]
+    of_inference: list[set] = [set() for _ in range(inference)]
+    for t in range(trainers):
+        replica = t % replicas
+        group = (t // replicas) % groups
+        dests = {replica * size + group * TP + slot for slot in range(TP)}
+        if model.experts:
+            dests |= {replica * size + e % size for e in range(t, model.experts, trainers)}
+        for i in dests:
+            of_trainer[t].add(i)
+            of_inference[i].add(t)
+    return of_trainer, of_inference, size
+
+
+def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_cap: int | None = None) -> dict:
+    """One update from ``trainers`` trainer ranks to ``inference`` ranks (TP 8 replicas)."""
+    owned = sync_entries(model, trainers)
+    spec = BUILTIN_SPECS["decoder"]
+    # Today's channel: every inference rank keeps its TP slice of every tensor (decoder rules).
+    places = [TPPlace(TP, t, ShardingSpec("decoder", spec, dict(model.config))) for t in range(TP)]
+    plan_s, groups_of, layout_bytes, layout_msgs = [], [], [], []
+    for entries in owned:
+        (groups, per_place), seconds = timed(lambda entries=entries: _trainer_plan(entries, places))
+        plan_s.append(seconds)
+        groups_of.append(groups)
+        layout_bytes.append([sum(layout.size for layout in lays) for lays in per_place])
+        layout_msgs.append([sum(1 for layout in lays if layout.size) for lays in per_place])
+        if len(plan_s) >= 16 and trainers > 32:
+            break  # trainer ranks are alike: the first 16 give the time; bytes come per rank below
+    # Bytes per (trainer, TP slot), for every trainer rank: today's layouts from group sums.
+    if len(layout_bytes) < trainers:
+        for entries in owned[len(layout_bytes):]:
+            groups = group_entries(entries, DEFAULT_BUCKET_BYTES)
+            per_place = [layouts(entries, groups, place, False) for place in places]
+            layout_bytes.append([sum(layout.size for layout in lays) for lays in per_place])
+            layout_msgs.append([sum(1 for layout in lays if layout.size) for lays in per_place])
+    replicas = inference // TP
+    verify_msgs = 1  # the checksums after the last bucket
+    # Today: each trainer rank sends each inference rank its slices (all pairs).
+    egress = [replicas * sum(b) for b in layout_bytes]
+    egress_msgs = [replicas * (sum(m) + verify_msgs * TP) for m in layout_msgs]
+    ingress = [sum(layout_bytes[t][i % TP] for t in range(trainers)) for i in range(inference)]
+    ingress_msgs = [sum(layout_msgs[t][i % TP] + verify_msgs for t in range(trainers)) for i in range(inference)]
+    today_s = max(max(moving_s(e, m, message_s) for e, m in zip(egress, egress_msgs)),
+                  max(moving_s(g, m, message_s) for g, m in zip(ingress, ingress_msgs)))
+    # The redesign (model only): pairs where a trainer rank holds bytes an inference rank keeps,
+    # expert parallelism on the inference side, relays in chains (see _redesign_pairs).
+    owned_bytes = [sum(e.nbytes for e in entries) for entries in owned]
+    kept_inf, dense_slot = _redesign_kept(model)
+    pairs_t, pairs_i, size = _redesign_pairs(model, trainers, inference)
+    r_replicas = max(1, inference // size)
+    chain = r_replicas - 1 + size // TP - 1  # buckets a relayed byte waits, at most
+    # A relay passes buckets on in chunks of RELAY_BYTES as they land (pipelined: a byte waits a
+    # chunk per hop, not a bucket).
+    bucket_s = RELAY_BYTES / LINK_BYTES_S
+    # A trainer rank: one message per bucket to the rank that keeps it, the checksums after.
+    r_egress_msgs = [len(group_entries(entries, DEFAULT_BUCKET_BYTES)) + TP + 1 for entries in owned[:16]]
+    # passed on to the next replica (a chain; the last keeps it), and within a replica of several
+    # TP groups, the dense slices to the next group
+    relay_out = (max(kept_inf) if r_replicas > 1 else 0) + (dense_slot if size > TP else 0)
+    relay_msgs = math.ceil(relay_out / RELAY_BYTES) + math.ceil(max(kept_inf) / RELAY_BYTES) + max(len(p) for p in pairs_i)
+    redesign_s = max(moving_s(max(owned_bytes), max(r_egress_msgs), message_s),
+                     moving_s(relay_out, relay_msgs, message_s) + chain * bucket_s,
+                     moving_s(max(kept_inf), relay_msgs, message_s) + chain * bucket_s)
+    bound_s = max(max(owned_bytes), max(kept_inf)) / LINK_BYTES_S
+    metas = [{"version": 1, "entries": entries, "groups": groups_of[t] if t < len(groups_of)
+              else group_entries(entries, DEFAULT_BUCKET_BYTES), "verify": True, "gathered": [], "delta": False,
+              "base": None, "next": None, "audit": 0} for t, entries in enumerate(owned)]
+    today_store = store_protocol(model, metas, trainers, inference, redesign=False)
+    redesign_store = store_protocol(model, metas, trainers, inference, redesign=True)
+    world = trainers + inference
+    heartbeat_per_s = world * (world - 1) / INTERVAL_S + world / INTERVAL_S
+    r_heartbeat_per_s = (sum(len(p) for p in pairs_t) * 2 + world) / INTERVAL_S
+    # torch's gloo rendezvous of a two-member group: each member posts its address (about 300 bytes)
+    # and reads the other's (a wait and a get): 3 round trips, about 700 bytes, per member and pair.
+    today_pairs = trainers * inference
+    redesign_pairs = sum(len(p) for p in pairs_t) + 2 * inference  # + the relays' chains
+    pair_rt, pair_bytes = 3 * 2, 700 * 2
+    return {
+        "trainer_ranks": trainers, "inference_ranks": inference, "state_bytes": model.nbytes,
+        "planning_s_per_rank": max(plan_s),
+        "today": {
+            "pairs": today_pairs, "connections_per_process": max(trainers, inference) + 1,
+            "threads_per_process": GLOO_THREADS_PER_GROUP * max(trainers, inference) + 3,
+            "store_bytes": today_store["join_bytes"] + today_pairs * pair_bytes + today_store["update_bytes"],
+            "store_round_trips": today_store["join_round_trips"] + today_pairs * pair_rt + today_store["update_round_trips"],
+            "store_update_bytes": today_store["update_bytes"], "heartbeat_reads_per_s": heartbeat_per_s,
+            "max_bytes_per_link": max(max(b) for b in layout_bytes),
+            "max_egress_bytes": max(egress), "max_ingress_bytes": max(ingress),
+            "update_s_model": today_s, "vs_bound": today_s / bound_s,
+        },
+        "redesign": {
+            "pairs": redesign_pairs,
+            "connections_per_process": max(max(len(p) for p in pairs_t), max(len(p) for p in pairs_i) + 4) + 1,
+            "threads_per_process": GLOO_THREADS_PER_GROUP * max(max(len(p) for p in pairs_t), max(len(p) for p in pairs_i) + 4) + 3,
+            "store_bytes": redesign_store["join_bytes"] + redesign_pairs * pair_bytes + redesign_store["update_bytes"],
+            "store_round_trips": redesign_store["join_round_trips"] + redesign_pairs * pair_rt + redesign_store["update_round_trips"],
+            "store_update_bytes": redesign_store["update_bytes"], "heartbeat_reads_per_s": r_heartbeat_per_s,
+            "max_bytes_per_link": max(owned_bytes),
+            "max_egress_bytes": max(max(owned_bytes), relay_out), "max_ingress_bytes": max(kept_inf),
+            "update_s_model": redesign_s, "vs_bound": redesign_s / bound_s,
+        },
+        "bound_s": bound_s, "meta_bytes": today_store["meta_bytes"],
+    }
+
+
+def _trainer_plan(entries: list[SyncTensor], places: list[TPPlace]) -> tuple[list, list]:
+    groups = group_entries(entries, DEFAULT_BUCKET_BYTES)
+    return groups, [layouts(entries, groups, place, False) for place in places]
+
+
+def _redesign_kept(model: Model) -> tuple[list[int], int]:
+    """Bytes each rank of a replica keeps in the redesign (experts e % EP whole, the rest its
+    decoder TP slice: real kept sizes from transfer.kept_slice), and the largest TP slot's share
+    of the tensors that are not experts."""
+    from distload.live.transfer import kept_slice
+    spec = ShardingSpec("decoder", BUILTIN_SPECS["decoder"], dict(model.config))
+    size = EP if model.experts else TP
+    dense = [0] * TP
+    for slot in range(TP):
+        place = TPPlace(TP, slot, spec)
+        for i, (name, shape) in enumerate(model.tensors):
+            if expert_of(name) is None:
+                dense[slot] += kept_slice(place, i, SyncTensor(name, "BF16", shape, 2 * math.prod(shape))).nbytes
+    experts = [0] * size
+    for name, shape in model.tensors:
+        e = expert_of(name)
+        if e is not None:
+            experts[e % size] += 2 * math.prod(shape)
+    return [dense[j % TP] + experts[j] for j in range(size)], max(dense)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def sizes_up_to(limit: int) -> list[int]:
+    return [n for n in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n <= limit]
+
+
+def run(ranks: int, old_up_to: int = 32, message_s: float | None = None, models: Sequence[Model] | None = None) -> dict:
+    message_s = measure_message_s() if message_s is None else message_s
+    models = list(models) if models is not None else [llama70b(), moe1t()]
+    old = old_exchange_plan()
+    out: dict = {"message_s": message_s, "link_bytes_s": LINK_BYTES_S, "store_bytes_s_per_rank": STORE_BYTES_S_PER_RANK,
+                 "load": {}, "sync": {}}
+    for model in models:
+        setup = LoadSetup(model)
+        rows = []
+        for n in sizes_up_to(ranks):
+            if n < setup.count:
+                continue  # fewer ranks than an EP group: the job does not hold every expert
+            row = load_at(setup, n, message_s, old if n <= old_up_to else None)
+            rows.append(row)
+            print(f"load {model.name} N={n}: plan {row['planning_s_per_rank']:.2f} s, "
+                  f"agreement {row['agreement_bytes_per_rank'] / 1e6:.2f} MB/rank, model {row['load_s_model']:.1f} s", flush=True)
+        out["load"][model.name] = rows
+        rows = []
+        for n in sizes_up_to(ranks):
+            trainers, inference = max(TP, n // 4), max(EP, n // 8)  # 1,024: 256 -> 128, as the issue's shape
+            if rows and (rows[-1]["trainer_ranks"], rows[-1]["inference_ranks"]) == (trainers, inference):
+                continue
+            row = sync_at(model, trainers, inference, message_s)
+            rows.append(row)
+            print(f"sync {model.name} {trainers}->{inference}: today {row['today']['connections_per_process']} conn, "
+                  f"{row['today']['store_bytes'] / 1e6:.0f} MB store, {row['today']['vs_bound']:.1f}x bound; redesign "
+                  f"{row['redesign']['connections_per_process']} conn, {row['redesign']['store_bytes'] / 1e6:.0f} MB, "
+                  f"{row['redesign']['vs_bound']:.2f}x", flush=True)
+        out["sync"][model.name] = rows
+    return out
+
+
+def goals(result: dict) -> list[tuple[str, str, bool]]:
+    """The issue's goals against the figures (at the largest N run: 256 -> 128 needs 1,024)."""
+    moe = "1T MoE, Kimi-K2-like"
+    out = []
+    sync = next((r for r in result["sync"].get(moe, []) if r["trainer_ranks"] == 256 and r["inference_ranks"] == 128), None)
+    if sync is not None:
+        for design in ("today", "redesign"):
+            d = sync[design]
+            out += [(f"sync {design}: connections per process <= 64", f"{d['connections_per_process']}", d["connections_per_process"] <= 64),
+                    (f"sync {design}: store traffic <= 100 MB", f"{d['store_bytes'] / 1e6:.1f} MB", d["store_bytes"] <= 100e6),
+                    (f"sync {design}: update within 1.2x of the link bound", f"{d['vs_bound']:.2f}x ({d['update_s_model']:.2f} s vs {sync['bound_s']:.2f} s)",
+                     d["vs_bound"] <= 1.2)]
+        out.append(("sync: planning <= 1 s per rank", f"{sync['planning_s_per_rank']:.3f} s", sync["planning_s_per_rank"] <= 1))
+    load = next((r for r in result["load"].get(moe, []) if r["ranks"] == 1024), None)
+    if load is not None:
+        out += [("load 1,024 ranks: plan and agreement <= 2 s per rank", f"{load['plan_and_agreement_s']:.2f} s",
+                 load["plan_and_agreement_s"] <= 2),
+                ("load 1,024 ranks: each data byte from the store once", str(load["store_data_bytes_once"]), load["store_data_bytes_once"]),
+                ("load 1,024 ranks: header bytes from the store", f"{load['store_header_bytes'] / 1e9:.2f} GB (every rank reads every header)",
+                 False)]
+    return out
+
+
+def write_report(result: dict, json_path: str) -> None:
+    """scale.md and scale.png beside ``json_path``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    base = os.path.splitext(json_path)[0]
+    m = result["machine"]
+    lines = [f"Scale harness (benchmarks/bench_scale.py, issue 36), N = 8 ... {max(r['ranks'] for rows in result['load'].values() for r in rows)} ranks "
+             f"in one process, {result['seconds']:.0f} s; {m['cpus']} CPUs, torch {m['torch']}, {m['platform']}. "
+             f"Model: links {LINK_BYTES_S / GB:.0f} GB/s, object store {STORE_BYTES_S_PER_RANK / GB:.2f} GB/s per rank, "
+             f"gloo message {result['message_s'] * 1e6:.0f} us (measured here). Planning times are measured (distload's "
+             f"code, one process); bytes and round trips are counted; transfer times are modelled.", ""]
+    lines += ["## Goals", "", "| goal | figure | met |", "|---|---|---|"]
+    lines += [f"| {g} | {v} | {'yes' if ok else 'no'} |" for g, v, ok in goals(result)]
+    for name, rows in result["load"].items():
+        lines += ["", f"## Load: {name}, whole checkpoint on an object store, shared job-wide", "",
+                  "| ranks | planning s/rank (old: main's code) | agreement MB/rank (old) | plan+agreement s | rounds | "
+                  "GB sent / received per rank (max) | connections | modelled load s | bound s |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            old = f" ({r['old_planning_s_per_rank']:.2f})" if "old_planning_s_per_rank" in r else ""
+            lines.append(f"| {r['ranks']} | {r['planning_s_per_rank']:.2f}{old} | {r['agreement_bytes_per_rank'] / 1e6:.2f} "
+                         f"({r['old_agreement_bytes_per_rank'] / 1e6:.1f}) | {r['plan_and_agreement_s']:.2f} | {r['rounds']} | "
+                         f"{r['max_bytes_sent_per_rank'] / 1e9:.1f} / {r['max_bytes_received_per_rank'] / 1e9:.1f} | {r['connections_per_process']} | {r['load_s_model']:.1f} | {r['load_bound_s']:.1f} |")
+    for name, rows in result["sync"].items():
+        lines += ["", f"## Sync: {name}, today's channel / the redesign (model)", "",
+                  "| trainer -> inference | planning s/rank | pairs | connections/process | threads/process | store MB | "
+                  "store round trips | heartbeat reads/s | modelled update s | bound s | vs bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            t, d = r["today"], r["redesign"]
+            lines.append(f"| {r['trainer_ranks']} -> {r['inference_ranks']} | {r['planning_s_per_rank']:.3f} | {t['pairs']} / {d['pairs']} | "
+                         f"{t['connections_per_process']} / {d['connections_per_process']} | {t['threads_per_process']} / {d['threads_per_process']} | "
+                         f"{t['store_bytes'] / 1e6:.1f} / {d['store_bytes'] / 1e6:.1f} | {t['store_round_trips']} / {d['store_round_trips']} | "
+                         f"{t['heartbeat_reads_per_s']:.0f} / {d['heartbeat_reads_per_s']:.0f} | {t['update_s_model']:.2f} / {d['update_s_model']:.2f} | "
+                         f"{r['bound_s']:.2f} | {t['vs_bound']:.2f} / {d['vs_bound']:.2f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    for name, rows in result["load"].items():
+        n = [r["ranks"] for r in rows]
+        axes[0][0].plot(n, [r["planning_s_per_rank"] for r in rows], "o-", label=f"{name}")
+        old = [(r["ranks"], r["old_planning_s_per_rank"]) for r in rows if "old_planning_s_per_rank" in r]
+        if old:
+            axes[0][0].plot(*zip(*old), "x--", label=f"{name}, main's code")
+        axes[0][1].plot(n, [r["agreement_bytes_per_rank"] / 1e6 for r in rows], "o-", label=name)
+        axes[0][1].plot(n, [r["old_agreement_bytes_per_rank"] / 1e6 for r in rows], "x--", label=f"{name}, main's")
+        axes[0][2].plot(n, [r["load_s_model"] / r["load_bound_s"] for r in rows], "o-", label=name)
+    for name, rows in result["sync"].items():
+        n = [r["trainer_ranks"] + r["inference_ranks"] for r in rows]
+        for design, style in (("today", "x--"), ("redesign", "o-")):
+            axes[1][0].plot(n, [r[design]["connections_per_process"] for r in rows], style, label=f"{name}, {design}")
+            axes[1][1].plot(n, [r[design]["store_bytes"] / 1e6 for r in rows], style, label=f"{name}, {design}")
+            axes[1][2].plot(n, [r[design]["vs_bound"] for r in rows], style, label=f"{name}, {design}")
+    titles = [("load: planning s per rank", True), ("load: agreement MB received per rank", True),
+              ("load: modelled time / bound", False), ("sync: connections per process", True),
+              ("sync: store MB per session + update", True), ("sync: modelled update / link bound", True)]
+    for ax, (title, log) in zip([a for row in axes for a in row], titles):
+        ax.set_title(title)
+        ax.set_xscale("log", base=2)
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("ranks (sync: trainer + inference)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    axes[1][0].axhline(64, color="grey", lw=0.8)
+    axes[1][1].axhline(100, color="grey", lw=0.8)
+    axes[1][2].axhline(1.2, color="grey", lw=0.8)
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=90)
+
+
+def machine() -> dict:
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=1024, help="the largest rank count (8, 16, ... up to it)")
+    parser.add_argument("--json", help="write the figures here (and a .md and, with matplotlib, a .png beside it)")
+    parser.add_argument("--old-up-to", type=int, default=64, help="run main's exchange plan up to this N")
+    parser.add_argument("--report-only", action="store_true", help="write the .md and .png from --json's figures")
+    args = parser.parse_args()
+    if args.report_only:
+        with open(args.json) as f:
+            write_report(json.load(f), args.json)
+        return 0
+    start = time.perf_counter()
+    result = run(args.ranks, args.old_up_to)
+    result["machine"] = machine()
+    result["seconds"] = time.perf_counter() - start
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        write_report(result, args.json)
+    print(f"done in {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The scale harness (benchmarks/bench_scale.py) at small N, checked against distload's real code:
+the exchange plan by distinct need against main's plan per member, the store counts against a
+real torch store, the sync's replayed bytes against what each receiver keeps."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_scale as bench  # noqa: E402
+from distload.live import rendezvous  # noqa: E402
+from distload.live.transfer import SyncTensor, kept_slice  # noqa: E402
+from distload.loading.buckets import run_bytes  # noqa: E402
+from distload.loading.shared_reads.plan import ExchangePlan  # noqa: E402
+from distload.tp.place import TPPlace  # noqa: E402
+from distload.tp.spec import BUILTIN_SPECS, ShardingSpec  # noqa: E402
+
+
+def tiny_moe() -> bench.Model:
+    hidden = 64
+    out = [("model.embed_tokens.weight", (256, hidden))]
+    for layer in range(2):
+        p = f"model.layers.{layer}"
+        out += bench._attention(p, hidden, 8, 8, 8) + [(f"{p}.mlp.gate.weight", (64, hidden))]
+        for e in range(64):
+            out += bench._mlp(f"{p}.mlp.experts.{e}", hidden, 32)
+    out += [("model.norm.weight", (hidden,)), ("lm_head.weight", (256, hidden))]
+    return bench.Model("tiny MoE", tuple(out), {"num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 8,
+                                                "hidden_size": hidden}, 64)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return bench.LoadSetup(tiny_moe())
+
+
+def test_the_plan_by_distinct_need_is_mains_plan_per_member(setup, monkeypatch):
+    """Readers, buckets and every member's received bytes, as the harness counts them from the
+    plan by class, equal those of branch main's ExchangePlan given every member's need."""
+    import distload.loading.shared_reads.plan as plan_module
+    old = bench.old_exchange_plan()
+    monkeypatch.setattr(plan_module, "MIN_BUCKET_BYTES", 4096)
+    monkeypatch.setattr(sys.modules[old.__module__], "MIN_BUCKET_BYTES", 4096)
+    n = 64
+    classes = [r % setup.count for r in range(n)]
+    new = ExchangePlan(setup.sizes, setup.needs, 1 << 16, classes)
+    main = old(setup.sizes, [setup.needs[c] for c in classes], 1 << 16)
+    assert new.readers == main.readers and len(new.buckets) == len(main.buckets) > n
+    assert new.digest() != "" and new.identical == main.identical
+    received = [0] * n
+    for b, reader in enumerate(main.readers):
+        for m in range(n):
+            if m != reader:
+                received[m] += run_bytes(run for _, run in main.pieces(b, m))
+    row = bench.load_at(setup, n, 50e-6, None)
+    assert row["store_data_bytes_once"] and row["store_data_bytes"] == main.union_bytes
+    assert row["max_bytes_received_per_rank"] == max(received) > 0
+
+
+def test_the_counting_store_counts_what_a_real_store_holds():
+    """The session's forming and one update over the real rendezvous code, through a store that
+    hands every call to a real torch store as well: the keys counted are the keys it holds."""
+    real = dist.HashStore()
+
+    class Both(bench.CountingStore):
+        def set(self, key, value):
+            super().set(key, value)
+            real.set(self.prefix + key, value)
+
+        def get(self, key):
+            value = super().get(key)
+            assert real.get(self.prefix + key) == value
+            return value
+
+    created = []
+    original = bench.CountingStore
+
+    def make(*args, **kwargs):
+        store = Both(*args, **kwargs)
+        created.append(store)
+        return store
+
+    bench.CountingStore = make  # type: ignore[misc]
+    try:
+        model = tiny_moe()
+        owned = bench.sync_entries(model, 2)
+        metas = [{"entries": entries} for entries in owned]
+        counts = bench.store_protocol(model, metas, 2, 32, redesign=False)
+    finally:
+        bench.CountingStore = original  # type: ignore[misc]
+    assert created[0].counts["keys"] == real.num_keys()
+    # hellos (34), the session record, then meta (2) + ready, done, seen (34 each)
+    assert real.num_keys() == 34 + 1 + 2 + 34 + 34 + 33
+    assert counts["update_round_trips"] > 34 * 2  # every member reads the 2 metas and 34 answers
+    assert counts["meta_bytes"] == sum(len(__import__("pickle").dumps(m)) for m in metas)
+    assert rendezvous.session_id(created[0]) is not None
+
+
+def test_todays_sync_replay_gives_each_receiver_exactly_what_it_keeps():
+    model = tiny_moe()
+    row = bench.sync_at(model, 8, 32, 50e-6)
+    spec = ShardingSpec("decoder", BUILTIN_SPECS["decoder"], dict(model.config))
+    kept = [sum(kept_slice(TPPlace(bench.TP, slot, spec), i, SyncTensor(name, "BF16", shape, 2 * bench.math.prod(shape))).nbytes
+                for i, (name, shape) in enumerate(model.tensors)) for slot in range(bench.TP)]
+    assert row["today"]["max_ingress_bytes"] == max(kept)
+    assert row["today"]["pairs"] == 8 * 32 and row["redesign"]["pairs"] < row["today"]["pairs"]
+    # the redesign: each inference rank keeps its TP slice of the rest and its experts whole
+    assert row["redesign"]["max_ingress_bytes"] < row["today"]["max_ingress_bytes"]
