@@ -86,8 +86,9 @@ class DistloadCheckpointEngine(CheckpointEngine):
     # -- verl's protocol: forming ------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         """The master serves the channel's rendezvous (once: it stays for the next updates) and
-        says where; every worker says which host it is on."""
-        metadata: dict[str, Any] = {"host": socket.gethostname()}
+        says where; the other workers have nothing to say (the channel decides each pair's
+        transport itself when its session forms)."""
+        metadata: dict[str, Any] = {}
         if self.is_master:
             if self._channel is None:
                 self._channel = self._serve()
