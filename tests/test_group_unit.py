@@ -350,3 +350,42 @@ def test_instanttensor_refuses_what_it_would_get_wrong():
     check_instanttensor_read(True, "node", "nccl", 8, 8, ok)  # one node: node is the whole group
     with pytest.raises(BackendUnavailableError, match="tensor 'q' is F4.*safetensors"):  # finding 6
         check_instanttensor_read(False, "job", None, 1, 1, ok + [("a.safetensors", "q", "F4")])
+
+
+# -- naming a lost peer (issue 30, item 7) ---------------------------------------------------------
+
+def test_a_collective_failure_is_quoted_without_gloos_location_and_advice():
+    from distload.workers.group import collective_cause
+
+    closed = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                          "[127.0.0.1]:31910: Connection reset by peer. This is typically caused by a remote worker "
+                          "hanging or bugs in the application. Check the logs of the remote worker before "
+                          "reporting an error. GLHF! \U0001F3D6\ufe0f")
+    assert collective_cause(closed) == "Read error [127.0.0.1]:31910: Connection reset by peer"
+    late = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 10000ms "
+                        "for recv operation to complete")
+    assert collective_cause(late) == "Timed out waiting 10000ms for recv operation to complete"
+    assert collective_cause(RuntimeError("")) == "RuntimeError"
+
+
+def test_a_peer_whose_process_is_gone_is_named_and_a_running_one_is_not():
+    import subprocess
+    import sys
+
+    from distload.workers.heartbeat import ended_processes, process_identity
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+        with open(f"/proc/{child.pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+        posted = process_identity(0) + f"1 {ns} {child.pid} {start};" + f"2 pid:[1] {child.pid} {start};"
+        assert ended_processes(posted, [1, 2]) == []  # running; rank 2 lives in another PID namespace
+        child.kill()
+        child.wait()
+        assert ended_processes(posted, [0, 1, 2]) == [1]  # gone; this process (0) runs; 2 cannot be told
+        assert ended_processes(posted + f"3 {ns} {os.getpid()} 1;", [3]) == [3]  # its PID now another's
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -354,3 +354,41 @@ def test_an_object_name_that_would_leave_dest_is_refused():
                               path=lambda name: f"s3://b/p/{name}")
         with pytest.raises(CheckpointError, match="path segment, which would not land inside DEST"):
             _every_file(src)
+
+
+@pytest.mark.slow
+def test_rank_1_killed_mid_pull_is_named_by_rank_0(tmp_path):
+    """Issue 30, item 7: rank 0's error names rank 1, whose process is gone, and quotes no gloo
+    advice ("bugs in the application"). The ranks run with torchrun's environment (its run id:
+    the path where a lost peer is not watched for) but without its agent, which would end rank 0
+    the moment rank 1 died and leave no message to check."""
+    from dist_helpers import clean_env, free_port
+
+    source = str(tmp_path / "whole")
+    write_whole(source, {f"w{i}": torch.randn(2 * MIB) for i in range(6)}, num_files=3)  # 3 x 16 MiB
+    dest = str(tmp_path / "dest")
+    port = str(free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "distload", "pull", source, dest, "--chunk-mib", "0.25", "--timeout", "60"],
+        env=clean_env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "pull-test"}),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.isdir(dest) and any(n.endswith(TEMPORARY_SUFFIX) for n in os.listdir(dest))):
+            if procs[1].poll() is not None or time.monotonic() > deadline:
+                pytest.fail("the pull ended (or never started) before rank 1 could be killed")
+            time.sleep(0.01)
+        procs[1].kill()
+        _, err = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    assert procs[0].returncode == 1, err[-3000:]
+    assert "rank 1 ended: its process on" in err and "is gone" in err, err[-3000:]
+    assert "bugs in the application" not in err and "GLHF" not in err and "pair.cc" not in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not [n for n in os.listdir(dest) if not n.startswith(".") and not filecmp.cmp(
+        os.path.join(source, n), os.path.join(dest, n), shallow=False)]  # what is visible is whole

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from distload.errors import CheckpointError, GroupError
 from distload.fileio import TEMPORARY_SUFFIX, temporary_name
-from distload.workers.group import WorkerGroup
+from distload.workers.group import WorkerGroup, collective_cause
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, read_manifest
 from distload.loading.shared_reads.rounds import run_rounds
 from distload.loading.sources import Source, content_fingerprint, open_source
@@ -355,8 +355,9 @@ def _transfer(src: Source, g: WorkerGroup, chunks: list, here: set[str], copy: _
                     try:
                         dist.broadcast(buffer, src=g.ranks[owner], group=g.process_group)
                     except Exception as exc:
-                        raise GroupError(f"rank {g.rank}: lost contact with rank {owner} while it sent "
-                                         f"{entry.name} bytes {start}-{end}: {exc}{g.lost_peers(exc)}") from exc
+                        doing = ("while sending" if owner == g.rank else f"while rank {owner} sent")
+                        raise GroupError(f"rank {g.rank}: lost contact with the other ranks {doing} {entry.name} "
+                                         f"bytes {start}-{end}: {collective_cause(exc)}{g.lost_peers(exc)}") from exc
                 if error is None and entry.name in here:
                     try:
                         if start == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -77,6 +78,20 @@ def subgroup_backend(device_type: str) -> str:
     collectives run on "cpu", i.e. gloo (``_get_object_coll_device``).
     """
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+# gloo's text around the cause: the source file it was raised in, and advice that points the
+# wrong way ("bugs in the application", "GLHF!") where distload names the peer that went away.
+_GLOO_WHERE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by .*$", re.DOTALL)
+_CPP_TRACE = re.compile(r"\s*(?:Exception raised from|frame #0).*$", re.DOTALL)
+
+
+def collective_cause(exc: BaseException) -> str:
+    """What a failed collective says went wrong, without gloo's source location, advice or a
+    C++ backtrace: "Connection closed by peer [10.0.0.2]:26543", "Timed out waiting 10000ms ..."."""
+    text = _CPP_TRACE.sub("", _GLOO_ADVICE.sub("", _GLOO_WHERE.sub("", str(exc).strip())))
+    return text or type(exc).__name__
 
 
 def _describe(exc: BaseException) -> str:
@@ -323,7 +338,7 @@ class WorkerGroup:
         except Exception as exc:  # a peer died or the timeout passed
             raise GroupError(
                 f"rank {self.rank}: lost contact with the other ranks while exchanging state "
-                f"(timeout {self.timeout.total_seconds():.0f}s): {exc}"
+                f"(timeout {self.timeout.total_seconds():.0f}s): {collective_cause(exc)}"
                 f"{self.lost_peers(exc) if explain else ''}"
             ) from exc
         return gathered
@@ -334,11 +349,13 @@ class WorkerGroup:
 
         Under torchrun a peer whose process ended (a closed connection, not a timeout) is named
         by torchrun's own summary, and its agent ends this process within a second or so: the
-        1.5 s watch would only lose that race and leave this rank without any message."""
+        1.5 s watch would only lose that race and leave this rank without any message. A peer on
+        this host whose process is gone is named at once, there too (by the process it posted)."""
         if self._heartbeat is None or self.world_size == 1:
             return ""
         if os.environ.get("TORCHELASTIC_RUN_ID") and exc is not None and "time" not in str(exc).lower():
-            return "; a peer's process ended (torchrun's failure summary names its rank)"
+            ended = self._heartbeat.describe_ended(self.ranks, self.launch.rank)
+            return ended or "; a peer's process ended (torchrun's failure summary names its rank)"
         return self._heartbeat.describe_silent(self.ranks, self.launch.rank)
 
     @contextlib.contextmanager

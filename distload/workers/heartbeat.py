@@ -8,10 +8,18 @@ beats apart: the ranks whose counters stood still are the ones that stopped, and
 
 Counters, not clocks: the nodes' clocks need not agree. A rank busy in a long call that holds the
 GIL could look silent; the messages therefore say "stopped answering", with the evidence.
+
+A process whose counter stands still may also be gone for certain: each rank posts once which
+process it is (host, PID namespace, PID, start time) under its host's key, so a rank whose
+collective lost a peer names at once the peers on its own host whose process no longer runs.
+That takes no watching, so it is done first, and it is the one answer that still arrives under
+torchrun, whose agent ends the surviving ranks within a second of one dying.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from typing import Any, Callable, Sequence
 
@@ -26,6 +34,56 @@ STORE_DEADLINE_S = 8.0
 
 def _key(rank: int) -> str:
     return f"distload/heartbeat/{rank}"
+
+
+def _host_key(host: str) -> str:
+    return f"distload/processes/{host}"
+
+
+def _process_start(pid: int | str) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): with the
+    PID it names one process, not a later one given the same PID. None where it is not running
+    (or this is not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    if len(fields) < 20 or fields[0] in ("Z", "X"):  # a zombie has ended, only its exit status remains
+        return None
+    return fields[19]
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def process_identity(rank: int) -> str:
+    """What this process posts under its host's key: ``rank namespace pid start;``."""
+    return f"{rank} {_pid_namespace() or '-'} {os.getpid()} {_process_start('self') or '-'};"
+
+
+def ended_processes(posted: str, ranks: Sequence[int]) -> list[int]:
+    """Of ``ranks``, those whose process, as posted on this host (``process_identity`` entries),
+    is no longer running: gone, a zombie, or its PID now another process's. A rank posted from
+    another PID namespace (a container) or without a start time is never counted."""
+    here = _pid_namespace()
+    wanted = set(ranks)
+    ended = []
+    for entry in posted.split(";"):
+        parts = entry.split()
+        if len(parts) != 4 or not parts[0].isdigit() or int(parts[0]) not in wanted:
+            continue
+        rank, namespace, pid, start = int(parts[0]), parts[1], parts[2], parts[3]
+        if namespace == "-" or namespace != here or start == "-" or not pid.isdigit():
+            continue
+        if _process_start(pid) != start and rank not in ended:
+            ended.append(rank)
+    return sorted(ended)
 
 
 def _default_store() -> Any:
@@ -50,6 +108,10 @@ class Beat:
         self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self.store.append(_host_key(socket.gethostname()), process_identity(self.rank))
+        except Exception:  # noqa: BLE001 - a store without append: the heartbeat alone names peers
+            pass
         while not self._stop.is_set():
             try:
                 if self._until is not None and self._until():
@@ -112,11 +174,43 @@ class Heartbeat:
         thread.join(watch_s + STORE_DEADLINE_S)
         return found[0]
 
+    def ended_ranks(self, ranks: Sequence[int]) -> list[int]:
+        """Of the global ``ranks``, those on this host whose process has ended (at once: no
+        watching); [] where none has, or the store does not answer."""
+        if self.store is None:
+            return []
+        found: list[list[int]] = [[]]
+        key = _host_key(socket.gethostname())
+
+        def look() -> None:
+            if self.store.check([key]):
+                found[0] = ended_processes(self.store.get(key).decode(errors="replace"), ranks)
+
+        thread = threading.Thread(target=_quietly(look), name="distload-heartbeat-look", daemon=True)
+        thread.start()
+        thread.join(STORE_DEADLINE_S)
+        return found[0]
+
+    def describe_ended(self, ranks: Sequence[int], me: int) -> str:
+        """A clause naming the ranks of ``ranks`` (global, without ``me``) whose process on this
+        host has ended; "" where none has (or they run elsewhere)."""
+        ended = self.ended_ranks([r for r in ranks if r != me])
+        if not ended:
+            return ""
+        which = (f"rank {ended[0]} ended: its process" if len(ended) == 1
+                 else f"ranks {_ranks_text(ended)} ended: their processes")
+        return (f"; {which} on {socket.gethostname()} {'is' if len(ended) == 1 else 'are'} gone (killed, "
+                f"crashed or exited; its own output, or the kernel log for the OOM killer, says why)")
+
     def describe_silent(self, ranks: Sequence[int], me: int) -> str:
-        """A clause for an error message: which of ``ranks`` (global, without ``me``) stopped."""
+        """A clause for an error message: which of ``ranks`` (global, without ``me``) ended or
+        stopped."""
         others = [r for r in ranks if r != me]
         if not others:
             return ""
+        ended = self.describe_ended(others, me)
+        if ended:
+            return ended
         silent = self.silent_ranks(others)
         if silent is None:
             return ("; the job's rendezvous store does not answer either, so the rank that hosts it "

@@ -26,6 +26,7 @@ from distload.errors import (BackendUnavailableError, CheckpointError, ConfigErr
 from distload.loading.backends.base import Backend, BackendRun, ReadOptions, ReadRequest
 from distload.loading.sources import is_object_store
 from distload.runtime import RUNTIME
+from distload.workers.group import collective_cause
 
 if TYPE_CHECKING:
     from distload.workers.group import WorkerGroup
@@ -279,8 +280,7 @@ def _wrapped(exc: BaseException, paths: list[str], store, request: ReadRequest, 
     if distributed and isinstance(exc, RuntimeError):
         # Run:ai's distributed mode exchanges chunks over the group: a peer that died or stalled
         # shows here as gloo's "Connection closed by peer" or a timeout.
-        # gloo's text goes on with advice for its own developers: keep its first sentence.
-        reason = text.splitlines()[0].split(" This is typically caused")[0] if text else type(exc).__name__
+        reason = collective_cause(exc)
         return GroupError(f"rank {request.group.rank}: Run:ai's distributed read of {', '.join(paths)} lost a "
                           f"peer ({reason}){request.group.lost_peers(exc)}; every rank stops")
     if "End of file" in text:

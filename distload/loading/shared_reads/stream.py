@@ -62,6 +62,7 @@ from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, Need,
 from distload.loading.shared_reads.rounds import agree, run_rounds
 from distload.loading.index import TensorInfo
 from distload.tensor_io import host_view
+from distload.workers.group import collective_cause
 
 Extent = tuple[int, int, int]  # (offset in the tensor's data in its file, offset in the buffer, length)
 
@@ -427,5 +428,5 @@ def _send(group, members: list[int], me: int, this_round: list[_Bucket], broadca
         assert bucket is not None
         other = f"rank {peer}" if peer is not None else "the other ranks"
         raise GroupError(f"rank {group.rank}: lost contact with {other} while bucket {bucket.index} of the shared "
-                         f"read ({bucket.nbytes} bytes, read by rank {members[bucket.reader]}) travelled: {exc}"
+                         f"read ({bucket.nbytes} bytes, read by rank {members[bucket.reader]}) travelled: {collective_cause(exc)}"
                          f"{group.lost_peers(exc)}") from exc
