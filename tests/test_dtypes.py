@@ -124,7 +124,9 @@ def test_reshard_splits_every_dtype_by_torch_shape(tmp_path):
                            {"match": "*", "replicate": True}]}
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec_json))
-    with pytest.raises(distload.ConfigError, match="'fp4_rows' with shape \\[5, 3\\] cannot be split over 2"):
+    # The file's shape (values), not torch's (pairs): 6 values a row, 3 a rank would cut a pair.
+    with pytest.raises(distload.ConfigError, match="'fp4_rows' with shape \\[5, 6\\] \\(in the file; torch holds it as "
+                       "\\[5, 3\\].* cannot be split over 2 ranks: dim 1 \\(6 values, 3 elements\\) would be cut between"):
         distload.reshard(str(tmp_path / "whole"), str(tmp_path / "bad"), 2, sharding=str(spec_file))
     spec_json["rules"].pop(1)
     spec_file.write_text(json.dumps(spec_json))

@@ -329,6 +329,28 @@ def test_packed_fp4_last_dim_split_counts_header_values():
     assert shard_shape(q, (4096, 2048), spec.action(q, (4096, 2048), packing=2), 4) == (1024, 2048)
 
 
+def test_an_fp4_split_refusal_quotes_the_files_shape_not_torchs():
+    """Issue 30, item 7: the header counts F4 in 4-bit values ([64, 100]); torch holds pairs
+    ([64, 50]). A refusal gives the file's shape and says which of the two reasons holds."""
+    spec = load_spec("decoder", {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                 "hidden_size": 4096})
+    down = "model.layers.0.mlp.down_proj.weight"
+    action = spec.action(down, (64, 50), packing=2)
+    with pytest.raises(ConfigError) as err:
+        shard_shape(down, (64, 50), action, 4)  # 25 values a rank: half a pair
+    assert str(err.value).startswith(f"tensor {down!r} with shape [64, 100] (in the file; torch holds it as [64, 50], "
+                                     f"2 values packed in one element) cannot be split over 4 ranks: dim 1 (100 values, "
+                                     f"50 elements) would be cut between the 2 values packed in one element"), err.value
+    with pytest.raises(ConfigError, match=r"\[64, 100\].*dim 1 \(100 values, 50 elements\) is not divisible by 3"):
+        shard_shape(down, (64, 50), action, 3)
+    o = "model.layers.0.self_attn.o_proj.weight"
+    with pytest.raises(ConfigError, match=r"shape \[4096, 4096\] \(in the file.*32 attention heads of 128 values"):
+        shard_shape(o, (4096, 2048), spec.action(o, (4096, 2048), packing=2), 3)
+    up = "model.layers.0.mlp.up_proj.weight"  # split along dim 0: the file's shape still quoted
+    with pytest.raises(ConfigError, match=r"shape \[30, 16\] \(in the file.*dim 0 \(30\) is not divisible by 4"):
+        shard_shape(up, (30, 8), spec.action(up, (30, 8), packing=2), 4)
+
+
 def test_a_block_scale_beside_a_split_weight_is_refused():
     from distload.tp.spec import check_scales
 

@@ -51,6 +51,9 @@ class Action:
     rule: str | None = None  # the glob that decided; None: no rule matched (replicated)
     pad_to: int | None = None  # pad ``dim`` with zero rows to a multiple of this before splitting
     unresolved: str | None = None  # why the parts cannot be sized; raised once the tensor is split
+    # Values per torch element along the last dimension (2 for F4: the file counts 4-bit values,
+    # torch holds pairs). Sizes here are torch's; messages give the file's.
+    packing: int = 1
 
     def __post_init__(self) -> None:
         if self.parts is not None:  # sizes may be given as plain ints: equal-footing plain parts
@@ -89,7 +92,7 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
     assert dim is not None
     if dim >= len(shape):
         raise ConfigError(
-            f"tensor {name!r} has shape {list(shape)}, so it has no dim {dim} to split "
+            f"tensor {name!r} has shape {file_shape(shape, action.packing)}, so it has no dim {dim} to split "
             f"(rule {action.rule!r}); fix the sharding spec"
         )
     length = int(shape[dim])
@@ -108,6 +111,20 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
     return Slice(tuple(ranges))
 
 
+def file_shape(shape: Sequence[int], packing: int) -> list[int]:
+    """A tensor's shape as its file gives it: a packed dtype's header counts values along the last
+    dimension (F4: [r, 2k]), where torch holds elements of ``packing`` values (k float4_e2m1fn_x2)."""
+    return list(shape[:-1]) + [shape[-1] * packing] if packing > 1 and len(shape) else list(shape)
+
+
+def _with_shape(name: str, shape: Sequence[int], action: Action) -> str:
+    """``tensor 'x' with shape [...]``, the file's shape (and torch's, where they differ)."""
+    if action.packing == 1:
+        return f"tensor {name!r} with shape {list(shape)}"
+    return (f"tensor {name!r} with shape {file_shape(shape, action.packing)} (in the file; torch holds it "
+            f"as {list(shape)}, {action.packing} values packed in one element)")
+
+
 def _part_range(name: str, shape: Sequence[int], action: Action, part: Part, offset: int,
                 rank: int, world_size: int) -> tuple[int, int]:
     units = part.units
@@ -118,19 +135,31 @@ def _part_range(name: str, shape: Sequence[int], action: Action, part: Part, off
         unit = rank // (world_size // units)  # consecutive ranks share one head, as in vLLM
         return offset + unit * part.unit, offset + (unit + 1) * part.unit
     dim = action.dim
+    assert dim is not None
+    pack = action.packing if dim == len(shape) - 1 else 1  # values per element along the split
     if part.what == "rows":
+        if pack > 1:
+            sizes = [shape[dim] * pack] if action.parts is None else [p.size * pack for p in action.parts]
+            what = (f"dim {dim} ({sizes[0]} values, {shape[dim]} elements)" if action.parts is None else
+                    f"fused parts {sizes} of dim {dim} (in values)")
+            why = (f"is not divisible by {world_size}" if any(size % world_size for size in sizes) else
+                   f"would be cut between the {pack} values packed in one element")
+            raise ConfigError(
+                f"{_with_shape(name, shape, action)} cannot be split over {world_size} ranks: {what} {why} "
+                f"(rule {action.rule!r})"
+            )
         what = f"dim {dim} ({shape[dim]})" if action.parts is None else \
             f"fused parts {[p.size for p in action.parts]} of dim {dim}"
         raise ConfigError(
-            f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: "
+            f"{_with_shape(name, shape, action)} cannot be split over {world_size} ranks: "
             f"{what} is not divisible by {world_size} (rule {action.rule!r})"
         )
     rule = (f"the number of ranks must divide the {units} {part.what} or be a multiple of it"
             if part.replicable else f"the {units} {part.what} must be divisible by the number of ranks")
     raise ConfigError(
-        f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: it holds "
-        f"{units} {part.what} of {part.unit} rows, and {rule}, as in vLLM (rule {action.rule!r}); "
-        f"choose another tensor-parallel size"
+        f"{_with_shape(name, shape, action)} cannot be split over {world_size} ranks: it holds "
+        f"{units} {part.what} of {part.unit * pack} {'values' if pack > 1 else 'rows'}, and {rule}, as in "
+        f"vLLM (rule {action.rule!r}); choose another tensor-parallel size"
     )
 
 
@@ -141,7 +170,7 @@ def _padded_slice(name: str, shape: Sequence[int], action: Action, length: int, 
     padded = -(-length // pad_to) * pad_to
     if padded % world_size:
         raise ConfigError(
-            f"tensor {name!r} with shape {list(shape)} cannot be split over {world_size} ranks: dim "
+            f"{_with_shape(name, shape, action)} cannot be split over {world_size} ranks: dim "
             f"{action.dim} ({length}, padded to a multiple of {pad_to} as vLLM pads a vocabulary: "
             f"{padded}) is not divisible by {world_size} (rule {action.rule!r})"
         )

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from distload.errors import ConfigError
-from distload.tp.slices import Action, Part
+from distload.tp.slices import Action, Part, file_shape
 
 
 HEAD_KINDS = ("attention", "kv", "none")  # what a "heads" rule counts; "none": split evenly, ignore heads
@@ -113,18 +113,19 @@ class ShardingSpec:
                 if rule.split >= len(shape):  # shard_shape says so, naming the tensor
                     return Action(rule.split, None, rule.match)
                 if rule.pad_to is not None:
-                    return Action(rule.split, None, rule.match, pad_to=rule.pad_to)
-                if packing > 1 and rule.split != len(shape) - 1:
-                    packing = 1  # only the last dimension is packed
+                    return Action(rule.split, None, rule.match, pad_to=rule.pad_to, packing=packing)
+                along = packing if rule.split == len(shape) - 1 else 1  # only the last dimension is packed
                 try:
-                    return Action(rule.split, self._parts(rule, name, shape, packing), rule.match)
+                    return Action(rule.split, self._parts(rule, name, shape, along), rule.match, packing=packing)
                 except _Deferred as exc:  # only an error once the tensor is split (TP > 1)
-                    return Action(rule.split, None, rule.match, unresolved=str(exc))
+                    return Action(rule.split, None, rule.match, unresolved=str(exc), packing=packing)
         return Action(None, None, None)
 
     def _parts(self, rule: Rule, name: str, shape: Sequence[int], packing: int) -> tuple[Part, ...] | None:
+        """``packing``: values per torch element along the split dimension (F4's last)."""
         assert rule.split is not None
         length = shape[rule.split] * packing  # in the header's values, as the rules count
+        shape = file_shape(shape, packing) if packing > 1 else shape  # messages quote the file's
         if rule.heads in ("attention", "kv"):
             dims = self._dims(rule, name)
             heads = dims.heads if rule.heads == "attention" else dims.kv_heads
