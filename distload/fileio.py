@@ -59,10 +59,14 @@ def _umask() -> int:
     return mask
 
 
+# The errors of a write that found no room: a full device, or a quota reached.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
 def write_failed(path: str, exc: OSError, still_to_write: int | None = None) -> CheckpointError:
     """A write of an output file failed: say which file, and for a full disk how much is needed
     and how much is free, so the user can act (the save's marker keeps the folder refused)."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if exc.errno in NO_SPACE:
         try:
             free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
         except OSError:

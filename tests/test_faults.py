@@ -209,3 +209,35 @@ def test_map_copies_are_bit_exact_and_short_copies_are_counted(tmp_path):
         del src
     finally:
         region.close()
+
+
+def test_a_full_disk_during_pull_counts_without_the_pulls_own_partial_file(tmp_path):
+    """Issue 30, item 7: the partial file a pull writes is what fills the disk; the advice must
+    not ask to free space the pull itself holds. A partial a killed pull left (here 800 KiB on a
+    1 MiB disk) is removed before writing; the one of the file that did not fit is removed on
+    failure, and the message counts what is free without it."""
+    if not unshare_works():
+        if in_ci():
+            pytest.fail("unshare -rm (util-linux, user namespaces) is needed under CI")
+        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    source = str(tmp_path / "source")
+    os.makedirs(source)
+    save_file({"a": torch.zeros(64 * 1024)}, os.path.join(source, "model-00001.safetensors"))  # 256 KiB
+    save_file({"b": torch.zeros(512 * 1024)}, os.path.join(source, "model-00002.safetensors"))  # 2 MiB
+    mount = str(tmp_path / "small")
+    os.makedirs(mount)
+    dest = os.path.join(mount, "dest")
+    stale = os.path.join(dest, ".model-00002.safetensors.distload-tmp")
+    script = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(mount)} && mkdir {shlex.quote(dest)} && "
+              f"head -c 819200 /dev/zero > {shlex.quote(stale)} && "
+              f"{shlex.quote(sys.executable)} -m distload pull {shlex.quote(source)} {shlex.quote(dest)} "
+              f"--chunk-mib 0.25; echo exit=$?; ls -a {shlex.quote(dest)}")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    text = result.stdout + result.stderr
+    assert "exit=1" in text, text[-3000:]
+    assert "Traceback" not in text and "Errno 28" not in text, text[-3000:]
+    listing = result.stdout.split("exit=1", 1)[1].split()
+    assert sorted(listing) == [".", "..", "model-00001.safetensors"], listing  # no partial left, stale one gone
+    assert f"{dest}/model-00002.safetensors: no space left on" in text, text[-3000:]
+    assert "the pull's own partial file (.model-00002.safetensors.distload-tmp) is removed" in text, text[-3000:]
+    assert "free at least " in text and "the 1 complete file(s) there are kept" in text, text[-3000:]

@@ -17,7 +17,9 @@ What a user can rely on:
 - **Nothing half-written is visible.** A file is written under ``.NAME.distload-tmp`` in DEST
   (the name loaders skip), checked, fsynced and renamed into place. The weights go first, then
   the other files, and the index and the manifest last, so a folder that has its manifest has
-  everything. A process killed mid-pull leaves only complete files and hidden partials.
+  everything. A process killed mid-pull leaves only complete files and hidden partials; a pull
+  that fails removes its partials (a full disk is not left full of them), and a rerun removes
+  those an earlier killed pull left before it writes.
 - **Checked.** Every file's size; where the source has a distload manifest, each shard's SHA-256
   (computed as the chunks arrive, in order); an object's version, still the one listed before the
   file is renamed into place. A mismatch fails the pull naming the file.
@@ -31,8 +33,10 @@ What a user can rely on:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import CheckpointError, GroupError
-from distload.fileio import TEMPORARY_SUFFIX, temporary_name
+from distload.fileio import NO_SPACE, TEMPORARY_SUFFIX, temporary_name
 from distload.workers.group import WorkerGroup, collective_cause
 from distload.loading.manifest import MANIFEST_NAME, SAVING_MARKER, read_manifest
 from distload.loading.shared_reads.rounds import run_rounds
@@ -210,10 +214,17 @@ class _NodeCopy:
         os.replace(partial, os.path.join(self.dest, name))
         self.report.fetched.append(name)
 
+    def discard(self, name: str) -> None:
+        """Close and remove ``name``'s partial file: it is never resumed (a rerun fetches the
+        file from the start), and on a full disk it holds the space the next try needs."""
+        fd, _, _ = self._open.pop(name)
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(temporary_name(os.path.join(self.dest, name)))
+
     def abandon(self) -> None:
-        for fd, _, _ in self._open.values():
-            os.close(fd)
-        self._open.clear()
+        for name in list(self._open):
+            self.discard(name)
 
 
 def pull(source: str, dest: str, *, group: WorkerGroup | None = None,
@@ -261,6 +272,10 @@ def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullRepor
                 report.kept.append(entry.name)
             else:
                 lacking.append(entry.name)
+                # A partial an earlier pull left (it was killed): rewritten from the start anyway,
+                # and until then it holds disk space this pull needs.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary_name(os.path.join(dest, entry.name)))
         return lacking
 
     lacking = g.agree("checking what each node has", check_node)
@@ -366,14 +381,38 @@ def _transfer(src: Source, g: WorkerGroup, chunks: list, here: set[str], copy: _
                         if end >= entry.size:
                             copy.finish(entry.name)
                     except OSError as exc:  # a full disk, a folder removed under the pull
-                        error = CheckpointError(f"{os.path.join(copy.dest, entry.name)}: writing it failed on "
-                                                f"{g.hostname} ({exc.strerror or exc}); DEST keeps only "
-                                                f"complete files: free space and run the pull again")
+                        error = _write_failed(copy, entry, exc, chunks, here, g.hostname)
                     except BaseException as exc:  # reported in the next round, or below
                         error = exc
         if error is not None:
             g.report_failure("pulling", error)
             raise error
+
+
+def _write_failed(copy: _NodeCopy, entry: SourceFile, exc: OSError, chunks: list, here: set[str],
+                  hostname: str) -> CheckpointError:
+    """The error for a failed write into DEST, after removing the file's partial: for a full disk,
+    how much this node still lacks and how much is free once the partial is gone (the partial
+    itself was what filled it, so the advice must count without it)."""
+    path = os.path.join(copy.dest, entry.name)
+    if entry.name in copy._open:
+        copy.discard(entry.name)
+    if exc.errno not in NO_SPACE:
+        return CheckpointError(f"{path}: writing it failed on {hostname} ({exc.strerror or exc}); DEST keeps "
+                               f"only complete files (the partial one was removed): run the pull again")
+    done = set(copy.report.fetched)
+    lacking = sum({e.name: e.size for e, _, _ in chunks if e.name in here and e.name not in done}.values())
+    try:
+        free: int | None = shutil.disk_usage(copy.dest).free
+    except OSError:
+        free = None
+    short = f"free at least {lacking - free} more bytes" if free is not None and lacking > free else "free space"
+    return CheckpointError(
+        f"{path}: no space left on {hostname} to write it: the files this node still lacks hold {lacking} "
+        f"bytes, and {'an unknown number of' if free is None else free} bytes are free there now that the "
+        f"pull's own partial file ({os.path.basename(temporary_name(path))}) is removed; {short} or pull to "
+        f"another folder, then run the pull again (DEST keeps only complete files: the "
+        f"{len(done) + len(copy.report.kept)} complete file(s) there are kept)")
 
 
 def _sync_folder(path: str) -> None:
