@@ -111,6 +111,13 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
     copies: dict[str, list[_Copy]] = {}
     problems: list[str] = []
     covered: dict[int, int] = {}  # id(target tensor) -> elements written
+    # Targets already named in a problem (a dtype or shape that differs): not "missing" as well.
+    named: set[int] = set()
+
+    def refuse(dst: torch.Tensor, problem: str) -> None:
+        named.add(id(dst))
+        problems.append(problem)
+
     for name, dtype, shape in sources:
         action = sharding.action(name, shape, PACKED.get(dtype, 1)) if sharding is not None else None
         try:
@@ -133,39 +140,41 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
                 continue
             dst = targets[dest.name]
             if DTYPES[dtype] != dst.dtype:
-                problems.append(f"{where}: dtype {dtype} in the checkpoint, {dst.dtype} in the model")
+                refuse(dst, f"{where}: dtype {dtype} in the checkpoint, {dst.dtype} in the model")
                 continue
             src_shape = list(shape)
             if dest.src_dim is not None:
                 if dest.src_dim >= len(shape):
-                    problems.append(f"{where}: source slice dim {dest.src_dim} is outside the checkpoint "
-                                    f"shape {list(shape)}")
+                    refuse(dst, f"{where}: source slice dim {dest.src_dim} is outside the checkpoint "
+                                f"shape {list(shape)}")
                     continue
                 length = dest.source_length(shape)
                 if dest.src_start + length > shape[dest.src_dim] or length < 0:
-                    problems.append(f"{where}: source slice dim {dest.src_dim} [{dest.src_start}, "
-                                    f"{dest.src_start + length}) is outside the checkpoint shape {list(shape)}")
+                    refuse(dst, f"{where}: source slice dim {dest.src_dim} [{dest.src_start}, "
+                                f"{dest.src_start + length}) is outside the checkpoint shape {list(shape)}")
                     continue
                 src_shape[dest.src_dim] = length
             dst_shape = list(dst.shape)
             if dest.dim is not None:
                 if dest.dim >= dst.dim() or dest.dim >= len(src_shape):
-                    problems.append(f"{where}: no dim {dest.dim} to copy into (model shape {list(dst.shape)})")
+                    refuse(dst, f"{where}: no dim {dest.dim} to copy into (model shape {list(dst.shape)})")
                     continue
                 if dest.start + src_shape[dest.dim] > dst.shape[dest.dim]:
-                    problems.append(f"{where}: rows [{dest.start}, {dest.start + src_shape[dest.dim]}) of dim "
-                                    f"{dest.dim} do not fit the model shape {list(dst.shape)}")
+                    refuse(dst, f"{where}: rows [{dest.start}, {dest.start + src_shape[dest.dim]}) of dim "
+                                f"{dest.dim} do not fit the model shape {list(dst.shape)}")
                     continue
                 dst_shape[dest.dim] = src_shape[dest.dim]
             if src_shape != dst_shape:
                 what = "the rank's slice" if action is not None and not action.replicated else "shape"
-                problems.append(f"{where}: {what} {src_shape} in the checkpoint, {dst_shape} in the model")
+                refuse(dst, f"{where}: {what} {src_shape} in the checkpoint, {dst_shape} in the model")
                 continue
             copies.setdefault(name, []).append(_Copy(dest, action))
             covered[id(dst)] = covered.get(id(dst), 0) + math.prod(src_shape)
     untouched: dict[int, list[str]] = {}
     for model_name, tensor in targets.items():
         if model_name in optional:  # a non-persistent buffer: never required
+            continue
+        if id(tensor) in named:
             continue
         if covered.get(id(tensor), 0) < tensor.numel() or (tensor.numel() == 0 and id(tensor) not in covered):
             untouched.setdefault(id(tensor), []).append(model_name)
