@@ -380,3 +380,20 @@ def test_any_depth_finds_shards_below_sub_prefixes():
     assert find_shard_layout(names, P, any_depth=True).ranks == [0, 1]
     # A name that merely ends like a shard is not one (vLLM's "*pattern" would take it).
     assert find_shard_layout(["xmodel-rank-0-part-0.safetensors"], P, any_depth=True).ranks == []
+
+
+def test_ranks_reading_alone_agree_whatever_their_targets():
+    """Issue 30, item 7: a rank whose reload targets are DTensors (slices) and one whose are not
+    (whole) both read alone; they were refused as 'different readers', both described as 'pread
+    (whole checkpoint)'. A read that is not shared has no scope, so they agree; choices that do
+    differ are described differently."""
+    from distload.loading.agreement import _describe
+
+    sliced = choose_read("auto", sharded_layout_found=False, device_type="cpu", world_size=2, distributed=None,
+                         instanttensor_installed=False, sliced=True)
+    whole = choose("auto")
+    assert sliced == whole == ReadChoice(False, "pread", False)
+    different = [ReadChoice(False, "pread", False), ReadChoice(False, "pread", True, "job"),
+                 ReadChoice(False, "pread", True, "node"), ReadChoice(True, "pread", False),
+                 ReadChoice(False, "runai", False)]
+    assert len({_describe(c) for c in different}) == len(different)

@@ -32,6 +32,14 @@ class ReadChoice:
     shared: bool
     scope: str = "node"
 
+    def __post_init__(self) -> None:
+        # A read that is not shared has no scope: two ranks reading alone agree whatever scope a
+        # format would have given a shared read (a rank whose targets are DTensors reads slices,
+        # one whose are not reads whole; both alone). Unequal choices then always differ in
+        # what the agreement's message shows.
+        if not self.shared and self.scope != "node":
+            object.__setattr__(self, "scope", "node")
+
 
 def scope_from_key(distributed: bool | str | None) -> str | bool | None:
     """The extra config's ``distributed`` as a scope: None (unset: the format decides), False
