@@ -503,3 +503,5 @@ def test_a_config_with_wrong_head_counts_says_which(config, says):
     with pytest.raises(ConfigError) as err:
         shard_shape(name, (96, 64), action, 2)
     assert says in str(err.value), str(err.value)
+    fix = "Fix that in the config.json beside the weights" if config else "Put the model's config.json next to"
+    assert fix in str(err.value), str(err.value)  # a config.json that is there is fixed, not put there

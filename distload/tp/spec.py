@@ -176,18 +176,19 @@ class ShardingSpec:
             needs = ("the model's config.json beside the weights with num_attention_heads, "
                      f"num_key_value_heads and hidden_size (or head_dim); {_config_problem(self.config)}")
             example = _layer_free(name)
+            # A config.json that is there but says something wrong is fixed, not put there.
+            fix = "Fix that in the config.json beside the weights" if self.config else \
+                "Put the model's config.json next to the weights"
             if rule.heads == "none":  # an even split, but the fused parts still need their sizes
                 raise _NeedsConfig(
                     f"sharding spec {self.name!r} cuts the fused tensors matching {rule.match!r} (such as "
-                    f"{example!r}) into q, k and v, sized from {needs}. Put the model's config.json next "
-                    f"to the weights, or give the sizes in a spec file: "
+                    f"{example!r}) into q, k and v, sized from {needs}. {fix}, or give the sizes in a spec file: "
                     f'{{"match": "{rule.match}", "split": 0, "fused": [q, k, v]}}'
                 )
             raise _NeedsConfig(
                 f"sharding spec {self.name!r} splits the tensors matching {rule.match!r} (such as "
-                f"{example!r}) between attention heads, as vLLM does, which needs {needs}. Put the "
-                f"model's config.json next to the weights, or choose --sharding plain for an even "
-                f"split that does not look at heads"
+                f"{example!r}) between attention heads, as vLLM does, which needs {needs}. {fix}, or "
+                f"choose --sharding plain for an even split that does not look at heads"
             )
         return dims
 
