@@ -760,6 +760,44 @@ def test_a_member_that_left_the_channel_is_not_said_to_have_stopped_answering():
         root.close()
 
 
+def test_the_serving_trainer_reports_an_update_only_once_every_member_saw_it_complete():
+    """Done means done on both sides, also after the narrow window: a receiver that posted its
+    part done but never said it saw the update complete (it gave the update up and rolled back
+    while the store's server was stopped, or it died) makes the serving trainer's push fail,
+    naming it, instead of reporting a version that receiver may not hold. One process: a store
+    served here, the session's record written by hand, the receiver's beat running."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distload.live import rendezvous
+    from distload.live.session import Session
+    from distload.workers.heartbeat import Beat, PeerWatch
+
+    raw = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    root = rendezvous.BoundedStore(raw, "tcp://127.0.0.1:0", "trainer rank 0")
+    store = root.prefixed("s/s1/")
+    beat, theirs = Beat(store.raw, 0), Beat(store.raw, 1)
+    session = Session(rendezvous.SessionRecord("s1", 1, 1, {}, {}), store, {}, "gloo", 0, beat,
+                      PeerWatch(store, [1], 5.0), root.address, 1.0, rendezvous.describe)
+    try:
+        rendezvous.put(store, session.key("done", 1), None)  # its part is done; "seen" never comes
+        start = time.monotonic()
+        with pytest.raises(SyncError) as err:
+            session.finish(time.monotonic() + 1.0, serving=True)
+        assert time.monotonic() - start < 3
+        assert "inference rank 0 did not say within 1 s that it saw the update complete" in str(err.value), err.value
+        assert store.check([session.key("abort")])  # told to every member still in the update
+        session.seq += 1
+        rendezvous.put(store, session.key("done", 1), None)
+        rendezvous.put(store, session.key("seen", 1), None)
+        session.finish(time.monotonic() + 1.0, serving=True)  # it saw it: the push returns
+    finally:
+        theirs.stop()
+        beat.stop()
+        root.close()
+
+
 # -- 12. a second inference job at a channel that has one ------------------------------------------------
 
 @pytest.mark.dist

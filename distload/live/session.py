@@ -149,7 +149,12 @@ class Session:
         and the process serving the store (``serving``) waits for those, so that it never returns
         (and perhaps exits, taking the store with it) while a member still has to learn that the
         update completed: "done" is done on both sides. A member that went silent or left is not
-        waited for; after the deadline nobody is (the update did complete)."""
+        waited for; after the deadline nobody is.
+
+        The serving process returns only if every other member said it saw the update complete:
+        one that did not (it went silent, or it gave the update up, rolled back, while this
+        process was stopped and its store did not answer) may hold the previous version, so the
+        update fails here too, and a trainer never reports a version some receiver rolled back."""
         self.put("done", None)
         self.collect("done", deadline)
         if not serving:
@@ -158,15 +163,23 @@ class Session:
             except SyncError:
                 pass  # the update is complete here; a store gone now changes nothing for this member
             return
-        others = {r: self.key("seen", r) for r in range(self.record.world_size) if r != self.me}
+        keys = {r: self.key("seen", r) for r in range(self.record.world_size) if r != self.me}
+        others = dict(keys)
         backoff = rendezvous.Backoff()
         try:
             while others and not self.store.check(list(others.values())) and time.monotonic() < deadline:
                 gone = self.watch.silent(time.monotonic())  # killed (or left) since it posted "done"
                 others = {r: k for r, k in others.items() if r not in gone}
                 backoff.pause()
+            unconfirmed = [r for r, k in keys.items() if not self.store.check([k])]
         except StoreLost:
-            pass  # this process serves the store: it fails only while it closes
+            return  # this process serves the store: it fails only while it closes
+        if unconfirmed:
+            names = ", ".join(self.who(r) for r in unconfirmed)
+            raise SyncError(self.fail(
+                f"{names} did not say within {self.timeout_s:.0f} s that it saw the update complete (it "
+                f"stopped, died or gave the update up after posting its part done), so it may still hold "
+                f"the previous version"))
 
     def fail(self, reason: str) -> str:
         """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
