@@ -28,26 +28,36 @@ def unshare_works() -> bool:
         return False
 
 
-def test_disk_full_during_save_sharded_names_the_file_and_leaves_the_folder_refused(tmp_path):
+def fails_on_a_1_mib_disk(mount: str, args: list[str], listed: str, prepare: str = "true") -> tuple[list[str], str]:
+    """``python -m distload ARGS`` with a 1 MiB tmpfs at ``mount`` (after the sh commands
+    ``prepare``), in a private user and mount namespace (skipped where there is none, failed under
+    CI). It must fail with distload's message, no traceback; returns what ``listed`` then holds
+    (``ls -a``) and the whole output."""
     if not unshare_works():
         if in_ci():
             pytest.fail("unshare -rm (util-linux, user namespaces) is needed under CI")
         pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
+    os.makedirs(mount)
+    command = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "distload", *args])
+    script = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(mount)} && {prepare} && {command}; echo exit=$?; "
+              f"ls -a {shlex.quote(listed)}")
+    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
+    text = result.stdout + result.stderr
+    assert "exit=1" in text, text[-3000:]
+    assert "Traceback" not in text and "Errno 28" not in text, text[-3000:]
+    return result.stdout.split("exit=1", 1)[1].split(), text
+
+
+def test_disk_full_during_save_sharded_names_the_file_and_leaves_the_folder_refused(tmp_path):
     whole = str(tmp_path / "whole")
     os.makedirs(whole)
     g = torch.Generator().manual_seed(0)
     save_file({f"layers.{i}.weight": torch.randn(256, 1024, generator=g) for i in range(4)},  # 4 MiB
               os.path.join(whole, "model.safetensors"))
     mount = str(tmp_path / "small")
-    os.makedirs(mount)
     out = os.path.join(mount, "tp1")
-    script = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(mount)} && "
-              f"{shlex.quote(sys.executable)} -m distload reshard {shlex.quote(whole)} {shlex.quote(out)} "
-              f"--tensor-parallel-size 1 --sharding replicate; echo exit=$?; ls -a {shlex.quote(out)}")
-    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
-    text = result.stdout + result.stderr
-    assert "exit=1" in text, text[-3000:]
-    assert "Traceback" not in text and "Errno 28" not in text, text[-3000:]
+    _, text = fails_on_a_1_mib_disk(mount, ["reshard", whole, out, "--tensor-parallel-size", "1", "--sharding",
+                                            "replicate"], out)
     assert "no space left on the device" in text and "bytes free there" in text, text[-3000:]
     assert f"{out}/model-rank-0-part-" in text  # the file it could not write
     assert "distload.saving" in text  # the marker stays: every later command refuses the folder
@@ -216,27 +226,15 @@ def test_a_full_disk_during_pull_counts_without_the_pulls_own_partial_file(tmp_p
     not ask to free space the pull itself holds. A partial a killed pull left (here 800 KiB on a
     1 MiB disk) is removed before writing; the one of the file that did not fit is removed on
     failure, and the message counts what is free without it."""
-    if not unshare_works():
-        if in_ci():
-            pytest.fail("unshare -rm (util-linux, user namespaces) is needed under CI")
-        pytest.skip("this machine cannot make a private mount namespace (unshare -rm)")
     source = str(tmp_path / "source")
     os.makedirs(source)
     save_file({"a": torch.zeros(64 * 1024)}, os.path.join(source, "model-00001.safetensors"))  # 256 KiB
     save_file({"b": torch.zeros(512 * 1024)}, os.path.join(source, "model-00002.safetensors"))  # 2 MiB
     mount = str(tmp_path / "small")
-    os.makedirs(mount)
     dest = os.path.join(mount, "dest")
     stale = os.path.join(dest, ".model-00002.safetensors.distload-tmp")
-    script = (f"mount -t tmpfs -o size=1m tmpfs {shlex.quote(mount)} && mkdir {shlex.quote(dest)} && "
-              f"head -c 819200 /dev/zero > {shlex.quote(stale)} && "
-              f"{shlex.quote(sys.executable)} -m distload pull {shlex.quote(source)} {shlex.quote(dest)} "
-              f"--chunk-mib 0.25; echo exit=$?; ls -a {shlex.quote(dest)}")
-    result = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=120)
-    text = result.stdout + result.stderr
-    assert "exit=1" in text, text[-3000:]
-    assert "Traceback" not in text and "Errno 28" not in text, text[-3000:]
-    listing = result.stdout.split("exit=1", 1)[1].split()
+    listing, text = fails_on_a_1_mib_disk(mount, ["pull", source, dest, "--chunk-mib", "0.25"], dest,
+                                          prepare=f"mkdir {shlex.quote(dest)} && head -c 819200 /dev/zero > {shlex.quote(stale)}")
     assert sorted(listing) == [".", "..", "model-00001.safetensors"], listing  # no partial left, stale one gone
     assert f"{dest}/model-00002.safetensors: no space left on" in text, text[-3000:]
     assert "the pull's own partial file (.model-00002.safetensors.distload-tmp) is removed" in text, text[-3000:]
