@@ -82,15 +82,19 @@ def subgroup_backend(device_type: str) -> str:
 
 # gloo's text around the cause: the source file it was raised in, and advice that points the
 # wrong way ("bugs in the application", "GLHF!") where distload names the peer that went away.
-_GLOO_WHERE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
-_GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by .*$", re.DOTALL)
-_CPP_TRACE = re.compile(r"\s*(?:Exception raised from|frame #0).*$", re.DOTALL)
+_GLOO_NOISE = (
+    re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*"),  # where in gloo's source it was raised
+    re.compile(r"\.?\s*This is typically caused by .*$", re.DOTALL),  # its advice
+    re.compile(r"\s*(?:Exception raised from|frame #0).*$", re.DOTALL),  # a C++ backtrace
+)
 
 
 def collective_cause(exc: BaseException) -> str:
     """What a failed collective says went wrong, without gloo's source location, advice or a
     C++ backtrace: "Connection closed by peer [10.0.0.2]:26543", "Timed out waiting 10000ms ..."."""
-    text = _CPP_TRACE.sub("", _GLOO_ADVICE.sub("", _GLOO_WHERE.sub("", str(exc).strip())))
+    text = str(exc).strip()
+    for noise in _GLOO_NOISE:
+        text = noise.sub("", text)
     return text or type(exc).__name__
 
 
