@@ -217,6 +217,8 @@ class _NodeCopy:
     def discard(self, name: str) -> None:
         """Close and remove ``name``'s partial file: it is never resumed (a rerun fetches the
         file from the start), and on a full disk it holds the space the next try needs."""
+        if name not in self._open:
+            return
         fd, _, _ = self._open.pop(name)
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -395,8 +397,7 @@ def _write_failed(copy: _NodeCopy, entry: SourceFile, exc: OSError, chunks: list
     how much this node still lacks and how much is free once the partial is gone (the partial
     itself was what filled it, so the advice must count without it)."""
     path = os.path.join(copy.dest, entry.name)
-    if entry.name in copy._open:
-        copy.discard(entry.name)
+    copy.discard(entry.name)
     if exc.errno not in NO_SPACE:
         return CheckpointError(f"{path}: writing it failed on {hostname} ({exc.strerror or exc}); DEST keeps "
                                f"only complete files (the partial one was removed): run the pull again")
