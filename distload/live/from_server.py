@@ -11,6 +11,7 @@ says which server it was.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from distload.live.channel import SyncChannel
 from distload.loading.loader import LoadResult
 from distload.loading.report import (LoadReport, RankReport, gib_per_s, peak_rss_bytes, state_digest,
                                      storage_read_bytes)
+from distload.tp.slices import shard_shape, take_shard
 from distload.tp.spec import ShardingSpec, load_spec
 from distload.workers.group import WorkerGroup
 
@@ -65,14 +67,20 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
     store = channel = None
     try:
         store = group.agree("reaching the server", lambda: _reach(address, timeout_s))
+        info = group.broadcast(group.agree("reaching the server", lambda: _info(store, address, timeout_s)
+                                           if group.rank == 0 else None), 0)
+        # Refused here, before the job takes a ticket: the server never waits for a job that will not come.
+        spec = group.agree("checking the sharding", lambda: _sharding(sharding, tp_size, info, address))
         # One ticket for the whole job: every rank joins the same channel.
-        taken = group.agree("joining the server", lambda: _take_ticket(store, address) if group.rank == 0 else None)
-        ticket, info = group.broadcast(taken, 0)
+        ticket = group.broadcast(group.agree("joining the server", lambda: store.add(server.TICKETS, 1)
+                                             if group.rank == 0 else None), 0)
+        if group.rank == 0:  # the server's log names each job by its ticket
+            log.info("loading from the server at %s as its loading job %d", address, ticket)
         channel = group.agree("joining the server", lambda: SyncChannel(
             address, "inference", rank=group.rank, size=group.world_size, device=str(group.device),
-            timeout_s=timeout_s, tensor_parallel_size=tp_size or 1,
-            sharding=_sharding(sharding, tp_size, info, address), model_config=info["config"] or None,
-            store=dist.PrefixStore(server.job_prefix(ticket), store.raw), member_name=server.member_name(ticket)))
+            timeout_s=timeout_s, tensor_parallel_size=tp_size or 1, sharding=spec if (tp_size or 1) > 1 else None,
+            store=dist.PrefixStore(server.job_prefix(ticket), store.raw),
+            member_name=server.member_name(ticket), server=server.SERVER))
         state: dict[str, torch.Tensor] = {}
 
         def allocate(wanted: dict) -> dict[str, torch.Tensor]:
@@ -83,28 +91,30 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
         try:
             stats = channel.receive(allocate, timeout_s)
         except SyncError as exc:
-            error = SyncError(f"loading from the server at {address} failed: {exc}")
+            error = SyncError(f"loading from the server at {address} failed: {_reason(exc)}")
             group.report_failure("loading from the server", error)
             raise error from None
         except BaseException as exc:
             group.report_failure("loading from the server", exc)
             raise
         group.check_all_ok("loading from the server")
+        if tp_size == 1:
+            _pad_as_tp1(state, spec)
     finally:
         if channel is not None:
             channel.close()
         if store is not None:
             store.close()
     seconds = time.perf_counter() - start
-    tp = channel.place
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
     report = RankReport(
         rank=group.rank, local_rank=group.local_rank, device=str(group.device), path=address, files=[],
-        num_tensors=len(state), nbytes=stats.nbytes, seconds=round(seconds, 6),
-        gib_per_s=gib_per_s(stats.nbytes, seconds), digest=state_digest(state) if digest else None,
+        num_tensors=len(state), nbytes=nbytes, seconds=round(seconds, 6),
+        gib_per_s=gib_per_s(nbytes, seconds), digest=state_digest(state) if digest else None,
         hostname=group.hostname,
         read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
         peak_rss_bytes=peak_rss_bytes(), requested_bytes=0, server_bytes=stats.wire_bytes,
-        tensor_parallel=[tp.rank, tp.size] if tp_size else None)
+        tensor_parallel=[group.rank % tp_size, tp_size] if tp_size else None)
     job = None
     if gather:
         job = LoadReport(group.world_size, LOAD_FORMAT, address, group.exchange(report))
@@ -114,28 +124,54 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
 
 def _reach(address: str, timeout_s: float) -> rendezvous.BoundedStore:
     try:
-        return rendezvous.open_store(address, False, timeout_s, "server rank 0")
+        return rendezvous.open_store(address, False, timeout_s, server.SERVER)
     except SyncError as exc:
         raise SyncError(f"cannot load from the server at {address}: {exc} (a server is `distload serve SOURCE "
                         f"--address {address}`, or a WeightServer)") from None
 
 
-def _take_ticket(store: rendezvous.BoundedStore, address: str) -> tuple[int, dict]:
-    """This job's ticket (its channel's place in the server's store) and what the server serves."""
-    if not store.check([server.INFO]):
-        raise SyncError(f"the program at {address} serves a sync rendezvous but is not a distload server "
-                        f"(it posted no {server.INFO!r}): point the load at `distload serve`'s --address")
-    return store.add(server.TICKETS, 1), rendezvous.get(store, server.INFO)
+def _info(store: rendezvous.BoundedStore, address: str, timeout_s: float) -> dict:
+    """What the server serves (server.INFO: posted just after its store starts to answer)."""
+    deadline = time.monotonic() + timeout_s
+    backoff = rendezvous.Backoff()
+    while not store.check([server.INFO]):
+        if time.monotonic() > deadline:
+            raise SyncError(f"the program at {address} serves a sync rendezvous but is not a distload server "
+                            f"(it posted no {server.INFO!r} within {timeout_s:.0f} s): point the load at "
+                            f"`distload serve`'s --address")
+        backoff.pause()
+    return rendezvous.get(store, server.INFO)
 
 
-def _sharding(sharding: Any, tp_size: int | None, info: dict, address: str) -> Any:
-    """The sharding spec, refused up front where it needs heads and the server has no config.json."""
-    if not tp_size or tp_size == 1:
+def _sharding(sharding: Any, tp_size: int | None, info: dict, address: str) -> ShardingSpec | None:
+    """The sharding spec (sized with the server's config.json where it sizes heads), refused up
+    front where it needs heads and the server has none."""
+    if not tp_size:
         return None
     spec = sharding if isinstance(sharding, ShardingSpec) else load_spec(sharding)
-    if spec.needs_model_config and not spec.config and not info["config"]:
+    if spec.needs_model_config and not spec.config and info["config"]:
+        spec = ShardingSpec(spec.name, spec.rules, dict(info["config"]), spec.engine)
+    if spec.needs_model_config and not spec.config:
         raise ConfigError(f"sharding {spec.name!r} sizes attention heads from the model's config.json, and the "
                           f"server at {address} has none (it serves {info.get('source') or 'a state dict'} without "
                           f"one): serve the checkpoint with its config.json beside the weights, or load with "
                           f"--sharding plain")
     return spec
+
+
+def _reason(exc: SyncError) -> str:
+    """A failed receive's reason in a load's words: the channel speaks of updates and versions
+    (a receiver keeps its old version), a load has neither (its tensors are new, and dropped)."""
+    while isinstance(exc.__cause__, SyncError):  # "version v did not arrive whole ...: <the reason>"
+        exc = exc.__cause__
+    text = re.sub(r"[;,] still at version None", "", str(exc))
+    return re.sub(r"no update (arrived )?within", "nothing arrived within", text)
+
+
+def _pad_as_tp1(state: dict[str, torch.Tensor], spec: ShardingSpec) -> None:
+    """A load from files at TP size 1 is vLLM's TP 1 layout (a vocabulary padded to its multiple:
+    zero rows); the channel sends whole tensors at TP 1, so the padding is added here."""
+    for name, tensor in state.items():
+        action = spec.action(name, tuple(tensor.shape))
+        if not action.replicated and shard_shape(name, tuple(tensor.shape), action, 1) != tuple(tensor.shape):
+            state[name] = take_shard(tensor, action, 0, 1, name)

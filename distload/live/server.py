@@ -39,6 +39,7 @@ log = logging.getLogger("distload")
 
 TICKETS = "serve/tickets"  # how many loading jobs have taken a ticket (the counter they add to)
 INFO = "serve/info"  # server rank 0's description of what it serves
+SERVER = "server rank 0"  # how messages name the process serving the store
 POLL_S = 0.05  # how often every server rank looks for new tickets
 STOP_WAIT_S = 5.0  # how long a stopping server gives the loads in flight to end
 
@@ -95,7 +96,7 @@ class WeightServer:
         self._stop = threading.Event()
         self._jobs: dict[int, threading.Thread] = {}
         self._thread: threading.Thread | None = None
-        self._store = rendezvous.open_store(address, self.rank == 0, self.timeout_s, "server rank 0")
+        self._store = rendezvous.open_store(address, self.rank == 0, self.timeout_s, SERVER)
         if self.rank == 0:
             rendezvous.put(self._store, INFO, {"source": source, "version": version, "ranks": self.size,
                                                "config": dict(model_config or {})})
@@ -124,6 +125,7 @@ class WeightServer:
                     return
                 raise SyncError(f"server rank {self.rank}: {exc}: it stops serving") from None
             for ticket in range(seen + 1, tickets + 1):
+                log.info("server rank %d: loading job %d asks for the weights", self.rank, ticket)
                 thread = threading.Thread(target=self._serve_job, args=(ticket,), name=f"distload-serve-{ticket}",
                                           daemon=True)
                 self._jobs[ticket] = thread
@@ -139,7 +141,7 @@ class WeightServer:
         try:
             channel = SyncChannel(self.address, "trainer", rank=self.rank, size=self.size, timeout_s=self.timeout_s,
                                   delta=False, store=dist.PrefixStore(job_prefix(ticket), self._store.raw),
-                                  member_name=member_name(ticket), **self._options)
+                                  member_name=member_name(ticket), server=SERVER, **self._options)
             if self._one_at_a_time is None:
                 stats = channel.push(self.state, self.version)
             else:
