@@ -40,7 +40,7 @@ log = logging.getLogger("distload")
 TICKETS = "serve/tickets"  # how many loading jobs have taken a ticket (the counter they add to)
 INFO = "serve/info"  # server rank 0's description of what it serves
 SERVER = "server rank 0"  # how messages name the process serving the store
-POLL_S = 0.05  # how often every server rank looks for new tickets
+POLL_S = 0.005  # how often every server rank looks for new tickets (a store call: ~0.1 ms)
 STOP_WAIT_S = 5.0  # how long a stopping server gives the loads in flight to end
 
 
