@@ -83,18 +83,15 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
             store=dist.PrefixStore(server.job_prefix(ticket), store.raw),
             member_name=server.member_name(ticket), server=server.SERVER))
         state: dict[str, torch.Tensor] = {}
-        # New host tensors as a load from files makes them (host_memory.py): on huge pages where
-        # the kernel has them free, each backed in one call before the bytes arrive, not one page
-        # fault per 4 KiB inside the copies.
+        # New host tensors on huge pages where the kernel has them free (host_memory.py): a fault
+        # per 2 MiB instead of per 4 KiB as the bytes land. Not prefaulted: faults taken while the
+        # bytes land overlap the server's packing of the next bucket; a prefault up front would not.
         memory = HostMemory(None, group.local_world_size) if group.device.type == "cpu" else None
 
         def allocate(wanted: dict) -> dict[str, torch.Tensor]:
             for name, (dtype, shape) in wanted.items():
-                if memory is None:
-                    state[name] = torch.empty(shape, dtype=dtype, device=group.device)
-                    continue
-                tensor = state[name] = memory.empty(shape, dtype)
-                memory.prefault(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+                state[name] = (torch.empty(shape, dtype=dtype, device=group.device) if memory is None
+                               else memory.empty(shape, dtype))
             return state
 
         try:
@@ -124,7 +121,6 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
         read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
         peak_rss_bytes=peak_rss_bytes(), requested_bytes=0, server_bytes=stats.wire_bytes,
         huge_page_marked_bytes=0 if memory is None else memory.marked_bytes,
-        prefaulted_bytes=0 if memory is None else memory.prefaulted_bytes,
         tensor_parallel=[group.rank % tp_size, tp_size] if tp_size else None)
     job = None
     if gather:
