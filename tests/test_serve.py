@@ -57,11 +57,12 @@ def start(args: list[str], log_path: str, env: dict | None = None) -> subprocess
                             env=clean_env(env), text=True)
 
 
-def start_ranks(args: list[str], nproc: int, folder: str, name: str) -> list[subprocess.Popen]:
+def start_ranks(args: list[str], nproc: int, folder: str, name: str, env: dict | None = None
+                ) -> list[subprocess.Popen]:
     """One process per rank with torchrun's environment (no agent: each rank's exit is its own)."""
     port = str(free_port())
     return [start(args, os.path.join(folder, f"{name}.{rank}.log"),
-                  {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+                  {**(env or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
             for rank in range(nproc)]
 
@@ -115,25 +116,30 @@ def serve(ckpt: str, address: str, log_path: str, timeout: int = 30) -> subproce
 
 @pytest.mark.dist
 def test_separate_jobs_load_from_servers_bit_exact_and_failures_stay_on_their_side(tmp_path):
-    """Everything at once (each process costs its start-up, so they overlap): server 1 serves a
-    loader killed mid-load and a TP 2 job at once, goes on serving after the kill, and ends
-    cleanly on SIGTERM; server 2 is killed while its loader's bytes arrive."""
+    """Everything at once (each process costs its start-up, so they overlap): server 1 (two ranks)
+    serves a loader killed mid-load and a TP 2 job at once, goes on serving after the kill, and
+    ends cleanly on SIGTERM; server 2 is killed while its loader's bytes arrive."""
     ckpt = checkpoint(str(tmp_path / "ckpt"))
     one, two = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-    log = {name: str(tmp_path / f"{name}.log") for name in ("server1", "server2", "doomed", "orphan", "tp2.0")}
+    log = {name: str(tmp_path / f"{name}.log") for name in ("server1.0", "server1.1", "server2", "doomed", "orphan",
+                                                            "tp2.0")}
     socket_path = {"DISTLOAD_SYNC_TRANSPORT": "socket"}
-    servers = [serve(ckpt, one, log["server1"]), serve(ckpt, two, log["server2"])]
+    # Server 1 is a job of two ranks, each serving about half of the tensors.
+    two_ranks = start_ranks(["serve", ckpt, "--address", one, "--timeout", "30", "--bucket-mib", "2"], 2,
+                            str(tmp_path), "server1", socket_path)
+    servers = [*two_ranks, serve(ckpt, two, log["server2"])]
     doomed = start(["load", one], log["doomed"], socket_path)  # killed while its bytes arrive
     orphan = start(["load", two, "--timeout", "60"], log["orphan"], socket_path)  # its server is killed
     tp2 = start_ranks(["load", one, "-tp", "2", "--report-json", str(tmp_path / "tp2.json")], 2, str(tmp_path), "tp2")
     everyone = servers + [doomed, orphan] + tp2
+    server1 = log["server1.0"]
     try:
         killed = []
 
         def kill_server_two() -> None:  # the loader is held still meanwhile: it cannot finish first
             orphan.send_signal(signal.SIGSTOP)
-            servers[1].kill()
-            servers[1].wait()
+            servers[2].kill()
+            servers[2].wait()
             killed.append(time.monotonic())
             orphan.send_signal(signal.SIGCONT)
 
@@ -142,20 +148,24 @@ def test_separate_jobs_load_from_servers_bit_exact_and_failures_stay_on_their_si
         assert time.monotonic() - killed[0] < 15  # named within seconds, not at its 60 s timeout
         for proc in tp2:
             assert proc.wait(timeout=90) == 0, "\n".join(text(str(tmp_path / n)) for n in
-                                                        ("tp2.0.log", "tp2.1.log", "server1.log"))
+                                                        ("tp2.0.log", "tp2.1.log", "server1.0.log"))
         doomed_job = text(log["doomed"]).split("as its loading job ")[1].split()[0]
-        wait_for(lambda: f"loading job {doomed_job} failed, still serving" in text(log["server1"]),
-                 "the killed loader's failure on the server", timeout=30, logs=(log["server1"],))
-        assert f"loading job {doomed_job} rank 0" in text(log["server1"]).split(f"job {doomed_job} failed")[1]
-        assert servers[0].poll() is None
-        servers[0].send_signal(signal.SIGTERM)
-        assert servers[0].wait(timeout=30) == 0, text(log["server1"])
+        wait_for(lambda: f"loading job {doomed_job} failed, still serving" in text(server1),
+                 "the killed loader's failure on the server", timeout=30, logs=(server1,))
+        assert f"loading job {doomed_job} rank 0" in text(server1).split(f"job {doomed_job} failed")[1]
+        for rank in two_ranks:
+            assert rank.poll() is None
+            rank.send_signal(signal.SIGTERM)
+        for rank, path in zip(two_ranks, (server1, log["server1.1"])):
+            assert rank.wait(timeout=30) == 0, text(path)
     finally:
         for proc in everyone:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert "1 load(s) served, 1 failed" in text(log["server1"])
+    assert "1 load(s) served, 1 failed" in text(server1)
+    held = [int(text(log[f"server1.{r}"]).split(f"rank {r} serves ")[1].split()[0]) for r in (0, 1)]
+    assert min(held) > 0 and sum(held) == len(llama_state()) + 1  # each rank a part, together all
     out = text(log["orphan"])
     assert f"loading from the server at {two} failed" in out and "server rank 0" in out, out
     assert "Traceback" not in out, out
