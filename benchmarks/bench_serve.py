@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -39,20 +38,13 @@ import sys
 import tempfile
 import time
 
+from bench_cache import machine  # the same machine description as the cache's results
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TESTS = os.path.join(REPO, "tests")
 GIB = 2**30
 MIB = 2**20
-
-
-def machine() -> dict:
-    import psutil
-    import torch
-
-    return {"cpus": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / GIB, 1),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def free_port() -> int:
