@@ -124,8 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
                             f"server's own read (default {DEFAULT_TIMEOUT_S:.0f})")
     serve.add_argument("--bucket-mib", type=float, default=512,
                        help="the size of one transfer bucket, in MiB (default 512)")
-    serve.add_argument("--no-verify", action="store_true",
-                       help="do not checksum the buckets (a loading job may still ask for it)")
     serve.add_argument("--cache-dir", default=None, metavar="DIR", help="as for load")
     serve.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB", help="as for load")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar for the server's read")
@@ -274,8 +272,7 @@ def run_serve(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         server = serve_checkpoint(args.source, args.address, group, load_format=args.load_format,
                                   extra_config=_with_cache_flags(args), progress=not args.no_progress,
-                                  timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * 2**20),
-                                  verify=not args.no_verify)
+                                  timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * 2**20))
 
         def stop(signum, frame):
             raise _Stopped()

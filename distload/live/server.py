@@ -68,13 +68,13 @@ class WeightServer:
     or stop serving during the optimizer step). ``version`` is reported to the loading jobs.
     ``model_config`` (the model's config.json, a dict) lets loading jobs cut head-aware slices;
     ``source`` says where the weights came from. ``timeout_s`` bounds every wait of one load
-    (its joining too); ``bucket_bytes``, ``verify`` and ``transport`` are SyncChannel's.
+    (its joining too); ``bucket_bytes`` and ``transport`` are SyncChannel's. Every load is verified.
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], address: str, *, rank: int | None = None,
                  size: int | None = None, version: int = 0, model_config: Mapping[str, Any] | None = None,
                  source: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, transport: str = "auto"):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto"):
         if not isinstance(state, Mapping):
             raise ConfigError(f"WeightServer serves a state dict (name -> tensor), got {type(state).__name__}")
         launch = detect_launch()
@@ -86,7 +86,8 @@ class WeightServer:
         self.address = address
         self.version = version
         self.timeout_s = float(timeout_s)
-        self._options = {"bucket_bytes": bucket_bytes, "verify": verify, "transport": transport,
+        # Always verified: a load is checked bit for bit (a loading job asks for it anyway).
+        self._options = {"bucket_bytes": bucket_bytes, "verify": True, "transport": transport,
                          "device": _device_of(self.state)}
         # DTensors are gathered by every server rank together, bucket by bucket: two loads at
         # once would interleave those collectives, so such a server serves one load at a time.
