@@ -6,6 +6,8 @@
     python -m distload verify /ckpt-tp2
     python -m distload inspect /ckpt [--pattern P] [--json]
     torchrun --nproc-per-node 8 -m distload pull s3://models/llama /local/llama
+    python -m distload serve /ckpt --address tcp://0.0.0.0:29700     # then, from another job:
+    torchrun --nproc-per-node 2 -m distload load tcp://HOST:29700 --tensor-parallel-size 2
     python -m distload demo
     torchrun --nproc-per-node 3 -m distload sync-demo
 """
@@ -75,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser = with_common  # every command takes the common options
 
     load = sub.add_parser("load", help="load a checkpoint onto every rank and report")
-    load.add_argument("source", help="a safetensors file, a folder, or a pre-sharded folder")
+    load.add_argument("source", help="a safetensors file, a folder, a pre-sharded folder, an object-store URI, "
+                                     "or tcp://HOST:PORT: a running `distload serve` (nothing read from storage)")
     load.add_argument("--load-format", default="auto", type=str.lower,
                       help=f"one of {', '.join(LOAD_FORMATS)} (default auto)")
     load.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
@@ -103,6 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB",
                       help="the node cache's size bound: the least recently used entries go beyond it (also "
                            "DISTLOAD_CACHE_MAX_GIB; extra config cache_max_gib; default: no bound)")
+
+    serve = sub.add_parser("serve", help="load a checkpoint and serve it from memory to jobs that load from "
+                                         "tcp://HOST:PORT, until stopped (Ctrl-C, SIGTERM)")
+    serve.add_argument("source", help="any checkpoint `load` reads: a file, a folder, an object-store URI")
+    serve.add_argument("--address", required=True, metavar="tcp://HOST:PORT",
+                       help="where loading jobs reach this server (rank 0 serves it; HOST: an address of "
+                            "this node the loading jobs can reach, or 0.0.0.0)")
+    serve.add_argument("--load-format", default="auto", type=str.lower,
+                       help=f"how the server reads SOURCE: one of {', '.join(LOAD_FORMATS)} (default auto)")
+    serve.add_argument("--model-loader-extra-config", default=None, metavar="JSON",
+                       help="the load format's extra config, for the server's read of SOURCE")
+    serve.add_argument("--device", default="auto",
+                       help="where the served weights live: auto (cuda:<local_rank> or cpu), cpu, cuda")
+    serve.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                       help=f"the longest one load (its joining, its transfer) may take, and the timeout of the "
+                            f"server's own read (default {DEFAULT_TIMEOUT_S:.0f})")
+    serve.add_argument("--bucket-mib", type=float, default=512,
+                       help="the size of one transfer bucket, in MiB (default 512)")
+    serve.add_argument("--cache-dir", default=None, metavar="DIR", help="as for load")
+    serve.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB", help="as for load")
+    serve.add_argument("--no-progress", action="store_true", help="no progress bar for the server's read")
 
     # Python's reshard() does the same; "save-sharded" was its first name (Python's save_sharded()
     # saves from a running job), kept as an alias that says so.
@@ -210,14 +234,19 @@ def _setup_logging(rank: int | str, level: int) -> None:
 
 def run_load(args: argparse.Namespace) -> int:
     from distload.loading.loader import Loader
+    from distload.live.from_server import is_server_address, load_from_server
 
     check_arguments(args)
     extra = _with_cache_flags(args)
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
-        loader = Loader(args.source, args.load_format, extra,
-                        group=group, progress=not args.no_progress,
-                        tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding)
-        report = loader.load(gather=True, digest=not args.no_digest).report
+        if is_server_address(args.source):
+            report = load_from_server(args.source, group=group, tensor_parallel_size=args.tensor_parallel_size,
+                                      sharding=args.sharding, digest=not args.no_digest).report
+        else:
+            loader = Loader(args.source, args.load_format, extra,
+                            group=group, progress=not args.no_progress,
+                            tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding)
+            report = loader.load(gather=True, digest=not args.no_digest).report
         assert report is not None
         if group.rank == 0:
             log.info("Loading weights took %.2f seconds", report.total["seconds"])
@@ -226,6 +255,42 @@ def run_load(args: argparse.Namespace) -> int:
             if args.report_json:
                 report.write(args.report_json)
                 log.info("report written to %s", args.report_json)
+    return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM, as the serve command's main thread sees it."""
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import signal
+
+    from distload.live.server import serve_checkpoint
+
+    check_arguments(args)
+    with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
+        start = time.perf_counter()
+        server = serve_checkpoint(args.source, args.address, group, load_format=args.load_format,
+                                  extra_config=_with_cache_flags(args), progress=not args.no_progress,
+                                  timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * 2**20))
+
+        def stop(signum, frame):
+            raise _Stopped()
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            held = sum(t.numel() * t.element_size() for t in server.state.values())
+            print(f"distload: rank {group.rank} serves {len(server.state)} tensors ({gib_text(held)}) of "
+                  f"{args.source} at {args.address}, read in {time.perf_counter() - start:.2f} s; stop with "
+                  f"Ctrl-C or SIGTERM", flush=True)
+            server.serve_forever()
+        except (KeyboardInterrupt, _Stopped):
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            server.close()
+        print(f"distload: rank {group.rank} stopped serving {args.address}: {server.served} load(s) served, "
+              f"{server.failed} failed", flush=True)
     return 0
 
 
@@ -322,8 +387,25 @@ def check_arguments(args: argparse.Namespace) -> None:
     """What can be checked from the arguments alone (load format names, extra-config JSON and
     keys, sizes, patterns), before any process group: a bad flag costs no rendezvous. The
     launchers run it once before they start any rank (:func:`precheck`)."""
-    if args.command == "load":
+    if args.command in ("load", "serve"):
         make_load_config(args.load_format, _with_cache_flags(args))
+    if args.command == "serve":
+        from distload.live.rendezvous import parse_address
+
+        parse_address(args.address)
+        if args.bucket_mib <= 0:
+            raise ConfigError(f"--bucket-mib must be positive, got {args.bucket_mib}")
+    if args.command == "load" and args.source.startswith("tcp://"):
+        from distload.live.rendezvous import parse_address
+
+        parse_address(args.source)
+        given = [flag for flag, value in (("--load-format", args.load_format != "auto"),
+                                          ("--model-loader-extra-config", args.model_loader_extra_config),
+                                          ("--cache-dir", args.cache_dir), ("--cache-max-gib", args.cache_max_gib))
+                 if value]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: how to read storage, and a load from a server "
+                              f"({args.source}) reads none; the server was given them (`distload serve`)")
         if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
             raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
     if args.command == "pull" and args.chunk_mib <= 0:
@@ -423,6 +505,8 @@ def _run(args: argparse.Namespace) -> int:
         return run_sync_demo(args)
     if args.command == "pull":
         return run_pull(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "demo":
         from distload.cli.demo import run_demo
 

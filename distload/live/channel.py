@@ -140,7 +140,8 @@ class SyncChannel:
     shared memory (handoff.py), "socket" keeps every pair of this member on its process group.
     Every wait is bounded by ``timeout_s``.
     ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
-    and how its messages name members (by job rank).
+    and how its messages name members (by job rank); ``server``, how they name the process serving
+    the store (distload/live/server.py's loads: "server rank 0").
     """
 
     def __init__(self, rendezvous_address: str | None = None, role: str = "inference", *,
@@ -150,7 +151,7 @@ class SyncChannel:
                  model_config: Mapping[str, Any] | str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, delta: bool = True,
                  max_base_bytes: int | None = None, transport: str = "auto", store: Any = None,
-                 member_name: Callable[[str, int], str] = describe):
+                 member_name: Callable[[str, int], str] = describe, server: str | None = None):
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if host not in ROLES:
@@ -194,7 +195,8 @@ class SyncChannel:
         self._serving = store is None and role == host and self.rank == 0
         self._reconnects = store is None and not self._serving  # a restarted host serves again
         # How messages name the process that serves the store: it is the one whose loss they report.
-        self._server = describe(host, 0) if store is None else "the process serving the job's rendezvous store"
+        self._server = server or (describe(host, 0) if store is None else
+                                  "the process serving the job's rendezvous store")
         self._store: BoundedStore | None = (
             BoundedStore(store, self.address, self._server) if store is not None
             else rendezvous.open_store(self.address, self._serving, self.timeout_s, self._server))

@@ -82,6 +82,9 @@ class RankReport:
     cache_bytes: int | None = None
     store_bytes: int | None = None
     corrupt_blocks: int | None = None
+    # Loaded from a running job (``distload load tcp://HOST:PORT``): the bytes the server sent this
+    # rank (its slices, with their alignment and checksums); None: a load from storage.
+    server_bytes: int | None = None
 
 
 @dataclass
@@ -125,6 +128,7 @@ class LoadReport:
         show_requested = any(r.requested_bytes is not None for r in self.ranks)
         show_received = any(r.received_bytes for r in self.ranks)
         show_cache = any(r.cache_bytes is not None for r in self.ranks)
+        show_server = any(r.server_bytes is not None for r in self.ranks)
         # Every way any rank read by, on every line (a rank that did not count ways shows -).
         ways = (sorted({way for r in self.ranks for way in (r.reader_bytes or {})})
                 if any(r.reader_bytes and len(r.reader_bytes) > 1 for r in self.ranks) else [])
@@ -141,6 +145,8 @@ class LoadReport:
                 fields += f", node cache {gib_text(r.cache_bytes)}, store {gib_text(r.store_bytes)}"
                 if r.corrupt_blocks:
                     fields += f", {r.corrupt_blocks} corrupt block(s) fetched again"
+            if show_server:
+                fields += f", from the server {gib_text(r.server_bytes)}"
             if ways:
                 fields += " (" + ", ".join(
                     f"{way} {gib_text(r.reader_bytes.get(way, 0) if r.reader_bytes is not None else None)}"
