@@ -51,6 +51,9 @@ class Action:
     rule: str | None = None  # the glob that decided; None: no rule matched (replicated)
     pad_to: int | None = None  # pad ``dim`` with zero rows to a multiple of this before splitting
     unresolved: str | None = None  # why the parts cannot be sized; raised once the tensor is split
+    # The ranges of ``dim`` one receiver said it keeps (distload/live/transfer.py's Cuts: a vLLM
+    # worker's, from the weight map): the same on every rank asked, as a rule's split is not.
+    ranges: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.parts is not None:  # sizes may be given as plain ints: equal-footing plain parts
@@ -93,6 +96,8 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
             f"(rule {action.rule!r}); fix the sharding spec"
         )
     length = int(shape[dim])
+    if action.ranges is not None:
+        return Slice(action.ranges)
     if action.pad_to is not None:
         return _padded_slice(name, shape, action, length, rank, world_size)
     if world_size == 1:
