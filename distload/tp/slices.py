@@ -181,6 +181,8 @@ def take_shard(tensor: torch.Tensor, action: Action, rank: int, world_size: int,
         pad_shape = list(tensor.shape)
         pad_shape[dim] = piece.padding
         pieces.append(torch.zeros(pad_shape, dtype=tensor.dtype, device=tensor.device))
+    if not pieces:  # a receiver that keeps nothing of it (transfer.Cuts)
+        return tensor.narrow(dim, 0, 0).contiguous()
     return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
