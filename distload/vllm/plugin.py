@@ -21,6 +21,7 @@ import platform
 import time
 from typing import Any, Mapping
 
+import psutil
 import torch
 
 from distload.errors import ConfigError, DistloadError
@@ -183,9 +184,13 @@ class WorkerExtension:
         old = getattr(self, "_distload_channel", None)
         if old is not None:
             old.close()
+        options = dict(options)
+        slices = options.pop("slices", True)
         self._distload_staging = Staging()
+        self._distload_shapes: dict | None = None if slices else {}
+        self._distload_slices = None
         self._distload_channel = SyncChannel(address, "inference", rank=tp.rank_in_group, size=tp.world_size,
-                                             device="cpu", keeps=self._distload_keeps, **options)
+                                             device="cpu", keeps=self._distload_keeps if slices else None, **options)
 
     def _distload_keeps(self, entries) -> dict:
         """What this worker keeps of an update's tensors: the cuts of its weight map (recorded once
@@ -222,8 +227,13 @@ class WorkerExtension:
         from distload.errors import SyncError
 
         channel_was = channel.version
+
+        def allocate(wanted: dict) -> dict:
+            shapes = self._distload_shapes or {name: shape for name, (_dtype, shape) in wanted.items()}
+            return staging.allocate(wanted, shapes)
+
         try:
-            stats = channel.receive(lambda wanted: staging.allocate(wanted, self._distload_shapes), timeout_s)
+            stats = channel.receive(allocate, timeout_s)
         except SyncError as exc:
             return {"ok": False, "error": str(exc), "version": channel.version}
         runner = self.model_runner  # type: ignore[attr-defined]
@@ -238,7 +248,8 @@ class WorkerExtension:
                              f"update that reloads puts every layer at its version, or restart the engine"}
         return {"ok": True, "version": stats.version, "bytes": stats.wire_bytes, "seconds": round(stats.seconds, 4),
                 "reload_seconds": round(time.perf_counter() - began, 4), "verified": stats.verified,
-                "delta": stats.delta, "staging_bytes": staging.nbytes, "slice_bytes": self._distload_slices}
+                "delta": stats.delta, "staging_bytes": staging.nbytes, "slice_bytes": self._distload_slices,
+                "rss_bytes": psutil.Process().memory_info().rss}
 
     def distload_sync_close(self) -> None:
         channel = getattr(self, "_distload_channel", None)
@@ -272,9 +283,11 @@ def sync_join(llm, address: str, **options: Any) -> None:
     at ``address`` (``options``: SyncChannel's ``timeout_s``, ``verify``, ``host``,
     ``bucket_bytes``). The trainer job pushes with ``SyncChannel(address, "trainer")`` and the
     checkpoint's own names, whole tensors; :func:`sync_receive` takes each version. Each worker
-    receives only what its own weight loaders take of each tensor (distload/vllm/push.py)."""
+    receives only what its own weight loaders take of each tensor (distload/vllm/push.py);
+    ``slices=False`` sends each worker every tensor whole instead (for a model whose weight map
+    cannot be recorded: vLLM's loaders then cut them, as before distload learned the map)."""
     _check_extension(llm, "sync_join")
-    allowed = {"timeout_s", "verify", "host", "bucket_bytes"}
+    allowed = {"timeout_s", "verify", "host", "bucket_bytes", "slices"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ConfigError(f"sync_join: unknown option(s) {unknown}; it takes {sorted(allowed)}")
