@@ -128,6 +128,79 @@ class _Finder(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _Finder())
 """
 
+# The RLHF push (--push): a dummy engine at TP 2 takes versions from a trainer job, first by
+# slices (each worker what its weight loaders take), then whole (every tensor to every worker, what
+# sync_join(slices=False) does and every push did before), over two channels.
+PUSH_ENGINE = r"""
+import json, os, sys, time
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+tp, model, addresses, receives = int(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), int(sys.argv[4])
+if tp > 1:
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))
+from vllm import LLM
+import distload.vllm.plugin as plugin
+llm = LLM(model=model, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+          max_num_seqs=4, tensor_parallel_size=tp, load_format="dummy", worker_extension_cls=plugin.WORKER_EXTENSION)
+for mode, address in zip(("slices", "whole"), addresses):
+    plugin.sync_join(llm, address, timeout_s=900, slices=mode == "slices")
+    for _ in range(receives):
+        start = time.perf_counter()
+        got = plugin.sync_receive(llm, timeout_s=900)
+        print("PUSH", json.dumps({"mode": mode, "wall_s": time.perf_counter() - start, "workers": got["workers"]}),
+              flush=True)
+    llm.collective_rpc("distload_sync_close")
+print("DONE", flush=True)
+"""
+
+PUSH_TRAINER = r"""
+import os, sys
+from safetensors.torch import load_file
+from distload.live.channel import SyncChannel
+folder, addresses, receives = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+state = {}
+for name in sorted(os.listdir(folder)):
+    if name.endswith(".safetensors"):
+        state.update(load_file(os.path.join(folder, name)))
+for address in addresses:  # full pushes every time (delta off): the bytes a new version costs at most
+    with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=900, delta=False) as sync:
+        for version in range(1, receives + 1):
+            sync.push(state, version)
+"""
+
+
+def push_benchmark(args, whole: str, tmp: str) -> dict:
+    """Per mode (slices, whole): each worker's bytes on the wire, its slices' bytes, the engine's
+    seconds per update (sync_receive: receive and vLLM's reload; median), and the workers' RSS."""
+    from bench_sync import _free_port
+
+    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(2)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["DISTLOAD_WEIGHT_MAP_CACHE"] = os.path.join(tmp, "maps-push")
+    trainer = subprocess.Popen([sys.executable, "-c", PUSH_TRAINER, whole, ",".join(addresses), str(args.receives)],
+                               env=env)
+    run = subprocess.run([args.python, "-c", PUSH_ENGINE, "2", whole, ",".join(addresses), str(args.receives)],
+                         capture_output=True, text=True, env=env)
+    trainer.wait(timeout=120)
+    if run.returncode != 0 or "DONE" not in run.stdout:
+        sys.exit(run.stdout[-3000:] + run.stderr[-6000:])
+    rows: dict[str, list[dict]] = {}
+    for line in run.stdout.splitlines():
+        if line.startswith("PUSH "):
+            row = json.loads(line[len("PUSH "):])
+            rows.setdefault(row["mode"], []).append(row)
+    out = {}
+    for mode, pushes in rows.items():
+        workers = pushes[-1]["workers"]
+        out[mode] = {"wall_s": statistics.median(p["wall_s"] for p in pushes[1:] or pushes),
+                     "first_s": pushes[0]["wall_s"],
+                     "reload_s": statistics.median(w["reload_seconds"] for p in pushes for w in p["workers"]),
+                     "wire_bytes": [w["bytes"] for w in workers], "staging_bytes": [w["staging_bytes"] for w in workers],
+                     "rss_bytes": [w["rss_bytes"] for w in workers]}
+    out["slice_bytes"] = [w["slice_bytes"] for w in rows["slices"][-1]["workers"]]
+    return out
+
+
 LOADERS = ("vLLM default", "vLLM runai_streamer", "distload", "vLLM sharded_state", "distload, pre-sharded")
 
 
@@ -158,10 +231,23 @@ def main() -> None:
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--push", action="store_true",
+                        help="the RLHF push into a TP 2 engine instead: by slices against whole (vllm_push.md)")
+    parser.add_argument("--receives", type=int, default=3, help="versions pushed in each mode (--push)")
     args = parser.parse_args()
     sys.path.insert(0, ROOT)
     import distload
     from bench_load import machine
+
+    if args.push:
+        with tempfile.TemporaryDirectory(prefix="distload-vllm-", dir=os.environ.get("DISTLOAD_BENCH_DIR")) as tmp:
+            whole = os.path.join(tmp, "whole")
+            subprocess.run([args.python, "-c", MAKE, whole, str(args.hidden), str(args.layers)], check=True)
+            size = sum(os.path.getsize(os.path.join(whole, n)) for n in os.listdir(whole)
+                       if n.endswith(".safetensors"))
+            push = push_benchmark(args, whole, tmp)
+        write_push(args, machine(), size, push)
+        return
 
     load: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="distload-vllm-", dir=os.environ.get("DISTLOAD_BENCH_DIR")) as tmp:
@@ -205,6 +291,35 @@ def main() -> None:
         lines.append("")
     with open(os.path.join(args.out, "vllm.md"), "w") as f:
         f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+def write_push(args, machine: str, size: int, push: dict) -> None:
+    result = {"machine": machine, "checkpoint_bytes": size, "receives": args.receives, "push": push}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "vllm_push.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    gib = 2**30
+    lines = [f"# RLHF push into a running vLLM engine (TP 2), {size / gib:.2f} GiB Llama (bf16)", "",
+             f"Machine: {machine}. A trainer job pushes {args.receives} full versions (delta off) in each mode "
+             f"to a dummy engine's 2 workers; seconds: the engine's sync_receive (receive, then vLLM's layerwise "
+             f"reload), median of the versions after the first; slices: what each worker's parameters hold as "
+             f"loaded. RSS: each worker's resident memory after the mode's last update (the slices mode runs "
+             f"first).", "",
+             "| mode | bytes to worker 0 / 1 (GiB) | x its slices | staging per worker (GiB) | s per update | "
+             "first update s | vLLM reload s | worker RSS (GiB) |", "|---|---|---|---|---|---|---|---|"]
+    slices = push["slice_bytes"]
+    for mode in ("slices", "whole"):
+        row = push[mode]
+        ratio = max(w / s for w, s in zip(row["wire_bytes"], slices))
+        lines.append(f"| {mode} | {' / '.join(f'{b / gib:.3f}' for b in row['wire_bytes'])} | {ratio:.3f}x | "
+                     f"{max(row['staging_bytes']) / gib:.3f} | {row['wall_s']:.2f} | {row['first_s']:.2f} | "
+                     f"{row['reload_s']:.2f} | {' / '.join(f'{b / gib:.2f}' for b in row['rss_bytes'])} |")
+    ratio = push["whole"]["wall_s"] / push["slices"]["wall_s"]
+    lines += ["", f"By slices: {ratio:.2f}x as fast as whole per update, each worker receiving "
+              f"{max(push['slices']['wire_bytes']) / max(push['whole']['wire_bytes']):.2f}x the bytes."]
+    with open(os.path.join(args.out, "vllm_push.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -490,7 +490,64 @@ def delta(role, address, result, args):
             result.setdefault("receives", []).append(row)
 
 
-SCENARIOS = {"delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
+# -- cuts: receivers that say what they keep (a vLLM worker's weight map) ------------------------
+
+CUT_SHAPES = {"fused": ((96, 64), torch.bfloat16), "rows": ((64, 128), torch.float32), "norm": ((32,), torch.bfloat16),
+              "skipped": ((40, 40), torch.bfloat16), "big": ((1024, 1024), torch.float32),
+              "wide": ((256, 2048), torch.bfloat16)}
+# Per inference rank: {name: (dim, ranges)}; a name left out is kept whole, no ranges: nothing of it.
+CUTS = {0: {"fused": (0, [(0, 16), (48, 64)]), "rows": (1, [(0, 64)]), "big": (0, [(0, 512)]),
+            "wide": (1, [(0, 1024)])},
+        1: {"fused": (0, [(16, 48), (64, 96)]), "rows": (1, [(64, 128)]), "skipped": (0, []),
+            "big": (0, [(512, 1024)]), "wide": (1, [(1024, 2048)])}}
+
+
+def stepped(version: int) -> dict[str, torch.Tensor]:
+    """Versions that change like training steps: version v+1 is v with about 3% of the elements new."""
+    state = state_of(CUT_SHAPES, 1)
+    for v in range(2, version + 1):
+        for name, t in state.items():
+            gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@step{v}".encode()))
+            flat = t.view(-1)
+            where = torch.rand(flat.numel(), generator=gen) < 0.03
+            flat[where] = (torch.randn(int(where.sum()), generator=gen) * 8).to(t.dtype)
+    return state
+
+
+def cut_of(state, cuts) -> dict[str, torch.Tensor]:
+    return {n: t if n not in cuts else torch.cat([t.narrow(cuts[n][0], a, b - a) for a, b in cuts[n][1]] or
+                                                 [t.narrow(cuts[n][0], 0, 0)], cuts[n][0])
+            for n, t in state.items()}
+
+
+def cuts(role, address, result, args):
+    """The trainer pushes 3 stepped versions; each inference rank keeps the cuts CUTS gives it
+    (runs of rows, columns, nothing, whole), said by ``keeps=``, received into its own tensors."""
+    if role == "trainer":
+        with open_channel(role, address, bucket_bytes=256 * 1024) as ch:
+            for version in (1, 2, 3):
+                state = stepped(version)
+                result.setdefault("pushes", []).append({**stats_row(ch.push(state, version)),
+                                                        "state_bytes": nbytes(state)})
+        return
+    mine = CUTS[int(os.environ["RANK"])]
+    seen = []
+
+    def keeps(entries):
+        seen.append(sorted(e.name for e in entries))
+        return mine
+
+    with open_channel(role, address, keeps=keeps) as ch:
+        target = {n: torch.zeros_like(t) for n, t in cut_of(stepped(1), mine).items()}
+        result["target_bytes"] = nbytes(target)
+        for version in (1, 2, 3):
+            stats = ch.receive(target)
+            result.setdefault("receives", []).append(
+                {**stats_row(stats), "exact": exact(target, cut_of(stepped(version), mine))})
+    result["seen"] = seen
+
+
+SCENARIOS = {"cuts": cuts, "delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
              "sleep": sleep}
 
 

@@ -499,3 +499,24 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     for push in pushed:
         assert push["bytes_sent"] == received_total[push["version"]], (push, received_total)
         assert push["bytes_sent"] < 0.6 * 2 * whole  # slices, not two whole copies
+
+
+@pytest.mark.dist
+def test_receivers_that_say_what_they_keep_get_only_that(tmp_path):
+    """``keeps=`` (how a vLLM worker says the slices its weight map needs): each inference rank
+    holds exactly its cuts of every version (runs of rows, a column range, nothing of a tensor,
+    the rest whole), received about its own bytes only, and after the first version as deltas."""
+    results = run_driver(tmp_path, "cuts", 1, 2)
+    (trainer,) = results.trainer
+    assert [p["delta"] for p in trainer["pushes"]] == [False, True, True], trainer["pushes"]
+    for rank in results.inference:
+        receives = rank["receives"]
+        assert [r["version"] for r in receives] == [1, 2, 3]
+        assert all(r["exact"] and r["verified"] for r in receives), receives
+        assert rank["seen"] == [sorted(driver.CUT_SHAPES)] * 3  # asked once per update, with every tensor
+        own = rank["target_bytes"]
+        assert receives[0]["nbytes"] == own and own <= receives[0]["wire_bytes"] <= 1.05 * own, (own, receives[0])
+        assert own < 0.6 * trainer["pushes"][0]["state_bytes"]
+        assert receives[1]["delta"] and receives[1]["wire_bytes"] < 0.25 * own, receives[1]
+    assert trainer["pushes"][0]["wire_bytes"] == sum(r["receives"][0]["wire_bytes"] for r in results.inference)
+    results.assert_exited_cleanly()

@@ -90,6 +90,7 @@ def checkpoints(tmp_path_factory):
     distload.reshard(paths["qwen"], paths["qwen-tp2"], 2)
     paths["llama-tp2-engine"] = str(root / "llama-tp2-engine")  # saved by the TP 2 plugin engine (save_sharded)
     paths["llama-b"] = _perturbed_copy(paths["llama"], str(root / "llama-b"))
+    paths["phi3-b"] = _perturbed_copy(str(root / "phi3"), str(root / "phi3-b"))
     return python, paths
 
 
@@ -110,14 +111,15 @@ def _perturbed_copy(source: str, dest: str) -> str:
     return dest
 
 
-# The trainer job of the push case: its own torchrun, its own world. It pushes the perturbed
-# model as version 1, then dies (SIGKILL) a few buckets into version 2, the original weights.
+# The trainer job of a push case: its own torchrun, its own world. It pushes the perturbed model
+# as version 1, then the original weights as version 2; with "die" it dies (SIGKILL) a few buckets
+# into version 2.
 TRAINER = r"""
 import os, signal, sys
 from safetensors.torch import load_file
 import distload.live.channel as channel
 from distload.live.channel import SyncChannel
-address, first, second = sys.argv[1:4]
+address, first, second, mode = sys.argv[1:5]
 
 def state(folder):
     out = {}
@@ -126,8 +128,11 @@ def state(folder):
             out.update(load_file(os.path.join(folder, name)))
     return out
 
-with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=600, bucket_bytes=64 << 10) as sync:
+with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=1200, bucket_bytes=64 << 10) as sync:
     print("pushed", sync.push(state(first), 1).version, flush=True)
+    if mode != "die":
+        print("pushed", sync.push(state(second), 2).version, flush=True)
+        sys.exit(0)
     # Version 2 differs in every element: a delta update sends each piece raw, packed by delta.py.
     import distload.live.delta as delta
     packed = []
@@ -185,19 +190,21 @@ def tp2_cases(p: dict, address: str) -> list[dict]:
     ]
 
 
-def architecture_cases(p: dict) -> list[dict]:
+def architecture_cases(p: dict, address: str) -> list[dict]:
     """One TP 2 engine per architecture, loaded by distload with check_weight_map: the load is
     compared with vLLM's own load of the same checkpoint into the same model, every parameter bit
     for bit, before vLLM's post-processing (the engine fails to start on any difference).
     Identical parameters there give identical tokens: the reference engines of --load-format
     safetensors are left out to keep the suite's time (one engine start per architecture, ~25 s
     each here). Phi-3 (no table knows it) is also saved for vLLM by its engine (save_sharded),
-    then served from that save by vLLM's own sharded_state loader."""
+    then served from that save by vLLM's own sharded_state loader; that engine then takes two
+    pushes by slices from a trainer at ``address`` (other weights, then Phi-3's own again)."""
     root = p["root"]
     cases = [{"name": a, "model": f"{root}/{a}", "format": "distload", "extra": {"check_weight_map": True}}
              for a in ARCHITECTURES]
     cases[ARCHITECTURES.index("phi3")]["extra"]["save_sharded"] = f"{root}/phi3-tp2"
-    cases.append({"name": "phi3 saved", "model": f"{root}/phi3-tp2", "format": "sharded_state"})
+    cases.append({"name": "phi3 saved", "model": f"{root}/phi3-tp2", "format": "sharded_state",
+                  "push": {"address": address, "receives": 2}})
     return [dict(case, tp=2, name=f"arch {case['name']}") for case in cases]
 
 
@@ -209,26 +216,29 @@ def engines(checkpoints, tmp_path_factory):
     python, p = checkpoints
     from dist_helpers import clean_env, free_port, write_script
 
-    address = f"tcp://127.0.0.1:{free_port()}"
     script = write_script(tmp_path_factory.mktemp("trainer"), "trainer.py", TRAINER)
-    trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                                script, address, p["llama-b"], p["llama"]], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=clean_env())
-    cases = {1: tp1_cases(p), 2: tp2_cases(p, address)}
+    addresses, trainers = [], []
+    for first, second, mode in ((p["llama-b"], p["llama"], "die"), (p["phi3-b"], f"{p['root']}/phi3", "both")):
+        addresses.append(f"tcp://127.0.0.1:{free_port()}")
+        trainers.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          "--nproc-per-node=1", script, addresses[-1], first, second, mode],
+                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env()))
+    cases = {1: tp1_cases(p), 2: tp2_cases(p, addresses[0])}
     weight_maps = str(tmp_path_factory.mktemp("weight-maps"))
     try:
-        results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}")
-                                     for tp in (1, 2) for case in cases[tp]] + architecture_cases(p), weight_maps)
-        trainer_output = trainer.communicate(timeout=120)[0]
+        results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}") for tp in (1, 2)
+                                     for case in cases[tp]] + architecture_cases(p, addresses[1]), weight_maps)
+        trainer_output = [trainer.communicate(timeout=120)[0] for trainer in trainers]
     finally:
-        if trainer.poll() is None:
-            trainer.kill()
+        for trainer in trainers:
+            if trainer.poll() is None:
+                trainer.kill()
     out = {tp: {case["name"]: results[f"tp{tp} {case['name']}"] for case in cases[tp]
                 if f"tp{tp} {case['name']}" in results} for tp in (1, 2)}
     out["arch"] = {name[len("arch "):]: value for name, value in results.items() if name.startswith("arch ")}
     for key in out:
         out[key]["_output"] = results["_output"]
-    out[2]["_trainer"] = trainer_output
+    out[2]["_trainer"], out["arch"]["_trainer"] = trainer_output
     out["arch"]["_cached"] = sorted(os.listdir(weight_maps))
     return out
 
@@ -339,6 +349,10 @@ def test_a_trainer_job_pushes_into_a_running_vllm_engine(tp2):
     push = tp2["push"]
     first, failed = push["pushed"]
     assert first.get("version") == 1, first
+    # Each worker received its slices only (what its weight loaders take), not the whole model.
+    whole = first["slices"][0] + first["slices"][1]
+    for sent, kept in zip(first["bytes"], first["slices"]):
+        assert sent <= 1.05 * kept and kept < 0.6 * whole, first
     assert push["tokens"] != _tokens(tp2, "reference b")  # the dummy weights generate other tokens
     assert first["tokens"] == _tokens(tp2, "reference b")
     assert "still serves version 1" in failed.get("error", ""), failed
@@ -402,6 +416,23 @@ def test_the_engine_saves_an_architecture_no_table_knows_for_vllms_sharded_state
 
 
 @pytest.mark.slow
+def test_a_push_by_slices_into_an_architecture_no_table_knows(architectures):
+    """Phi-3 fuses q/k/v and gate/up in its checkpoint: each TP 2 worker of the engine above
+    receives its runs of rows of those (its weight map's cuts), at most 1.05x the bytes of its
+    slices, and vLLM's own reload puts them in place: other weights generate other tokens, and
+    Phi-3's own weights pushed after them generate Phi-3's tokens again."""
+    assert "pushed 2" in architectures["_trainer"], architectures["_trainer"][-3000:]
+    saved = architectures["phi3 saved"]
+    other, own = saved["pushed"]
+    assert other.get("version") == 1 and own.get("version") == 2, saved["pushed"]
+    for push in (other, own):
+        for sent, kept in zip(push["bytes"], push["slices"]):
+            assert sent <= 1.05 * kept, push
+    assert other["tokens"] != saved["tokens"]
+    assert own["tokens"] == saved["tokens"]
+
+
+@pytest.mark.slow
 def test_reshard_for_vllm_runs_vllms_engine_to_save(tp1):
     """distload.reshard(..., sharding="vllm") where vLLM is installed: vLLM's engine, started in a
     child process at the asked TP size, writes the save; vLLM's sharded_state loader serves it."""
@@ -443,6 +474,7 @@ def test_a_loader_that_computes_sends_its_tensors_through_vllms_own_loader(archi
 @pytest.mark.slow
 def test_each_tp_ranks_weight_map_is_cached(architectures):
     """One cache entry per model and TP rank that loaded a whole checkpoint through distload: each
-    architecture's 2 ranks, and the Llama's (1 at TP 1, 2 at TP 2) and the Qwen2's (2) plugin cases.
-    The Llama's TP 2 pushes and reload and its pre-sharded load record none."""
-    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2, architectures["_cached"]
+    architecture's 2 ranks, and the Llama's (1 at TP 1, 2 at TP 2) and the Qwen2's (2) plugin cases;
+    and one per TP rank of an engine that took pushes (the Llama's and Phi-3's, 2 each: recorded
+    against the parameters as loaded, another key). The reload and the pre-sharded load record none."""
+    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2 + 2 + 2, architectures["_cached"]

@@ -237,3 +237,44 @@ def test_a_loader_that_refuses_a_tensor_is_named():
 
     with pytest.raises(DistloadError, match=r"failed on checkpoint tensor b \[2\].*Attempted to load weight"):
         record_weight_map("k", [("b", torch.float32, (2,))], {"p": torch.nn.Parameter(torch.empty(3))}, loads)
+
+
+def test_a_push_keeps_only_what_the_loaders_take_and_they_load_it_from_the_staging_bit_for_bit():
+    """distload/vllm/push.py: the map recorded against meta parameters (a running engine's, as
+    vLLM's reload restores them) is the one recorded against real ones; its cuts keep this rank's
+    rows, columns or runs of rows only (nothing of an unused tensor); and the model's own
+    loaders, given the staging's whole-shaped views, load exactly what they load from the whole
+    tensors."""
+    from distload.live.transfer import Cuts
+    from distload.tp.slices import take_shard
+    from distload.vllm.push import Staging, cuts_of
+
+    ck = checkpoint()
+    listed = [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()]
+    real = Tiny()
+    on_meta = Tiny().to("meta")
+    record = record_weight_map("k", listed, dict(real.state_dict(keep_vars=True)), real.load_weights)
+    from_meta = record_weight_map("k", listed, dict(on_meta.named_parameters()), on_meta.load_weights)
+    assert from_meta.copies == record.copies and from_meta.fills == record.fills
+    assert from_meta.whole == record.whole and from_meta.unused == record.unused
+
+    shapes = {n: tuple(t.shape) for n, t in ck.items()}
+    cuts = cuts_of(from_meta, shapes)
+    assert cuts["q"] == (0, ((4, 8),)) and cuts["conv"] == (1, ((3, 6),)) and cuts["rotary"] == (0, ())
+    assert cuts["fused"] == (0, ((2, 4), (5, 6), (7, 8))) and "scaled" not in cuts and "norm" not in cuts
+
+    staging = Staging()
+    staging.cuts = cuts
+    spec = Cuts(cuts)
+    pieces = {n: take_shard(t, spec.action(n, shapes[n]), 0, 1, n) for n, t in ck.items()}
+    targets = staging.allocate({n: (t.dtype, tuple(t.shape)) for n, t in pieces.items()}, shapes)
+    kept = 0
+    for name, piece in pieces.items():
+        targets[name].copy_(piece)  # what the channel does with the bytes that arrive
+        kept += piece.numel()
+    assert kept < sum(t.numel() for t in ck.values()) * 0.75
+    expected, actual = loaded_and_blank(ck)
+    actual.load_weights(staging.weights())
+    for name, value in expected.state_dict().items():
+        got = actual.state_dict()[name]
+        assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name

@@ -82,7 +82,9 @@ def main() -> None:
             for _ in range(case["push"]["receives"]):
                 try:
                     got = plugin.sync_receive(llm, timeout_s=600)
-                    entry = {"version": got["version"], "bytes": [w["bytes"] for w in got["workers"]]}
+                    entry = {"version": got["version"], "bytes": [w["bytes"] for w in got["workers"]],
+                             "slices": [w["slice_bytes"] for w in got["workers"]],
+                             "reload_s": [w["reload_seconds"] for w in got["workers"]]}
                 except SyncError as exc:
                     entry = {"error": str(exc)}
                 entry["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]

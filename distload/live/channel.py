@@ -43,6 +43,7 @@ supervisor, which watches the abort key and every member's heartbeat while it mo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -53,7 +54,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from distload.errors import ConfigError, SyncError
+from distload.errors import ConfigError, DistloadError, SyncError
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
 from distload.live import delta as deltas
@@ -61,7 +62,7 @@ from distload.live import handoff, rendezvous
 from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
 from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
-from distload.live.transfer import (SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
+from distload.live.transfer import (Cuts, SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.buckets import ALIGN, flat_bytes, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
@@ -72,6 +73,10 @@ log = logging.getLogger("distload")
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 SETTLE_S = 10.0  # how long a receiver waits for a given-up update's transfers before it refuses
 _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
+
+
+class _Unkept(Exception):
+    """Why this rank cannot take an update's tensors as sent (its refusal, posted as ready)."""
 
 
 class _Refused(SyncError):
@@ -139,6 +144,11 @@ class SyncChannel:
     forced by DISTLOAD_SYNC_TRANSPORT=socket): "auto" hands a same-host pair's bytes off through
     shared memory (handoff.py), "socket" keeps every pair of this member on its process group.
     Every wait is bounded by ``timeout_s``.
+    ``keeps`` (an inference side whose slices no sharding rule describes, instead of
+    ``tensor_parallel_size``): a function given each update's tensors (SyncTensor: name, dtype,
+    whole shape) that returns what this rank keeps of them, ``{name: (dim, [(start, stop), ...])}``
+    (a name it leaves out: whole; no ranges: nothing of it). It is posted with the update and
+    the trainer sends only those ranges (a vLLM worker's: distload/vllm/sync.py).
     ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
     and how its messages name members (by job rank); ``server``, how they name the process serving
     the store (distload/live/server.py's loads: "server rank 0").
@@ -151,7 +161,8 @@ class SyncChannel:
                  model_config: Mapping[str, Any] | str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, delta: bool = True,
                  max_base_bytes: int | None = None, transport: str = "auto", store: Any = None,
-                 member_name: Callable[[str, int], str] = describe, server: str | None = None):
+                 member_name: Callable[[str, int], str] = describe, server: str | None = None,
+                 keeps: Callable[[Sequence[SyncTensor]], Mapping[str, tuple[int, Sequence]]] | None = None):
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if host not in ROLES:
@@ -188,6 +199,10 @@ class SyncChannel:
         self._held: dict[int, str] = {}
         self._marks: dict[str, tuple] = {}
         self.place = self._place(tensor_parallel_size, sharding, model_config)
+        if keeps is not None and (role != "inference" or self.place.size != 1):
+            raise ConfigError("keeps= says what an inference rank keeps, instead of tensor_parallel_size and "
+                              "sharding: pass one or the other, on the inference side")
+        self._keeps = keeps
         if store is None and rendezvous_address is None:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
                               "inside one job use distload.WeightSync")
@@ -240,7 +255,7 @@ class SyncChannel:
         spec = self.place.spec
         return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
                 "device": self.device.type, "gpu": gpu_identity(self.device), "verify": self.verify,
-                "pid": os.getpid(),
+                "pid": os.getpid(), "cuts": self._keeps is not None,
                 # Only a member that posts its host may hand off to a same-host peer (handoff.py).
                 "host": handoff.host_identity() if self.transport == "auto" else None}
 
@@ -322,10 +337,14 @@ class SyncChannel:
             takes = self.delta and self._base.id is not None and self.rank in rendezvous.get(
                 session.store, session.key("takes", member))
             tp_size = info["tp_size"]
-            key = (tp_size, rank % tp_size, takes)
+            key: tuple = (tp_size, rank % tp_size, takes)
+            cuts = None
+            if info.get("cuts"):  # what it keeps, posted with this update (read before its ready)
+                cuts = rendezvous.get(session.store, session.key("cuts", member))
+                key = ("cuts", json.dumps(cuts, sort_keys=True), takes)
             if key not in by_place:
                 spec = None if info["spec"] is None else spec_from_json(info["spec"])
-                place = TPPlace(tp_size, rank % tp_size, spec)
+                place = TPPlace(tp_size, rank % tp_size, spec) if cuts is None else TPPlace(1, 0, Cuts.from_json(cuts))
                 # A delta update carries its own checks (delta.py): its layouts need no bucket sums.
                 by_place[key] = _Route(place, [], layouts(entries, groups, place, verify and not takes), takes)
             by_place[key].ranks.append(member)
@@ -552,8 +571,9 @@ class SyncChannel:
         version = metas[0]["version"]
         try:
             try:  # what this rank keeps; a spec that cannot cut a tensor is this rank's refusal
-                plans = [layouts(m["entries"], m["groups"], self.place, m["verify"]) for m in metas]
-            except ConfigError as exc:
+                place = self._update_place(session, metas)
+                plans = [layouts(m["entries"], m["groups"], place, m["verify"]) for m in metas]
+            except (ConfigError, _Unkept) as exc:
                 plans, problems = [], [str(exc)]
             else:
                 wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
@@ -601,6 +621,18 @@ class SyncChannel:
         return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas), sum(len(p) for p in plans),
                          time.perf_counter() - start, wire, verified, bool(takes),
                          session.transport(range(session.record.trainer_size)))
+
+    def _update_place(self, session: Session, metas: Sequence[Mapping[str, Any]]) -> TPPlace:
+        """Where this rank sits for this update: its TP place, or the cuts its ``keeps`` makes of
+        the update's tensors, posted for the trainer ranks (read once every member is ready)."""
+        if self._keeps is None:
+            return self.place
+        try:
+            cuts = Cuts(self._keeps([entry for m in metas for entry in m["entries"]]))
+        except DistloadError as exc:
+            raise _Unkept(str(exc)) from None
+        session.put("cuts", cuts.to_json())
+        return TPPlace(1, 0, cuts)
 
     def _takes(self, metas: Sequence[Mapping[str, Any]], plans: Sequence[Sequence[BucketLayout]],
                targets: Mapping[str, torch.Tensor]) -> list[int]:

@@ -17,10 +17,11 @@ Sender and receivers compute the same layouts from the same metadata, so no layo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
+from distload.errors import ConfigError
 from distload.loading.buckets import ALIGN, flat_bytes, group_in_order, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
@@ -76,14 +77,47 @@ class BucketLayout:
         return self.size + (CHECKSUM_BYTES if self.verified and self.size else 0)
 
 
+class Cuts:
+    """What one receiver said it keeps of each tensor, by name: ``(dim, ranges)``, the ranges of
+    ``dim`` it keeps (in the order it keeps them; none: nothing of that tensor); a name it does
+    not list it keeps whole. A receiver whose layout no sharding rule describes posts it with each
+    update: a vLLM worker, whose slices come from the weight map recorded from vLLM's own loaders
+    (distload/vllm/sync.py). It stands where a place's sharding spec stands."""
+
+    def __init__(self, cuts: Mapping[str, tuple[int, Sequence[Sequence[int]]]]):
+        self.cuts = {name: (int(dim), tuple((int(a), int(b)) for a, b in ranges))
+                     for name, (dim, ranges) in cuts.items()}
+
+    def action(self, name: str, shape: Sequence[int]) -> Action:
+        cut = self.cuts.get(name)
+        if cut is None:
+            return Action(None)
+        dim, ranges = cut
+        if not 0 <= dim < len(shape) or any(not 0 <= a < b <= shape[dim] for a, b in ranges):
+            raise ConfigError(f"{name} {list(shape)}: the receiver keeps {list(ranges)} of dim {dim}, "
+                              f"which the tensor does not have")
+        return Action(dim, rule="the receiver's cut", ranges=ranges)
+
+    def to_json(self) -> dict:
+        return {name: [dim, [list(r) for r in ranges]] for name, (dim, ranges) in sorted(self.cuts.items())}
+
+    @staticmethod
+    def from_json(raw: Mapping[str, Any]) -> "Cuts":
+        return Cuts({name: (dim, ranges) for name, (dim, ranges) in raw.items()})
+
+
 def kept_slice(place: TPPlace, index: int, entry: SyncTensor) -> KeptSlice:
-    """What a receiver at ``place`` keeps of ``entry``: the whole tensor, or its TP slice."""
+    """What a receiver at ``place`` keeps of ``entry``: the whole tensor, or its TP slice (or
+    the cut it posted)."""
     whole = KeptSlice(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
     spec = place.spec
-    if spec is None or place.size == 1:
+    if isinstance(spec, Cuts):
+        action = spec.action(entry.name, entry.shape)
+    elif spec is None or place.size == 1:
         return whole
-    assert isinstance(spec, ShardingSpec), "a receiver's spec is resolved when its channel is made"
-    action = spec.action(entry.name, entry.shape)
+    else:
+        assert isinstance(spec, ShardingSpec), "a receiver's spec is resolved when its channel is made"
+        action = spec.action(entry.name, entry.shape)
     if action.replicated:
         return whole
     shape = shard_shape(entry.name, entry.shape, action, place.size)

@@ -54,6 +54,9 @@ class Action:
     # Values per torch element along the last dimension (2 for F4: the file counts 4-bit values,
     # torch holds pairs). Sizes here are torch's; messages give the file's.
     packing: int = 1
+    # The ranges of ``dim`` one receiver said it keeps (distload/live/transfer.py's Cuts: a vLLM
+    # worker's, from the weight map): the same on every rank asked, as a rule's split is not.
+    ranges: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.parts is not None:  # sizes may be given as plain ints: equal-footing plain parts
@@ -96,6 +99,8 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
             f"(rule {action.rule!r}); fix the sharding spec"
         )
     length = int(shape[dim])
+    if action.ranges is not None:
+        return Slice(action.ranges)
     if action.pad_to is not None:
         return _padded_slice(name, shape, action, length, rank, world_size)
     if world_size == 1:
@@ -205,6 +210,8 @@ def take_shard(tensor: torch.Tensor, action: Action, rank: int, world_size: int,
         pad_shape = list(tensor.shape)
         pad_shape[dim] = piece.padding
         pieces.append(torch.zeros(pad_shape, dtype=tensor.dtype, device=tensor.device))
+    if not pieces:  # a receiver that keeps nothing of it (transfer.Cuts)
+        return tensor.narrow(dim, 0, 0).contiguous()
     return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 

@@ -21,6 +21,7 @@ import platform
 import time
 from typing import Any, Mapping
 
+import psutil
 import torch
 
 from distload.errors import ConfigError, DistloadError
@@ -170,10 +171,12 @@ class WorkerExtension:
 
     def distload_sync_join(self, address: str, options: dict) -> None:
         """Make this worker an inference member of the sync channel at ``address`` (its rank in
-        vLLM's tensor-parallel group; the channel forms at the first receive)."""
+        vLLM's tensor-parallel group; the channel forms at the first receive). It keeps, of each
+        checkpoint tensor the trainer sends, what its own weight loaders take (distload/vllm/push.py)."""
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         from distload.live.channel import SyncChannel
+        from distload.vllm.push import Staging
 
         if get_pp_group().world_size > 1:
             raise ConfigError("distload's weight sync into vLLM: pipeline parallelism is not supported yet")
@@ -181,39 +184,72 @@ class WorkerExtension:
         old = getattr(self, "_distload_channel", None)
         if old is not None:
             old.close()
+        options = dict(options)
+        slices = options.pop("slices", True)
+        self._distload_staging = Staging()
+        self._distload_shapes: dict | None = None if slices else {}
+        self._distload_slices = None
         self._distload_channel = SyncChannel(address, "inference", rank=tp.rank_in_group, size=tp.world_size,
-                                             device="cpu", **options)
-        self._distload_staging: dict[str, torch.Tensor] = {}
+                                             device="cpu", keeps=self._distload_keeps if slices else None, **options)
+
+    def _distload_keeps(self, entries) -> dict:
+        """What this worker keeps of an update's tensors: the cuts of its weight map (recorded once
+        per model, TP rank and set of tensors, then cached)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        from distload.loading.index import DTYPES
+        from distload.vllm.push import cuts_of, engine_weight_map
+
+        shapes = {e.name: tuple(e.shape) for e in entries}
+        listed = [(e.name, DTYPES[e.dtype], tuple(e.shape)) for e in entries]
+        if getattr(self, "_distload_listed", None) != listed:
+            runner = self.model_runner  # type: ignore[attr-defined]
+            tp = get_tp_group()
+            config = runner.vllm_config.model_config.hf_config.to_json_string()
+            record, self._distload_slices = engine_weight_map(runner.get_model(), listed, config, tp.world_size,
+                                                              tp.rank_in_group)
+            self._distload_listed, self._distload_cuts = listed, cuts_of(record, shapes)
+        self._distload_staging.cuts = self._distload_cuts
+        self._distload_shapes = shapes
+        return self._distload_cuts
 
     def distload_sync_receive(self, timeout_s: float | None) -> dict:
-        """Receive the next version whole into a host staging copy, then hand it to vLLM's own
-        in-place ``reload_weights`` (its weight loaders cut this worker's part and re-apply its
-        kernel formats). The engine's weights change only after the whole update arrived on
-        every worker: a failed update leaves them as they were."""
+        """Receive the next version's slices this worker keeps into its staging (kept across
+        updates: a delta patches it), then hand them to vLLM's own in-place ``reload_weights`` as
+        whole-shaped views (its weight loaders take this worker's part and re-apply its kernel
+        formats). The engine's weights change only after the whole update arrived on every
+        worker: a failed update leaves them as they were."""
         channel = getattr(self, "_distload_channel", None)
         if channel is None:
             raise ConfigError("distload_sync_receive before distload_sync_join (call sync_join(llm, address) first)")
         staging = self._distload_staging
 
-        def allocate(wanted: dict) -> dict:
-            for name in set(staging) - set(wanted):
-                del staging[name]
-            for name, (dtype, shape) in wanted.items():
-                held = staging.get(name)
-                if held is None or held.dtype != dtype or tuple(held.shape) != tuple(shape):
-                    staging[name] = torch.empty(shape, dtype=dtype)
-            return staging
-
         from distload.errors import SyncError
+
+        channel_was = channel.version
+
+        def allocate(wanted: dict) -> dict:
+            shapes = self._distload_shapes or {name: shape for name, (_dtype, shape) in wanted.items()}
+            return staging.allocate(wanted, shapes)
 
         try:
             stats = channel.receive(allocate, timeout_s)
         except SyncError as exc:
             return {"ok": False, "error": str(exc), "version": channel.version}
         runner = self.model_runner  # type: ignore[attr-defined]
-        runner.reload_weights(weights_iterator=iter(list(staging.items())), is_checkpoint_format=True)
+        began = time.perf_counter()
+        try:
+            runner.reload_weights(weights_iterator=staging.weights(), is_checkpoint_format=True)
+        except Exception as exc:  # noqa: BLE001 - vLLM's own reload failed part way: say what that leaves
+            return {"ok": False, "mixed": True, "version": stats.version,
+                    "error": f"version {stats.version} arrived whole, but vLLM's in-place reload_weights failed on TP "
+                             f"rank {channel.rank} ({type(exc).__name__}: {exc}): the layers it reloaded before the "
+                             f"failure hold version {stats.version}, the others version {channel_was}; the next "
+                             f"update that reloads puts every layer at its version, or restart the engine"}
         return {"ok": True, "version": stats.version, "bytes": stats.wire_bytes, "seconds": round(stats.seconds, 4),
-                "verified": stats.verified}
+                "reload_seconds": round(time.perf_counter() - began, 4), "verified": stats.verified,
+                "delta": stats.delta, "staging_bytes": staging.nbytes, "slice_bytes": self._distload_slices,
+                "rss_bytes": psutil.Process().memory_info().rss}
 
     def distload_sync_close(self) -> None:
         channel = getattr(self, "_distload_channel", None)
@@ -246,9 +282,12 @@ def sync_join(llm, address: str, **options: Any) -> None:
     """Make every worker of a running vLLM engine an inference member of the weight-sync channel
     at ``address`` (``options``: SyncChannel's ``timeout_s``, ``verify``, ``host``,
     ``bucket_bytes``). The trainer job pushes with ``SyncChannel(address, "trainer")`` and the
-    checkpoint's own names, whole tensors; :func:`sync_receive` takes each version."""
+    checkpoint's own names, whole tensors; :func:`sync_receive` takes each version. Each worker
+    receives only what its own weight loaders take of each tensor (distload/vllm/push.py);
+    ``slices=False`` sends each worker every tensor whole instead (for a model whose weight map
+    cannot be recorded: vLLM's loaders then cut them, as before distload learned the map)."""
     _check_extension(llm, "sync_join")
-    allowed = {"timeout_s", "verify", "host", "bucket_bytes"}
+    allowed = {"timeout_s", "verify", "host", "bucket_bytes", "slices"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ConfigError(f"sync_join: unknown option(s) {unknown}; it takes {sorted(allowed)}")
@@ -256,13 +295,20 @@ def sync_join(llm, address: str, **options: Any) -> None:
 
 
 def sync_receive(llm, timeout_s: float | None = None) -> dict:
-    """Wait for the trainer's next version and put it into the engine, in place. Returns the
-    version and each worker's bytes and seconds; raises SyncError if the update failed, and the
-    engine then serves the version it served before (named in the message)."""
+    """Wait for the trainer's next version and put it into the engine, in place (vLLM's own
+    layerwise ``reload_weights``, fed each worker's slices). Returns the version and each
+    worker's bytes on the wire, its slices' bytes and its seconds; raises SyncError if the update
+    failed, and the engine then serves the version it served before (named in the message). If
+    vLLM's reload itself fails part way, the SyncError says so: its layers are then a mix."""
     from distload.errors import SyncError
 
     results = llm.collective_rpc("distload_sync_receive", args=(timeout_s,))
     failed = [(i, r) for i, r in enumerate(results) if not r["ok"]]
+    mixed = [(i, r) for i, r in failed if r.get("mixed")]
+    if mixed:
+        worker, result = mixed[0]
+        raise SyncError(f"the push reached the engine but vLLM could not put it in place (worker {worker}: "
+                        f"{result['error']})")
     if failed:
         worker, result = failed[0]
         raise SyncError(f"the push did not reach the engine: it still serves version {result['version']} "

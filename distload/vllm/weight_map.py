@@ -348,6 +348,13 @@ class Placeholder(torch.Tensor):
         return f"<checkpoint tensor {self._name} {list(self.shape)} {self.dtype}>"
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """Which storage ``tensor`` views: its address, or on the meta device (no addresses) the
+    storage object itself, which every view of one tensor shares."""
+    storage = tensor.untyped_storage()
+    return storage._cdata if tensor.is_meta else storage.data_ptr()
+
+
 def _flat(args) -> Iterable:
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -364,14 +371,17 @@ class _Recorder(TorchDispatchMode):
         # vLLM's _filter_subtensors keeps it).
         self.storages: dict[int, tuple[str, torch.Tensor]] = {}
         for name, p in params.items():
-            self.storages.setdefault(p.untyped_storage().data_ptr(), (name, p))
+            self.storages.setdefault(_storage_key(p), (name, p))
+        # Parameters on the meta device (a running engine's, as it loads them: distload/vllm/sync.py):
+        # a loader's move of a tensor onto its parameter's device is then a move to meta.
+        self.on_meta = any(p.is_meta for p in params.values())
         self.current = ""  # the checkpoint tensor whose loader runs now
         self.taken: set[str] = set()
 
     def _param_of(self, dest: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        if dest.is_meta or isinstance(dest, Placeholder):
+        if isinstance(dest, Placeholder):
             return None
-        return self.storages.get(dest.untyped_storage().data_ptr())
+        return self.storages.get(_storage_key(dest))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -389,7 +399,8 @@ class _Recorder(TorchDispatchMode):
         if len(holders) > 1 or args[0] is not src:
             raise _NotARegion(src._name, f"{func} combines it with other tensors")
         if func in _SAME_ELEMENTS:
-            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta":
+            if kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta" \
+                    and not self.on_meta:
                 raise _NotARegion(src._name, f"{func} to meta")
             dtype = kwargs.get("dtype") or src.dtype
             casts = src._casts + ((str(dtype).removeprefix("torch."),) if dtype != src.dtype else ())
@@ -440,6 +451,8 @@ def record_weight_map(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[
     record = WeightMap(key)
     recorder = _Recorder(params, record)
     device = next(iter(params.values())).device if params else torch.device("cpu")
+    if device.type == "meta":
+        device = torch.device("cpu")
     for name, dtype, shape in tensors:
         meta = torch.empty(shape, dtype=dtype, device="meta")
         recorder.current = name
