@@ -243,7 +243,7 @@ class ExchangePlan:
         self.bucket_bytes = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
         self.buckets = plan_buckets(totals, self.bucket_bytes)
         self.spans = [self._spans(bucket) for bucket in self.buckets]
-        keeps = [self._keeps(b) for b in range(len(self.buckets))]
+        keeps = [self.kept_bytes(b) for b in range(len(self.buckets))]
         self.readers = assign_readers(self.buckets, self.k, keeps, self.classes)
         # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
         self.identical = len(set(self.classes)) <= 1
@@ -271,7 +271,7 @@ class ExchangePlan:
         """What ``member`` keeps of bucket ``b``: runs from the buffer into its tensors."""
         return self._pieces(b, self.distinct[self.classes[member]])
 
-    def _keeps(self, b: int) -> list[int]:
+    def kept_bytes(self, b: int) -> list[int]:
         """The bytes each distinct need keeps of bucket ``b`` (needs equal on the bucket's tensors
         counted once: an expert's bucket has two, kept whole or not at all)."""
         spans = self.spans[b]
