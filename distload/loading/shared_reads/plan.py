@@ -104,6 +104,8 @@ def union(needs: Iterable[Need], nbytes: int) -> list[Interval]:
     needs = set(needs)
     if whole_need(nbytes) in needs:
         return [(0, nbytes)] if nbytes else []
+    if _rows_fill(needs, nbytes):
+        return [(0, nbytes)]
     spans = sorted((src, src + n) for need in needs for src, _, n in expand(need) if n)
     merged: list[list[int]] = []
     for a, b in spans:
@@ -112,6 +114,24 @@ def union(needs: Iterable[Need], nbytes: int) -> list[Interval]:
         else:
             merged.append([a, b])
     return [(a, b) for a, b in merged]
+
+
+def _rows_fill(needs: Iterable[Need], nbytes: int) -> bool:
+    """Whether ``needs`` together keep every byte of a tensor of ``nbytes``, told without listing
+    rows where every run takes the same range of each of the tensor's rows (the TP slices of a
+    dim-1 split: their ranges side by side fill a row, so their rows fill the tensor)."""
+    runs = [run for need in needs for run in need if run[2]]
+    if not runs or len({(count, step) for _, _, _, count, step, _ in runs}) != 1:
+        return False
+    count, step = runs[0][3], runs[0][4]
+    if count < 2 or count * step != nbytes or any(src < 0 or src + n > step for src, _, n, _, _, _ in runs):
+        return False
+    end = 0
+    for a, b in sorted((src, src + n) for src, _, n, _, _, _ in runs):
+        if a > end:
+            return False
+        end = max(end, b)
+    return end == step
 
 
 class Segment(NamedTuple):
