@@ -111,3 +111,33 @@ def test_todays_sync_replay_gives_each_receiver_exactly_what_it_keeps():
     assert row["today"]["pairs"] == 8 * 32 and row["redesign"]["pairs"] < row["today"]["pairs"]
     # the redesign: each inference rank keeps its TP slice of the rest and its experts whole
     assert row["redesign"]["max_ingress_bytes"] < row["today"]["max_ingress_bytes"]
+
+
+def test_headers_are_read_once_per_job_and_every_rank_gets_them_all(setup, monkeypatch):
+    """Each object's header read by the one rank it is dealt to (loading/headers.py), and every
+    rank's index built from the shares equals one read alone; the harness counts the same."""
+    from distload.loading.headers import headers_by_path, read_dealt, read_headers
+
+    monkeypatch.setattr(bench, "FILE_BYTES", 1 << 16)
+    index = bench.checkpoint_index(tiny_moe())  # in 10 files
+    assert len(index.files) >= 8
+    by_path = {f.path: f for f in index.files}
+    paths = [f.path for f in index.files] * 2  # a path named twice is still read once
+    reads: list[str] = []
+
+    class Store:  # an object store's source, counting the header reads
+        remote = True
+
+        def read_headers(self, asked):
+            reads.extend(asked)
+            return [by_path[p] for p in asked]
+
+    for n in (1, 2, 3, 7):
+        reads.clear()
+        shares = [read_dealt(Store(), paths, rank, n) for rank in range(n)]  # the planning exchange
+        assert sorted(reads) == sorted(by_path)
+        for rank in range(n):
+            assert read_headers(Store(), list(by_path), headers_by_path(shares)) == list(index.files)
+        assert len(reads) == len(by_path)  # nothing read again after the exchange
+    row = bench.load_at(setup, 64, 50e-6, None)
+    assert row["store_header_reads"] == row["files"] and row["old_store_header_bytes"] == 64 * row["store_header_bytes"]

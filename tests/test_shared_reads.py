@@ -207,7 +207,7 @@ def planned_exchange(folder: str, tp: int, nproc: int, bucket: int) -> list[dict
             plans.append(Loader(folder, "auto", group=group, tensor_parallel_size=tp,
                                 tensor_parallel_rank=rank % tp).plan())
     infos = [t for f in plans[0].index.files for t in f.tensors]
-    needs = [[p.slice_runs().get(t.name, whole_need(t.nbytes)) for t in infos] for p in plans]
+    needs = [[p.slice_runs().get(i, whole_need(t.nbytes)) for i, t in enumerate(infos)] for p in plans]
     plan = ExchangePlan([t.nbytes for t in infos], needs, bucket)
     out = [{"read": 0, "kept_own": 0, "received": 0} for _ in range(nproc)]
     for b, reader in enumerate(plan.readers):

@@ -3,9 +3,11 @@
 Order of calls (every rank of the group makes each of them; each is a collective on the group's
 gloo control group, with the group's timeout):
 
-1. ``agree("planning the load")``: list the source, detect its layout, take the read choice,
-   read the headers, run the backend's preflight (:mod:`distload.loading.plan`). A fault on any
-   rank (missing file, bad header, wrong shard layout) stops every rank here, before any data.
+1. ``agree("planning the load")``, twice: list the source, detect its layout, take the read
+   choice, read this rank's share of the job's headers (:mod:`distload.loading.headers`: each
+   object's header leaves the store once per job); then, from every rank's share, the index,
+   this rank's slices and the backend's preflight (:mod:`distload.loading.planner`). A fault on
+   any rank (missing file, bad header, wrong shard layout) stops every rank here, before any data.
 2. ``exchange`` (:mod:`distload.loading.agreement`): every rank's read choice and file list;
    ranks that will share a read must hold the identical list, or every rank stops naming
    the ranks that differ.
@@ -34,7 +36,9 @@ from distload.loading.delivery import Delivery
 from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
 from distload.loading.plan import RankPlan
-from distload.loading.planner import plan_rank
+from distload.loading.headers import headers_by_path, read_dealt
+from distload.loading.index import FileInfo
+from distload.loading.planner import Survey, finish_plan, survey_source
 from distload.loading.rank_slices import Blocks, TPPlace
 from distload.loading.sources import check_unchanged, source_string
 from distload.loading.report import (
@@ -139,10 +143,21 @@ class Loader:
         self._blocks = blocks if callable(blocks) or blocks else None
 
     def plan(self) -> RankPlan:
-        """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves."""
-        plan = self.group.agree("planning the load",
-                                lambda: plan_rank(self.source, self.config, self.group, self.tensor_parallel,
-                                                  self._blocks))
+        """Steps 1-2 (collective): every rank plans, then all agree. No tensor data moves.
+
+        Planning is two steps: each rank surveys the source and reads its share of the job's
+        headers (object stores: each header leaves the store once per job), then each rank plans
+        from every rank's share (distload/loading/headers.py)."""
+        group = self.group
+        surveyed: list[Survey] = []
+
+        def survey_and_read() -> tuple[FileInfo, ...]:
+            surveyed.append(survey_source(self.source, self.config, group, self.tensor_parallel, self._blocks))
+            return read_dealt(surveyed[0].layout.source, surveyed[0].job_paths, group.rank, group.world_size)
+
+        shares = group.gather("planning the load", survey_and_read)
+        plan = group.agree("planning the load",
+                           lambda: finish_plan(surveyed[0], group, self._blocks, headers_by_path(shares)))
         members, needs = agree_on_read(self.group, plan)
         return replace(plan, members=members, needs=needs) if members else plan
 

@@ -63,12 +63,16 @@ class RankPlan:
             return ("files of TP rank", tp.rank, tp.size) if tp is not None else ("files", tuple(self.index.signature()))
         return ("whole",)
 
-    def slice_runs(self) -> dict[str, tuple]:
+    def slice_runs(self) -> dict[int, tuple]:
         """What this rank keeps of each split tensor, as the exchange plan's byte runs (compact:
-        a slice along dim 1 is one run, not one extent per row; it travels to every rank)."""
+        a slice along dim 1 is one run, not one extent per row), by the tensor's position in the
+        index: it travels to every rank, where names would be most of its bytes (the members of
+        a shared read hold the same files, so the same index; the agreement checks that)."""
         if self.slices is None:
             return {}
-        return {name: compact(piece.extents) for name, piece in self.slices.slices.items()}
+        pieces = self.slices.slices
+        return {i: piece.runs if piece.runs is not None else compact(piece.extents)
+                for i, piece in ((i, pieces.get(t.name)) for i, t in enumerate(self.index.tensors)) if piece is not None}
 
     def signature(self) -> list[tuple]:
         """What ranks compare before a shared read: path, size (and content) per file."""

@@ -1,35 +1,58 @@
 """The planning step of a load, on one rank: list the source, detect its layout, take the read
 choice, read the headers of this rank's files, and let the backend refuse what it could not do.
 
-I/O on the source only, no collective: the loader runs it inside the group's agreement step, so a
-fault on one rank stops every rank before any data moves.
+I/O on the source only, no collective: the loader runs it inside the group's agreement steps, so
+a fault on one rank stops every rank before any data moves. In two halves, so that a load's
+ranks can share the header reads between them (distload/loading/headers.py): ``survey_source``
+(the listing, the layout, the choice, the files whose headers are needed), then ``finish_plan``
+(the index from the headers, this rank's slices, the backend's preflight); ``plan_rank`` runs
+both on one rank, reading every header it needs.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Mapping
 
 from distload.config import LoadConfig
-from distload.errors import CheckpointError, ConfigError
+from distload.errors import CheckpointError, ConfigError, DistloadError
 from distload.loading.backends import BACKENDS
 from distload.loading.choice import ReadChoice, ReadFacts
 from distload.loading.formats import FORMATS
-from distload.loading.index import build_index
+from distload.loading.headers import read_headers
+from distload.loading.index import FileInfo, build_index
 from distload.loading.layout import CheckpointLayout, detect_layout
 from distload.loading.plan import RankPlan
 from distload.loading.rank_slices import Blocks, TPPlace, plan_blocks, plan_slices
-from distload.loading.stores.cache import CACHE_DIR_VARIABLE, cache_settings
+from distload.loading.stores.cache import CACHE_DIR_VARIABLE, CacheSettings, cache_settings
 from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
 
 if TYPE_CHECKING:
     from distload.workers.group import WorkerGroup
 
 
+@dataclass(frozen=True)
+class Survey:
+    """What a rank finds before it reads any header: the layout, the read choice, and the files
+    whose headers this rank (``paths``) and the job (``job_paths``: every rank's, so that the
+    ranks can share the reading, distload/loading/headers.py) need."""
+
+    source: str
+    layout: CheckpointLayout
+    choice: ReadChoice
+    cache: CacheSettings | None
+    tensor_parallel: TPPlace | None
+    paths: list[str]
+    job_paths: list[str]
+    weight_map: dict[str, str] | None = None
+    hint: str = ""
+
+
 def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
               tensor_parallel: TPPlace | None = None, blocks: Blocks | None = None) -> RankPlan:
     """Plan this rank's read of ``source`` (the same on a local folder and an object-store prefix:
-    both go through a Source, one listing, headers by ranged reads on object stores).
+    both go through a Source, one listing, headers by ranged reads on object stores), reading
+    every header it needs itself (a load shares them: ``Loader.plan``).
 
     ``tensor_parallel``: a whole checkpoint is sliced for its TP rank; a pre-sharded one saved
     for its TP size gives TP rank r's files to every data-parallel replica of r.
@@ -37,6 +60,13 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     function of this rank's index that gives them (called once, here); only those bytes of a
     whole checkpoint are read. None: no DTensor targets.
     """
+    return finish_plan(survey_source(source, config, group, tensor_parallel, blocks), group, blocks)
+
+
+def survey_source(source: str, config: LoadConfig, group: "WorkerGroup", tensor_parallel: TPPlace | None = None,
+                  blocks: Blocks | None = None) -> Survey:
+    """The first half of planning: list the source, detect its layout, take the read choice, and
+    name the files whose headers are needed (no header read yet)."""
     fmt = FORMATS[config.load_format]
     only = fmt.backends
     if len(only) == 1:  # the format fixes the reader: refuse what it can never serve before listing
@@ -78,17 +108,44 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
     if blocks is not None and layout.sharded:
         raise ConfigError(f"{source} is sharded per rank; a model of DTensors loads from a whole checkpoint, "
                           f"each rank reading its local shards' bytes")
-    rank, world_size = (tp.rank, tp.size) if tp is not None else (group.rank, group.world_size)
     if not choice.sharded:
-        plan = _whole_plan(source, choice, layout)
+        paths, weight_map = whole_checkpoint(src)
+        hint = ""
+        if layout.shards.parts_by_rank:
+            hint = (f"; {src.folder} looks like a pre-sharded checkpoint (files for ranks "
+                    f"{layout.shards.ranks}): load it with --load-format sharded_state or "
+                    f"runai_streamer_sharded")
+        return Survey(source, layout, choice, cache, tp, paths, paths, weight_map, hint)
+    if src.is_file:
+        raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
+    rank, world_size = (tp.rank, tp.size) if tp is not None else (group.rank, group.world_size)
+    paths = layout.rank_paths(rank, world_size)
+    job = set(paths)
+    for other in range(world_size):
+        try:
+            job.update(layout.rank_paths(other, world_size))
+        except DistloadError:
+            continue  # that rank's own survey fails with this error, and every rank hears of it
+    return Survey(source, layout, choice, cache, tp, paths, sorted(job))
+
+
+def finish_plan(survey: Survey, group: "WorkerGroup", blocks: Blocks | None = None,
+                headers: Mapping[str, FileInfo] | None = None) -> RankPlan:
+    """The second half of planning: the index from the headers (``headers``: those other ranks
+    read, by path; the rest are read here), this rank's slices, and the backend's preflight."""
+    source, layout, choice, tp = survey.source, survey.layout, survey.choice, survey.tensor_parallel
+    src = layout.source
+    index = build_index(read_headers(src, survey.paths, headers), hint=survey.hint)
+    if not choice.sharded:
+        if survey.weight_map is not None:
+            check_weight_map(src.folder, survey.weight_map, index)
+        plan = RankPlan(source, choice, index, fingerprints=_fingerprints(choice, src, index))
         if tp is not None:
             plan = replace(plan, tensor_parallel=tp, slices=plan_slices(plan.index, tp, lambda: model_config(src)))
         elif blocks is not None:
             plan = replace(plan, slices=plan_blocks(plan.index, blocks(plan.index) if callable(blocks) else blocks))
-    elif src.is_file:
-        raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
     else:
-        index = build_index(src.read_headers(layout.rank_paths(rank, world_size)))
+        rank = tp.rank if tp is not None else group.rank
         manifest = layout.manifest
         plan = RankPlan(source, choice, index,
                         frozenset(manifest.keys_for_rank(rank)) if manifest else None,
@@ -96,24 +153,10 @@ def plan_rank(source: str, config: LoadConfig, group: "WorkerGroup",
                         dict(manifest.views.get(rank, {})) if manifest else {},
                         fingerprints=_fingerprints(choice, src, index),
                         tensor_parallel=tp)
-    if cache is not None and choice.backend == "ranged":
-        plan = replace(plan, cache=cache)
+    if survey.cache is not None and choice.backend == "ranged":
+        plan = replace(plan, cache=survey.cache)
     BACKENDS[choice.backend].preflight(plan, group)
     return plan
-
-
-def _whole_plan(source: str, choice: ReadChoice, layout: CheckpointLayout) -> RankPlan:
-    src = layout.source
-    paths, weight_map = whole_checkpoint(src)
-    hint = ""
-    if layout.shards.parts_by_rank:
-        hint = (f"; {src.folder} looks like a pre-sharded checkpoint (files for ranks "
-                f"{layout.shards.ranks}): load it with --load-format sharded_state or "
-                f"runai_streamer_sharded")
-    index = build_index(src.read_headers(paths), hint=hint)
-    if weight_map is not None:
-        check_weight_map(src.folder, weight_map, index)
-    return RankPlan(source, choice, index, fingerprints=_fingerprints(choice, src, index))
 
 
 def _fingerprints(choice: ReadChoice, src, index) -> tuple[str, ...]:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 
@@ -238,6 +238,40 @@ def reassemble(shards: Sequence[torch.Tensor], action: Action, shape: Sequence[i
     return out
 
 
+class RowExtents(Sequence):
+    """``count`` extents ``(first + j * row, j * step, length)``: a slice's one range of every
+    row, as a sequence that makes each extent only when asked (a 1T checkpoint has 875,000 rows
+    of such slices a rank, which a shared read never lists: it plans with the slice's runs)."""
+
+    def __init__(self, first: int, row: int, step: int, length: int, count: int):
+        self.first, self.row, self.step, self.length, self.count = first, row, step, length, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, j):  # type: ignore[override]
+        if isinstance(j, slice):
+            return tuple(self[i] for i in range(*j.indices(self.count)))
+        if j < 0:
+            j += self.count
+        if not 0 <= j < self.count:
+            raise IndexError(j)
+        return (self.first + j * self.row, j * self.step, self.length)
+
+    def __iter__(self):
+        first, row, step, length = self.first, self.row, self.step, self.length
+        return ((first + j * row, j * step, length) for j in range(self.count))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:  # equal to the tuple of its extents, so hashed as that
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"RowExtents({self.first}, {self.row}, {self.step}, {self.length}, {self.count})"
+
+
 @dataclass(frozen=True)
 class SliceBytes:
     """Rank r's slice of one tensor as byte ranges: what a reader asks the source for.
@@ -249,15 +283,21 @@ class SliceBytes:
     """
 
     shape: tuple[int, ...]  # the rank's piece
-    extents: tuple[tuple[int, int, int], ...]
+    extents: Sequence[tuple[int, int, int]]  # a tuple, or RowExtents
     zeros: tuple[tuple[int, int], ...] = ()
+    # The extents as the exchange plan's runs (shared_reads/plan.py: ``compact(extents)``), where
+    # the slice knows them without a pass over its rows (a dim-1 slice: one run): a 1T checkpoint
+    # has 875,000 rows of such slices a rank (docs/scale.md). None: compact the extents.
+    runs: tuple[tuple[int, int, int, int, int, int], ...] | None = field(default=None, compare=False)
 
     @property
     def nbytes(self) -> int:
-        return sum(length for _, _, length in self.extents) + sum(length for _, length in self.zeros)
+        return self.requested_bytes + sum(length for _, length in self.zeros)
 
     @property
     def requested_bytes(self) -> int:
+        if self.runs is not None:
+            return sum(run[2] * run[3] for run in self.runs)
         return sum(length for _, _, length in self.extents)
 
 
@@ -272,6 +312,18 @@ def slice_bytes(name: str, shape: Sequence[int], itemsize: int, action: Action, 
     outer = math.prod(shape[:dim])
     inner = math.prod(shape[dim + 1:]) * itemsize  # bytes of one index along dim
     length = shape[dim]
+    out = list(shape)
+    out[dim] = piece.length
+    if outer > 1 and len(piece.ranges) == 1:
+        # One range of every row (a plain TP slice along dim > 0): rows apart in the source,
+        # apart in the destination by the row and its padding, so no two extents merge.
+        start, stop = piece.ranges[0]
+        n, row, pad = (stop - start) * inner, length * inner, piece.padding * inner
+        if n and (n < row or pad):
+            first, step = start * inner, n + pad
+            return SliceBytes(tuple(out), RowExtents(first, row, step, n, outer),
+                              tuple((o * step + n, pad) for o in range(outer)) if pad else (),
+                              ((first, 0, n, outer, row, step),))
     extents: list[tuple[int, int, int]] = []
     zeros: list[tuple[int, int]] = []
     dst = 0
@@ -289,8 +341,6 @@ def slice_bytes(name: str, shape: Sequence[int], itemsize: int, action: Action, 
         if piece.padding:
             zeros.append((dst, piece.padding * inner))
             dst += piece.padding * inner
-    out = list(shape)
-    out[dim] = piece.length
     return SliceBytes(tuple(out), tuple(extents), tuple(zeros))
 
 

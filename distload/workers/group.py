@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import socket
 import threading
@@ -39,6 +40,20 @@ PEER_DEAD_S = 5.0
 NCCL_CLEANUP_ONLY = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),)
 
 T = TypeVar("T")
+# The tags of an exchange's point-to-point messages (two a step): apart from the untagged (0)
+# messages of the shared reads, which may travel on the same gloo group.
+EXCHANGE_TAG = 1 << 20
+INLINE_BYTES = 256  # of each item, in a step's first message (see WorkerGroup._gather_items)
+
+
+def bruck_distances(n: int) -> list[int]:
+    """The distances of the steps of Bruck's all-gather over ``n`` ranks: 1, 2, 4, ... below n
+    (ceil(log2 n) steps; pure, so that the scale harness counts the messages the code sends)."""
+    out, distance = [], 1
+    while distance < n:
+        out.append(distance)
+        distance *= 2
+    return out
 
 
 def carries(backend: str | None, device_type: str) -> bool:
@@ -336,16 +351,62 @@ class WorkerGroup:
         a few seconds spent watching their heartbeats)."""
         if self.world_size == 1:
             return [value]
-        gathered: list[Any] = [None] * self.world_size
         try:
-            dist.all_gather_object(gathered, value, group=self._control)
+            items = self._gather_items(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception as exc:  # a peer died or the timeout passed
             raise GroupError(
                 f"rank {self.rank}: lost contact with the other ranks while exchanging state "
                 f"(timeout {self.timeout.total_seconds():.0f}s): {collective_cause(exc)}"
                 f"{self.lost_peers(exc) if explain else ''}"
             ) from exc
-        return gathered
+        return [pickle.loads(item) for item in items]
+
+    def _gather_items(self, mine: bytes) -> list[bytes]:
+        """Every rank's bytes, in rank order, by Bruck's all-gather over point-to-point messages on
+        the control group: ceil(log2 N) steps, in step k each rank sends the items it holds (up to
+        2^k) to the rank 2^k below it and receives as many from the rank 2^k above. A ring
+        (torch's all_gather_object on gloo: twice, sizes then items) takes 2 (N - 1) message
+        latencies, which at a thousand ranks costs more than everything else a load plans
+        (docs/scale.md). A step's first message has a size both ends know: the items' sizes and
+        up to INLINE_BYTES of them each (a "fine?" answer travels whole in it); the rest of larger
+        items follows in a second."""
+        n, me = self.world_size, self.rank
+        held = [mine]  # held[i]: rank (me + i) % n's item
+        for step, distance in enumerate(bruck_distances(n)):
+            count = min(distance, n - distance)
+            to, frm = self.ranks[(me - distance) % n], self.ranks[(me + distance) % n]
+            tag = EXCHANGE_TAG + 2 * step
+            inline = INLINE_BYTES * count
+            payload = b"".join(held[:count])
+            first = torch.zeros(8 * count + inline, dtype=torch.uint8)
+            first[:8 * count] = torch.tensor([len(item) for item in held[:count]], dtype=torch.int64).view(torch.uint8)
+            head = payload[:inline]
+            if head:
+                first[8 * count:8 * count + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            incoming = torch.empty_like(first)
+            self._swap(incoming, first, frm, to, tag)
+            sizes = incoming[:8 * count].view(torch.int64).tolist()
+            data = incoming[8 * count:8 * count + min(sum(sizes), inline)].numpy().tobytes()
+            if sum(sizes) > inline or len(payload) > inline:
+                rest = torch.empty(max(0, sum(sizes) - inline), dtype=torch.uint8)
+                out = torch.frombuffer(bytearray(payload[inline:]), dtype=torch.uint8) if len(payload) > inline else None
+                self._swap(rest if sum(sizes) > inline else None, out, frm, to, tag + 1)
+                data += rest.numpy().tobytes()
+            at = 0
+            for size in sizes:
+                held.append(data[at:at + size])
+                at += size
+        return [held[(r - me) % n] for r in range(n)]
+
+    def _swap(self, incoming: torch.Tensor | None, outgoing: torch.Tensor | None, frm: int, to: int, tag: int) -> None:
+        """Receive ``incoming`` from ``frm`` while sending ``outgoing`` to ``to`` (None: no message)."""
+        works = []
+        if incoming is not None:
+            works.append(dist.irecv(incoming, src=frm, group=self._control, tag=tag))
+        if outgoing is not None:
+            works.append(dist.isend(outgoing, dst=to, group=self._control, tag=tag))
+        for work in works:
+            work.wait(self.timeout)
 
     def lost_peers(self, exc: BaseException | None = None) -> str:
         """After a failed collective (``exc``): a clause naming the members that stopped
@@ -419,6 +480,16 @@ class WorkerGroup:
         self.check_all_ok(step)
         return result
 
+    def gather(self, step: str, fn: Callable[[], T]) -> list[T]:
+        """``agree``, returning every rank's result in rank order: one exchange carries the
+        results and the verdicts together."""
+        try:
+            result = fn()
+        except BaseException as exc:  # KeyboardInterrupt too: the others must not wait
+            self.report_failure(step, exc)
+            raise
+        return self._verdicts(step, result)
+
     def report_failure(self, step: str, exc: BaseException) -> None:
         """Tell the other ranks this rank failed ``step`` (they are inside check_all_ok)."""
         if self.world_size == 1:
@@ -450,10 +521,16 @@ class WorkerGroup:
 
     def check_all_ok(self, step: str) -> None:
         """The success side of :meth:`report_failure`: raise if any other rank failed."""
-        statuses = self.exchange((True, None))
+        self._verdicts(step, None)
+
+    def _verdicts(self, step: str, value: Any) -> list[Any]:
+        """Say this rank is fine (with ``value``); every rank's value, or RankFailedError naming
+        those that failed (they are inside report_failure)."""
+        statuses = self.exchange((True, value))
         failures = {rank: message for rank, (ok, message) in enumerate(statuses) if not ok}
         if failures:
             raise RankFailedError(step, failures)
+        return [result for _, result in statuses]
 
     def close(self) -> None:
         """Tear down the process groups distload made (idempotent); the group is unusable after."""

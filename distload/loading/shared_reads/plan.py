@@ -28,8 +28,7 @@ import bisect
 import hashlib
 import heapq
 import math
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 from distload.loading.buckets import ALIGN, Run, TensorRun, aligned, group_in_order, run_bytes
 
@@ -105,6 +104,8 @@ def union(needs: Iterable[Need], nbytes: int) -> list[Interval]:
     needs = set(needs)
     if whole_need(nbytes) in needs:
         return [(0, nbytes)] if nbytes else []
+    if _rows_fill(needs, nbytes):
+        return [(0, nbytes)]
     spans = sorted((src, src + n) for need in needs for src, _, n in expand(need) if n)
     merged: list[list[int]] = []
     for a, b in spans:
@@ -115,10 +116,28 @@ def union(needs: Iterable[Need], nbytes: int) -> list[Interval]:
     return [(a, b) for a, b in merged]
 
 
-@dataclass(frozen=True)
-class Segment:
+def _rows_fill(needs: Iterable[Need], nbytes: int) -> bool:
+    """Whether ``needs`` together keep every byte of a tensor of ``nbytes``, told without listing
+    rows where every run takes the same range of each of the tensor's rows (the TP slices of a
+    dim-1 split: their ranges side by side fill a row, so their rows fill the tensor)."""
+    runs = [run for need in needs for run in need if run[2]]
+    if not runs or len({(count, step) for _, _, _, count, step, _ in runs}) != 1:
+        return False
+    count, step = runs[0][3], runs[0][4]
+    if count < 2 or count * step != nbytes or any(src < 0 or src + n > step for src, _, n, _, _, _ in runs):
+        return False
+    end = 0
+    for a, b in sorted((src, src + n) for src, _, n, _, _, _ in runs):
+        if a > end:
+            return False
+        end = max(end, b)
+    return end == step
+
+
+class Segment(NamedTuple):
     """Bytes ``[start, start + length)`` of tensor number ``tensor``'s union (its needed bytes,
-    gaps left out)."""
+    gaps left out). (A named tuple: a 1T checkpoint's plan makes 47,000 of them, and a frozen
+    dataclass's construction cost a third of the plan's time.)"""
 
     tensor: int
     start: int
@@ -200,8 +219,7 @@ def assign_readers(buckets: Sequence[Bucket], k: int, keeps: Sequence[Sequence[i
     return owners
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """One tensor's part of a bucket: file bytes ``[lo, hi)`` of tensor ``tensor``'s data, at
     ``at`` in the bucket's buffer; ``reads``: the needed intervals inside it (gaps are not read)."""
 
@@ -228,21 +246,24 @@ class ExchangePlan:
         self.classes = list(classes)
         self.k = len(self.classes)
         self.sizes = list(sizes)
-        unions: dict[tuple, list[Interval]] = {}  # the layers of a model repeat their needs
+        # The layers of a model repeat their needs: each distinct (size, needs) unioned once.
+        unions: dict[tuple, tuple[list[Interval], list[int]]] = {}
         self.unions: list[list[Interval]] = []
-        for i, nbytes in enumerate(sizes):
-            distinct = tuple(sorted({need[i] for need in self.distinct}))
-            key = (nbytes, distinct)
+        self._starts: list[list[int]] = []  # the union offset of each interval
+        for nbytes, column in zip(sizes, zip(*self.distinct)):  # column: tensor i's distinct needs
+            key = (nbytes, tuple(sorted(set(column))))
             if key not in unions:
-                unions[key] = union(distinct, nbytes)
-            self.unions.append(unions[key])
-        self._starts = [[0] + _cumulative(u) for u in self.unions]  # union offset of each interval
+                merged = union(key[1], nbytes)
+                unions[key] = (merged, [0] + _cumulative(merged))
+            merged, starts = unions[key]
+            self.unions.append(merged)
+            self._starts.append(starts)
         totals = [s[-1] for s in self._starts]
         self.union_bytes = sum(totals)
         self.bucket_bytes = min(bucket_bytes, max(MIN_BUCKET_BYTES, self.union_bytes // (BUCKETS_PER_MEMBER * self.k)))
         self.buckets = plan_buckets(totals, self.bucket_bytes)
         self.spans = [self._spans(bucket) for bucket in self.buckets]
-        keeps = [self._keeps(b) for b in range(len(self.buckets))]
+        keeps = [self.kept_bytes(b) for b in range(len(self.buckets))]
         self.readers = assign_readers(self.buckets, self.k, keeps, self.classes)
         # Every member keeps the same bytes of every tensor: one broadcast per bucket serves them.
         self.identical = len(set(self.classes)) <= 1
@@ -270,16 +291,19 @@ class ExchangePlan:
         """What ``member`` keeps of bucket ``b``: runs from the buffer into its tensors."""
         return self._pieces(b, self.distinct[self.classes[member]])
 
-    def _keeps(self, b: int) -> list[int]:
+    def kept_bytes(self, b: int) -> list[int]:
         """The bytes each distinct need keeps of bucket ``b`` (needs equal on the bucket's tensors
         counted once: an expert's bucket has two, kept whole or not at all)."""
         spans = self.spans[b]
+        known: dict = {}
         if len(spans) == 1:
-            i = spans[0].tensor
+            span = spans[0]
+            i = span.tensor
             keys: list = [need[i] for need in self.distinct]
+            # Nothing, or the whole tensor: no clipping needed (most of a model's buckets).
+            known = {(): 0, whole_need(self.sizes[i]): span.hi - span.lo}
         else:
             keys = [tuple(need[span.tensor] for span in spans) for need in self.distinct]
-        known: dict = {}
         out = []
         for key, need in zip(keys, self.distinct):
             kept = known.get(key)

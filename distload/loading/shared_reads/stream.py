@@ -84,32 +84,32 @@ class SharedReadOptions(ReadOptions):
 
     ``members``: the ranks of the group (group ranks, this one included) that read this rank's
     files together, found by the agreement; ``needs``: what each of them keeps (in ``members``'s
-    order): tensor name -> byte runs of its slice (``shared_reads/plan.py``), the tensors it keeps
-    whole left out. The load's agreement fills both (``RankPlan.members``, ``RankPlan.needs``); a
-    shared read without them is refused.
+    order): a tensor's position in the index -> byte runs of its slice (``shared_reads/plan.py``),
+    the tensors it keeps whole left out. The load's agreement fills both (``RankPlan.members``,
+    ``RankPlan.needs``); a shared read without them is refused.
     """
 
     members: tuple[int, ...] = ()
-    needs: tuple[Mapping[str, tuple], ...] = ()
+    needs: tuple[Mapping[int, tuple], ...] = ()
 
 
 def member_needs(request: ReadRequest, infos: Sequence[TensorInfo]) -> tuple[list[list[Need]], list[int]]:
     """Each distinct need of the members (``needs``, in ``members``'s order), as runs per tensor
     (its runs where a member keeps a slice, else the whole tensor), and each member's: members
     that keep the same slices (the agreement hands them one mapping) share one list, so this
-    costs the distinct needs x tensors, not the members x tensors."""
+    costs the distinct needs x their entries, not the members x tensors."""
     needs = request.options_as(SharedReadOptions).needs
+    wholes = [whole_need(info.nbytes) for info in infos]
     lists: dict[int, int] = {}
-    mappings: list[Mapping[str, tuple]] = []
     distinct: list[list[Need]] = []
     classes = []
     for member in needs:
         if id(member) not in lists:
-            same = [c for c, other in enumerate(mappings) if other == member]
-            if not same:
-                mappings.append(member)
-                distinct.append([member.get(info.name, whole_need(info.nbytes)) for info in infos])
-            lists[id(member)] = same[0] if same else len(distinct) - 1
+            need = list(wholes)
+            for i, runs in member.items():
+                need[i] = runs
+            lists[id(member)] = len(distinct)
+            distinct.append(need)
         classes.append(lists[id(member)])
     return distinct, classes
 
