@@ -406,8 +406,8 @@ def check_arguments(args: argparse.Namespace) -> None:
         if given:
             raise ConfigError(f"{', '.join(given)}: how to read storage, and a load from a server "
                               f"({args.source}) reads none; the server was given them (`distload serve`)")
-        if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
-            raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
+    if args.command == "load" and args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
     if args.command == "pull" and args.chunk_mib <= 0:
         raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
     if args.command == "inspect" and args.pattern is not None:
