@@ -114,6 +114,7 @@ def serve(ckpt: str, address: str, log_path: str, timeout: int = 30) -> subproce
                  {"DISTLOAD_SYNC_TRANSPORT": "socket"})
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_separate_jobs_load_from_servers_bit_exact_and_failures_stay_on_their_side(tmp_path):
     """Everything at once (each process costs its start-up, so they overlap): server 1 (two ranks)
