@@ -7,25 +7,28 @@ step changes a few percent of a bf16 model's elements (benchmarks/results/sync.m
 encoding is element-level: a *patch* is the changed elements' flat positions and new values.
 
 On the wire a piece's patch is (measured against sparse int32 positions, a bitmask and XOR with
-zstd on real optimizer steps: benchmarks/bench_sync.py --encodings):
+zstd on real optimizer steps: benchmarks/bench_sync.py --deltas):
 
     [int32 count of changes per 64 Ki elements] [uint16 position within its chunk, each change]
-    [pad to 8 bytes] [new value, each change, in the tensor's own bits]
+    [pad to 8 bytes] [flips: new value XOR base value, each change, in the tensor's own bits]
 
 4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would be as large
 as the piece itself travels *raw* (its bytes, as a full push sends them); one with no change
-sends nothing. Values are compared and written as integers of the element's size, so a bf16 NaN
+sends nothing. Values are compared and flipped as integers of the element's size, so a bf16 NaN
 or a -0.0 is a change like any other and the receiver ends with the trainer's exact bits.
 
 Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
-each bucket the trainer sums, over its patches' positions, a position-weighted sum of the base's
-values and one of the new values (:func:`patch_sums`); the receiver makes the same sums from the
-values it found in its own tensors before writing (its undo) and from the positions and values
-it decoded. A receiver whose tensors changed since the base at a changed position fails the
-first sum; a patch read wrong the second. A drift at positions the trainer did not change is found by the
+each bucket the trainer sums its patches' new values (:func:`patch_sum`: weighted by their index,
+plus the positions); the receiver makes the same sum of the values it wrote, which are its old
+values XOR the flips: the trainer's new values only where it held the base's. A receiver whose
+tensors changed since the base at a changed position fails that sum (as does a patch read
+wrong); it is undone from the values it found there. A drift at positions the trainer did not change is found by the
 *audit*: each update also checks one window of 1/AUDIT_ROUNDS of every receiver's bytes, in turn
 (:func:`audit_window`), so every byte is checked once every AUDIT_ROUNDS updates; a receiver whose
 tensors moved (another storage: repacked or reallocated) is sent the next update raw.
+
+Where the time goes, and why each step is a few whole-array numpy operations (no Python loop
+per element): docs/delta-sync.md, "Speed".
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from distload.tp.slices import rank_slice
 CHUNK_BITS = 16  # positions travel as their low 16 bits within chunks of 64 Ki elements
 RAW = -1  # a piece's count in a bucket's header: sent whole (its patch would not pay)
 AUDIT_ROUNDS = 64  # every receiver byte is audited once every this many delta updates
-_SCAN = 1 << 22  # elements compared per step: temporaries stay small
+_SCAN = 1 << 20  # elements compared per block: its mask and temporaries stay in cache
 # A position's weight in a patch sum: odd, so a changed value always changes the sum (an odd
 # number is invertible modulo 2**64); the golden-ratio multiplier spreads neighbouring positions.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64
@@ -88,44 +91,64 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 # -- finding what changed -------------------------------------------------------------------------
 
-def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where ``a`` (new) and ``b`` (base) differ: sorted positions (int64), ``a``'s values there
+    and the flips (``a ^ b``) there."""
     per = 8 // a.itemsize
-    found = []
+    shift = per.bit_length() - 1
+    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    # One reused mask of a block's words, small enough to stay in cache.
+    mask = np.empty(min(a.size, _SCAN) // per or 1, dtype=bool)
     for start in range(0, a.size, _SCAN):
         x, y = a[start:start + _SCAN], b[start:start + _SCAN]
         if per > 1 and x.size % per == 0:
             # 8-byte words first: at a few percent of changed elements most words are equal, and a
             # quarter as many items (bf16) to compare and scan is what makes the whole-state scan,
-            # the trainer's cost of a delta, fast; only the differing words are looked into.
+            # the trainer's cost of a delta, fast; only the differing words are looked into, and
+            # their lanes found with a compare to zero (a mask: nonzero of a mask is vectorised).
             x64, y64 = x.view(np.int64), y.view(np.int64)
-            words = np.flatnonzero(x64 != y64)
-            lanes = np.flatnonzero((x64[words] ^ y64[words]).view(a.dtype))
-            found.append(words[lanes // per] * per + lanes % per + start)
+            words = np.flatnonzero(np.not_equal(x64, y64, out=mask[:x64.size]))
+            new_words = x64[words]
+            flip_words = new_words ^ y64[words]
+            flips = flip_words.view(a.dtype)
+            lanes = np.flatnonzero(flips != 0)
+            positions = (words[lanes >> shift] << shift) + (lanes & (per - 1))
+            found.append((positions + start if start else positions, new_words.view(a.dtype)[lanes], flips[lanes]))
         else:
-            found.append(np.flatnonzero(x != y) + start)
-    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+            positions = np.flatnonzero(x != y)
+            new = x[positions]
+            found.append((positions + start if start else positions, new, new ^ y[positions]))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=a.dtype), np.empty(0, dtype=a.dtype)
+    return tuple(np.concatenate(parts) for parts in zip(*found))  # type: ignore[return-value]
 
 
 def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Sorted flat positions (int64) where ``new`` and ``base`` (contiguous host tensors of one
     dtype and length) differ bit for bit."""
-    return torch.from_numpy(_changed(host_ints(new), host_ints(base)))
+    return torch.from_numpy(_changed(host_ints(new), host_ints(base))[0])
 
 
 @dataclass
 class Patch:
-    """A whole tensor's change since the base: flat positions, their base and new values."""
+    """A whole tensor's (or a piece's) change since the base: flat positions, the new values
+    there and the flips (new XOR base: what travels)."""
 
     positions: torch.Tensor  # int64, sorted
-    old: torch.Tensor  # the base's values there (integer view)
-    new: torch.Tensor
+    new: torch.Tensor  # the new values there (integer view)
+    flips: torch.Tensor  # new ^ base there
 
 
 def diff(new: torch.Tensor, base: torch.Tensor) -> Patch:
     """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous)."""
-    a, b = host_ints(new), host_ints(base)
-    positions = _changed(a, b)
-    return Patch(torch.from_numpy(positions), torch.from_numpy(b[positions]), torch.from_numpy(a[positions]))
+    positions, values, flips = _changed(host_ints(new), host_ints(base))
+    return Patch(torch.from_numpy(positions), torch.from_numpy(values), torch.from_numpy(flips))
+
+
+def _ranges_in_order(ranges: Sequence[tuple[int, int]]) -> bool:
+    return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TPPlace,
@@ -142,7 +165,18 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
     for size in shape[dim + 1:]:
         inner *= int(size)
     whole_dim, kept_dim = int(shape[dim]), int(piece_shape[dim])
-    pos = _array(patch.positions)
+    pos, new, flips = _array(patch.positions), _array(patch.new), _array(patch.flips)
+    if dim == 0 and _ranges_in_order(cut.ranges):
+        # Split rows: each range is one run of the sorted positions, found by bisection; the
+        # piece's positions are those runs, shifted, already in order.
+        parts, at = [], 0
+        for start, stop in cut.ranges:
+            lo, hi = np.searchsorted(pos, [start * inner, min(stop, whole_dim) * inner])
+            parts.append((lo, hi, (at - start) * inner))
+            at += stop - start
+        return Patch(torch.from_numpy(np.concatenate([pos[lo:hi] + shift for lo, hi, shift in parts])),
+                     torch.from_numpy(np.concatenate([new[lo:hi] for lo, hi, _ in parts])),
+                     torch.from_numpy(np.concatenate([flips[lo:hi] for lo, hi, _ in parts])))
     coord = (pos // inner) % whole_dim
     keep = np.zeros(pos.size, dtype=bool)
     local = np.zeros_like(pos)
@@ -153,9 +187,11 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
         local[inside] = coord[inside] - start + at
         at += stop - start
     local = ((pos // (inner * whole_dim)) * kept_dim + local) * inner + pos % inner
-    local, old, new = local[keep], _array(patch.old)[keep], _array(patch.new)[keep]
-    order = np.argsort(local, kind="stable")  # fused parts' ranges need not come in order
-    return Patch(torch.from_numpy(local[order]), torch.from_numpy(old[order]), torch.from_numpy(new[order]))
+    local, new, flips = local[keep], new[keep], flips[keep]
+    if not _ranges_in_order(cut.ranges):  # fused parts' ranges need not come in order
+        order = np.argsort(local, kind="stable")
+        local, new, flips = local[order], new[order], flips[order]
+    return Patch(torch.from_numpy(local), torch.from_numpy(new), torch.from_numpy(flips))
 
 
 # -- the encoding ---------------------------------------------------------------------------------
@@ -179,14 +215,19 @@ def pays(numel: int, count: int, itemsize: int) -> bool:
 def encode(into: torch.Tensor, numel: int, patch: Patch) -> None:
     """Write ``patch`` (of a piece of ``numel`` elements) into ``into``, 1-d uint8 of exactly
     ``encoded_size`` bytes, on any device."""
-    positions, values = _array(patch.positions), _array(patch.new)
+    positions, flips = _array(patch.positions), _array(patch.flips)
     count, m = positions.size, chunks(numel)
     values_at = aligned(4 * m + 2 * count, 8)
-    host = np.zeros(values_at + values.nbytes, dtype=np.uint8)
-    host[:4 * m].view(np.int32)[:] = np.bincount(positions >> CHUNK_BITS, minlength=m)
-    host[4 * m:4 * m + 2 * count].view(np.uint16)[:] = positions & ((1 << CHUNK_BITS) - 1)
-    host[values_at:].view(values.dtype)[:] = values
-    into.copy_(torch.from_numpy(host))
+    on_host = into.device.type == "cpu" and into.is_contiguous()
+    host = np.frombuffer(host_view(into), dtype=np.uint8) if on_host else np.empty(into.numel(), dtype=np.uint8)
+    # The positions are sorted: each chunk's count is the distance between two bisections.
+    bounds = np.searchsorted(positions, np.arange(m + 1, dtype=np.int64) << CHUNK_BITS)
+    np.subtract(bounds[1:], bounds[:-1], out=host[:4 * m].view(np.int32), casting="unsafe")
+    np.copyto(host[4 * m:4 * m + 2 * count].view(np.uint16), positions, casting="unsafe")  # the low 16 bits
+    host[4 * m + 2 * count:values_at] = 0
+    host[values_at:].view(flips.dtype)[:] = flips
+    if not on_host:
+        into.copy_(torch.from_numpy(host))
 
 
 class PatchError(ValueError):
@@ -195,21 +236,24 @@ class PatchError(ValueError):
 
 
 def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions (int64) and new values (integers of ``dtype``'s size) in ``data`` (a
+    """The positions (int64, sorted) and flips (integers of ``dtype``'s size) in ``data`` (a
     received buffer of ours, on any device), on the host."""
     raw = np.frombuffer(host_view(data.cpu()), dtype=np.uint8)
     m = chunks(numel)
     counts = raw[:4 * m].view(np.int32).astype(np.int64)
     if int(counts.sum()) != count or bool((counts < 0).any()):
         raise PatchError(f"the patch's chunk counts add up to {int(counts.sum())}, not {count}")
-    low = raw[4 * m:4 * m + 2 * count].view(np.uint16).astype(np.int64)
-    positions = np.repeat(np.arange(m, dtype=np.int64) << CHUNK_BITS, counts) + low
-    if count and int(positions.max()) >= numel:
+    low = raw[4 * m:4 * m + 2 * count].view(np.uint16)
+    positions = np.repeat(np.arange(m, dtype=np.int64) << CHUNK_BITS, counts)
+    positions += low
+    # Only the last chunk can reach past the piece: every other one ends inside it.
+    tail = counts[-1] if m else 0
+    if tail and int(low[count - tail:].max()) >= numel - ((m - 1) << CHUNK_BITS):
         raise PatchError(f"a position lies past the piece's {numel} elements")
     values_at = aligned(4 * m + 2 * count, 8)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    values = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize)).copy()
-    return torch.from_numpy(positions), torch.from_numpy(values)
+    flips = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize)).copy()
+    return torch.from_numpy(positions), torch.from_numpy(flips)
 
 
 # -- applying, with the undo ----------------------------------------------------------------------
@@ -257,14 +301,16 @@ def _scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
         ints[torch.unravel_index(positions, tuple(target.shape))] = values
 
 
-def apply(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, undo: Undo) -> torch.Tensor:
-    """Write ``values`` at flat ``positions`` of ``target`` in place, keeping the overwritten
-    values in ``undo``. Returns the values found before, for the sums."""
+def apply(target: torch.Tensor, positions: torch.Tensor, flips: torch.Tensor, undo: Undo) -> torch.Tensor:
+    """Flip the bits ``flips`` at flat ``positions`` of ``target`` in place, keeping the
+    overwritten values in ``undo``. Returns the values written, for the check: they are the
+    trainer's new values only where ``target`` held the base's."""
     with torch.no_grad():
         found = _gather(target, positions)
         undo.writes.append((target, positions, found))
-        _scatter(target, positions, values)
-        return found
+        written = torch.from_numpy(np.bitwise_xor(_array(found), _array(flips)))
+        _scatter(target, positions, written)
+        return written
 
 
 def keep_whole(target: torch.Tensor, undo: Undo) -> None:
@@ -274,17 +320,33 @@ def keep_whole(target: torch.Tensor, undo: Undo) -> None:
 
 # -- checks ---------------------------------------------------------------------------------------
 
-def patch_sums(positions: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
-    """For each of ``values`` (integers at ``positions``), an int64 position-weighted sum
-    (wrapping); the weights are made once for all of them."""
-    with np.errstate(over="ignore"):
-        weights = ((_array(positions) + 1) * _GOLDEN) | 1
-        return [torch.tensor(int(np.dot(weights, _array(v).astype(np.int64))), dtype=torch.int64) for v in values]
+_weights = np.empty(0, dtype=np.int64)  # _index_weights' table, grown as needed
 
 
-def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """An int64 position-weighted sum of integer ``values`` at ``positions`` (wrapping)."""
-    return patch_sums(positions, values)[0]
+def _index_weights(count: int) -> np.ndarray:
+    """The first ``count`` patch-sum weights: odd, so a changed value always changes the sum (an
+    odd number is invertible modulo 2**64), spread by the golden-ratio multiplier. Made once and
+    kept (8 bytes per change of the largest patch yet), not per patch."""
+    global _weights
+    table = _weights
+    if table.size < count:
+        with np.errstate(over="ignore"):
+            table = ((np.arange(1, max(count, 2 * table.size) + 1, dtype=np.int64) * _GOLDEN) | 1)
+        _weights = table
+    return table[:count]
+
+
+def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """A sum of a patch's integer ``values`` weighted by their index in the patch, plus the sum of
+    its ``positions`` times an odd constant, modulo 2**64 (as a signed int64): one changed value
+    or one moved position always changes it; the weights are a table, not made per patch."""
+    pos, vals = _array(positions), _array(values)
+    total = int(np.dot(_index_weights(vals.size), vals.astype(np.int64))) + int(pos.sum()) * _GOLDEN
+    return _wrap(total)
+
+
+def _wrap(total: int) -> int:
+    return (total + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def audit_window(sizes: Sequence[int], turn: int) -> list[tuple[int, int, int]]:
@@ -334,8 +396,8 @@ class Base:
 
     def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str) -> None:
         """Every receiver now holds the pushed version: apply it to the copy."""
-        for name, patch in patches.items():
-            flat_ints(self.tensors[name]).index_copy_(0, patch.positions, patch.new)
+        for name, patch in patches.items():  # the changed positions only
+            host_ints(self.tensors[name])[_array(patch.positions)] = _array(patch.new)
         self.tensors.update(copies)
         self.id = new_id
 
@@ -363,9 +425,9 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
                 patches: Mapping[int, Patch], place: TPPlace, device: torch.device
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A bucket's messages (header, then data where there is any) for receivers at ``place``, and
-    its row of the update's check: the data's checksum and the base's and new values' patch sums."""
+    its row of the update's check: the data's checksum and the patch sum of the new values."""
     counts, parts = [], []
-    old_sum = new_sum = torch.zeros((), dtype=torch.int64)
+    total = 0
     for piece, _ in layout.items:
         entry = entries[piece.entry]
         patch = patches.get(piece.entry)
@@ -381,28 +443,32 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
             continue
         counts.append(count)
         parts.append(part)
-        old_part, new_part = patch_sums(part.positions, part.old, part.new)
-        old_sum, new_sum = old_sum + old_part, new_sum + new_part
+        if count:
+            total += patch_sum(part.positions, part.new)
     header = torch.tensor(counts, dtype=torch.int64).to(device)
-    at, size = offsets(data_sizes(layout, entries, counts), ALIGN)
+    sizes = data_sizes(layout, entries, counts)
+    at, size = offsets(sizes, ALIGN)
     if not size:
-        return [header], torch.stack([torch.zeros((), dtype=torch.int64)] * 2 + [old_sum, new_sum])
-    data = torch.zeros(size, dtype=torch.uint8, device=device)
-    for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at,
-                                                      data_sizes(layout, entries, counts)):
+        return [header], torch.tensor([0, 0, _wrap(total)], dtype=torch.int64)
+    data = torch.empty(size, dtype=torch.uint8, device=device)
+    gap = 0
+    for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at, sizes):
+        data[gap:offset].zero_()  # the alignment gaps: the checksum covers them
+        gap = offset + nbytes
         if count == RAW:
             pack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes),
                  {piece.entry: whole[piece.entry].to(device)}, place)
         elif count:
             encode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entries[piece.entry]), part)
-    return [header, data], torch.cat([checksum(data).cpu(), old_sum.view(1), new_sum.view(1)])
+    data[gap:].zero_()
+    return [header, data], torch.cat([checksum(data).cpu(), torch.tensor([_wrap(total)], dtype=torch.int64)])
 
 
 def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: BucketLayout,
                    entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo) -> torch.Tensor:
     """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``);
     returns its row of the check, as this receiver found it."""
-    old_sum = new_sum = torch.zeros((), dtype=torch.int64)
+    total = 0
     sizes = data_sizes(layout, entries, counts)
     at, _ = offsets(sizes, ALIGN)
     for (piece, _), count, offset, nbytes in zip(layout.items, counts, at, sizes):
@@ -415,14 +481,14 @@ def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: Buc
             keep_whole(target, undo)
             unpack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes), entries, targets)
             continue
-        positions, values = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
-                                   DTYPES[entry.dtype])
-        # The second sum is of the values as decoded: the data's checksum covers the bytes that
-        # arrived, this their reading (positions and values as the trainer meant them).
-        old_part, new_part = patch_sums(positions, apply(target, positions, values, undo), values)
-        old_sum, new_sum = old_sum + old_part, new_sum + new_part
+        positions, flips = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
+                                  DTYPES[entry.dtype])
+        # The sum of the values written: the trainer's new values only where this rank held the
+        # base's (a flip is undone by nothing else), at the positions as decoded (the data's
+        # checksum covers the bytes that arrived, this their reading).
+        total += patch_sum(positions, apply(target, positions, flips, undo))
     summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
-    return torch.cat([summed, old_sum.view(1), new_sum.view(1)])
+    return torch.cat([summed, torch.tensor([_wrap(total)], dtype=torch.int64)])
 
 
 def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple[KeptSlice, int, int]]]:
@@ -436,7 +502,7 @@ def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple
 
 
 def audit_row(data: torch.Tensor) -> torch.Tensor:
-    return torch.cat([checksum(data).cpu(), torch.zeros(2, dtype=torch.int64)])
+    return torch.cat([checksum(data).cpu(), torch.zeros(1, dtype=torch.int64)])
 
 
 def sent_audit(parts: Sequence[tuple[KeptSlice, int, int]], whole: Mapping[int, torch.Tensor],
