@@ -454,7 +454,7 @@ def _timed_checks() -> dict[str, float]:
     from distload.live import delta as deltas
 
     spent = {"checks": 0.0, "compare": 0.0}
-    for fn, what in (("patch_sums", "checks"), ("sent_audit", "checks"), ("held_audit", "checks"),
+    for fn, what in (("patch_sum", "checks"), ("sent_audit", "checks"), ("held_audit", "checks"),
                      ("checksum", "checks"), ("diff", "compare")):
         real = getattr(deltas, fn)
 
@@ -512,6 +512,7 @@ def delta_trainer(args: argparse.Namespace) -> None:
                 row[f"full, verify {'on' if verify else 'off'}"] = [stats.seconds, stats.wire_bytes]
             spent["checks"] = spent["compare"] = 0.0
             stats = delta.push(state, number)
+            delta._base.settle()  # its commit (written after push returns) not under the next full pushes
             row["delta"] = [stats.seconds, stats.wire_bytes, stats.delta]
             row["delta checks"], row["delta compare"] = spent["checks"], spent["compare"]
             row["state_bytes"] = sum(t.numel() * t.element_size() for t in state.values())

@@ -240,3 +240,62 @@ def test_the_base_keeps_only_what_fits_its_bound():
     new[[3, 7]] = 1
     base.commit({"a": deltas.diff(new, base.tensors["a"])}, {}, "x:2")
     assert torch.equal(base.tensors["a"], new) and base.id == "x:2"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_changes_across_blocks_land_in_the_scratch_or_past_it_exactly(dtype):
+    """_changed works in blocks of _SCAN elements, writing into the trainer's scratch memory
+    where it has room and into arrays of its own past it: every way gives the same patch."""
+    numel = 2 * deltas._SCAN + 12  # three blocks, the last one short
+    old, new = _changed((numel,), dtype, 0.03, seed=7)
+    want = torch.ne(_bits(old), _bits(new)).nonzero().squeeze(1)
+    scratch = deltas.Scratch()
+    for push in range(3):  # no scratch yet; one sized by the first push; one too small (overflow)
+        scratch.reset()
+        if push == 2:
+            (arrays,) = scratch.arrays.values()
+            arrays[:] = [array[:want.numel() // 2] for array in arrays]
+        patch = deltas.diff(new, old, scratch)
+        assert torch.equal(patch.positions, want)
+        assert torch.equal(patch.new, _bits(new)[want]) and torch.equal(patch.flips, _bits(new)[want] ^ _bits(old)[want])
+    # Two patches in one scratch do not overlap.
+    scratch = deltas.Scratch()
+    deltas.diff(new, old, scratch)
+    scratch.reset()
+    first, second = deltas.diff(new, old, scratch), deltas.diff(old, new, scratch)
+    assert torch.equal(first.positions, want) and torch.equal(second.positions, want)
+    assert torch.equal(first.new, _bits(new)[want]) and torch.equal(second.new, _bits(old)[want])
+
+
+def test_the_host_checksum_is_the_two_words_it_describes():
+    """transfer.checksum of host bytes (numpy) against the definition, at any length and start."""
+    from distload.live.transfer import _ROW_WORDS, checksum
+
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.randint(0, 256, (3 * _ROW_WORDS * 8 + 77,), dtype=torch.uint8, generator=gen)
+    for start, stop in ((0, 0), (0, 5), (3, 4096 + 9), (0, buffer.numel()), (5, buffer.numel())):
+        data = buffer[start:stop]
+        raw = bytes(data.tolist())
+        words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw) // 8 * 8, 8)]
+        rows = [sum(words[i:i + _ROW_WORDS]) for i in range(0, len(words) // _ROW_WORDS * _ROW_WORDS, _ROW_WORDS)]
+        tail = sum(words[len(rows) * _ROW_WORDS:]) + sum(raw[len(words) * 8:])
+        plain = sum(rows) + tail
+        weighted = sum(r * (k + 1) for k, r in enumerate(rows)) + tail * (len(rows) + 1)
+        wrap = [(v + (1 << 63)) % (1 << 64) - (1 << 63) for v in (plain, weighted)]
+        assert checksum(data).tolist() == wrap, (start, stop)
+
+
+def test_a_commit_written_later_is_waited_for_and_a_failed_one_drops_the_base():
+    base = deltas.Base(None)
+    old = torch.zeros(1000, dtype=torch.bfloat16)
+    base.commit({}, {"a": old.clone()}, "x:1")
+    new = old.clone()
+    new[[1, 500, 999]] = 1
+    base.begin()
+    base.commit({"a": deltas.diff(new, base.tensors["a"], base.scratch)}, {}, "x:2", later=True)
+    base.begin()  # the next push: the commit has been written
+    assert torch.equal(base.tensors["a"], new) and base.id == "x:2"
+    # A commit that fails (here: a tensor the base does not hold) leaves no base to patch.
+    base.commit({"gone": deltas.diff(new, old)}, {}, "x:3", later=True)
+    base.settle()
+    assert base.id is None and not base.tensors

@@ -273,6 +273,7 @@ class SyncChannel:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         session = self._join(deadline)
+        self._base.begin()  # the last push's commit written, if it still was; its patches' memory free
         entries, tensors, dtensors = _describe_state(state, leader=self.rank == 0)
         groups = group_entries(entries, self.bucket_bytes)
         verify = self.verify or any(i.get("verify") for i in session.record.infos.values())
@@ -300,8 +301,9 @@ class SyncChannel:
             raise
         session.seq += 1
         self._pushes += 1
-        if self.delta:  # every receiver now holds this version: so does the base
-            self._base.commit(changes.patches, changes.copies, following)
+        if self.delta:  # every receiver now holds this version: so does the base (written while
+            # the trainer goes on: the next push waits for it)
+            self._base.commit(changes.patches, changes.copies, following, later=True)
         any_delta = any(route.delta for route in routes)
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify or (any_delta and all(r.delta for r in routes)),
@@ -425,7 +427,7 @@ class SyncChannel:
             host = whole[index].detach().to("cpu").contiguous()
             base = self._base.held(name, host)
             if base is not None:
-                out[index] = changes.patches[name] = deltas.diff(host, base)
+                out[index] = changes.patches[name] = deltas.diff(host, base, self._base.scratch)
             elif self._base.room_for(name, entries[index].nbytes, changes.pending):
                 changes.copies[name] = host.clone()  # the caller's tensor may change after push() returns
                 changes.pending += entries[index].nbytes
@@ -842,6 +844,7 @@ class SyncChannel:
         """Leave the channel. The process serving the store first tells the members (their
         heartbeats stop, a waiting receive raises) and gives them CLOSE_WAIT_S to leave."""
         store, self._store = self._store, None
+        self._base.settle()
         session = self._session
         self._drop_session()
         self._buffers, self._set_aside_in = {}, {}

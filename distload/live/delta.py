@@ -33,6 +33,8 @@ per element): docs/delta-sync.md, "Speed".
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -55,6 +57,8 @@ _SCAN = 1 << 20  # elements compared per block: its mask and temporaries stay in
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64
 
 # The integer dtype of each element size, by size (an immutable table).
+log = logging.getLogger("distload")
+
 _INT_OF_SIZE = (None, torch.uint8, torch.int16, None, torch.int32, None, None, None, torch.int64)
 
 
@@ -91,38 +95,110 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 # -- finding what changed -------------------------------------------------------------------------
 
-def _changed(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _changed(a: np.ndarray, b: np.ndarray, scratch: "Scratch | None" = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where ``a`` (new) and ``b`` (base) differ: sorted positions (int64), ``a``'s values there
-    and the flips (``a ^ b``) there."""
+    and the flips (``a ^ b``) there (in ``scratch``'s memory where it has room)."""
     per = 8 // a.itemsize
     shift = per.bit_length() - 1
-    found: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    # One reused mask of a block's words, small enough to stay in cache.
-    mask = np.empty(min(a.size, _SCAN) // per or 1, dtype=bool)
+    out = _Found(a.dtype, scratch)
+    mask = np.empty(min(a.size, _SCAN) // per or 1, dtype=bool)  # reused: stays in cache
     for start in range(0, a.size, _SCAN):
         x, y = a[start:start + _SCAN], b[start:start + _SCAN]
         if per > 1 and x.size % per == 0:
             # 8-byte words first: at a few percent of changed elements most words are equal, and a
             # quarter as many items (bf16) to compare and scan is what makes the whole-state scan,
-            # the trainer's cost of a delta, fast; only the differing words are looked into, and
-            # their lanes found with a compare to zero (a mask: nonzero of a mask is vectorised).
+            # the trainer's cost of a delta, fast; only the differing words are looked into.
             x64, y64 = x.view(np.int64), y.view(np.int64)
             words = np.flatnonzero(np.not_equal(x64, y64, out=mask[:x64.size]))
             new_words = x64[words]
-            flip_words = new_words ^ y64[words]
-            flips = flip_words.view(a.dtype)
-            lanes = np.flatnonzero(flips != 0)
-            positions = (words[lanes >> shift] << shift) + (lanes & (per - 1))
-            found.append((positions + start if start else positions, new_words.view(a.dtype)[lanes], flips[lanes]))
+            flip_words = y64[words]
+            flip_words ^= new_words
+            # the changed lanes of the differing words (a mask: nonzero of a mask is vectorised)
+            lanes = np.flatnonzero(flip_words.view(a.dtype) != 0)
+            positions, values, flips = out.next(lanes.size, a.size - start, x.size)
+            np.take(new_words.view(a.dtype), lanes, out=values, mode="clip")  # valid; "raise" would copy
+            np.take(flip_words.view(a.dtype), lanes, out=flips, mode="clip")
+            # position = word * per + lane, in place (each temporary costs a pass over the changes)
+            np.take(words, lanes >> shift, out=positions, mode="clip")
+            positions <<= shift
+            lanes &= per - 1
+            positions += lanes
         else:
-            positions = np.flatnonzero(x != y)
-            new = x[positions]
-            found.append((positions + start if start else positions, new, new ^ y[positions]))
-    if len(found) == 1:
-        return found[0]
-    if not found:
-        return np.empty(0, dtype=np.int64), np.empty(0, dtype=a.dtype), np.empty(0, dtype=a.dtype)
-    return tuple(np.concatenate(parts) for parts in zip(*found))  # type: ignore[return-value]
+            lanes = np.flatnonzero(x != y)
+            positions, values, flips = out.next(lanes.size, a.size - start, x.size)
+            np.take(x, lanes, out=values, mode="clip")
+            np.take(y, lanes, out=flips, mode="clip")
+            flips ^= values
+            positions[:] = lanes
+        if start:
+            positions += start
+    return out.done()
+
+
+class Scratch:
+    """Memory for a push's patches (positions, values, flips), kept from push to push: fresh
+    arrays would cost their page faults every push (a fifth of the trainer's scan, measured).
+    Sized by the pushes so far; a push's patches are views of it until the next :meth:`reset`
+    (the base commits them before: Base.settle)."""
+
+    def __init__(self) -> None:
+        self.arrays: dict[np.dtype, list[np.ndarray]] = {}  # per value dtype: positions, values, flips
+        self.used: dict[np.dtype, int] = {}
+        self.wanted: dict[np.dtype, int] = {}  # what the pushes since the last reset took
+
+    def reset(self) -> None:
+        """A new push: every earlier patch is done with. Grows to what the last push took."""
+        for dtype, want in self.wanted.items():
+            have = self.arrays.get(dtype)
+            if have is None or have[0].size < want:
+                room = want + want // 8
+                self.arrays[dtype] = [np.empty(room, dtype=np.int64), np.empty(room, dtype=dtype),
+                                      np.empty(room, dtype=dtype)]
+        self.used = dict.fromkeys(self.arrays, 0)
+        self.wanted = {}
+
+
+class _Found:
+    """_changed's results, written block by block: into the scratch where it has room, else into
+    arrays of its own, grown as needed (no copy of every block's results into one array)."""
+
+    def __init__(self, dtype: np.dtype, scratch: Scratch | None):
+        self.dtype, self.scratch = dtype, scratch
+        free = scratch.arrays.get(dtype) if scratch is not None else None
+        if free is not None:
+            at = scratch.used[dtype]  # type: ignore[union-attr]
+            self.arrays = [array[at:] for array in free]
+        else:
+            self.arrays = [np.empty(0, dtype=np.int64), np.empty(0, dtype=dtype), np.empty(0, dtype=dtype)]
+        self.borrowed = free is not None
+        self.size = 0
+
+    def next(self, count: int, left: int, block: int) -> list[np.ndarray]:
+        """Room for a block's ``count`` results, ``left`` elements before the end (this block's
+        ``block`` of them included): own arrays grow to what the rest will take at this rate."""
+        need = self.size + count
+        if need > self.arrays[0].size:
+            room = max(need + count * (left - block) // max(block, 1) + 1024, 2 * self.arrays[0].size)
+            if self.borrowed:  # the scratch is full: on to arrays of our own
+                self.arrays = [np.concatenate([array[:self.size], np.empty(room - self.size, array.dtype)])
+                               for array in self.arrays]
+                self.borrowed = False
+            else:
+                for array in self.arrays:
+                    array.resize(room, refcheck=False)  # ours alone: no view of it is used after
+        start, self.size = self.size, need
+        return [array[start:need] for array in self.arrays]
+
+    def done(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.scratch is not None:
+            self.scratch.wanted[self.dtype] = self.scratch.wanted.get(self.dtype, 0) + self.size
+        if self.borrowed:
+            self.scratch.used[self.dtype] += self.size  # type: ignore[union-attr]
+            return tuple(array[:self.size] for array in self.arrays)  # type: ignore[return-value]
+        for array in self.arrays:
+            array.resize(self.size, refcheck=False)
+        return tuple(self.arrays)  # type: ignore[return-value]
 
 
 def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -141,14 +217,11 @@ class Patch:
     flips: torch.Tensor  # new ^ base there
 
 
-def diff(new: torch.Tensor, base: torch.Tensor) -> Patch:
-    """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous)."""
-    positions, values, flips = _changed(host_ints(new), host_ints(base))
+def diff(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> Patch:
+    """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous); its
+    arrays in ``scratch`` where it has room (valid until its next reset)."""
+    positions, values, flips = _changed(host_ints(new), host_ints(base), scratch)
     return Patch(torch.from_numpy(positions), torch.from_numpy(values), torch.from_numpy(flips))
-
-
-def _ranges_in_order(ranges: Sequence[tuple[int, int]]) -> bool:
-    return all(a[1] <= b[0] for a, b in zip(ranges, ranges[1:]))
 
 
 def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TPPlace,
@@ -165,33 +238,39 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
     for size in shape[dim + 1:]:
         inner *= int(size)
     whole_dim, kept_dim = int(shape[dim]), int(piece_shape[dim])
+    outer = 1
+    for size in shape[:dim]:
+        outer *= int(size)
+    # The tensor as (outer, whole_dim, inner): what the piece keeps of each outer index is one run
+    # of flat positions per range of the split dimension. Taken in the piece's own order (outer,
+    # then its ranges as they lie in the piece), the runs' positions come out sorted, whatever the
+    # order of the ranges in the whole tensor: each run is found by bisection of the sorted
+    # positions, and nothing is divided or compared per change.
     pos, new, flips = _array(patch.positions), _array(patch.new), _array(patch.flips)
-    if dim == 0 and _ranges_in_order(cut.ranges):
-        # Split rows: each range is one run of the sorted positions, found by bisection; the
-        # piece's positions are those runs, shifted, already in order.
-        parts, at = [], 0
-        for start, stop in cut.ranges:
-            lo, hi = np.searchsorted(pos, [start * inner, min(stop, whole_dim) * inner])
-            parts.append((lo, hi, (at - start) * inner))
-            at += stop - start
-        return Patch(torch.from_numpy(np.concatenate([pos[lo:hi] + shift for lo, hi, shift in parts])),
-                     torch.from_numpy(np.concatenate([new[lo:hi] for lo, hi, _ in parts])),
-                     torch.from_numpy(np.concatenate([flips[lo:hi] for lo, hi, _ in parts])))
-    coord = (pos // inner) % whole_dim
-    keep = np.zeros(pos.size, dtype=bool)
-    local = np.zeros_like(pos)
-    at = 0
+    firsts, shifts, at = [], [], 0
     for start, stop in cut.ranges:
-        inside = (coord >= start) & (coord < stop)
-        keep |= inside
-        local[inside] = coord[inside] - start + at
+        firsts.append((start * inner, max(start, min(stop, whole_dim)) * inner))  # padding rows never change
+        shifts.append((at - start) * inner)
         at += stop - start
-    local = ((pos // (inner * whole_dim)) * kept_dim + local) * inner + pos % inner
-    local, new, flips = local[keep], new[keep], flips[keep]
-    if not _ranges_in_order(cut.ranges):  # fused parts' ranges need not come in order
-        order = np.argsort(local, kind="stable")
-        local, new, flips = local[order], new[order], flips[order]
-    return Patch(torch.from_numpy(local), torch.from_numpy(new), torch.from_numpy(flips))
+    run = np.array(firsts, dtype=np.int64)
+    lows = (np.arange(outer, dtype=np.int64)[:, None] * (whole_dim * inner) + run[:, 0]).reshape(-1)
+    highs = (np.arange(outer, dtype=np.int64)[:, None] * (whole_dim * inner) + run[:, 1]).reshape(-1)
+    moves = (np.arange(outer, dtype=np.int64)[:, None] * ((kept_dim - whole_dim) * inner)
+             + np.array(shifts, dtype=np.int64)).reshape(-1)
+    lo, hi = np.searchsorted(pos, lows), np.searchsorted(pos, highs)
+    if lo.size <= 16:  # a few runs (a split of rows): slices of the patch, no gather
+        keep = [(int(a), int(b), int(m)) for a, b, m in zip(lo, hi, moves)]
+        return Patch(torch.from_numpy(np.concatenate([pos[a:b] + m for a, b, m in keep])),
+                     torch.from_numpy(np.concatenate([new[a:b] for a, b, _ in keep])),
+                     torch.from_numpy(np.concatenate([flips[a:b] for a, b, _ in keep])))
+    lengths = hi - lo
+    kept = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    index = np.arange(kept, dtype=np.int64)
+    index += np.repeat(lo - (ends - lengths), lengths)  # each kept change's index in the patch
+    local = pos[index]
+    local += np.repeat(moves, lengths)
+    return Patch(torch.from_numpy(local), torch.from_numpy(new[index]), torch.from_numpy(flips[index]))
 
 
 # -- the encoding ---------------------------------------------------------------------------------
@@ -374,6 +453,9 @@ class Base:
         self.max_bytes = max_bytes
         self.tensors: dict[str, torch.Tensor] = {}
         self.id: str | None = None  # what a receiver holding exactly this copy holds
+        self._committing: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self.scratch = Scratch()  # the patches' memory (host: 12 bytes a change of bf16)
 
     @property
     def nbytes(self) -> int:
@@ -394,12 +476,49 @@ class Base:
                               if name in self.tensors else 0)
         return kept + pending + nbytes <= self.max_bytes
 
-    def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str) -> None:
-        """Every receiver now holds the pushed version: apply it to the copy."""
-        for name, patch in patches.items():  # the changed positions only
-            host_ints(self.tensors[name])[_array(patch.positions)] = _array(patch.new)
+    def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str,
+               later: bool = False) -> None:
+        """Every receiver now holds the pushed version: apply it to the copy (the changed positions
+        only). ``later``: the patches are written by a thread (numpy releases the GIL while it
+        scatters), so that the push that made them returns without waiting; :meth:`settle` waits
+        for it, and every use of the copy comes after a settle."""
+        self.settle()
         self.tensors.update(copies)
         self.id = new_id
+        if not later:
+            self._apply(patches)
+            return
+        self._committing = threading.Thread(target=self._apply_noting, args=(patches,), daemon=True,
+                                            name="distload-base-commit")
+        self._committing.start()
+
+    def begin(self) -> None:
+        """Before a push compares: the last commit written, its patches' memory free again."""
+        self.settle()
+        self.scratch.reset()
+
+    def settle(self) -> None:
+        """Wait for a commit made ``later``. If it failed, the copy is unknown: it is dropped (the
+        next push sends every byte), and the reason logged."""
+        thread, self._committing = self._committing, None
+        if thread is not None:
+            thread.join()
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            self.tensors.clear()
+            self.id = None
+            log.warning("the trainer's delta base could not take the last push (%s): the next push sends "
+                        "every byte", failed)
+
+    def _apply(self, patches: Mapping[str, Patch]) -> None:
+        for name, patch in patches.items():
+            host_ints(self.tensors[name])[_array(patch.positions)] = _array(patch.new)
+
+    def _apply_noting(self, patches: Mapping[str, Patch]) -> None:
+        try:
+            self._apply(patches)
+        except BaseException as exc:  # noqa: BLE001 - settle() reports it and drops the copy
+            self._failed = exc
 
 
 # -- buckets of a delta update --------------------------------------------------------------------
