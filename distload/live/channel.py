@@ -186,6 +186,7 @@ class SyncChannel:
         # last from it), and where its tensors were then (a tensor that moved was rewritten).
         self._held: dict[int, str] = {}
         self._marks: dict[str, tuple] = {}
+        self._scratch = deltas.Scratch(lanes=4)  # a receiver's per-change arrays, kept between updates
         self.place = self._place(tensor_parallel_size, sharding, model_config)
         if store is None and rendezvous_address is None:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
@@ -575,6 +576,7 @@ class SyncChannel:
         self.consistent = False  # from here on, a failure may leave a mix of two versions
         undo: dict[str, torch.Tensor] | None = {} if rollback else None
         landing = _Landing()
+        self._scratch.reset()  # the last update's undo is done with: its deltas' memory is free
         try:
             wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, takes,
                                                                          landing, cancelled, undo), deadline)
@@ -727,7 +729,7 @@ class SyncChannel:
             if cancelled.is_set():
                 return wire  # the update was given up: never write into the model after that
             try:
-                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo))
+                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo, self._scratch))
             except deltas.PatchError as exc:
                 raise SyncError(f"bucket {i} from {trainer} failed its check on {self._name(self.role, self.rank)}: "
                                 f"{exc}: the bytes that arrived are not the bytes sent") from None

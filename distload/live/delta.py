@@ -137,26 +137,39 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "Scratch | None" = None
 
 
 class Scratch:
-    """Memory for a push's patches (positions, values, flips), kept from push to push: fresh
-    arrays would cost their page faults every push (a fifth of the trainer's scan, measured).
-    Sized by the pushes so far; a push's patches are views of it until the next :meth:`reset`
-    (the base commits them before: Base.settle)."""
+    """Host memory for the arrays an update makes per change, kept from update to update: fresh
+    arrays would cost their page faults every update (a fifth of the trainer's scan, measured).
+    Per value dtype, ``lanes`` arrays: int64 positions, then ``lanes - 1`` of the dtype (the
+    trainer: values and flips; a receiver: flips, the values found and those written). Grown to
+    what the updates since the last :meth:`reset` took; what it hands out is valid until the next
+    reset (the trainer's base commits its patches before: Base.begin; a receiver's undo is done
+    with once its update ended)."""
 
-    def __init__(self) -> None:
-        self.arrays: dict[np.dtype, list[np.ndarray]] = {}  # per value dtype: positions, values, flips
+    def __init__(self, lanes: int = 3) -> None:
+        self.lanes = lanes
+        self.arrays: dict[np.dtype, list[np.ndarray]] = {}
         self.used: dict[np.dtype, int] = {}
-        self.wanted: dict[np.dtype, int] = {}  # what the pushes since the last reset took
+        self.wanted: dict[np.dtype, int] = {}  # what was taken since the last reset
 
     def reset(self) -> None:
-        """A new push: every earlier patch is done with. Grows to what the last push took."""
+        """A new update: everything handed out before is done with. Grows to what the last took."""
         for dtype, want in self.wanted.items():
             have = self.arrays.get(dtype)
             if have is None or have[0].size < want:
                 room = want + want // 8
-                self.arrays[dtype] = [np.empty(room, dtype=np.int64), np.empty(room, dtype=dtype),
-                                      np.empty(room, dtype=dtype)]
+                self.arrays[dtype] = [np.empty(room, dtype=np.int64)] + [
+                    np.empty(room, dtype=dtype) for _ in range(self.lanes - 1)]
         self.used = dict.fromkeys(self.arrays, 0)
         self.wanted = {}
+
+    def take(self, count: int, dtype: np.dtype) -> list[np.ndarray]:
+        """``count`` elements of each lane: in the scratch where it has room, else new arrays."""
+        self.wanted[dtype] = self.wanted.get(dtype, 0) + count
+        have, at = self.arrays.get(dtype), self.used.get(dtype, 0)
+        if have is not None and at + count <= have[0].size:
+            self.used[dtype] = at + count
+            return [array[at:at + count] for array in have]
+        return [np.empty(count, dtype=np.int64)] + [np.empty(count, dtype=dtype) for _ in range(self.lanes - 1)]
 
 
 class _Found:
@@ -168,7 +181,7 @@ class _Found:
         free = scratch.arrays.get(dtype) if scratch is not None else None
         if free is not None:
             at = scratch.used[dtype]  # type: ignore[union-attr]
-            self.arrays = [array[at:] for array in free]
+            self.arrays = [array[at:] for array in free[:3]]
         else:
             self.arrays = [np.empty(0, dtype=np.int64), np.empty(0, dtype=dtype), np.empty(0, dtype=dtype)]
         self.borrowed = free is not None
@@ -314,24 +327,35 @@ class PatchError(ValueError):
     bytes sent."""
 
 
-def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype,
+           into: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions (int64, sorted) and flips (integers of ``dtype``'s size) in ``data`` (a
-    received buffer of ours, on any device), on the host."""
+    received buffer of ours, on any device), on the host (in ``into``: two arrays of ``count``,
+    from a receiver's scratch, when given)."""
     raw = np.frombuffer(host_view(data.cpu()), dtype=np.uint8)
     m = chunks(numel)
     counts = raw[:4 * m].view(np.int32).astype(np.int64)
     if int(counts.sum()) != count or bool((counts < 0).any()):
         raise PatchError(f"the patch's chunk counts add up to {int(counts.sum())}, not {count}")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    positions, flips = into if into is not None else (np.empty(count, dtype=np.int64),
+                                                      np.empty(count, dtype=_np_int(itemsize)))
     low = raw[4 * m:4 * m + 2 * count].view(np.uint16)
-    positions = np.repeat(np.arange(m, dtype=np.int64) << CHUNK_BITS, counts)
+    # position = chunk * 64 Ki + low: the chunk part as a running sum of a jump at each chunk's
+    # first change, in place (no array per chunk, none of the changes' size but the result)
+    positions[:] = 0
+    firsts = np.cumsum(counts) - counts
+    used = counts > 0
+    chunk_of = np.flatnonzero(used).astype(np.int64) << CHUNK_BITS
+    positions[firsts[used]] = np.diff(chunk_of, prepend=0)
+    np.cumsum(positions, out=positions)
     positions += low
     # Only the last chunk can reach past the piece: every other one ends inside it.
-    tail = counts[-1] if m else 0
+    tail = int(counts[-1]) if m else 0
     if tail and int(low[count - tail:].max()) >= numel - ((m - 1) << CHUNK_BITS):
         raise PatchError(f"a position lies past the piece's {numel} elements")
     values_at = aligned(4 * m + 2 * count, 8)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    flips = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize)).copy()
+    flips[:] = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize))
     return torch.from_numpy(positions), torch.from_numpy(flips)
 
 
@@ -380,14 +404,23 @@ def _scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
         ints[torch.unravel_index(positions, tuple(target.shape))] = values
 
 
-def apply(target: torch.Tensor, positions: torch.Tensor, flips: torch.Tensor, undo: Undo) -> torch.Tensor:
-    """Flip the bits ``flips`` at flat ``positions`` of ``target`` in place, keeping the
-    overwritten values in ``undo``. Returns the values written, for the check: they are the
-    trainer's new values only where ``target`` held the base's."""
+def apply(target: torch.Tensor, positions: torch.Tensor, flips: torch.Tensor, undo: Undo,
+          into: Sequence[np.ndarray] | None = None) -> torch.Tensor:
+    """Flip the bits ``flips`` at flat ``positions`` (within ``target``: decode checked them) of
+    ``target`` in place, keeping the overwritten values in ``undo``. Returns the values written,
+    for the check: they are the trainer's new values only where ``target`` held the base's.
+    ``into``: two arrays for the values found and written (a receiver's scratch), for a host target."""
     with torch.no_grad():
-        found = _gather(target, positions)
+        if into is None or not _on_host(target):
+            found = _gather(target, positions)
+            written = torch.from_numpy(np.bitwise_xor(_array(found), _array(flips)))
+        else:
+            host, at = host_ints(target), _array(positions)
+            found_np, written_np = into
+            np.take(host, at, out=found_np, mode="clip")  # ("raise" would copy)
+            np.bitwise_xor(found_np, _array(flips), out=written_np)
+            found, written = torch.from_numpy(found_np), torch.from_numpy(written_np)
         undo.writes.append((target, positions, found))
-        written = torch.from_numpy(np.bitwise_xor(_array(found), _array(flips)))
         _scatter(target, positions, written)
         return written
 
@@ -584,9 +617,11 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
 
 
 def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: BucketLayout,
-                   entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo) -> torch.Tensor:
-    """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``);
-    returns its row of the check, as this receiver found it."""
+                   entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo,
+                   scratch: Scratch | None = None) -> torch.Tensor:
+    """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``; the
+    arrays made per change in ``scratch``, 4 lanes, when given); returns its row of the check, as
+    this receiver found it."""
     total = 0
     sizes = data_sizes(layout, entries, counts)
     at, _ = offsets(sizes, ALIGN)
@@ -600,12 +635,13 @@ def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: Buc
             keep_whole(target, undo)
             unpack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes), entries, targets)
             continue
+        lanes = scratch.take(count, _np_int(_itemsize(entry))) if scratch is not None else None
         positions, flips = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
-                                  DTYPES[entry.dtype])
+                                  DTYPES[entry.dtype], None if lanes is None else lanes[:2])
         # The sum of the values written: the trainer's new values only where this rank held the
         # base's (a flip is undone by nothing else), at the positions as decoded (the data's
         # checksum covers the bytes that arrived, this their reading).
-        total += patch_sum(positions, apply(target, positions, flips, undo))
+        total += patch_sum(positions, apply(target, positions, flips, undo, None if lanes is None else lanes[2:]))
     summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
     return torch.cat([summed, torch.tensor([_wrap(total)], dtype=torch.int64)])
 
