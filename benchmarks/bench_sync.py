@@ -454,18 +454,27 @@ def _timed_checks() -> dict[str, float]:
     from distload.live import delta as deltas
 
     spent = {"checks": 0.0, "compare": 0.0, "apply": 0.0}
-    for fn, what in (("patch_sum", "checks"), ("sent_audit", "checks"), ("held_audit", "checks"),
-                     ("checksum", "checks"), ("diff", "compare"), ("decode", "apply"), ("apply", "apply")):
-        real = getattr(deltas, fn)
+    time_stages(deltas, {"patch_sum": "checks", "sent_audit": "checks", "held_audit": "checks",
+                         "checksum": "checks", "diff": "compare", "decode": "apply", "apply": "apply"},
+                spent, time.perf_counter)
+    return spent
+
+
+def time_stages(module, stages: dict, spent: dict, clock) -> None:
+    """Wrap each function ``module`` has of ``stages`` (name -> what it counts as) so that its
+    ``clock`` seconds add up in ``spent[what]``; a name ``module`` lacks is left out."""
+    for fn, what in stages.items():
+        real = getattr(module, fn, None)
+        if real is None:
+            continue
 
         def timed(*a, _real=real, _what=what, **k):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return _real(*a, **k)
             finally:
-                spent[_what] += time.perf_counter() - start
-        setattr(deltas, fn, timed)
-    return spent
+                spent[_what] += clock() - start
+        setattr(module, fn, timed)
 
 
 def _scan_seconds(state: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> float:

@@ -52,16 +52,7 @@ def main() -> int:
     place = TPPlace(args.tp, 0, spec) if args.tp > 1 else TPPlace()
     plan = layouts(entries, groups, place, False)
     spent: collections.Counter = collections.Counter()
-    for stage in STAGES:
-        real = getattr(deltas, stage, None)
-        if real is not None:
-            def timed(*a, _real=real, _stage=stage, **k):
-                start = time.thread_time()
-                try:
-                    return _real(*a, **k)
-                finally:
-                    spent[_stage] += time.thread_time() - start
-            setattr(deltas, stage, timed)
+    bench_sync.time_stages(deltas, {stage: stage for stage in STAGES}, spent, time.thread_time)
     scratches = (deltas.Scratch(), deltas.Scratch(lanes=4)) if hasattr(deltas, "Scratch") else None
 
     def held(name: str, tensor: torch.Tensor) -> torch.Tensor:
