@@ -361,7 +361,7 @@ STEPS = 3  # per learning rate, from the same initialisation
 if os.environ.get("BENCH_SYNC_TINY"):  # a quick check of the script itself, not a measurement
     LLAMA.update(hidden_size=128, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, vocab_size=1000)
-_ENCODINGS = ("chunked uint16 + values", "int32 positions + values", "bitmask + values", "XOR + zstd-1",
+_ENCODINGS = ("chunked uint16 + flips", "int32 positions + values", "bitmask + values", "XOR + zstd-1",
               "XOR + zstd-3")
 
 
@@ -430,8 +430,8 @@ def encodings(args: argparse.Namespace) -> dict:
             encoded = deltas.encoded_size(n, k, size)
             if k and deltas.pays(n, k, size):
                 deltas.encode(torch.empty(encoded, dtype=torch.uint8), n, patch)
-            seconds["chunked uint16 + values"] += time.perf_counter() - start
-            sizes["chunked uint16 + values"] += min(encoded, n * size)
+            seconds["chunked uint16 + flips"] += time.perf_counter() - start
+            sizes["chunked uint16 + flips"] += min(encoded, n * size)
             sizes["int32 positions + values"] += min(k * (4 + size), n * size)
             sizes["bitmask + values"] += min(-(-n // 8) + k * size, n * size) if k else 0
             xor = (deltas.flat_ints(tensor) ^ deltas.flat_ints(old[name])).numpy().tobytes()
@@ -453,19 +453,46 @@ def _timed_checks() -> dict[str, float]:
     add up their seconds."""
     from distload.live import delta as deltas
 
-    spent = {"checks": 0.0, "compare": 0.0}
-    for fn, what in (("patch_sums", "checks"), ("sent_audit", "checks"), ("held_audit", "checks"),
-                     ("checksum", "checks"), ("diff", "compare")):
-        real = getattr(deltas, fn)
+    spent = {"checks": 0.0, "compare": 0.0, "apply": 0.0}
+    time_stages(deltas, {"patch_sum": "checks", "sent_audit": "checks", "held_audit": "checks",
+                         "checksum": "checks", "diff": "compare", "decode": "apply", "apply": "apply"},
+                spent, time.perf_counter)
+    return spent
+
+
+def time_stages(module, stages: dict, spent: dict, clock) -> None:
+    """Wrap each function ``module`` has of ``stages`` (name -> what it counts as) so that its
+    ``clock`` seconds add up in ``spent[what]``; a name ``module`` lacks is left out."""
+    for fn, what in stages.items():
+        real = getattr(module, fn, None)
+        if real is None:
+            continue
 
         def timed(*a, _real=real, _what=what, **k):
-            start = time.perf_counter()
+            start = clock()
             try:
                 return _real(*a, **k)
             finally:
-                spent[_what] += time.perf_counter() - start
-        setattr(deltas, fn, timed)
-    return spent
+                spent[_what] += clock() - start
+        setattr(module, fn, timed)
+
+
+def _scan_seconds(state: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> float:
+    """Seconds of the least a delta's trainer must do: read the state and its base once (the
+    8-byte word compare of delta.py, without looking into any difference)."""
+    import numpy as np
+
+    from distload.live import delta as deltas
+
+    start = time.perf_counter()
+    for name, tensor in state.items():
+        a, b = deltas.host_ints(tensor), deltas.host_ints(base[name])
+        words = a.size * a.itemsize // 8
+        mask = np.empty(min(words, deltas._SCAN), dtype=bool)
+        a64, b64 = a[:words * 8 // a.itemsize].view(np.int64), b[:words * 8 // a.itemsize].view(np.int64)
+        for at in range(0, words, deltas._SCAN):
+            np.not_equal(a64[at:at + deltas._SCAN], b64[at:at + deltas._SCAN], out=mask[:min(deltas._SCAN, words - at)])
+    return time.perf_counter() - start
 
 
 def _ready(args: argparse.Namespace, number: int, rank: int | None = None) -> None:
@@ -512,8 +539,10 @@ def delta_trainer(args: argparse.Namespace) -> None:
                 row[f"full, verify {'on' if verify else 'off'}"] = [stats.seconds, stats.wire_bytes]
             spent["checks"] = spent["compare"] = 0.0
             stats = delta.push(state, number)
+            delta._base.settle()  # its commit (written after push returns) not under the next full pushes
             row["delta"] = [stats.seconds, stats.wire_bytes, stats.delta]
             row["delta checks"], row["delta compare"] = spent["checks"], spent["compare"]
+            row["scan"] = _scan_seconds(state, delta._base.tensors)
             row["state_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
             row["base_bytes"] = delta._base.nbytes
             rows.append(row)
@@ -552,10 +581,10 @@ def delta_inference(args: argparse.Namespace) -> None:
                 for verify in (False, True):
                     stats = full.receive(into_full)
                     row[f"full, verify {'on' if verify else 'off'}"] = [stats.seconds, stats.wire_bytes]
-                spent["checks"] = 0.0
+                spent["checks"] = spent["apply"] = 0.0
                 stats = delta.receive(into_delta)
                 row["delta"] = [stats.seconds, stats.wire_bytes, stats.delta]
-                row["delta checks"] = spent["checks"]
+                row["delta checks"], row["delta apply"] = spent["checks"], spent["apply"]
                 row["identical"] = all(torch.equal(into_delta[n].view(torch.int16), into_full[n].view(torch.int16))
                                        for n in into_full)
                 rows.append(row)
@@ -593,13 +622,15 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
                 continue
             step = steps.setdefault(row["version"], {k: [] for k in ("full, verify off", "full, verify on", "delta",
                                                                         "checks", "compare", "wire_full", "wire_delta",
-                                                                        "receiver_checks")})
+                                                                        "receiver_checks", "receiver_apply", "scan")})
             step["compare"].append(row["delta compare"])
             step["full, verify off"].append(row["full, verify off"][0])
             step["full, verify on"].append(row["full, verify on"][0])
             step["delta"].append(row["delta"][0])
             step["checks"].append(row["delta checks"])
             step["receiver_checks"].append(max(rank[i]["delta checks"] for rank in got))
+            step["receiver_apply"].append(max(rank[i]["delta apply"] for rank in got))
+            step["scan"].append(row["scan"])
             step["wire_full"] = row["full, verify off"][1]
             step["wire_delta"] = row["delta"][1]
             step["state_bytes"], step["base_bytes"] = row["state_bytes"], row["base_bytes"]
@@ -617,6 +648,9 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
                 "trainer_compare_share": round(statistics.median(step["compare"]) / delta_s, 4),
                 "receiver_check_share": round(statistics.median(step["receiver_checks"]) / delta_s, 4),
                 "verify_cost_full": round(statistics.median(step["full, verify on"]) / full_s - 1, 4),
+                "receiver_apply_share": round(statistics.median(step["receiver_apply"]) / delta_s, 4),
+                "scan_seconds": round(statistics.median(step["scan"]), 4),
+                "scan_vs_full": round(statistics.median(step["scan"]) / full_s, 3),
                 "state_bytes": step["state_bytes"], "base_bytes": step["base_bytes"]}
         cases[case] = table
     load = [round(x, 2) for x in load_before + os.getloadavg()]
@@ -651,14 +685,16 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
         lines += ["", f"Pushes, {case} (median of 3 pushes of each step, each against a full push in the same jobs; "
                       f"bytes: what the trainer sent to both receivers):", "",
                   "| step | changed | full s | full+verify s | delta s | delta/full time | full bytes | delta bytes | "
-                  "delta/full bytes | checks/delta time (trainer, receiver) | compare/delta time | full verify cost |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "delta/full bytes | checks/delta time (trainer, receiver) | compare/delta time | receiver decode+apply/"
+                  "delta time | scan floor s (/full) | full verify cost |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for version, r in table.items():
             lines.append(f"| {version} | {r['changed_fraction']:.4f} | {r['full_seconds']} | {r['full_verified_seconds']} | "
                          f"{r['delta_seconds']} | {r['delta_vs_full_seconds']} | {r['wire_full'] / 2**20:.1f} MiB | "
                          f"{r['wire_delta'] / 2**20:.1f} MiB | {r['delta_vs_full_bytes']} | "
                          f"{r['trainer_check_share'] * 100:.1f}%, {r['receiver_check_share'] * 100:.1f}% | "
-                         f"{r['trainer_compare_share'] * 100:.1f}% | {r['verify_cost_full'] * 100:.1f}% |")
+                         f"{r['trainer_compare_share'] * 100:.1f}% | {r['receiver_apply_share'] * 100:.1f}% | "
+                         f"{r['scan_seconds']} ({r['scan_vs_full']}x) | {r['verify_cost_full'] * 100:.1f}% |")
     base = next(iter(cases["whole"].values()))
     lines += ["", f"The trainer's host copy (the base): {base['base_bytes'] / 2**20:.0f} MiB for a "
                   f"{base['state_bytes'] / 2**20:.0f} MiB state. Every delta receiver ended bit-identical to the "

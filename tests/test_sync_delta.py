@@ -64,12 +64,13 @@ def test_a_patch_decodes_to_what_was_encoded_and_applies_exactly(numel, count):
     assert size == deltas.aligned(4 * deltas.chunks(numel) + 2 * count, 8) + 2 * count
     data = torch.full((size,), 0xAB, dtype=torch.uint8)
     deltas.encode(data, numel, patch)
-    got_positions, values = deltas.decode(data, numel, count, torch.bfloat16)
-    assert torch.equal(got_positions, positions) and torch.equal(values, patch.new)
+    got_positions, flips = deltas.decode(data, numel, count, torch.bfloat16)
+    assert torch.equal(got_positions, positions) and torch.equal(flips, patch.flips)
+    assert torch.equal(flips, _bits(new)[positions] ^ _bits(old)[positions])
     target = old.clone()
     undo = deltas.Undo()
-    found = deltas.apply(target, got_positions, values, undo)
-    assert torch.equal(_bits(target), _bits(new)) and torch.equal(found, patch.old)
+    written = deltas.apply(target, got_positions, flips, undo)
+    assert torch.equal(_bits(target), _bits(new)) and torch.equal(written, patch.new)
     undo.restore()
     assert torch.equal(_bits(target), _bits(old))
 
@@ -102,9 +103,10 @@ def test_undo_at_any_strides_restores_exactly():
     before = target.clone()
     undo = deltas.Undo()
     positions = torch.tensor([0, 5, 13, 100, 191])
-    values = deltas.flat_ints(torch.arange(5, dtype=torch.float32))
-    deltas.apply(target, positions, values, undo)
-    assert torch.equal(target.reshape(-1)[positions], torch.arange(5, dtype=torch.float32))
+    want = torch.arange(5, dtype=torch.float32)
+    flips = deltas.flat_ints(want) ^ deltas.flat_ints(target.reshape(-1)[positions].clone())
+    deltas.apply(target, positions, flips, undo)
+    assert torch.equal(target.reshape(-1)[positions], want)
     deltas.keep_whole(target, undo)
     target.fill_(7)
     undo.restore()
@@ -138,7 +140,7 @@ def test_a_tp_piece_gets_exactly_its_slices_changes(tp_size):
                                           place, piece.shape)
                 want = deltas.diff(new_slice, old_slice)
                 assert torch.equal(part.positions, want.positions), (rank, name)
-                assert torch.equal(part.new, want.new) and torch.equal(part.old, want.old), (rank, name)
+                assert torch.equal(part.new, want.new) and torch.equal(part.flips, want.flips), (rank, name)
 
 
 def test_a_bucket_round_trips_through_its_messages_with_matching_checks():
@@ -166,12 +168,11 @@ def test_a_bucket_round_trips_through_its_messages_with_matching_checks():
         undo = deltas.Undo()
         mine = deltas.receive_bucket(data, counts, layout, entries, targets, undo)
         assert torch.equal(mine[:2], row[:2])  # the bytes arrived as sent
-        assert torch.equal(mine[3], row[3])  # and were read as sent
         if not drifted:
             assert torch.equal(mine, row)
             assert all(torch.equal(_bits(targets[n]), _bits(news[n])) for n in shapes)
         else:
-            assert mine[2] != row[2]  # the values overwritten were not the base's
+            assert mine[2] != row[2]  # the flips met values that were not the base's
         undo.restore()
         assert all(torch.equal(_bits(targets[n]), _bits(before[n])) for n in shapes)
 
@@ -239,3 +240,62 @@ def test_the_base_keeps_only_what_fits_its_bound():
     new[[3, 7]] = 1
     base.commit({"a": deltas.diff(new, base.tensors["a"])}, {}, "x:2")
     assert torch.equal(base.tensors["a"], new) and base.id == "x:2"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_changes_across_blocks_land_in_the_scratch_or_past_it_exactly(dtype):
+    """_changed works in blocks of _SCAN elements, writing into the trainer's scratch memory
+    where it has room and into arrays of its own past it: every way gives the same patch."""
+    numel = 2 * deltas._SCAN + 12  # three blocks, the last one short
+    old, new = _changed((numel,), dtype, 0.03, seed=7)
+    want = torch.ne(_bits(old), _bits(new)).nonzero().squeeze(1)
+    scratch = deltas.Scratch()
+    for push in range(3):  # no scratch yet; one sized by the first push; one too small (overflow)
+        scratch.reset()
+        if push == 2:
+            (arrays,) = scratch.arrays.values()
+            arrays[:] = [array[:want.numel() // 2] for array in arrays]
+        patch = deltas.diff(new, old, scratch)
+        assert torch.equal(patch.positions, want)
+        assert torch.equal(patch.new, _bits(new)[want]) and torch.equal(patch.flips, _bits(new)[want] ^ _bits(old)[want])
+    # Two patches in one scratch do not overlap.
+    scratch = deltas.Scratch()
+    deltas.diff(new, old, scratch)
+    scratch.reset()
+    first, second = deltas.diff(new, old, scratch), deltas.diff(old, new, scratch)
+    assert torch.equal(first.positions, want) and torch.equal(second.positions, want)
+    assert torch.equal(first.new, _bits(new)[want]) and torch.equal(second.new, _bits(old)[want])
+
+
+def test_the_host_checksum_is_the_two_words_it_describes():
+    """transfer.checksum of host bytes (numpy) against the definition, at any length and start."""
+    from distload.live.transfer import _ROW_WORDS, checksum
+
+    gen = torch.Generator().manual_seed(3)
+    buffer = torch.randint(0, 256, (3 * _ROW_WORDS * 8 + 77,), dtype=torch.uint8, generator=gen)
+    for start, stop in ((0, 0), (0, 5), (3, 4096 + 9), (0, buffer.numel()), (5, buffer.numel())):
+        data = buffer[start:stop]
+        raw = bytes(data.tolist())
+        words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw) // 8 * 8, 8)]
+        rows = [sum(words[i:i + _ROW_WORDS]) for i in range(0, len(words) // _ROW_WORDS * _ROW_WORDS, _ROW_WORDS)]
+        tail = sum(words[len(rows) * _ROW_WORDS:]) + sum(raw[len(words) * 8:])
+        plain = sum(rows) + tail
+        weighted = sum(r * (k + 1) for k, r in enumerate(rows)) + tail * (len(rows) + 1)
+        wrap = [(v + (1 << 63)) % (1 << 64) - (1 << 63) for v in (plain, weighted)]
+        assert checksum(data).tolist() == wrap, (start, stop)
+
+
+def test_a_commit_written_later_is_waited_for_and_a_failed_one_drops_the_base():
+    base = deltas.Base(None)
+    old = torch.zeros(1000, dtype=torch.bfloat16)
+    base.commit({}, {"a": old.clone()}, "x:1")
+    new = old.clone()
+    new[[1, 500, 999]] = 1
+    base.begin()
+    base.commit({"a": deltas.diff(new, base.tensors["a"], base.scratch)}, {}, "x:2", later=True)
+    base.begin()  # the next push: the commit has been written
+    assert torch.equal(base.tensors["a"], new) and base.id == "x:2"
+    # A commit that fails (here: a tensor the base does not hold) leaves no base to patch.
+    base.commit({"gone": deltas.diff(new, old)}, {}, "x:3", later=True)
+    base.settle()
+    assert base.id is None and not base.tensors

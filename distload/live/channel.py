@@ -198,6 +198,7 @@ class SyncChannel:
         # last from it), and where its tensors were then (a tensor that moved was rewritten).
         self._held: dict[int, str] = {}
         self._marks: dict[str, tuple] = {}
+        self._scratch = deltas.Scratch(lanes=4)  # a receiver's per-change arrays, kept between updates
         self.place = self._place(tensor_parallel_size, sharding, model_config)
         if keeps is not None and (role != "inference" or self.place.size != 1):
             raise ConfigError("keeps= says what an inference rank keeps, instead of tensor_parallel_size and "
@@ -290,6 +291,7 @@ class SyncChannel:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         session = self._join(deadline)
+        self._base.begin()  # the last push's commit written, if it still was; its patches' memory free
         entries, tensors, dtensors = _describe_state(state, leader=self.rank == 0)
         groups = group_entries(entries, self.bucket_bytes)
         verify = self.verify or any(i.get("verify") for i in session.record.infos.values())
@@ -317,8 +319,9 @@ class SyncChannel:
             raise
         session.seq += 1
         self._pushes += 1
-        if self.delta:  # every receiver now holds this version: so does the base
-            self._base.commit(changes.patches, changes.copies, following)
+        if self.delta:  # every receiver now holds this version: so does the base (written while
+            # the trainer goes on: the next push waits for it)
+            self._base.commit(changes.patches, changes.copies, following, later=True)
         any_delta = any(route.delta for route in routes)
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify or (any_delta and all(r.delta for r in routes)),
@@ -446,7 +449,7 @@ class SyncChannel:
             host = whole[index].detach().to("cpu").contiguous()
             base = self._base.held(name, host)
             if base is not None:
-                out[index] = changes.patches[name] = deltas.diff(host, base)
+                out[index] = changes.patches[name] = deltas.diff(host, base, self._base.scratch)
             elif self._base.room_for(name, entries[index].nbytes, changes.pending):
                 changes.copies[name] = host.clone()  # the caller's tensor may change after push() returns
                 changes.pending += entries[index].nbytes
@@ -595,6 +598,7 @@ class SyncChannel:
         self.consistent = False  # from here on, a failure may leave a mix of two versions
         undo: dict[str, torch.Tensor] | None = {} if rollback else None
         landing = _Landing()
+        self._scratch.reset()  # the last update's undo is done with: its deltas' memory is free
         try:
             wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, takes,
                                                                          landing, cancelled, undo), deadline)
@@ -740,11 +744,20 @@ class SyncChannel:
         trainer = self._name("trainer", sender)
         rows, buckets, wire = [], [], 0
         device = self._transport_device()
-        for i, layout in enumerate(plan):
-            if not layout.size:
-                continue
-            header = torch.empty(len(layout.items), dtype=torch.int64, device=device)
-            session.wait(session.post(sender, header), cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
+        sent = [i for i, layout in enumerate(plan) if layout.size]
+
+        def header_of(k: int) -> tuple[torch.Tensor, Any] | None:
+            if k >= len(sent):
+                return None
+            header = torch.empty(len(plan[sent[k]].items), dtype=torch.int64, device=device)
+            return header, session.post(sender, header)
+
+        following = header_of(0)
+        for k, i in enumerate(sent):
+            layout = plan[i]
+            assert following is not None
+            header, work = following
+            session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
             counts = header.cpu().tolist()
             for (piece, _), count in zip(layout.items, counts):
                 if not deltas.RAW <= count <= piece.nbytes:
@@ -756,10 +769,13 @@ class SyncChannel:
                 data = self._buffer(("delta",), size)
                 session.wait(session.post(sender, data), cancelled,
                              lambda i=i: f"receiving bucket {i} from {trainer}")
+            # The next bucket's header on its way while this one is applied: its data can be taken
+            # as soon as this one is in (one wait less per bucket).
+            following = header_of(k + 1)
             if cancelled.is_set():
                 return wire  # the update was given up: never write into the model after that
             try:
-                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo))
+                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo, self._scratch))
             except deltas.PatchError as exc:
                 raise SyncError(f"bucket {i} from {trainer} failed its check on {self._name(self.role, self.rank)}: "
                                 f"{exc}: the bytes that arrived are not the bytes sent") from None
@@ -797,10 +813,10 @@ class SyncChannel:
         if not torch.equal(ours[:2], theirs[:2]):
             raise SyncError(f"bucket {i} from {trainer} failed its checksum on {me} ({plan[i].size} bytes of "
                             f"tensors): the bytes that arrived are not the bytes sent")
-        if ours[2] != theirs[2]:
-            raise SyncError(f"bucket {i} from {trainer} ({names}): the values it changes were not the base's "
-                            f"here: {drifted}")
-        raise SyncError(f"bucket {i} from {trainer} ({names}): the patch {me} decoded is not the patch sent")
+        # The bytes arrived as sent, and decoding them is fixed code: the values the flips were
+        # applied to were not the base's.
+        raise SyncError(f"bucket {i} from {trainer} ({names}): the values it changes were not the base's "
+                        f"here (the values written are not the trainer's new values): {drifted}")
 
     def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
                     cancelled: threading.Event) -> None:
@@ -876,6 +892,7 @@ class SyncChannel:
         """Leave the channel. The process serving the store first tells the members (their
         heartbeats stop, a waiting receive raises) and gives them CLOSE_WAIT_S to leave."""
         store, self._store = self._store, None
+        self._base.settle()
         session = self._session
         self._drop_session()
         self._buffers, self._set_aside_in = {}, {}

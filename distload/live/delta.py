@@ -7,29 +7,34 @@ step changes a few percent of a bf16 model's elements (benchmarks/results/sync.m
 encoding is element-level: a *patch* is the changed elements' flat positions and new values.
 
 On the wire a piece's patch is (measured against sparse int32 positions, a bitmask and XOR with
-zstd on real optimizer steps: benchmarks/bench_sync.py --encodings):
+zstd on real optimizer steps: benchmarks/bench_sync.py --deltas):
 
     [int32 count of changes per 64 Ki elements] [uint16 position within its chunk, each change]
-    [pad to 8 bytes] [new value, each change, in the tensor's own bits]
+    [pad to 8 bytes] [flips: new value XOR base value, each change, in the tensor's own bits]
 
 4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would be as large
 as the piece itself travels *raw* (its bytes, as a full push sends them); one with no change
-sends nothing. Values are compared and written as integers of the element's size, so a bf16 NaN
+sends nothing. Values are compared and flipped as integers of the element's size, so a bf16 NaN
 or a -0.0 is a change like any other and the receiver ends with the trainer's exact bits.
 
 Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
-each bucket the trainer sums, over its patches' positions, a position-weighted sum of the base's
-values and one of the new values (:func:`patch_sums`); the receiver makes the same sums from the
-values it found in its own tensors before writing (its undo) and from the positions and values
-it decoded. A receiver whose tensors changed since the base at a changed position fails the
-first sum; a patch read wrong the second. A drift at positions the trainer did not change is found by the
+each bucket the trainer sums its patches' new values (:func:`patch_sum`: weighted by their index,
+plus the positions); the receiver makes the same sum of the values it wrote, which are its old
+values XOR the flips: the trainer's new values only where it held the base's. A receiver whose
+tensors changed since the base at a changed position fails that sum (as does a patch read
+wrong); it is undone from the values it found there. A drift at positions the trainer did not change is found by the
 *audit*: each update also checks one window of 1/AUDIT_ROUNDS of every receiver's bytes, in turn
 (:func:`audit_window`), so every byte is checked once every AUDIT_ROUNDS updates; a receiver whose
 tensors moved (another storage: repacked or reallocated) is sent the next update raw.
+
+Where the time goes, and why each step is a few whole-array numpy operations (no Python loop
+per element): docs/delta-sync.md, "Speed".
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -46,12 +51,14 @@ from distload.tp.slices import rank_slice
 CHUNK_BITS = 16  # positions travel as their low 16 bits within chunks of 64 Ki elements
 RAW = -1  # a piece's count in a bucket's header: sent whole (its patch would not pay)
 AUDIT_ROUNDS = 64  # every receiver byte is audited once every this many delta updates
-_SCAN = 1 << 22  # elements compared per step: temporaries stay small
+_SCAN = 1 << 20  # elements compared per block: its mask and temporaries stay in cache
 # A position's weight in a patch sum: odd, so a changed value always changes the sum (an odd
 # number is invertible modulo 2**64); the golden-ratio multiplier spreads neighbouring positions.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64
 
 # The integer dtype of each element size, by size (an immutable table).
+log = logging.getLogger("distload")
+
 _INT_OF_SIZE = (None, torch.uint8, torch.int16, None, torch.int32, None, None, None, torch.int64)
 
 
@@ -88,9 +95,14 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 # -- finding what changed -------------------------------------------------------------------------
 
-def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _changed(a: np.ndarray, b: np.ndarray, scratch: "Scratch | None" = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where ``a`` (new) and ``b`` (base) differ: sorted positions (int64), ``a``'s values there
+    and the flips (``a ^ b``) there (in ``scratch``'s memory where it has room)."""
     per = 8 // a.itemsize
-    found = []
+    shift = per.bit_length() - 1
+    out = _Found(a.dtype, scratch)
+    mask = np.empty(min(a.size, _SCAN) // per or 1, dtype=bool)  # reused: stays in cache
     for start in range(0, a.size, _SCAN):
         x, y = a[start:start + _SCAN], b[start:start + _SCAN]
         if per > 1 and x.size % per == 0:
@@ -98,34 +110,131 @@ def _changed(a: np.ndarray, b: np.ndarray) -> np.ndarray:
             # quarter as many items (bf16) to compare and scan is what makes the whole-state scan,
             # the trainer's cost of a delta, fast; only the differing words are looked into.
             x64, y64 = x.view(np.int64), y.view(np.int64)
-            words = np.flatnonzero(x64 != y64)
-            lanes = np.flatnonzero((x64[words] ^ y64[words]).view(a.dtype))
-            found.append(words[lanes // per] * per + lanes % per + start)
+            words = np.flatnonzero(np.not_equal(x64, y64, out=mask[:x64.size]))
+            new_words = x64[words]
+            flip_words = y64[words]
+            flip_words ^= new_words
+            # the changed lanes of the differing words (a mask: nonzero of a mask is vectorised)
+            lanes = np.flatnonzero(flip_words.view(a.dtype) != 0)
+            positions, values, flips = out.next(lanes.size, a.size - start, x.size)
+            np.take(new_words.view(a.dtype), lanes, out=values, mode="clip")  # valid; "raise" would copy
+            np.take(flip_words.view(a.dtype), lanes, out=flips, mode="clip")
+            # position = word * per + lane, in place (each temporary costs a pass over the changes)
+            np.take(words, lanes >> shift, out=positions, mode="clip")
+            positions <<= shift
+            lanes &= per - 1
+            positions += lanes
         else:
-            found.append(np.flatnonzero(x != y) + start)
-    return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
+            lanes = np.flatnonzero(x != y)
+            positions, values, flips = out.next(lanes.size, a.size - start, x.size)
+            np.take(x, lanes, out=values, mode="clip")
+            np.take(y, lanes, out=flips, mode="clip")
+            flips ^= values
+            positions[:] = lanes
+        if start:
+            positions += start
+    return out.done()
+
+
+class Scratch:
+    """Host memory for the arrays an update makes per change, kept from update to update: fresh
+    arrays would cost their page faults every update (a fifth of the trainer's scan, measured).
+    Per value dtype, ``lanes`` arrays: int64 positions, then ``lanes - 1`` of the dtype (the
+    trainer: values and flips; a receiver: flips, the values found and those written). Grown to
+    what the updates since the last :meth:`reset` took; what it hands out is valid until the next
+    reset (the trainer's base commits its patches before: Base.begin; a receiver's undo is done
+    with once its update ended)."""
+
+    def __init__(self, lanes: int = 3) -> None:
+        self.lanes = lanes
+        self.arrays: dict[np.dtype, list[np.ndarray]] = {}
+        self.used: dict[np.dtype, int] = {}
+        self.wanted: dict[np.dtype, int] = {}  # what was taken since the last reset
+
+    def reset(self) -> None:
+        """A new update: everything handed out before is done with. Grows to what the last took."""
+        for dtype, want in self.wanted.items():
+            have = self.arrays.get(dtype)
+            if have is None or have[0].size < want:
+                room = want + want // 8
+                self.arrays[dtype] = [np.empty(room, dtype=np.int64)] + [
+                    np.empty(room, dtype=dtype) for _ in range(self.lanes - 1)]
+        self.used = dict.fromkeys(self.arrays, 0)
+        self.wanted = {}
+
+    def take(self, count: int, dtype: np.dtype) -> list[np.ndarray]:
+        """``count`` elements of each lane: in the scratch where it has room, else new arrays."""
+        self.wanted[dtype] = self.wanted.get(dtype, 0) + count
+        have, at = self.arrays.get(dtype), self.used.get(dtype, 0)
+        if have is not None and at + count <= have[0].size:
+            self.used[dtype] = at + count
+            return [array[at:at + count] for array in have]
+        return [np.empty(count, dtype=np.int64)] + [np.empty(count, dtype=dtype) for _ in range(self.lanes - 1)]
+
+
+class _Found:
+    """_changed's results, written block by block: into the scratch where it has room, else into
+    arrays of its own, grown as needed (no copy of every block's results into one array)."""
+
+    def __init__(self, dtype: np.dtype, scratch: Scratch | None):
+        self.dtype, self.scratch = dtype, scratch
+        free = scratch.arrays.get(dtype) if scratch is not None else None
+        if free is not None:
+            at = scratch.used[dtype]  # type: ignore[union-attr]
+            self.arrays = [array[at:] for array in free[:3]]
+        else:
+            self.arrays = [np.empty(0, dtype=np.int64), np.empty(0, dtype=dtype), np.empty(0, dtype=dtype)]
+        self.borrowed = free is not None
+        self.size = 0
+
+    def next(self, count: int, left: int, block: int) -> list[np.ndarray]:
+        """Room for a block's ``count`` results, ``left`` elements before the end (this block's
+        ``block`` of them included): own arrays grow to what the rest will take at this rate."""
+        need = self.size + count
+        if need > self.arrays[0].size:
+            room = max(need + count * (left - block) // max(block, 1) + 1024, 2 * self.arrays[0].size)
+            if self.borrowed:  # the scratch is full: on to arrays of our own
+                self.arrays = [np.concatenate([array[:self.size], np.empty(room - self.size, array.dtype)])
+                               for array in self.arrays]
+                self.borrowed = False
+            else:
+                for array in self.arrays:
+                    array.resize(room, refcheck=False)  # ours alone: no view of it is used after
+        start, self.size = self.size, need
+        return [array[start:need] for array in self.arrays]
+
+    def done(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.scratch is not None:
+            self.scratch.wanted[self.dtype] = self.scratch.wanted.get(self.dtype, 0) + self.size
+        if self.borrowed:
+            self.scratch.used[self.dtype] += self.size  # type: ignore[union-attr]
+            return tuple(array[:self.size] for array in self.arrays)  # type: ignore[return-value]
+        for array in self.arrays:
+            array.resize(self.size, refcheck=False)
+        return tuple(self.arrays)  # type: ignore[return-value]
 
 
 def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """Sorted flat positions (int64) where ``new`` and ``base`` (contiguous host tensors of one
     dtype and length) differ bit for bit."""
-    return torch.from_numpy(_changed(host_ints(new), host_ints(base)))
+    return torch.from_numpy(_changed(host_ints(new), host_ints(base))[0])
 
 
 @dataclass
 class Patch:
-    """A whole tensor's change since the base: flat positions, their base and new values."""
+    """A whole tensor's (or a piece's) change since the base: flat positions, the new values
+    there and the flips (new XOR base: what travels)."""
 
     positions: torch.Tensor  # int64, sorted
-    old: torch.Tensor  # the base's values there (integer view)
-    new: torch.Tensor
+    new: torch.Tensor  # the new values there (integer view)
+    flips: torch.Tensor  # new ^ base there
 
 
-def diff(new: torch.Tensor, base: torch.Tensor) -> Patch:
-    """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous)."""
-    a, b = host_ints(new), host_ints(base)
-    positions = _changed(a, b)
-    return Patch(torch.from_numpy(positions), torch.from_numpy(b[positions]), torch.from_numpy(a[positions]))
+def diff(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> Patch:
+    """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous); its
+    arrays in ``scratch`` where it has room (valid until its next reset)."""
+    positions, values, flips = _changed(host_ints(new), host_ints(base), scratch)
+    return Patch(torch.from_numpy(positions), torch.from_numpy(values), torch.from_numpy(flips))
 
 
 def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TPPlace,
@@ -142,20 +251,39 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
     for size in shape[dim + 1:]:
         inner *= int(size)
     whole_dim, kept_dim = int(shape[dim]), int(piece_shape[dim])
-    pos = _array(patch.positions)
-    coord = (pos // inner) % whole_dim
-    keep = np.zeros(pos.size, dtype=bool)
-    local = np.zeros_like(pos)
-    at = 0
+    outer = 1
+    for size in shape[:dim]:
+        outer *= int(size)
+    # The tensor as (outer, whole_dim, inner): what the piece keeps of each outer index is one run
+    # of flat positions per range of the split dimension. Taken in the piece's own order (outer,
+    # then its ranges as they lie in the piece), the runs' positions come out sorted, whatever the
+    # order of the ranges in the whole tensor: each run is found by bisection of the sorted
+    # positions, and nothing is divided or compared per change.
+    pos, new, flips = _array(patch.positions), _array(patch.new), _array(patch.flips)
+    firsts, shifts, at = [], [], 0
     for start, stop in cut.ranges:
-        inside = (coord >= start) & (coord < stop)
-        keep |= inside
-        local[inside] = coord[inside] - start + at
+        firsts.append((start * inner, max(start, min(stop, whole_dim)) * inner))  # padding rows never change
+        shifts.append((at - start) * inner)
         at += stop - start
-    local = ((pos // (inner * whole_dim)) * kept_dim + local) * inner + pos % inner
-    local, old, new = local[keep], _array(patch.old)[keep], _array(patch.new)[keep]
-    order = np.argsort(local, kind="stable")  # fused parts' ranges need not come in order
-    return Patch(torch.from_numpy(local[order]), torch.from_numpy(old[order]), torch.from_numpy(new[order]))
+    run = np.array(firsts, dtype=np.int64)
+    lows = (np.arange(outer, dtype=np.int64)[:, None] * (whole_dim * inner) + run[:, 0]).reshape(-1)
+    highs = (np.arange(outer, dtype=np.int64)[:, None] * (whole_dim * inner) + run[:, 1]).reshape(-1)
+    moves = (np.arange(outer, dtype=np.int64)[:, None] * ((kept_dim - whole_dim) * inner)
+             + np.array(shifts, dtype=np.int64)).reshape(-1)
+    lo, hi = np.searchsorted(pos, lows), np.searchsorted(pos, highs)
+    if lo.size <= 16:  # a few runs (a split of rows): slices of the patch, no gather
+        keep = [(int(a), int(b), int(m)) for a, b, m in zip(lo, hi, moves)]
+        return Patch(torch.from_numpy(np.concatenate([pos[a:b] + m for a, b, m in keep])),
+                     torch.from_numpy(np.concatenate([new[a:b] for a, b, _ in keep])),
+                     torch.from_numpy(np.concatenate([flips[a:b] for a, b, _ in keep])))
+    lengths = hi - lo
+    kept = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    index = np.arange(kept, dtype=np.int64)
+    index += np.repeat(lo - (ends - lengths), lengths)  # each kept change's index in the patch
+    local = pos[index]
+    local += np.repeat(moves, lengths)
+    return Patch(torch.from_numpy(local), torch.from_numpy(new[index]), torch.from_numpy(flips[index]))
 
 
 # -- the encoding ---------------------------------------------------------------------------------
@@ -179,14 +307,19 @@ def pays(numel: int, count: int, itemsize: int) -> bool:
 def encode(into: torch.Tensor, numel: int, patch: Patch) -> None:
     """Write ``patch`` (of a piece of ``numel`` elements) into ``into``, 1-d uint8 of exactly
     ``encoded_size`` bytes, on any device."""
-    positions, values = _array(patch.positions), _array(patch.new)
+    positions, flips = _array(patch.positions), _array(patch.flips)
     count, m = positions.size, chunks(numel)
     values_at = aligned(4 * m + 2 * count, 8)
-    host = np.zeros(values_at + values.nbytes, dtype=np.uint8)
-    host[:4 * m].view(np.int32)[:] = np.bincount(positions >> CHUNK_BITS, minlength=m)
-    host[4 * m:4 * m + 2 * count].view(np.uint16)[:] = positions & ((1 << CHUNK_BITS) - 1)
-    host[values_at:].view(values.dtype)[:] = values
-    into.copy_(torch.from_numpy(host))
+    on_host = into.device.type == "cpu" and into.is_contiguous()
+    host = np.frombuffer(host_view(into), dtype=np.uint8) if on_host else np.empty(into.numel(), dtype=np.uint8)
+    # The positions are sorted: each chunk's count is the distance between two bisections.
+    bounds = np.searchsorted(positions, np.arange(m + 1, dtype=np.int64) << CHUNK_BITS)
+    np.subtract(bounds[1:], bounds[:-1], out=host[:4 * m].view(np.int32), casting="unsafe")
+    np.copyto(host[4 * m:4 * m + 2 * count].view(np.uint16), positions, casting="unsafe")  # the low 16 bits
+    host[4 * m + 2 * count:values_at] = 0
+    host[values_at:].view(flips.dtype)[:] = flips
+    if not on_host:
+        into.copy_(torch.from_numpy(host))
 
 
 class PatchError(ValueError):
@@ -194,22 +327,36 @@ class PatchError(ValueError):
     bytes sent."""
 
 
-def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The positions (int64) and new values (integers of ``dtype``'s size) in ``data`` (a
-    received buffer of ours, on any device), on the host."""
+def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype,
+           into: Sequence[np.ndarray] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions (int64, sorted) and flips (integers of ``dtype``'s size) in ``data`` (a
+    received buffer of ours, on any device), on the host (in ``into``: two arrays of ``count``,
+    from a receiver's scratch, when given)."""
     raw = np.frombuffer(host_view(data.cpu()), dtype=np.uint8)
     m = chunks(numel)
     counts = raw[:4 * m].view(np.int32).astype(np.int64)
     if int(counts.sum()) != count or bool((counts < 0).any()):
         raise PatchError(f"the patch's chunk counts add up to {int(counts.sum())}, not {count}")
-    low = raw[4 * m:4 * m + 2 * count].view(np.uint16).astype(np.int64)
-    positions = np.repeat(np.arange(m, dtype=np.int64) << CHUNK_BITS, counts) + low
-    if count and int(positions.max()) >= numel:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    positions, flips = into if into is not None else (np.empty(count, dtype=np.int64),
+                                                      np.empty(count, dtype=_np_int(itemsize)))
+    low = raw[4 * m:4 * m + 2 * count].view(np.uint16)
+    # position = chunk * 64 Ki + low: the chunk part as a running sum of a jump at each chunk's
+    # first change, in place (no array per chunk, none of the changes' size but the result)
+    positions[:] = 0
+    firsts = np.cumsum(counts) - counts
+    used = counts > 0
+    chunk_of = np.flatnonzero(used).astype(np.int64) << CHUNK_BITS
+    positions[firsts[used]] = np.diff(chunk_of, prepend=0)
+    np.cumsum(positions, out=positions)
+    positions += low
+    # Only the last chunk can reach past the piece: every other one ends inside it.
+    tail = int(counts[-1]) if m else 0
+    if tail and int(low[count - tail:].max()) >= numel - ((m - 1) << CHUNK_BITS):
         raise PatchError(f"a position lies past the piece's {numel} elements")
     values_at = aligned(4 * m + 2 * count, 8)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    values = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize)).copy()
-    return torch.from_numpy(positions), torch.from_numpy(values)
+    flips[:] = raw[values_at:values_at + count * itemsize].view(_np_int(itemsize))
+    return torch.from_numpy(positions), torch.from_numpy(flips)
 
 
 # -- applying, with the undo ----------------------------------------------------------------------
@@ -257,14 +404,25 @@ def _scatter(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor
         ints[torch.unravel_index(positions, tuple(target.shape))] = values
 
 
-def apply(target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, undo: Undo) -> torch.Tensor:
-    """Write ``values`` at flat ``positions`` of ``target`` in place, keeping the overwritten
-    values in ``undo``. Returns the values found before, for the sums."""
+def apply(target: torch.Tensor, positions: torch.Tensor, flips: torch.Tensor, undo: Undo,
+          into: Sequence[np.ndarray] | None = None) -> torch.Tensor:
+    """Flip the bits ``flips`` at flat ``positions`` (within ``target``: decode checked them) of
+    ``target`` in place, keeping the overwritten values in ``undo``. Returns the values written,
+    for the check: they are the trainer's new values only where ``target`` held the base's.
+    ``into``: two arrays for the values found and written (a receiver's scratch), for a host target."""
     with torch.no_grad():
-        found = _gather(target, positions)
+        if into is None or not _on_host(target):
+            found = _gather(target, positions)
+            written = torch.from_numpy(np.bitwise_xor(_array(found), _array(flips)))
+        else:
+            host, at = host_ints(target), _array(positions)
+            found_np, written_np = into
+            np.take(host, at, out=found_np, mode="clip")  # ("raise" would copy)
+            np.bitwise_xor(found_np, _array(flips), out=written_np)
+            found, written = torch.from_numpy(found_np), torch.from_numpy(written_np)
         undo.writes.append((target, positions, found))
-        _scatter(target, positions, values)
-        return found
+        _scatter(target, positions, written)
+        return written
 
 
 def keep_whole(target: torch.Tensor, undo: Undo) -> None:
@@ -274,17 +432,33 @@ def keep_whole(target: torch.Tensor, undo: Undo) -> None:
 
 # -- checks ---------------------------------------------------------------------------------------
 
-def patch_sums(positions: torch.Tensor, *values: torch.Tensor) -> list[torch.Tensor]:
-    """For each of ``values`` (integers at ``positions``), an int64 position-weighted sum
-    (wrapping); the weights are made once for all of them."""
-    with np.errstate(over="ignore"):
-        weights = ((_array(positions) + 1) * _GOLDEN) | 1
-        return [torch.tensor(int(np.dot(weights, _array(v).astype(np.int64))), dtype=torch.int64) for v in values]
+_weights = np.empty(0, dtype=np.int64)  # _index_weights' table, grown as needed
 
 
-def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """An int64 position-weighted sum of integer ``values`` at ``positions`` (wrapping)."""
-    return patch_sums(positions, values)[0]
+def _index_weights(count: int) -> np.ndarray:
+    """The first ``count`` patch-sum weights: odd, so a changed value always changes the sum (an
+    odd number is invertible modulo 2**64), spread by the golden-ratio multiplier. Made once and
+    kept (8 bytes per change of the largest patch yet), not per patch."""
+    global _weights
+    table = _weights
+    if table.size < count:
+        with np.errstate(over="ignore"):
+            table = ((np.arange(1, max(count, 2 * table.size) + 1, dtype=np.int64) * _GOLDEN) | 1)
+        _weights = table
+    return table[:count]
+
+
+def patch_sum(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """A sum of a patch's integer ``values`` weighted by their index in the patch, plus the sum of
+    its ``positions`` times an odd constant, modulo 2**64 (as a signed int64): one changed value
+    or one moved position always changes it; the weights are a table, not made per patch."""
+    pos, vals = _array(positions), _array(values)
+    total = int(np.dot(_index_weights(vals.size), vals.astype(np.int64))) + int(pos.sum()) * _GOLDEN
+    return _wrap(total)
+
+
+def _wrap(total: int) -> int:
+    return (total + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def audit_window(sizes: Sequence[int], turn: int) -> list[tuple[int, int, int]]:
@@ -312,6 +486,9 @@ class Base:
         self.max_bytes = max_bytes
         self.tensors: dict[str, torch.Tensor] = {}
         self.id: str | None = None  # what a receiver holding exactly this copy holds
+        self._committing: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self.scratch = Scratch()  # the patches' memory (host: 12 bytes a change of bf16)
 
     @property
     def nbytes(self) -> int:
@@ -332,12 +509,49 @@ class Base:
                               if name in self.tensors else 0)
         return kept + pending + nbytes <= self.max_bytes
 
-    def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str) -> None:
-        """Every receiver now holds the pushed version: apply it to the copy."""
-        for name, patch in patches.items():
-            flat_ints(self.tensors[name]).index_copy_(0, patch.positions, patch.new)
+    def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str,
+               later: bool = False) -> None:
+        """Every receiver now holds the pushed version: apply it to the copy (the changed positions
+        only). ``later``: the patches are written by a thread (numpy releases the GIL while it
+        scatters), so that the push that made them returns without waiting; :meth:`settle` waits
+        for it, and every use of the copy comes after a settle."""
+        self.settle()
         self.tensors.update(copies)
         self.id = new_id
+        if not later:
+            self._apply(patches)
+            return
+        self._committing = threading.Thread(target=self._apply_noting, args=(patches,), daemon=True,
+                                            name="distload-base-commit")
+        self._committing.start()
+
+    def begin(self) -> None:
+        """Before a push compares: the last commit written, its patches' memory free again."""
+        self.settle()
+        self.scratch.reset()
+
+    def settle(self) -> None:
+        """Wait for a commit made ``later``. If it failed, the copy is unknown: it is dropped (the
+        next push sends every byte), and the reason logged."""
+        thread, self._committing = self._committing, None
+        if thread is not None:
+            thread.join()
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            self.tensors.clear()
+            self.id = None
+            log.warning("the trainer's delta base could not take the last push (%s): the next push sends "
+                        "every byte", failed)
+
+    def _apply(self, patches: Mapping[str, Patch]) -> None:
+        for name, patch in patches.items():
+            host_ints(self.tensors[name])[_array(patch.positions)] = _array(patch.new)
+
+    def _apply_noting(self, patches: Mapping[str, Patch]) -> None:
+        try:
+            self._apply(patches)
+        except BaseException as exc:  # noqa: BLE001 - settle() reports it and drops the copy
+            self._failed = exc
 
 
 # -- buckets of a delta update --------------------------------------------------------------------
@@ -363,9 +577,9 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
                 patches: Mapping[int, Patch], place: TPPlace, device: torch.device
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A bucket's messages (header, then data where there is any) for receivers at ``place``, and
-    its row of the update's check: the data's checksum and the base's and new values' patch sums."""
+    its row of the update's check: the data's checksum and the patch sum of the new values."""
     counts, parts = [], []
-    old_sum = new_sum = torch.zeros((), dtype=torch.int64)
+    total = 0
     for piece, _ in layout.items:
         entry = entries[piece.entry]
         patch = patches.get(piece.entry)
@@ -381,28 +595,34 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
             continue
         counts.append(count)
         parts.append(part)
-        old_part, new_part = patch_sums(part.positions, part.old, part.new)
-        old_sum, new_sum = old_sum + old_part, new_sum + new_part
+        if count:
+            total += patch_sum(part.positions, part.new)
     header = torch.tensor(counts, dtype=torch.int64).to(device)
-    at, size = offsets(data_sizes(layout, entries, counts), ALIGN)
+    sizes = data_sizes(layout, entries, counts)
+    at, size = offsets(sizes, ALIGN)
     if not size:
-        return [header], torch.stack([torch.zeros((), dtype=torch.int64)] * 2 + [old_sum, new_sum])
-    data = torch.zeros(size, dtype=torch.uint8, device=device)
-    for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at,
-                                                      data_sizes(layout, entries, counts)):
+        return [header], torch.tensor([0, 0, _wrap(total)], dtype=torch.int64)
+    data = torch.empty(size, dtype=torch.uint8, device=device)
+    gap = 0
+    for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at, sizes):
+        data[gap:offset].zero_()  # the alignment gaps: the checksum covers them
+        gap = offset + nbytes
         if count == RAW:
             pack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes),
                  {piece.entry: whole[piece.entry].to(device)}, place)
         elif count:
             encode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entries[piece.entry]), part)
-    return [header, data], torch.cat([checksum(data).cpu(), old_sum.view(1), new_sum.view(1)])
+    data[gap:].zero_()
+    return [header, data], torch.cat([checksum(data).cpu(), torch.tensor([_wrap(total)], dtype=torch.int64)])
 
 
 def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: BucketLayout,
-                   entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo) -> torch.Tensor:
-    """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``);
-    returns its row of the check, as this receiver found it."""
-    old_sum = new_sum = torch.zeros((), dtype=torch.int64)
+                   entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo,
+                   scratch: Scratch | None = None) -> torch.Tensor:
+    """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``; the
+    arrays made per change in ``scratch``, 4 lanes, when given); returns its row of the check, as
+    this receiver found it."""
+    total = 0
     sizes = data_sizes(layout, entries, counts)
     at, _ = offsets(sizes, ALIGN)
     for (piece, _), count, offset, nbytes in zip(layout.items, counts, at, sizes):
@@ -415,14 +635,15 @@ def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: Buc
             keep_whole(target, undo)
             unpack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes), entries, targets)
             continue
-        positions, values = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
-                                   DTYPES[entry.dtype])
-        # The second sum is of the values as decoded: the data's checksum covers the bytes that
-        # arrived, this their reading (positions and values as the trainer meant them).
-        old_part, new_part = patch_sums(positions, apply(target, positions, values, undo), values)
-        old_sum, new_sum = old_sum + old_part, new_sum + new_part
+        lanes = scratch.take(count, _np_int(_itemsize(entry))) if scratch is not None else None
+        positions, flips = decode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entry), count,
+                                  DTYPES[entry.dtype], None if lanes is None else lanes[:2])
+        # The sum of the values written: the trainer's new values only where this rank held the
+        # base's (a flip is undone by nothing else), at the positions as decoded (the data's
+        # checksum covers the bytes that arrived, this their reading).
+        total += patch_sum(positions, apply(target, positions, flips, undo, None if lanes is None else lanes[2:]))
     summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
-    return torch.cat([summed, old_sum.view(1), new_sum.view(1)])
+    return torch.cat([summed, torch.tensor([_wrap(total)], dtype=torch.int64)])
 
 
 def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple[KeptSlice, int, int]]]:
@@ -436,7 +657,7 @@ def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple
 
 
 def audit_row(data: torch.Tensor) -> torch.Tensor:
-    return torch.cat([checksum(data).cpu(), torch.zeros(2, dtype=torch.int64)])
+    return torch.cat([checksum(data).cpu(), torch.zeros(1, dtype=torch.int64)])
 
 
 def sent_audit(parts: Sequence[tuple[KeptSlice, int, int]], whole: Mapping[int, torch.Tensor],
