@@ -53,7 +53,7 @@ def main() -> int:
     plan = layouts(entries, groups, place, False)
     spent: collections.Counter = collections.Counter()
     bench_sync.time_stages(deltas, {stage: stage for stage in STAGES}, spent, time.thread_time)
-    scratches = (deltas.Scratch(), deltas.Scratch(lanes=4)) if hasattr(deltas, "Scratch") else None
+    scratches = (deltas.PatchScratch(), deltas.PatchScratch(lanes=4)) if hasattr(deltas, "PatchScratch") else None
 
     def held(name: str, tensor: torch.Tensor) -> torch.Tensor:
         if spec is None:

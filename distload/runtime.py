@@ -71,6 +71,7 @@ class Runtime:
             self.stop_heartbeats()
             self.heartbeats: dict[int, Any] = {}
             self.weight_syncs = 0
+            self.patch_weights: Any = None  # delta.py's patch-sum weights (a numpy table), grown as needed
 
     def _at_exit(self) -> None:
         # A thread that wants the GIL once the interpreter finalizes makes the process abort

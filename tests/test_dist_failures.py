@@ -750,6 +750,10 @@ def test_a_peer_killed_or_stopped_during_a_distributed_read_is_named(tmp_path, h
     assert (out / "rank0.json").exists(), err0[-4000:]
     kind, message, seconds = json.loads((out / "rank0.json").read_text())
     assert kind == "raised" and message.startswith("GroupError"), message
-    assert "rank 1 stopped answering" in message, message
+    # A killed peer on this host is named as gone at once (its process is checked); a stopped one
+    # by its heartbeat. A kill may also be seen first by the heartbeat: either names rank 1.
+    named = ("rank 1 ended: its process on", "rank 1 stopped answering") if how == "killed" else (
+        "rank 1 stopped answering",)
+    assert any(words in message for words in named), message
     assert "Traceback" not in err0, err0[-4000:]
     assert seconds < 35, seconds

@@ -249,7 +249,7 @@ def test_changes_across_blocks_land_in_the_scratch_or_past_it_exactly(dtype):
     numel = 2 * deltas._SCAN + 12  # three blocks, the last one short
     old, new = _changed((numel,), dtype, 0.03, seed=7)
     want = torch.ne(_bits(old), _bits(new)).nonzero().squeeze(1)
-    scratch = deltas.Scratch()
+    scratch = deltas.PatchScratch()
     for push in range(3):  # no scratch yet; one sized by the first push; one too small (overflow)
         scratch.reset()
         if push == 2:
@@ -259,7 +259,7 @@ def test_changes_across_blocks_land_in_the_scratch_or_past_it_exactly(dtype):
         assert torch.equal(patch.positions, want)
         assert torch.equal(patch.new, _bits(new)[want]) and torch.equal(patch.flips, _bits(new)[want] ^ _bits(old)[want])
     # Two patches in one scratch do not overlap.
-    scratch = deltas.Scratch()
+    scratch = deltas.PatchScratch()
     deltas.diff(new, old, scratch)
     scratch.reset()
     first, second = deltas.diff(new, old, scratch), deltas.diff(old, new, scratch)

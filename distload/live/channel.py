@@ -198,7 +198,7 @@ class SyncChannel:
         # last from it), and where its tensors were then (a tensor that moved was rewritten).
         self._held: dict[int, str] = {}
         self._marks: dict[str, tuple] = {}
-        self._scratch = deltas.Scratch(lanes=4)  # a receiver's per-change arrays, kept between updates
+        self._scratch = deltas.PatchScratch(lanes=4)  # a receiver's per-change arrays, kept between updates
         self.place = self._place(tensor_parallel_size, sharding, model_config)
         if keeps is not None and (role != "inference" or self.place.size != 1):
             raise ConfigError("keeps= says what an inference rank keeps, instead of tensor_parallel_size and "

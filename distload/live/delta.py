@@ -46,6 +46,7 @@ from distload.loading.buckets import ALIGN, aligned, flat_bytes, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
 from distload.tensor_io import host_view
+from distload.runtime import RUNTIME
 from distload.tp.slices import rank_slice
 
 CHUNK_BITS = 16  # positions travel as their low 16 bits within chunks of 64 Ki elements
@@ -95,7 +96,7 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 # -- finding what changed -------------------------------------------------------------------------
 
-def _changed(a: np.ndarray, b: np.ndarray, scratch: "Scratch | None" = None
+def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Where ``a`` (new) and ``b`` (base) differ: sorted positions (int64), ``a``'s values there
     and the flips (``a ^ b``) there (in ``scratch``'s memory where it has room)."""
@@ -136,7 +137,7 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "Scratch | None" = None
     return out.done()
 
 
-class Scratch:
+class PatchScratch:
     """Host memory for the arrays an update makes per change, kept from update to update: fresh
     arrays would cost their page faults every update (a fifth of the trainer's scan, measured).
     Per value dtype, ``lanes`` arrays: int64 positions, then ``lanes - 1`` of the dtype (the
@@ -176,7 +177,7 @@ class _Found:
     """_changed's results, written block by block: into the scratch where it has room, else into
     arrays of its own, grown as needed (no copy of every block's results into one array)."""
 
-    def __init__(self, dtype: np.dtype, scratch: Scratch | None):
+    def __init__(self, dtype: np.dtype, scratch: PatchScratch | None):
         self.dtype, self.scratch = dtype, scratch
         free = scratch.arrays.get(dtype) if scratch is not None else None
         if free is not None:
@@ -230,7 +231,7 @@ class Patch:
     flips: torch.Tensor  # new ^ base there
 
 
-def diff(new: torch.Tensor, base: torch.Tensor, scratch: Scratch | None = None) -> Patch:
+def diff(new: torch.Tensor, base: torch.Tensor, scratch: PatchScratch | None = None) -> Patch:
     """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous); its
     arrays in ``scratch`` where it has room (valid until its next reset)."""
     positions, values, flips = _changed(host_ints(new), host_ints(base), scratch)
@@ -432,19 +433,16 @@ def keep_whole(target: torch.Tensor, undo: Undo) -> None:
 
 # -- checks ---------------------------------------------------------------------------------------
 
-_weights = np.empty(0, dtype=np.int64)  # _index_weights' table, grown as needed
-
-
 def _index_weights(count: int) -> np.ndarray:
     """The first ``count`` patch-sum weights: odd, so a changed value always changes the sum (an
-    odd number is invertible modulo 2**64), spread by the golden-ratio multiplier. Made once and
-    kept (8 bytes per change of the largest patch yet), not per patch."""
-    global _weights
-    table = _weights
-    if table.size < count:
+    odd number is invertible modulo 2**64), spread by the golden-ratio multiplier. Made once per
+    process and kept in the runtime (8 bytes per change of the largest patch yet), not per patch."""
+    table = RUNTIME.patch_weights
+    if table is None or table.size < count:
         with np.errstate(over="ignore"):
-            table = ((np.arange(1, max(count, 2 * table.size) + 1, dtype=np.int64) * _GOLDEN) | 1)
-        _weights = table
+            size = max(count, 2 * (0 if table is None else table.size))
+            table = (np.arange(1, size + 1, dtype=np.int64) * _GOLDEN) | 1
+        RUNTIME.patch_weights = table
     return table[:count]
 
 
@@ -488,7 +486,7 @@ class Base:
         self.id: str | None = None  # what a receiver holding exactly this copy holds
         self._committing: threading.Thread | None = None
         self._failed: BaseException | None = None
-        self.scratch = Scratch()  # the patches' memory (host: 12 bytes a change of bf16)
+        self.scratch = PatchScratch()  # the patches' memory (host: 12 bytes a change of bf16)
 
     @property
     def nbytes(self) -> int:
@@ -618,7 +616,7 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
 
 def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: BucketLayout,
                    entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo,
-                   scratch: Scratch | None = None) -> torch.Tensor:
+                   scratch: PatchScratch | None = None) -> torch.Tensor:
     """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``; the
     arrays made per change in ``scratch``, 4 lanes, when given); returns its row of the check, as
     this receiver found it."""
