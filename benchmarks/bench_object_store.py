@@ -3,7 +3,7 @@
     python benchmarks/bench_object_store.py                          # 512 MiB, concurrency 1 4 8 16 32, 3 repeats
     python benchmarks/bench_object_store.py --size-mib 32 --repeats 1   # a quick check
 
-Needs s3rver (``npm ci --prefix tests/node``, as .ci/run does) and ``pip install -e ".[s3,test]"``
+Needs s3rver (``cd tests/node && npm ci``, as .ci/run does) and ``pip install -e ".[s3,test]"``
 (boto3, Run:ai's S3 reader; the server and byte-counting proxy helpers come from
 tests/object_store_servers.py, which imports pytest). Nothing leaves 127.0.0.1.
 
@@ -224,7 +224,7 @@ def main() -> int:
     sys.path.insert(0, REPO)
     sys.path.insert(0, TESTS)
     if not os.path.exists(os.path.join(TESTS, "node", "node_modules", ".bin", "s3rver")):
-        raise SystemExit("s3rver is not installed: npm ci --prefix tests/node (as .ci/run does)")
+        raise SystemExit("s3rver is not installed: cd tests/node && npm ci (as .ci/run does)")
     from object_store_servers import ByteCountingProxy, start_s3rver
 
     from distload.cli.demo import expected_digests, write_demo_checkpoint

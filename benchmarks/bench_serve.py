@@ -4,7 +4,7 @@ from local disk and a load from the S3 emulator (issue 33, item 2's goals).
     python benchmarks/bench_serve.py                              # 256 MiB, 3 repeats
     python benchmarks/bench_serve.py --size-mib 32 --repeats 1    # a quick check
 
-Needs s3rver (``npm ci --prefix tests/node``) and ``pip install -e ".[s3,test]"`` (the server and
+Needs s3rver (``cd tests/node && npm ci``) and ``pip install -e ".[s3,test]"`` (the server and
 the byte-counting proxy come from tests/object_store_servers.py). Nothing leaves 127.0.0.1.
 
 Writes a Llama-shaped bf16 checkpoint of ``--size-mib`` (hidden 2048: tensors of real models'

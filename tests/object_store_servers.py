@@ -10,7 +10,7 @@
 Also: a byte-counting TCP proxy (what a server really served) and a server that answers every
 request 403 (GCS's emulator checks no credentials). Nothing here sends traffic off loopback.
 
-The npm servers come from tests/node (``npm ci --prefix tests/node``, which .ci/run does). A server
+The npm servers come from tests/node (``cd tests/node && npm ci``, which .ci/run does). A server
 missing is a skip on a developer machine and a failure under CI (CI=true).
 """
 
@@ -388,7 +388,7 @@ class StoreServer:
 
 
 def start_s3rver(workdir: str, bucket: str = "distload-models") -> StoreServer:
-    exe = need(os.path.join(NODE_BIN, "s3rver"), "s3rver", "npm ci --prefix tests/node")
+    exe = need(os.path.join(NODE_BIN, "s3rver"), "s3rver", "cd tests/node && npm ci")
     port = free_port()
     data = os.path.join(workdir, "s3rver-data")
     os.makedirs(data, exist_ok=True)
@@ -448,7 +448,7 @@ def make_test_certificates(folder: str) -> dict[str, str]:
 
 def start_azurite(workdir: str, cert_dir: str, bucket: str = "distload-models") -> StoreServer:
     """Azurite over HTTPS; only usable inside the test namespace (see the module docstring)."""
-    exe = need(os.path.join(NODE_BIN, "azurite-blob"), "azurite", "npm ci --prefix tests/node")
+    exe = need(os.path.join(NODE_BIN, "azurite-blob"), "azurite", "cd tests/node && npm ci")
     port = free_port()
     data = os.path.join(workdir, "azurite-data")
     os.makedirs(data, exist_ok=True)

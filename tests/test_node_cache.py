@@ -559,7 +559,7 @@ def test_azure_in_private_namespace(tmp_path):
     azurite = os.path.join(TESTS, "node", "node_modules", ".bin", "azurite-blob")
     works = unshare is not None and subprocess.run([unshare, "-rnm", "true"], capture_output=True).returncode == 0
     if not (works and os.path.exists(azurite)):
-        message = "Azure tests need Azurite (npm ci --prefix tests/node) and unshare -rnm"
+        message = "Azure tests need Azurite (cd tests/node && npm ci) and unshare -rnm"
         if in_ci():
             pytest.fail(message)
         pytest.skip(message)

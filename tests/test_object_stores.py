@@ -956,7 +956,7 @@ def _azure_in_private_namespace(tmp_path):
     unshare = shutil.which("unshare")
     azurite = os.path.join(os.path.dirname(__file__), "node", "node_modules", ".bin", "azurite-blob")
     if not (unshare and os.path.exists(azurite) and _namespaces_work()):
-        message = "Azure tests need Azurite (npm ci --prefix tests/node) and unshare -rnm"
+        message = "Azure tests need Azurite (cd tests/node && npm ci) and unshare -rnm"
         if in_ci():
             pytest.fail(message)
         pytest.skip(message)
