@@ -470,8 +470,13 @@ by_hand() {  # by_hand NAME ARGS...: MATRIX_GPUS ranks started without torchrun;
 }
 MATRIX_CKPT="$DISK_WORK/matrix"
 if [[ "$MODE" == cpu-smoke ]]; then
-    # Without CUDA only the two-job sync with a killed trainer runs (on the host, gloo): the driver is checked.
-    two_jobs sync-kill "" "" kill
+    # Without CUDA only the two-job sync with a killed trainer runs (on the host, gloo): the driver is
+    # checked. GPU_CHECK_SYNC_RANKS=0 leaves it out with the other syncs.
+    if [[ "$SYNC_RANKS" -ge 1 ]]; then
+        two_jobs sync-kill "" "" kill
+    else
+        say "case sync-kill: skipped (GPU_CHECK_SYNC_RANKS=0)"
+    fi
 else
     say "writing a ~$MATRIX_MIB MiB checkpoint for the GPU path cases to $MATRIX_CKPT"
     make_ckpt "$MATRIX_CKPT" "$MATRIX_MIB"

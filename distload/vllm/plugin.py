@@ -400,6 +400,8 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
             raise DistloadError(f"{source}: distload's load differs from vLLM's own in {len(differ)} parameter(s) "
                                 f"of TP rank {tp.rank_in_group}: {differ[:8]}; the recorded weight map is wrong for "
                                 f"this model: report it with the model's config.json")
+        init_logger("vllm.distload").info("distload: TP rank %d: the load equals vLLM's own, bit for bit, in all %d "
+                                          "parameters", tp.rank_in_group, len(params))
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
