@@ -57,8 +57,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from distload.errors import BackendUnavailableError, CheckpointError, ConfigError
+from distload.errors import CheckpointError, ConfigError
 from distload.fileio import write_json_atomic
+from distload.loading.stores.crc import PIECE_BYTES, address, crc32c, crc32c_at
+from distload.loading.stores.crc import check_available as check_crc_available
 
 log = logging.getLogger("distload")
 
@@ -242,16 +244,29 @@ class _Entry:
         crcs = {i: self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
                 for i in range(first, last + 1)}
 
-        def read_and_check(blocks: range) -> list[bool]:
-            """Whether each block of a group, read in one call, matches its record (a block without a
-            valid record is read with its group all the same, and counts as missing)."""
-            start, end = self._span(blocks[0])[0], self._span(blocks[-1])[1]
-            got = _read_into(self.data, view[start - lo:end - lo], start)
-            return [crcs[i] is not None and self._span(i)[1] - start <= got
-                    and _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]) == crcs[i] for i in blocks]
+        base, pin = address(view)  # pin: alive until the return, so is the address
 
-        # Reading and checking a large range on several threads (both release the GIL): the
-        # check costs about as much as the read, and a warm load is nothing else.
+        def read_and_check(blocks: range) -> list[bool]:
+            """Whether each block of a group matches its record: read into ``view`` and checked a
+            piece at a time, while the piece is still in the core's cache (crc.py). A block
+            without a valid record is read all the same (the caller's view needs its bytes when
+            it is filled), and counts as missing."""
+            fine = []
+            for i in blocks:
+                s, e = self._span(i)
+                crc, at = 0, s
+                while at < e:
+                    n = min(PIECE_BYTES, e - at)
+                    got = _read_into(self.data, view[at - lo:at - lo + n], at)
+                    if got < n:
+                        break
+                    crc = crc32c_at(base + at - lo, n, crc)
+                    at += n
+                fine.append(at == e and crcs[i] is not None and crc == crcs[i])
+            return fine
+
+        # Reading and checking a large range on several threads (both release the GIL): a warm
+        # load is nothing else.
         groups = _split(range(first, last + 1), CHECK_THREADS)
         fine = [ok for part in (self.cache.pool().map(read_and_check, groups) if len(groups) > 1
                                 else map(read_and_check, groups)) for ok in part]
@@ -317,7 +332,7 @@ class _Entry:
                 self.cache.count(store=len(data))
                 view[start - lo:end - lo] = data
                 _write_all(self.data, data, start)  # the bytes first, then the records that vouch for them
-                records = b"".join(self._pack(i, _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
+                records = b"".join(self._pack(i, crc32c(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
                                    for i in range(a, b + 1))
                 _write_all(fd, records, a * RECORD_BYTES)
         except OSError as exc:
@@ -342,24 +357,6 @@ class Scratch:
         if len(self._buffer) < nbytes:
             self._buffer = bytearray(nbytes)  # views of the old one (if any) keep it alive
         return memoryview(self._buffer)[:nbytes]
-
-
-def _crc32c():
-    """google-crc32c (hardware CRC-32C: 2.5-3.5 GiB/s a core here, against 0.6-1.4 for zlib's
-    CRC-32, which made a warm load's check cost twice its read)."""
-    try:
-        import google_crc32c
-    except ImportError:
-        raise BackendUnavailableError(
-            "the node cache checks every block with CRC-32C: pip install google-crc32c (distload's s3, gcs "
-            "and azure extras install it)") from None
-    return google_crc32c
-
-
-def _block_crc(data: memoryview) -> int:
-    # Its C function takes read-only bytes only: one copy of the block (a memcpy, cheap next to
-    # the checksum zlib would cost).
-    return _crc32c().value(bytes(data))
 
 
 def _split(blocks: range, parts: int) -> list[range]:
@@ -416,7 +413,7 @@ class NodeCache:
     def check_writable(self) -> None:
         """Create the cache's folders and write there once: a cache that cannot work is an error
         while planning, on every rank, never a load that quietly reads the store instead."""
-        _crc32c()
+        check_crc_available()
         try:
             os.makedirs(self.entries, exist_ok=True)
             os.makedirs(self.trash, exist_ok=True)
