@@ -132,6 +132,8 @@ class AzureStore(ObjectStore):
                 listing.folders.append(name)
             elif not _is_adls_directory(item):
                 listing.objects[name] = int(item.size or 0)
+                if getattr(item, "etag", None):
+                    listing.versions[name] = item.etag
         return listing
 
     def _blob(self, location: ObjectURI):

@@ -153,6 +153,9 @@ class Listing:
 
     objects: dict[str, int] = field(default_factory=dict)
     folders: list[str] = field(default_factory=list)  # "sub/"
+    # Each object's version as the listing gives it (the same string a read or a stat gives:
+    # the node cache keys on it), where the store's listing says.
+    versions: dict[str, str] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         return sorted(list(self.objects) + self.folders)

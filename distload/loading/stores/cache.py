@@ -59,6 +59,7 @@ from typing import Any, Callable, Mapping
 
 from distload.errors import CheckpointError, ConfigError
 from distload.fileio import write_json_atomic
+from distload.loading.index import MAX_HEADER_BYTES
 from distload.loading.stores.crc import PIECE_BYTES, address, crc32c, crc32c_at
 from distload.loading.stores.crc import check_available as check_crc_available
 
@@ -295,6 +296,16 @@ class _Entry:
         missing = self._check(first, last, view, lo, self.records)
         for a, b in _runs(missing):
             self._fill(a, b, view, lo, fetch)
+        return view[start - lo:end - lo]
+
+    def peek(self, start: int, end: int, scratch: "Scratch") -> memoryview | None:
+        """Bytes ``[start, end)`` where every block they need is complete here (in ``scratch``'s
+        memory), else None: nothing is fetched."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        lo, hi = self._span(first)[0], self._span(last)[1]
+        view = scratch.view(hi - lo)
+        if self._check(first, last, view, lo, self.records):
+            return None
         return view[start - lo:end - lo]
 
     def read_into(self, start: int, end: int, out: memoryview, fetch: Callable[[int, int], bytes],
@@ -541,3 +552,39 @@ def _listdir(folder: str) -> list[str]:
         return os.listdir(folder)
     except OSError:
         return []
+
+
+# -- planning's reads: small objects and headers -------------------------------------------------
+def read_whole(settings: CacheSettings, uri: str, version: str, size: int,
+               fetch: Callable[[int, int], bytes]) -> bytes:
+    """A small object's bytes (an index, a config.json) through the cache: the next load reads
+    them from here, not from the store."""
+    if size == 0:
+        return b""
+    cache = NodeCache(settings)
+    try:
+        return bytes(cache.read(uri, version, size, 0, size, fetch))
+    finally:
+        cache.close()
+
+
+def cached_head(settings: CacheSettings, uri: str, version: str, size: int) -> bytes | None:
+    """A safetensors object's length prefix and header (``[0, 8 + n)``) where the cache holds
+    them complete for this version (the load before read the first tensors, so block 0), else
+    None: nothing is fetched (the caller reads the header from the store, as without a cache)."""
+    if size < 8:
+        return None
+    cache = NodeCache(settings)
+    try:
+        entry = cache.entry(uri, version, size)
+        scratch = Scratch()
+        prefix = entry.peek(0, 8, scratch)
+        if prefix is None:
+            return None
+        (length,) = struct.unpack("<Q", prefix)
+        if not 2 <= length <= MAX_HEADER_BYTES or 8 + length > size:
+            return None  # the store's read names what is wrong with it
+        head = entry.peek(0, 8 + length, scratch)
+        return None if head is None else bytes(head)
+    finally:
+        cache.close()
