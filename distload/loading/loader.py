@@ -276,6 +276,7 @@ class Loader:
             cache_bytes=run.cache_bytes,
             store_bytes=run.store_bytes,
             corrupt_blocks=run.corrupt_blocks,
+            cache_received_bytes=run.cache_received_bytes,
         )
 
 

@@ -142,6 +142,17 @@ class ObjectBytes:
         self.cache.read_into(path, info.version, info.size, start, end, out,
                              lambda a, b: store.read_version(location, a, b, info.version), self.scratch())
 
+    def offer(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None:
+        """Bytes received from a peer (tensor, file offset, bytes; in file order) into the cache,
+        each file's under the version planned with (the peer read that version)."""
+        by_file: dict[str, list[tuple[int, memoryview]]] = {}
+        for info, offset, view in pieces:
+            by_file.setdefault(info.file, []).append((offset, view))
+        assert self.cache is not None
+        for path, segments in by_file.items():
+            info = self.files[path]
+            self.cache.offer(path, info.version, info.size, segments)
+
     def scratch(self) -> Scratch:
         """This thread's own scratch memory."""
         scratch = getattr(self._scratch, "memory", None)
@@ -165,6 +176,7 @@ def _counted(tensors: Iterator[tuple[str, torch.Tensor]], run: BackendRun,
         if cache is not None:
             run.cache_bytes, run.store_bytes, run.corrupt_blocks = (cache.cache_bytes, cache.store_bytes,
                                                                     cache.corrupt_blocks)
+            run.cache_received_bytes = cache.received_bytes
 
 
 class StoreBytes:
@@ -189,6 +201,11 @@ class StoreBytes:
             for piece in members:
                 at = piece.start - start
                 view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
+
+    def received(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None:
+        """Bytes a peer read: into this node's cache, where this load has one."""
+        if self.bytes_of.cache is not None:
+            self.bytes_of.offer([(info, info.begin + offset, view) for info, offset, view in pieces])
 
     def close(self) -> None:
         pass  # the cache closes once the tensors are all out (_counted)

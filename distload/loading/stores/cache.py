@@ -352,6 +352,55 @@ class _Entry:
         finally:
             os.close(fd)
 
+    def offer(self, segments: list[tuple[int, memoryview]]) -> int:
+        """Keep bytes of this version that came from elsewhere (a peer's share of a shared read),
+        without any fetch: ``segments`` (file offset, the bytes there), in file order. Only the
+        blocks the segments cover whole, and only those without a valid record: a block being
+        filled by another writer (its records locked) is left to it, never waited for. The same
+        rules as ``_fill``: an exclusive lock on the blocks' records, the bytes first and the
+        records after. Returns the bytes kept."""
+        kept = 0
+        for start, end, parts in _covered(segments):
+            first = -(-start // BLOCK_BYTES)
+            last = (self.nblocks if end >= self.size else end // BLOCK_BYTES) - 1
+            if first > last:
+                continue
+            raw = os.pread(self.records, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
+            absent = [i for i in range(first, last + 1)
+                      if self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES]) is None]
+            for a, b in _runs(absent):
+                kept += self._offer_blocks(a, b, parts)
+        return kept
+
+    def _offer_blocks(self, first: int, last: int, parts: list[tuple[int, memoryview]]) -> int:
+        fd = os.open(self.records_path, os.O_RDWR | os.O_CLOEXEC)  # its own lock, as in _fill
+        try:
+            if not _lock_range(fd, first * RECORD_BYTES, (last + 1 - first) * RECORD_BYTES, time.monotonic()):
+                # Another writer is filling some of them (and finishes them): the others one by one.
+                return 0 if first == last else sum(self._offer_blocks(i, i, parts) for i in range(first, last + 1))
+            raw = os.pread(fd, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
+            kept = 0
+            for i in range(first, last + 1):
+                if self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES]) is not None:
+                    continue  # filled while we looked
+                s, e = self._span(i)
+                views = _slices(parts, s, e)
+                crc = 0
+                for view in views:
+                    crc = crc32c(view, crc)
+                at = s
+                for view in views:  # the bytes first, then the record that vouches for them
+                    _write_all(self.data, view, at)
+                    at += len(view)
+                _write_all(fd, self._pack(i, crc), i * RECORD_BYTES)
+                kept += e - s
+            return kept
+        except OSError as exc:
+            raise CheckpointError(f"{self.folder}: writing to the node cache failed ({exc.strerror or exc}); "
+                                  f"free space there, or load without --cache-dir") from None
+        finally:
+            os.close(fd)
+
     def disk_bytes(self) -> int:
         return _disk_bytes(self.folder)
 
@@ -375,6 +424,31 @@ def _split(blocks: range, parts: int) -> list[range]:
     parts = max(1, min(parts, len(blocks) // CHECK_GROUP_BLOCKS))
     step = -(-len(blocks) // parts)
     return [blocks[i:i + step] for i in range(0, len(blocks), step)]
+
+
+def _covered(segments: list[tuple[int, memoryview]]) -> list[tuple[int, int, list[tuple[int, memoryview]]]]:
+    """Segments (file offset, bytes; in file order) as runs that cover ``[start, end)`` unbroken,
+    each with its segments."""
+    runs: list[tuple[int, int, list[tuple[int, memoryview]]]] = []
+    for offset, view in segments:
+        if not len(view):
+            continue
+        if runs and runs[-1][1] == offset:
+            runs[-1][2].append((offset, view))
+            runs[-1] = (runs[-1][0], offset + len(view), runs[-1][2])
+        else:
+            runs.append((offset, offset + len(view), [(offset, view)]))
+    return runs
+
+
+def _slices(parts: list[tuple[int, memoryview]], start: int, end: int) -> list[memoryview]:
+    """The bytes ``[start, end)`` of an unbroken run of segments, as views of them in order."""
+    out = []
+    for offset, view in parts:
+        a, b = max(start, offset), min(end, offset + len(view))
+        if a < b:
+            out.append(view[a - offset:b - offset])
+    return out
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -412,6 +486,7 @@ class NodeCache:
         self.cache_bytes = 0
         self.store_bytes = 0
         self.corrupt_blocks = 0
+        self.received_bytes = 0  # bytes received from peers and kept here (whole blocks)
         self.evicted = 0
         self._pool: ThreadPoolExecutor | None = None
 
@@ -436,11 +511,12 @@ class NodeCache:
             raise CheckpointError(f"{self.settings.folder}: cannot use it as the node cache ({exc.strerror or exc}); "
                                   f"--cache-dir ({CACHE_DIR_VARIABLE}) must be a writable local folder") from None
 
-    def count(self, cache: int = 0, store: int = 0, corrupt: int = 0) -> None:
+    def count(self, cache: int = 0, store: int = 0, corrupt: int = 0, received: int = 0) -> None:
         with self._lock:
             self.cache_bytes += cache
             self.store_bytes += store
             self.corrupt_blocks += corrupt
+            self.received_bytes += received
 
     def entry(self, uri: str, version: str | None, size: int) -> _Entry:
         if version is None:
@@ -467,6 +543,11 @@ class NodeCache:
     def read_into(self, uri: str, version: str | None, size: int, start: int, end: int, out: memoryview,
                   fetch: Callable[[int, int], bytes], scratch: Scratch) -> None:
         self.entry(uri, version, size).read_into(start, end, out, fetch, scratch)
+
+    def offer(self, uri: str, version: str | None, size: int, segments: list[tuple[int, memoryview]]) -> None:
+        """Bytes of this object version received from a peer, kept where they complete blocks."""
+        kept = self.entry(uri, version, size).offer(segments)
+        self.count(received=kept)
 
     def close(self) -> None:
         with self._lock:
