@@ -408,21 +408,24 @@ class ObjectSource:
         return _each(lambda name: self.store.stat(self.folder_location.child(name)), names, "distload-stat")
 
     def read_headers(self, paths: list[str]) -> list[FileInfo]:
-        # One ranged GET each gives the header, the size and the version of the same object.
-        return _each(self.read_header, paths, "distload-header")
+        """The node cache's (one after another: local reads) where it holds them, the others from
+        the store: one ranged GET each gives the header, the size and the version of the same
+        object (several at a time)."""
+        found = {path: self.cached_header(path) for path in paths} if self.cache is not None else {}
+        missing = [path for path in paths if found.get(path) is None]
+        found.update(zip(missing, _each(self.store.read_header, missing, "distload-header")))
+        return [found[path] for path in paths]
 
-    def read_header(self, path: str) -> FileInfo:
-        """From the node cache where it holds the header's bytes under the listed version, else
-        from the store."""
-        listed = self.listed(path) if self.cache is not None else None
-        if listed is not None:
-            from distload.loading.stores.cache import cached_head
+    def cached_header(self, path: str) -> FileInfo | None:
+        """The header from the node cache where it holds its bytes under the listed version."""
+        listed = self.listed(path)
+        if listed is None:
+            return None
+        from distload.loading.stores.cache import cached_head
 
-            size, version = listed
-            head = cached_head(self.cache, path, version, size)
-            if head is not None:
-                return dataclasses.replace(parse_header(path, head, size), version=version)
-        return self.store.read_header(path)
+        size, version = listed
+        head = cached_head(self.cache, path, version, size)
+        return None if head is None else dataclasses.replace(parse_header(path, head, size), version=version)
 
     def no_weights_message(self, names: list[str]) -> str:
         if not names:

@@ -659,13 +659,13 @@ def cached_head(settings: CacheSettings, uri: str, version: str, size: int) -> b
     try:
         entry = cache.entry(uri, version, size)
         scratch = Scratch()
-        prefix = entry.peek(0, 8, scratch)
-        if prefix is None:
+        first = entry.peek(0, min(size, BLOCK_BYTES), scratch)  # most headers fit in the first block
+        if first is None:
             return None
-        (length,) = struct.unpack("<Q", prefix)
+        (length,) = struct.unpack("<Q", first[:8])
         if not 2 <= length <= MAX_HEADER_BYTES or 8 + length > size:
             return None  # the store's read names what is wrong with it
-        head = entry.peek(0, 8 + length, scratch)
-        return None if head is None else bytes(head)
+        head = first if 8 + length <= len(first) else entry.peek(0, 8 + length, scratch)
+        return None if head is None else bytes(head[:8 + length])
     finally:
         cache.close()
