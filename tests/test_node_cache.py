@@ -153,9 +153,10 @@ def test_bytes_received_from_a_peer_fill_only_whole_blocks_and_never_a_range_ano
     again.close()
 
 
-def test_a_read_straight_into_a_tensor_checks_every_block_it_uses(tmp_path):
-    """read_into: the blocks wholly inside the range are read and checked in the tensor's own
-    memory, the edges through scratch memory; a partial hit and a corrupt interior block too."""
+def test_a_read_straight_into_tensors_checks_every_block_it_uses(tmp_path):
+    """read_into / read_scatter: each block read once into the tensors' own memory (the bytes no
+    tensor takes, gaps and the edges' outer parts, only checked), every block checked; a partial
+    hit, a corrupt interior block, several tensors with gaps between them in one read."""
     from distload.loading.stores.cache import Scratch
     from distload.tensor_io import host_view
 
@@ -177,10 +178,14 @@ def test_a_read_straight_into_a_tensor_checks_every_block_it_uses(tmp_path):
         f.write(b"\0" if obj.bytes[3 * BLOCK_BYTES + 100] else b"\1")
     obj.fetched.clear()
     cache = NodeCache(settings)
-    out = torch.empty(size - 10, dtype=torch.uint8)
-    cache.read_into("s3://bucket/model.safetensors", "v1", size, 10, size, host_view(out), obj.fetch, Scratch())
-    assert bytes(out.numpy()) == obj.bytes[10:] and obj.fetched == [(3 * BLOCK_BYTES, 4 * BLOCK_BYTES)]
-    assert cache.corrupt_blocks == 1
+    # three tensors, gaps between them, the corrupt block inside the second
+    spans = [(10, BLOCK_BYTES + 5), (BLOCK_BYTES + 99, 4 * BLOCK_BYTES - 3), (4 * BLOCK_BYTES - 3, size - 1)]
+    outs = [torch.empty(b - a, dtype=torch.uint8) for a, b in spans]
+    cache.read_scatter("s3://bucket/model.safetensors", "v1", size, 10, size - 1,
+                       [(a, host_view(out)) for (a, _), out in zip(spans, outs)], obj.fetch, Scratch())
+    assert [bytes(out.numpy()) for out in outs] == [obj.bytes[a:b] for a, b in spans]
+    assert obj.fetched == [(3 * BLOCK_BYTES, 4 * BLOCK_BYTES)] and cache.corrupt_blocks == 1
+    assert cache.cache_bytes == size - BLOCK_BYTES  # every other block read (and checked) once
     cache.close()
 
 

@@ -43,6 +43,7 @@ blocks count), when an entry is opened and when a load ends.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import hashlib
@@ -53,14 +54,13 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from distload.errors import CheckpointError, ConfigError
 from distload.fileio import write_json_atomic
 from distload.loading.index import MAX_HEADER_BYTES
-from distload.loading.stores.crc import PIECE_BYTES, address, crc32c, crc32c_at
+from distload.loading.stores.crc import PIECE_BYTES, crc32c
 from distload.loading.stores.crc import check_available as check_crc_available
 
 log = logging.getLogger("distload")
@@ -79,9 +79,6 @@ MAGIC = b"DLCC"  # CRC-32C
 # its fetch runs, itself bounded by the store's timeouts) before it gives up with an error.
 LOCK_WAIT_S = 600.0
 GIB = 1024**3
-# Threads that read and check one large range from the cache, each at least this many blocks.
-CHECK_THREADS = 4
-CHECK_GROUP_BLOCKS = 4
 
 
 def check_cache_dir(key: str, value: Any) -> None:
@@ -136,15 +133,29 @@ def _lock_range(fd: int, start: int, length: int, deadline: float) -> bool:
         pause = min(0.05, pause * 2)
 
 
-def _read_into(fd: int, view: memoryview, offset: int) -> int:
-    """Bytes read into ``view`` from ``offset`` (fewer at the end of the file)."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Bytes read into ``views`` (in order) from ``offset``: all of them, fewer only at the end
+    of the file (one call but where the kernel returns short)."""
+    total = sum(len(v) for v in views)
+    done = os.preadv(fd, views, offset)
+    while 0 < done < total:
+        rest, skip = [], done
+        for view in views:
+            if skip >= len(view):
+                skip -= len(view)
+                continue
+            rest.append(view[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + done)
         if n == 0:
             break
         done += n
     return done
+
+
+def _contiguous(view: memoryview, lo: int) -> "Callable[[int, int], list[memoryview]]":
+    """``memory`` for ``_check`` where file bytes go to one buffer that starts at offset ``lo``."""
+    return lambda a, b: [view[a - lo:b - lo]]
 
 
 def _write_all(fd: int, data, offset: int) -> None:
@@ -237,45 +248,30 @@ class _Entry:
         head = struct.pack("<4sII", MAGIC, crc, i)
         return head + struct.pack("<I", zlib.crc32(head + self.salt))
 
-    def _check(self, first: int, last: int, view: memoryview, lo: int, fd: int, again: bool = False) -> list[int]:
-        """Read blocks ``first..last`` from the data file into ``view`` (which starts at file
-        offset ``lo``) and check them: the blocks that are not complete. ``again``: the second
-        look, under the lock (a corrupt block was told of at the first)."""
+    def _check(self, first: int, last: int, memory: "Callable[[int, int], list[memoryview]]", fd: int,
+               again: bool = False) -> list[int]:
+        """Read blocks ``first..last`` from the data file into ``memory(start, end)`` (the views
+        that file bytes ``[start, end)`` go to, in order) and check them: the blocks that are not
+        complete. ``again``: the second look, under the lock (a corrupt block was told of at the
+        first)."""
         raw = os.pread(fd, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
-        crcs = {i: self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
-                for i in range(first, last + 1)}
-
-        base, pin = address(view)  # pin: alive until the return, so is the address
-
-        def read_and_check(blocks: range) -> list[bool]:
-            """Whether each block of a group matches its record: read into ``view`` and checked a
-            piece at a time, while the piece is still in the core's cache (crc.py). A block
-            without a valid record is read all the same (the caller's view needs its bytes when
-            it is filled), and counts as missing."""
-            fine = []
-            for i in blocks:
-                s, e = self._span(i)
-                crc, at = 0, s
-                while at < e:
-                    n = min(PIECE_BYTES, e - at)
-                    got = _read_into(self.data, view[at - lo:at - lo + n], at)
-                    if got < n:
-                        break
-                    crc = crc32c_at(base + at - lo, n, crc)
-                    at += n
-                fine.append(at == e and crcs[i] is not None and crc == crcs[i])
-            return fine
-
-        # Reading and checking a large range on several threads (both release the GIL): a warm
-        # load is nothing else.
-        groups = _split(range(first, last + 1), CHECK_THREADS)
-        fine = [ok for part in (self.cache.pool().map(read_and_check, groups) if len(groups) > 1
-                                else map(read_and_check, groups)) for ok in part]
         bad = []
-        for i, ok in zip(range(first, last + 1), fine):
+        for i in range(first, last + 1):
+            crc = self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
             s, e = self._span(i)
-            crc = crcs[i]
-            if ok:
+            # Read and checked a piece at a time, while the piece is still in the core's cache
+            # (crc.py). A block without a valid record is read all the same (the caller's memory
+            # needs its bytes when it is filled), and counts as missing.
+            got, at = 0, s
+            while at < e:
+                n = min(PIECE_BYTES, e - at)
+                views = memory(at, at + n)
+                if _read_all(self.data, views, at) < n:
+                    break
+                for view in views:
+                    got = crc32c(view, got)
+                at += n
+            if at == e and crc is not None and got == crc:
                 self.cache.count(cache=e - s)
                 continue
             if crc is not None and not again:
@@ -293,7 +289,7 @@ class _Entry:
         first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
         lo, hi = self._span(first)[0], self._span(last)[1]
         view = (scratch or Scratch()).view(hi - lo)
-        missing = self._check(first, last, view, lo, self.records)
+        missing = self._check(first, last, _contiguous(view, lo), self.records)
         for a, b in _runs(missing):
             self._fill(a, b, view, lo, fetch)
         return view[start - lo:end - lo]
@@ -304,27 +300,55 @@ class _Entry:
         first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
         lo, hi = self._span(first)[0], self._span(last)[1]
         view = scratch.view(hi - lo)
-        if self._check(first, last, view, lo, self.records):
+        if self._check(first, last, _contiguous(view, lo), self.records):
             return None
         return view[start - lo:end - lo]
 
+    def read_scatter(self, start: int, end: int, targets: list[tuple[int, memoryview]],
+                     fetch: Callable[[int, int], bytes], scratch: "Scratch") -> None:
+        """Bytes ``[start, end)`` of the object into ``targets`` ((file offset, memory: a tensor's),
+        in file order, inside the range, not overlapping). Each block is read once, straight
+        into the memory its bytes go to, and checked there; the bytes no target takes (gaps, the
+        parts of the edge blocks outside the range: a block is checked whole) land in a small
+        sink, a piece at a time, only to be checked. So several tensors in a row cost one read
+        of their blocks, with no copy (and no large scratch memory: a new buffer costs a page
+        fault per page). Blocks not complete here are fetched through ``scratch`` and copied
+        out."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        sink = scratch.view(PIECE_BYTES)  # _check asks for at most a piece at a time
+        starts = [offset for offset, _ in targets]
+
+        def memory(a: int, b: int) -> list[memoryview]:
+            views, at, used = [], a, 0
+            for offset, view in targets[max(0, bisect.bisect_right(starts, a) - 1):]:
+                if offset >= b:
+                    break
+                top = offset + len(view)
+                if top <= at:
+                    continue
+                if at < offset:
+                    views.append(sink[used:used + offset - at])
+                    used += offset - at
+                    at = offset
+                views.append(view[at - offset:min(b, top) - offset])
+                at = min(b, top)
+            if at < b:
+                views.append(sink[used:used + b - at])
+            return views
+
+        for a, b in _runs(self._check(first, last, memory, self.records)):
+            lo, hi = self._span(a)[0], self._span(b)[1]
+            buffer = scratch.view(hi - lo)
+            self._fill(a, b, buffer, lo, fetch)
+            for offset, view in targets:
+                x, y = max(lo, offset), min(hi, offset + len(view))
+                if x < y:
+                    view[x - offset:y - offset] = buffer[x - lo:y - lo]
+
     def read_into(self, start: int, end: int, out: memoryview, fetch: Callable[[int, int], bytes],
                   scratch: "Scratch") -> None:
-        """Bytes ``[start, end)`` of the object into ``out`` (a tensor's memory): the blocks wholly
-        inside the range are read and checked there, straight; the one or two it covers only in
-        part go through ``scratch`` (a block is checked whole)."""
-        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
-        inner_first = first if start == self._span(first)[0] else first + 1
-        inner_last = last if end == self._span(last)[1] else last - 1
-        for edge in sorted({first, last} - set(range(inner_first, inner_last + 1))):
-            s, e = max(start, self._span(edge)[0]), min(end, self._span(edge)[1])
-            out[s - start:e - start] = self.read(s, e, fetch, scratch)
-        if inner_first > inner_last:
-            return
-        lo, hi = self._span(inner_first)[0], self._span(inner_last)[1]
-        view = out[lo - start:hi - start]
-        for a, b in _runs(self._check(inner_first, inner_last, view, lo, self.records)):
-            self._fill(a, b, view, lo, fetch)
+        """Bytes ``[start, end)`` of the object into ``out`` (a tensor's memory)."""
+        self.read_scatter(start, end, [(start, out)], fetch, scratch)
 
     def _fill(self, first: int, last: int, view: memoryview, lo: int, fetch: Callable[[int, int], bytes]) -> None:
         # Its own open file description: OFD locks then conflict with this process's other
@@ -337,7 +361,7 @@ class _Entry:
                     f"{self.uri}: waited {LOCK_WAIT_S:.0f} s for another process filling blocks {first}-{last} "
                     f"of it in the node cache ({self.folder}); is a load on this node stuck?")
             # What another writer filled while this one waited is complete now: checked, not fetched.
-            for a, b in _runs(self._check(first, last, view, lo, fd, again=True)):
+            for a, b in _runs(self._check(first, last, _contiguous(view, lo), fd, again=True)):
                 start, end = self._span(a)[0], self._span(b)[1]
                 data = fetch(start, end)
                 self.cache.count(store=len(data))
@@ -419,13 +443,6 @@ class Scratch:
         return memoryview(self._buffer)[:nbytes]
 
 
-def _split(blocks: range, parts: int) -> list[range]:
-    """``blocks`` in up to ``parts`` contiguous groups of at least CHECK_GROUP_BLOCKS."""
-    parts = max(1, min(parts, len(blocks) // CHECK_GROUP_BLOCKS))
-    step = -(-len(blocks) // parts)
-    return [blocks[i:i + step] for i in range(0, len(blocks), step)]
-
-
 def _covered(segments: list[tuple[int, memoryview]]) -> list[tuple[int, int, list[tuple[int, memoryview]]]]:
     """Segments (file offset, bytes; in file order) as runs that cover ``[start, end)`` unbroken,
     each with its segments."""
@@ -488,13 +505,6 @@ class NodeCache:
         self.corrupt_blocks = 0
         self.received_bytes = 0  # bytes received from peers and kept here (whole blocks)
         self.evicted = 0
-        self._pool: ThreadPoolExecutor | None = None
-
-    def pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="distload-cache")
-            return self._pool
 
     def check_writable(self) -> None:
         """Create the cache's folders and write there once: a cache that cannot work is an error
@@ -544,6 +554,11 @@ class NodeCache:
                   fetch: Callable[[int, int], bytes], scratch: Scratch) -> None:
         self.entry(uri, version, size).read_into(start, end, out, fetch, scratch)
 
+    def read_scatter(self, uri: str, version: str | None, size: int, start: int, end: int,
+                     targets: list[tuple[int, memoryview]], fetch: Callable[[int, int], bytes],
+                     scratch: Scratch) -> None:
+        self.entry(uri, version, size).read_scatter(start, end, targets, fetch, scratch)
+
     def offer(self, uri: str, version: str | None, size: int, segments: list[tuple[int, memoryview]]) -> None:
         """Bytes of this object version received from a peer, kept where they complete blocks."""
         kept = self.entry(uri, version, size).offer(segments)
@@ -554,10 +569,6 @@ class NodeCache:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
             entry.close()
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown()
         self.trim()
 
     # -- removal ---------------------------------------------------------------------------------

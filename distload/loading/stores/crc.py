@@ -64,8 +64,3 @@ def crc32c(view: memoryview, crc: int = 0) -> int:
     value = _extend()(crc, at, len(view))
     del pin
     return value
-
-
-def crc32c_at(at: int, length: int, crc: int = 0) -> int:
-    """CRC-32C of ``length`` bytes at address ``at`` (kept alive by the caller)."""
-    return _extend()(crc, at, length) if length else crc
