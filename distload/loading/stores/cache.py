@@ -19,11 +19,26 @@ missing blocks. The layout (docs/cache.md says the same for an operator)::
       trash/        entries being removed (renamed there first, so no half-removed entry is
                     ever under entries/)
 
-**Keyed by version.** The key holds the object's ETag (S3, Azure) or generation (GCS) as read
-with its header while planning; an object written again has another version, so another
-entry, and its old entry is removed once no process uses it. Bytes are fetched for the cache
-only with that version as a precondition, and the answer's version is compared as well
-(``ObjectStore.read_version``): bytes of another version are never kept.
+**Keyed by version.** The key holds the object's ETag (S3, Azure) or generation (GCS) as the
+prefix's listing gives it while planning (or its header read, where the cache lacks the
+header's bytes); an object written again has another version, so another entry, and its old
+entry is removed once no process uses it. Bytes are fetched for the cache only with that version
+as a precondition, and the answer's version is compared as well (``ObjectStore.read_version``):
+bytes of another version are never kept. So a warm load asks the store for the listing alone:
+the index and config.json are read through the cache, each header from its first block
+(``cached_head``), and no object is asked its version after the load (every byte was of the
+version planned with).
+
+**A warm read** (``read_scatter``) reads each block once, ``preadv`` straight into the tensors
+its bytes go to, and checks its CRC-32C there (``crc.py``: in place, a 256 KiB piece at a time
+while it is still in the core's cache); the bytes no tensor takes only pass through a small
+sink to be checked.
+
+**Every node a shared read passes through** keeps what its rank received from the others
+(``offer``): the blocks the received bytes cover whole and that have no valid record yet, under
+the same lock as a fetch (tried, never waited for: a writer holding it finishes those blocks),
+bytes before records. A node then lacks at most the blocks no bytes it received covered whole
+(a file's first block, which holds the header the ranks do not send each other).
 
 **Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
 bytes read now matches it. A writer writes the data first and the record after; a process killed
