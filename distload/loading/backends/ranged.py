@@ -152,6 +152,7 @@ class ObjectBytes:
         assert self.cache is not None
         for path, segments in by_file.items():
             info = self.files[path]
+            segments.sort(key=lambda segment: segment[0])  # offer takes them in file order
             self.cache.offer(path, info.version, info.size, segments)
 
     def scratch(self) -> Scratch:
