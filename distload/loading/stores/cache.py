@@ -37,8 +37,9 @@ sink to be checked.
 **Every node a shared read passes through** keeps what its rank received from the others
 (``offer``): the blocks the received bytes cover whole and that have no valid record yet, under
 the same lock as a fetch (tried, never waited for: a writer holding it finishes those blocks),
-bytes before records. A node then lacks at most the blocks no bytes it received covered whole
-(a file's first block, which holds the header the ranks do not send each other).
+bytes before records. A node then lacks the blocks no bytes it received covered whole: a file's
+first block (it holds the header, which ranks do not send each other), and a block where two
+buckets other ranks read meet (each bucket's bytes are kept as they arrive).
 
 **Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
 bytes read now matches it. A writer writes the data first and the record after; a process killed
