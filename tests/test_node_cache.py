@@ -153,6 +153,30 @@ def test_bytes_received_from_a_peer_fill_only_whole_blocks_and_never_a_range_ano
     again.close()
 
 
+def test_a_block_two_received_buckets_share_is_kept_once_the_second_arrives(tmp_path):
+    """A shared read's receiver offers each bucket as it arrives: the part of a block the first
+    bucket ends in is carried until the next bucket (of the same file, in file order) completes it."""
+    from distload.loading.backends.ranged import ObjectBytes
+    from distload.loading.index import FileInfo, TensorInfo
+
+    uri = "s3://bucket/model.safetensors"
+    obj = LocalObject(str(tmp_path / "object"), 4 * BLOCK_BYTES)
+    a = TensorInfo("a", "U8", (BLOCK_BYTES,), uri, BLOCK_BYTES // 2, 3 * BLOCK_BYTES // 2)
+    b = TensorInfo("b", "U8", (2 * BLOCK_BYTES,), uri, 3 * BLOCK_BYTES // 2, 7 * BLOCK_BYTES // 2)
+    memory = bytearray(obj.bytes)
+    cache = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    received = ObjectBytes([FileInfo(uri, len(obj.bytes), (a, b), None, version="v1")], cache)
+    received.offer([(a, a.begin, memoryview(memory)[a.begin:a.end])])  # bucket 1: block 1 half
+    assert cache.received_bytes == 0
+    received.offer([(b, b.begin, memoryview(memory)[b.begin:b.end])])  # bucket 2: blocks 1 and 2
+    assert cache.received_bytes == 2 * BLOCK_BYTES
+    cache.close()
+    again = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    assert obj.read(again, 0, len(obj.bytes)) == obj.bytes
+    assert obj.fetched == [(0, BLOCK_BYTES), (3 * BLOCK_BYTES, 4 * BLOCK_BYTES)]  # the ends only
+    again.close()
+
+
 def test_a_read_straight_into_tensors_checks_every_block_it_uses(tmp_path):
     """read_into / read_scatter: each block read once into the tensors' own memory (the bytes no
     tensor takes, gaps and the edges' outer parts, only checked), every block checked; a partial

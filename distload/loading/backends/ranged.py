@@ -29,7 +29,8 @@ from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.shared_reads.stream import Extent, SharedReadOptions, shared_stream
 from distload.loading.index import FileInfo, TensorInfo
-from distload.loading.stores.cache import CacheSettings, NodeCache, Scratch, check_cache_dir, check_cache_max_gib
+from distload.loading.stores.cache import (BLOCK_BYTES, CacheSettings, NodeCache, Scratch, check_cache_dir,
+                                           check_cache_max_gib)
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -118,6 +119,9 @@ class ObjectBytes:
         self.files = {f.path: f for f in files}
         self.cache = cache
         self._scratch = threading.local()
+        # Per file, the received bytes after the last block boundary (a copy): the next bucket
+        # received may complete that block (buckets arrive in file order).
+        self._carry: dict[str, tuple[int, bytearray]] = {}
 
     def read(self, path: str, start: int, end: int, scratch: Scratch | None = None):
         """The bytes (through the cache: in ``scratch``, else this thread's own scratch memory,
@@ -144,8 +148,9 @@ class ObjectBytes:
                                 lambda a, b: store.read_version(location, a, b, info.version), self.scratch())
 
     def offer(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None:
-        """Bytes received from a peer (tensor, file offset, bytes; in file order) into the cache,
-        each file's under the version planned with (the peer read that version)."""
+        """Bytes received from a peer (tensor, file offset, bytes) into the cache, each file's
+        under the version planned with (the peer read that version). A block two received
+        buckets share is kept once the second arrives: the first's part of it is carried."""
         by_file: dict[str, list[tuple[int, memoryview]]] = {}
         for info, offset, view in pieces:
             by_file.setdefault(info.file, []).append((offset, view))
@@ -153,7 +158,13 @@ class ObjectBytes:
         for path, segments in by_file.items():
             info = self.files[path]
             segments.sort(key=lambda segment: segment[0])  # offer takes them in file order
+            carried = self._carry.pop(path, None)
+            if carried is not None and carried[0] + len(carried[1]) == segments[0][0]:
+                segments.insert(0, (carried[0], memoryview(carried[1])))
             self.cache.offer(path, info.version, info.size, segments)
+            tail = _tail(segments)
+            if tail is not None:
+                self._carry[path] = tail
 
     def scratch(self) -> Scratch:
         """This thread's own scratch memory."""
@@ -165,6 +176,26 @@ class ObjectBytes:
     def close(self) -> None:
         if self.cache is not None:
             self.cache.close()
+
+
+def _tail(segments: list[tuple[int, memoryview]]) -> tuple[int, bytearray] | None:
+    """The bytes of the last unbroken run of ``segments`` (in file order) after its last block
+    boundary, copied (the tensors they are in may be gone when the next bucket arrives)."""
+    end = segments[-1][0] + len(segments[-1][1])
+    start = segments[-1][0]
+    for offset, view in reversed(segments[:-1]):
+        if offset + len(view) != start:
+            break
+        start = offset
+    cut = max(start, end // BLOCK_BYTES * BLOCK_BYTES)
+    if cut >= end:
+        return None
+    tail = bytearray()
+    for offset, view in segments:
+        a, b = max(cut, offset), min(end, offset + len(view))
+        if a < b:
+            tail += view[a - offset:b - offset]
+    return cut, tail
 
 
 def _counted(tensors: Iterator[tuple[str, torch.Tensor]], run: BackendRun,

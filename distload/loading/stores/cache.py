@@ -37,9 +37,9 @@ sink to be checked.
 **Every node a shared read passes through** keeps what its rank received from the others
 (``offer``): the blocks the received bytes cover whole and that have no valid record yet, under
 the same lock as a fetch (tried, never waited for: a writer holding it finishes those blocks),
-bytes before records. A node then lacks the blocks no bytes it received covered whole: a file's
-first block (it holds the header, which ranks do not send each other), and a block where two
-buckets other ranks read meet (each bucket's bytes are kept as they arrive).
+bytes before records (a block two received buckets share: once the second arrives, the ranged
+reader carrying the first's part). A node then lacks a file's first block where another rank
+read its first tensors: it holds the header, which ranks do not send each other.
 
 **Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
 bytes read now matches it. A writer writes the data first and the record after; a process killed
