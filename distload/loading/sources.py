@@ -413,7 +413,9 @@ class ObjectSource:
         object (several at a time)."""
         found = {path: self.cached_header(path) for path in paths} if self.cache is not None else {}
         missing = [path for path in paths if found.get(path) is None]
-        found.update(zip(missing, _each(self.store.read_header, missing, "distload-header")))
+        read = (lambda path: self.store.read_header(path, keep_head=True)) if self.cache is not None \
+            else self.store.read_header
+        found.update(zip(missing, _each(read, missing, "distload-header")))
         return [found[path] for path in paths]
 
     def cached_header(self, path: str) -> FileInfo | None:
@@ -425,7 +427,7 @@ class ObjectSource:
 
         size, version = listed
         head = cached_head(self.cache, path, version, size)
-        return None if head is None else dataclasses.replace(parse_header(path, head, size), version=version)
+        return None if head is None else dataclasses.replace(parse_header(path, head, size), version=version, head=head)
 
     def no_weights_message(self, names: list[str]) -> str:
         if not names:

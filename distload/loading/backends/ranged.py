@@ -122,6 +122,8 @@ class ObjectBytes:
         # Per file, the received bytes after the last block boundary (a copy): the next bucket
         # received may complete that block (buckets arrive in file order).
         self._carry: dict[str, tuple[int, bytearray]] = {}
+        if cache is not None:  # the header: what a rank receiving the first tensors lacks of block 0
+            self._carry.update({f.path: (0, bytearray(f.head)) for f in files if f.head})
 
     def read(self, path: str, start: int, end: int, scratch: Scratch | None = None):
         """The bytes (through the cache: in ``scratch``, else this thread's own scratch memory,

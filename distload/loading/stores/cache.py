@@ -38,8 +38,8 @@ sink to be checked.
 (``offer``): the blocks the received bytes cover whole and that have no valid record yet, under
 the same lock as a fetch (tried, never waited for: a writer holding it finishes those blocks),
 bytes before records (a block two received buckets share: once the second arrives, the ranged
-reader carrying the first's part). A node then lacks a file's first block where another rank
-read its first tensors: it holds the header, which ranks do not send each other.
+reader carrying the first's part; a file's first block: with the header's raw bytes, which a
+load through a cache keeps from planning, ``FileInfo.head``).
 
 **Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
 bytes read now matches it. A writer writes the data first and the record after; a process killed
