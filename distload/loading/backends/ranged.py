@@ -314,7 +314,7 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
 
 # Requests read through the node cache at once, each on its own thread, each at most
 # CACHED_REQUEST_BYTES (a larger piece is cut), so that a warm load is not one thread's memory
-# bandwidth, and each new tensor is backed (prefaulted) by the thread that first reads into it.
+# bandwidth, and each thread backs (prefaults) the part of a new tensor it reads into.
 CACHED_IN_FLIGHT = 4
 CACHED_REQUEST_BYTES = 16 * 1024 * 1024
 
