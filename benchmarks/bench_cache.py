@@ -133,7 +133,7 @@ def main() -> int:
         "warm speed / local disk speed": round(median("local disk", "seconds") / median("warm", "seconds"), 3),
         "warm speed / store speed": round(median("store", "seconds") / median("warm", "seconds"), 3),
         "warm speed / cold speed": round(median("cold", "seconds") / median("warm", "seconds"), 3),
-        "warm served / checkpoint": summary["warm"]["served_over_checkpoint"],
+        "warm served / checkpoint": round(median("warm", "served_bytes") / nbytes, 6),
         "TP 4 after TP 2 served / checkpoint": summary["TP 4 after TP 2 (4 loads)"]["served_over_checkpoint"],
     }
     result = {"machine": {**at_start, "load_average_at_end": [round(x, 2) for x in os.getloadavg()]},
@@ -150,13 +150,14 @@ def main() -> int:
         f"Machine: {m['cpus']} CPUs, {m['memory_gib']} GiB, {m['platform']}, torch {m['torch']}, load average "
         f"{m['load_average_at_start']} at the start, {m['load_average_at_end']} at the end (shared machine).",
         "",
-        "| load | reader | seconds | GiB/s | served by the store / checkpoint |",
-        "|---|---|---|---|---|",
+        "| load | reader | seconds | GiB/s | served by the store (bytes) | served by the store / checkpoint |",
+        "|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():
         speed = (nbytes / GIB / s["seconds"]) if "TP" not in name else float("nan")
         lines.append(f"| {name} | {s['path']} | {s['seconds']:.3f} | "
-                     f"{'-' if 'TP' in name else f'{speed:.2f}'} | {s['served_over_checkpoint']:.4f} |")
+                     f"{'-' if 'TP' in name else f'{speed:.2f}'} | {s['served_bytes']:,} | "
+                     f"{s['served_over_checkpoint']:.4f} |")
     lines += ["", "| ratio (same run) | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in ratios.items()]
     lines.append("")

@@ -35,6 +35,7 @@ from distload.live.channel import SyncChannel
 from distload.live.sync import SyncStats, WeightSync
 from distload.live.server import WeightServer
 from distload.live.from_server import load_from_server
+from distload.live.server_dtensors import load_dtensors_from_server
 from distload.loading.dtensors import load_dtensors
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, CheckpointLayout, detect_layout
@@ -61,7 +62,7 @@ __all__ = [
     "save_sharded", "reshard", "ReshardReport", "inspect", "verify", "ShardingSpec", "load_spec",
     # live updates
     "reload_into", "load_dtensors", "Destination", "ReloadReport", "WeightSync", "SyncChannel", "SyncStats", "WeightSleeper",
-    "WeightServer", "load_from_server",
+    "WeightServer", "load_from_server", "load_dtensors_from_server",
     # errors
     "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
     "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError",

@@ -3,8 +3,10 @@
     torchrun --standalone --nproc-per-node 2 tests/store_load_driver.py SPEC.json OUT.json
     python tests/store_load_driver.py SPEC.json OUT.json          # one process
 
-SPEC.json is a list of loads: ``{"source", "format", "extra", "env"}`` (``env``: variables set
-for that load only, e.g. an endpoint through a byte-counting proxy). Rank 0 writes OUT.json: per
+SPEC.json is a list of loads: ``{"source", "format", "extra", "env", "rank_extra"}`` (``env``:
+variables set for that load only, e.g. an endpoint through a byte-counting proxy;
+``rank_extra``: rank -> extra config merged over ``extra`` on that rank, e.g. a cache folder per
+rank, as on two nodes). Rank 0 writes OUT.json: per
 load either the job report (``LoadReport.to_json()``, digests included) or ``{"error": message}``.
 """
 
@@ -27,7 +29,8 @@ def main(spec_path: str, out_path: str) -> int:
             saved = {k: os.environ.get(k) for k in load.get("env", {})}
             os.environ.update(load.get("env", {}))
             try:
-                loader = distload.Loader(load["source"], load["format"], load.get("extra"), group=group)
+                extra = {**load.get("extra", {}), **load.get("rank_extra", {}).get(str(group.rank), {})}
+                loader = distload.Loader(load["source"], load["format"], extra or None, group=group)
                 results.append(loader.load(gather=True, digest=True).report.to_json())
             except DistloadError as exc:
                 results.append({"error": str(exc), "type": type(exc).__name__,

@@ -121,9 +121,66 @@ def test_a_partial_hit_fetches_only_the_missing_blocks_and_every_read_is_exact(t
     again.close()
 
 
-def test_a_read_straight_into_a_tensor_checks_every_block_it_uses(tmp_path):
-    """read_into: the blocks wholly inside the range are read and checked in the tensor's own
-    memory, the edges through scratch memory; a partial hit and a corrupt interior block too."""
+def test_bytes_received_from_a_peer_fill_only_whole_blocks_and_never_a_range_another_writer_holds(tmp_path):
+    """offer (a shared read's receiver): segments in several pieces (two tensors' memory) keep
+    the blocks they cover whole, without any fetch; a block another writer has locked is left to
+    it; a later read takes the kept blocks from the cache, exact, and fetches only the rest."""
+    import fcntl
+    import struct
+
+    obj = LocalObject(str(tmp_path / "object"), 6 * BLOCK_BYTES + 999)
+    uri, size = "s3://bucket/model.safetensors", len(obj.bytes)
+    cache = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    entry = cache.entry(uri, "v1", size)
+    # another writer holds block 4's record (an OFD lock on its own open file description)
+    holder = os.open(entry.records_path, os.O_RDWR)
+    fcntl.fcntl(holder, fcntl.F_OFD_SETLK, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET,
+                                                        4 * RECORD_BYTES, RECORD_BYTES, 0))
+    # bytes [BLOCK/2, end) as two segments meeting inside block 2, in writable memory (a tensor's)
+    memory = bytearray(obj.bytes)
+    cut = 2 * BLOCK_BYTES + 4321
+    cache.offer(uri, "v1", size, [(BLOCK_BYTES // 2, memoryview(memory)[BLOCK_BYTES // 2:cut]),
+                                  (cut, memoryview(memory)[cut:])])
+    os.close(holder)
+    # blocks 1, 2, 3, 5 and the short last one (6): block 0 is half covered, block 4 was held
+    assert cache.received_bytes == size - 2 * BLOCK_BYTES
+    assert obj.fetched == []
+    cache.close()
+    again = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    assert obj.read(again, 0, size) == obj.bytes
+    assert obj.fetched == [(0, BLOCK_BYTES), (4 * BLOCK_BYTES, 5 * BLOCK_BYTES)]
+    assert again.corrupt_blocks == 0
+    again.close()
+
+
+def test_a_block_two_received_buckets_share_is_kept_once_the_second_arrives(tmp_path):
+    """A shared read's receiver offers each bucket as it arrives: the part of a block the first
+    bucket ends in is carried until the next bucket (of the same file, in file order) completes it."""
+    from distload.loading.backends.ranged import ObjectBytes
+    from distload.loading.index import FileInfo, TensorInfo
+
+    uri = "s3://bucket/model.safetensors"
+    obj = LocalObject(str(tmp_path / "object"), 4 * BLOCK_BYTES)
+    a = TensorInfo("a", "U8", (BLOCK_BYTES,), uri, BLOCK_BYTES // 2, 3 * BLOCK_BYTES // 2)
+    b = TensorInfo("b", "U8", (2 * BLOCK_BYTES,), uri, 3 * BLOCK_BYTES // 2, 7 * BLOCK_BYTES // 2)
+    memory = bytearray(obj.bytes)
+    cache = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    received = ObjectBytes([FileInfo(uri, len(obj.bytes), (a, b), None, version="v1")], cache)
+    received.offer([(a, a.begin, memoryview(memory)[a.begin:a.end])])  # bucket 1: block 1 half
+    assert cache.received_bytes == 0
+    received.offer([(b, b.begin, memoryview(memory)[b.begin:b.end])])  # bucket 2: blocks 1 and 2
+    assert cache.received_bytes == 2 * BLOCK_BYTES
+    cache.close()
+    again = NodeCache(CacheSettings(str(tmp_path / "cache"), None))
+    assert obj.read(again, 0, len(obj.bytes)) == obj.bytes
+    assert obj.fetched == [(0, BLOCK_BYTES), (3 * BLOCK_BYTES, 4 * BLOCK_BYTES)]  # the ends only
+    again.close()
+
+
+def test_a_read_straight_into_tensors_checks_every_block_it_uses(tmp_path):
+    """read_into / read_scatter: each block read once into the tensors' own memory (the bytes no
+    tensor takes, gaps and the edges' outer parts, only checked), every block checked; a partial
+    hit, a corrupt interior block, several tensors with gaps between them in one read."""
     from distload.loading.stores.cache import Scratch
     from distload.tensor_io import host_view
 
@@ -145,10 +202,14 @@ def test_a_read_straight_into_a_tensor_checks_every_block_it_uses(tmp_path):
         f.write(b"\0" if obj.bytes[3 * BLOCK_BYTES + 100] else b"\1")
     obj.fetched.clear()
     cache = NodeCache(settings)
-    out = torch.empty(size - 10, dtype=torch.uint8)
-    cache.read_into("s3://bucket/model.safetensors", "v1", size, 10, size, host_view(out), obj.fetch, Scratch())
-    assert bytes(out.numpy()) == obj.bytes[10:] and obj.fetched == [(3 * BLOCK_BYTES, 4 * BLOCK_BYTES)]
-    assert cache.corrupt_blocks == 1
+    # three tensors, gaps between them, the corrupt block inside the second
+    spans = [(10, BLOCK_BYTES + 5), (BLOCK_BYTES + 99, 4 * BLOCK_BYTES - 3), (4 * BLOCK_BYTES - 3, size - 1)]
+    outs = [torch.empty(b - a, dtype=torch.uint8) for a, b in spans]
+    cache.read_scatter("s3://bucket/model.safetensors", "v1", size, 10, size - 1,
+                       [(a, host_view(out)) for (a, _), out in zip(spans, outs)], obj.fetch, Scratch())
+    assert [bytes(out.numpy()) for out in outs] == [obj.bytes[a:b] for a, b in spans]
+    assert obj.fetched == [(3 * BLOCK_BYTES, 4 * BLOCK_BYTES)] and cache.corrupt_blocks == 1
+    assert cache.cache_bytes == size - BLOCK_BYTES  # every other block read (and checked) once
     cache.close()
 
 
@@ -428,8 +489,9 @@ def test_a_warm_cache_serves_a_load_bit_for_bit_and_the_store_at_most_2_percent(
     served = through_proxy.served - cold_served
     assert warm.path == "ranged-reads" and warm.digest == plain_digest(llama.files)
     assert warm.store_bytes == 0 and warm.cache_bytes >= warm.requested_bytes
-    # what the store still serves: the listing, the headers (each object's version), the checks
-    assert served <= 0.02 * llama.nbytes, (served, llama.nbytes)
+    # what the store still serves: the one listing (each object's version); the index and the
+    # headers come from the cache under those versions, and no object is asked its version again
+    assert served <= 0.02 * llama.nbytes and served < 16 * 1024, (served, llama.nbytes)
     assert cold_served >= llama.nbytes
 
 
@@ -541,6 +603,53 @@ def test_two_ranks_share_the_read_into_the_node_cache_from_the_command_line(stor
         assert [r["digest"] for r in ranks] == expected, tp
         stored.append(sum(r["store_bytes"] for r in ranks))
     assert stored == [llama.nbytes, 0]
+
+
+@pytest.mark.slow
+def test_the_ranks_that_receive_a_shared_read_fill_their_own_node_cache_too(store, llama, tmp_path):
+    """Two ranks, each with its own cache folder (two nodes): each fetches about half the blocks
+    and receives the rest from its peer, and keeps both (a file's first block with the header's
+    bytes every rank has). Then either alone loads from its cache: the store serves it its
+    listing, nothing else."""
+    if store.name != "s3rver":
+        pytest.skip("one store is enough for the exchange; the cache's store side runs on each above")
+    from object_store_servers import ByteCountingProxy
+
+    caches = [str(tmp_path / f"node{r}") for r in range(2)]
+    spec, out = str(tmp_path / "spec.json"), str(tmp_path / "out.json")
+    with open(spec, "w") as f:
+        json.dump([{"source": llama.uri, "format": "auto", "extra": {"distributed": True},
+                    "rank_extra": {str(r): {"cache_dir": caches[r]} for r in range(2)}}], f)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS + tuple(store.unset_keys())}
+    env.update({**store.env(), "OMP_NUM_THREADS": "1", "DISTLOAD_CACHE_DIR": "",
+                "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS)] + sys.path)})
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             os.path.join(TESTS, "store_load_driver.py"), spec, out],
+                            capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (report,) = json.load(open(out))
+    ranks = report["ranks"]
+    assert [r["path"] for r in ranks] == ["ranged-shared"] * 2, report
+    assert [r["digest"] for r in ranks] == [plain_digest(llama.files)] * 2
+    # each rank fetched its share (whole blocks: a block two buckets share is fetched by both
+    # nodes), and kept what it received from the other in its own cache
+    assert all(r["store_bytes"] < 0.7 * llama.nbytes for r in ranks), ranks
+    assert all(r["cache_received_bytes"] > 0.3 * llama.nbytes for r in ranks), ranks
+    proxy = ByteCountingProxy(store.port)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for key in LAUNCH_VARS + tuple(store.unset_keys()):
+                patch.delenv(key, raising=False)
+            for key, value in store.env(proxy.port).items():
+                patch.setenv(key, value)
+            patch.delenv("DISTLOAD_CACHE_DIR", raising=False)
+            for cache in caches:
+                before = proxy.served
+                alone = cached_load(llama.uri, cache)
+                assert alone.digest == plain_digest(llama.files)
+                assert alone.store_bytes == 0 and proxy.served - before < 16 * 1024, (cache, alone)
+    finally:
+        proxy.close()
 
 
 @pytest.mark.slow

@@ -202,6 +202,67 @@ def test_python_api_a_state_dict_served_in_process(tmp_path):
     assert first.rank_report.requested_bytes == 0 and first.report.load_format == "server"
 
 
+_DTENSOR_CLIENT = """
+import sys, torch, distload
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+address, out = sys.argv[1], sys.argv[2]
+with distload.WorkerGroup(device="cpu") as group:
+    mesh = init_device_mesh("cpu", (group.world_size,))
+    result = distload.load_dtensors_from_server(address, mesh, {"rows": [Shard(0)], "cols": [Shard(1)],
+                                                                "norm": [Replicate()]}, group=group)
+    state = result.state
+    torch.save({"local": {n: t.to_local() for n, t in state.items()},
+                "server_bytes": result.rank_report.server_bytes, "nbytes": result.rank_report.nbytes,
+                "full": {n: t.full_tensor() for n, t in state.items()},
+                "placements": {n: str(t.placements) for n, t in state.items()}}, f"{out}.{group.rank}")
+"""
+
+
+def test_dtensor_targets_from_a_server_each_rank_its_local_shards(tmp_path):
+    """Two ranks on a 1-D mesh load a served state as DTensors: each receives exactly its local
+    shard of each Shard(d) tensor (torch.chunk's), the rest whole; full_tensor() is the served one."""
+    from dist_helpers import run_script, write_script
+
+    state = {"rows": torch.arange(1024 * 64, dtype=torch.float32).view(1024, 64), "cols": torch.randn(64, 1024),
+             "norm": torch.ones(6, dtype=torch.bfloat16), "other": torch.arange(12, dtype=torch.int64)}
+    address = f"tcp://127.0.0.1:{free_port()}"
+    script = write_script(tmp_path, "client.py", _DTENSOR_CLIENT)
+    out = str(tmp_path / "out")
+    with distload.WeightServer(state, address, timeout_s=60).start() as server:
+        result = run_script(script, [address, out], nproc=2, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert server.served == 1
+    for rank in range(2):
+        got = torch.load(f"{out}.{rank}")
+        assert set(got["local"]) == set(state)
+        assert torch.equal(got["local"]["rows"], torch.chunk(state["rows"], 2, dim=0)[rank])
+        assert torch.equal(got["local"]["cols"], torch.chunk(state["cols"], 2, dim=1)[rank])
+        for name in ("norm", "other"):  # replicated: whole on each rank
+            assert torch.equal(got["local"][name], state[name]) and "Replicate" in got["placements"][name]
+        assert all(torch.equal(got["full"][n], state[n]) for n in state)
+        kept = sum(t.numel() * t.element_size() for t in got["local"].values())
+        assert got["nbytes"] == kept and kept <= got["server_bytes"] <= 1.05 * kept  # its shards, not the whole
+
+
+def test_dtensor_placements_a_server_cannot_serve_are_refused_naming_the_tensor():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from distload.errors import ConfigError
+    from distload.live.server_dtensors import placements_spec
+
+    with pytest.raises(ConfigError, match="tensor 'a': placement Shard\\(dim=-1\\); give the dimension"):
+        placements_spec({"a": [Shard(-1)]})
+    with pytest.raises(ConfigError, match="tensor 'a' is placed as Partial.*fills Shard\\(d\\) and Replicate"):
+        placements_spec({"a": [Partial()]})
+    with pytest.raises(ConfigError, match="tensor 'a': 2 placement\\(s\\).*1-D device mesh"):
+        placements_spec({"a": [Shard(0), Replicate()]})
+    spec = placements_spec({"w[0]*": [Shard(1)], "n": [Replicate()]})  # a name's wildcards taken literally
+    assert spec.action("w[0]*", (4, 4)).dim == 1
+    assert spec.action("w0x", (4, 4)).replicated and spec.action("n", (4,)).replicated
+
+
 def test_a_load_from_a_server_refuses_storage_flags_and_names_a_missing_server(capsys):
     assert cli_main(["load", "tcp://127.0.0.1:9", "--load-format", "safetensors"]) == 1
     assert "--load-format: how to read storage" in capsys.readouterr().err

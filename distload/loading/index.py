@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
@@ -110,6 +110,9 @@ class FileInfo:
     # An object's version (S3 and Azure: its ETag; GCS: its generation) when its header was read:
     # the same check for object stores.
     version: str | None = None
+    # The header's raw bytes (its length prefix included), kept only for a load through a node
+    # cache: a rank that receives the first tensors from another keeps the block they share.
+    head: bytes | None = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:

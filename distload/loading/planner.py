@@ -25,7 +25,8 @@ from distload.loading.layout import CheckpointLayout, detect_layout
 from distload.loading.plan import RankPlan
 from distload.loading.rank_slices import Blocks, TPPlace, plan_blocks, plan_slices
 from distload.loading.stores.cache import CACHE_DIR_VARIABLE, CacheSettings, cache_settings
-from distload.loading.sources import check_weight_map, content_fingerprint, model_config, whole_checkpoint
+from distload.loading.sources import (ObjectSource, check_source, check_weight_map, content_fingerprint,
+                                     is_object_store, model_config, whole_checkpoint)
 
 if TYPE_CHECKING:
     from distload.workers.group import WorkerGroup
@@ -71,7 +72,11 @@ def survey_source(source: str, config: LoadConfig, group: "WorkerGroup", tensor_
     only = fmt.backends
     if len(only) == 1:  # the format fixes the reader: refuse what it can never serve before listing
         BACKENDS[only[0]].check_source(source, group)
-    layout = detect_layout(source, config.pattern)
+    # The node cache serves object-store reads (local files have the page cache); planning's
+    # own reads too (the index, config.json, headers) where a reader that uses it may be chosen.
+    settings = cache_settings(config.extra) if is_object_store(source) else None
+    layout = detect_layout(ObjectSource(check_source(source), settings if "ranged" in only else None)
+                           if settings is not None else source, config.pattern)
     src = layout.source
     tp = tensor_parallel
     if tp is not None:
@@ -81,8 +86,7 @@ def survey_source(source: str, config: LoadConfig, group: "WorkerGroup", tensor_
             f"{source} is already sharded per rank (saved for {layout.saved_world_size} ranks): load it "
             f"without a sharding spec (--tensor-parallel-size alone gives each data-parallel replica "
             f"its TP rank's files)")
-    # The node cache serves object-store reads (local files have the page cache).
-    cache = cache_settings(config.extra) if src.remote else None
+    cache = settings
     choice = fmt.choose(ReadFacts(
         sharded_layout_found=layout.sharded,
         device_type=group.device.type,

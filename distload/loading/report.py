@@ -82,6 +82,9 @@ class RankReport:
     cache_bytes: int | None = None
     store_bytes: int | None = None
     corrupt_blocks: int | None = None
+    # Bytes other ranks read and sent this one (a shared read) that it kept in its node's cache
+    # (whole blocks that were not there yet), so that every node the read passes through has them.
+    cache_received_bytes: int | None = None
     # Loaded from a running job (``distload load tcp://HOST:PORT``): the bytes the server sent this
     # rank (its slices, with their alignment and checksums); None: a load from storage.
     server_bytes: int | None = None
@@ -143,6 +146,8 @@ class LoadReport:
                 fields += f", received {gib_text(r.received_bytes or 0)} from other ranks"
             if show_cache:
                 fields += f", node cache {gib_text(r.cache_bytes)}, store {gib_text(r.store_bytes)}"
+                if r.cache_received_bytes:
+                    fields += f", {gib_text(r.cache_received_bytes)} received from other ranks kept in it"
                 if r.corrupt_blocks:
                     fields += f", {r.corrupt_blocks} corrupt block(s) fetched again"
             if show_server:

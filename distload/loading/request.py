@@ -96,6 +96,8 @@ class BackendRun:
         self.cache_bytes: int | None = None
         self.store_bytes: int | None = None
         self.corrupt_blocks: int | None = None
+        # Bytes received from other ranks (a shared read) and kept in this node's cache.
+        self.cache_received_bytes: int | None = None
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":

@@ -21,10 +21,13 @@ import os
 import stat
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar, Union
 
 from distload.loading.index import MAX_HEADER_BYTES, CheckpointIndex, FileInfo, parse_header
 from distload.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from distload.loading.stores.cache import CacheSettings
 
 OBJECT_STORE_SCHEMES = ("s3://", "gs://", "az://")
 INDEX_FILE = "model.safetensors.index.json"
@@ -311,14 +314,20 @@ class ObjectSource:
 
     The prefix is listed once (one level, names relative to it, sub-prefixes as ``name/``) and the
     listing's sizes are used for every later question; no request is made before the first one.
+
+    With a node cache (``cache``: a load's ``--cache-dir``), the small objects it reads whole (an
+    index, a config.json) go through the cache, and a header comes from there where the cache
+    holds its bytes, both under the version the listing gives: a warm load asks the store for
+    that one listing (an object written again has another version, so another entry).
     """
 
     remote = True
 
-    def __init__(self, uri: str):
+    def __init__(self, uri: str, cache: "CacheSettings | None" = None):
         from distload.loading.stores import get_store, parse_uri
 
         self.uri = uri
+        self.cache = cache
         self.location = parse_uri(uri)
         self.store = get_store(self.location.scheme)
         self.is_file = self.location.key.endswith(".safetensors")
@@ -329,7 +338,7 @@ class ObjectSource:
             self.folder_location = self.location
         self.folder = str(self.folder_location)
         self._listing = None
-        self._deep: dict[str, int] | None = None
+        self._deep_listing = None
 
     def _list(self):
         if self._listing is None:
@@ -345,7 +354,7 @@ class ObjectSource:
     def has_file(self, name: str) -> bool:
         # The recursive listing only where a glob already asked for it: a probe for a marker or
         # an index must not walk every prefix below (a bucket of many models).
-        return name in self._list().objects or (self._deep is not None and name in self._deep)
+        return name in self._list().objects or (self._deep_listing is not None and name in self._deep_listing.objects)
 
     def glob(self, pattern: str) -> list[str]:
         """Names (relative, may hold ``/``) of the objects below the prefix matching a glob,
@@ -353,21 +362,40 @@ class ObjectSource:
         return sorted(name for name in self._deep_objects() if fnmatch.fnmatchcase(name, pattern))
 
     def _deep_objects(self) -> dict[str, int]:
-        if self._deep is None:
-            self._deep = self.store.list(self.folder_location, recursive=True).objects
-        return self._deep
+        if self._deep_listing is None:
+            self._deep_listing = self.store.list(self.folder_location, recursive=True)
+        return self._deep_listing.objects
 
     def file_size(self, name: str) -> int:
         listing = self._list()
         if name in listing.objects:
             return listing.objects[name]
-        if self._deep is not None and name in self._deep:
-            return self._deep[name]
+        if self._deep_listing is not None and name in self._deep_listing.objects:
+            return self._deep_listing.objects[name]
         return self.store.size(self.folder_location.child(name))
+
+    def listed(self, path: str) -> tuple[int, str] | None:
+        """The size and version the listing gave for an object's URI (None: not listed with one)."""
+        folder = f"{self.folder}/"
+        if not path.startswith(folder):
+            return None
+        name = path[len(folder):]
+        for listing in (self._listing, self._deep_listing):
+            if listing is not None and name in listing.versions:
+                return listing.objects[name], listing.versions[name]
+        return None
 
     def read_bytes(self, name: str) -> bytes:
         location = self.folder_location.child(name)
-        return self.store.read(location, 0, self.file_size(name))
+        size = self.file_size(name)
+        listed = self.listed(str(location)) if self.cache is not None else None
+        if listed is None:
+            return self.store.read(location, 0, size)
+        from distload.loading.stores.cache import read_whole
+
+        size, version = listed
+        return read_whole(self.cache, str(location), version, size,
+                          lambda a, b: self.store.read_version(location, a, b, version))
 
     def iter_chunks(self, name: str, block: int = 16 * 1024 * 1024) -> Iterator[bytes]:
         location = self.folder_location.child(name)
@@ -380,8 +408,26 @@ class ObjectSource:
         return _each(lambda name: self.store.stat(self.folder_location.child(name)), names, "distload-stat")
 
     def read_headers(self, paths: list[str]) -> list[FileInfo]:
-        # One ranged GET each gives the header, the size and the version of the same object.
-        return _each(self.store.read_header, paths, "distload-header")
+        """The node cache's (one after another: local reads) where it holds them, the others from
+        the store: one ranged GET each gives the header, the size and the version of the same
+        object (several at a time)."""
+        found = {path: self.cached_header(path) for path in paths} if self.cache is not None else {}
+        missing = [path for path in paths if found.get(path) is None]
+        read = (lambda path: self.store.read_header(path, keep_head=True)) if self.cache is not None \
+            else self.store.read_header
+        found.update(zip(missing, _each(read, missing, "distload-header")))
+        return [found[path] for path in paths]
+
+    def cached_header(self, path: str) -> FileInfo | None:
+        """The header from the node cache where it holds its bytes under the listed version."""
+        listed = self.listed(path)
+        if listed is None:
+            return None
+        from distload.loading.stores.cache import cached_head
+
+        size, version = listed
+        head = cached_head(self.cache, path, version, size)
+        return None if head is None else dataclasses.replace(parse_header(path, head, size), version=version, head=head)
 
     def no_weights_message(self, names: list[str]) -> str:
         if not names:

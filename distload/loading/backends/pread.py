@@ -176,6 +176,9 @@ class LocalBytes:
                 fd = self._fds[info.file] = open_for_reading(info.file)
         _read_extents(_OpenFile(fd, info.file), 0, view, info.begin, list(extents), info.name)
 
+    def received(self, pieces) -> None:
+        pass  # local files have the page cache
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():

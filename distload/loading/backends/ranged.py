@@ -29,7 +29,8 @@ from distload.config import check_bool
 from distload.loading.backends.base import Backend, BackendRun, ReadRequest
 from distload.loading.shared_reads.stream import Extent, SharedReadOptions, shared_stream
 from distload.loading.index import FileInfo, TensorInfo
-from distload.loading.stores.cache import CacheSettings, NodeCache, Scratch, check_cache_dir, check_cache_max_gib
+from distload.loading.stores.cache import (BLOCK_BYTES, CacheSettings, NodeCache, Scratch, check_cache_dir,
+                                           check_cache_max_gib)
 from distload.tensor_io import host_view
 
 CHUNK_BYTES = 64 * 1024 * 1024
@@ -118,6 +119,11 @@ class ObjectBytes:
         self.files = {f.path: f for f in files}
         self.cache = cache
         self._scratch = threading.local()
+        # Per file, the received bytes after the last block boundary (a copy): the next bucket
+        # received may complete that block (buckets arrive in file order).
+        self._carry: dict[str, tuple[int, bytearray]] = {}
+        if cache is not None:  # the header: what a rank receiving the first tensors lacks of block 0
+            self._carry.update({f.path: (0, bytearray(f.head)) for f in files if f.head})
 
     def read(self, path: str, start: int, end: int, scratch: Scratch | None = None):
         """The bytes (through the cache: in ``scratch``, else this thread's own scratch memory,
@@ -132,15 +138,35 @@ class ObjectBytes:
         return self.cache.read(path, info.version, info.size, start, end,
                                lambda a, b: store.read_version(location, a, b, info.version), scratch)
 
-    def read_into(self, path: str, start: int, end: int, out: memoryview) -> None:
-        """Through the cache, straight into ``out`` (a tensor's memory)."""
+    def read_scatter(self, path: str, start: int, end: int, targets: list[tuple[int, memoryview]]) -> None:
+        """Through the cache, straight into ``targets`` ((file offset, a tensor's memory), in
+        file order, inside ``[start, end)``): each block read once, no copy."""
         from distload.loading.stores import store_for
 
         assert self.cache is not None
         store, location = store_for(path)
         info = self.files[path]
-        self.cache.read_into(path, info.version, info.size, start, end, out,
-                             lambda a, b: store.read_version(location, a, b, info.version), self.scratch())
+        self.cache.read_scatter(path, info.version, info.size, start, end, targets,
+                                lambda a, b: store.read_version(location, a, b, info.version), self.scratch())
+
+    def offer(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None:
+        """Bytes received from a peer (tensor, file offset, bytes) into the cache, each file's
+        under the version planned with (the peer read that version). A block two received
+        buckets share is kept once the second arrives: the first's part of it is carried."""
+        by_file: dict[str, list[tuple[int, memoryview]]] = {}
+        for info, offset, view in pieces:
+            by_file.setdefault(info.file, []).append((offset, view))
+        assert self.cache is not None
+        for path, segments in by_file.items():
+            info = self.files[path]
+            segments.sort(key=lambda segment: segment[0])  # offer takes them in file order
+            carried = self._carry.pop(path, None)
+            if carried is not None and carried[0] + len(carried[1]) == segments[0][0]:
+                segments.insert(0, (carried[0], memoryview(carried[1])))
+            self.cache.offer(path, info.version, info.size, segments)
+            tail = _tail(segments)
+            if tail is not None:
+                self._carry[path] = tail
 
     def scratch(self) -> Scratch:
         """This thread's own scratch memory."""
@@ -154,6 +180,26 @@ class ObjectBytes:
             self.cache.close()
 
 
+def _tail(segments: list[tuple[int, memoryview]]) -> tuple[int, bytearray] | None:
+    """The bytes of the last unbroken run of ``segments`` (in file order) after its last block
+    boundary, copied (the tensors they are in may be gone when the next bucket arrives)."""
+    end = segments[-1][0] + len(segments[-1][1])
+    start = segments[-1][0]
+    for offset, view in reversed(segments[:-1]):
+        if offset + len(view) != start:
+            break
+        start = offset
+    cut = max(start, end // BLOCK_BYTES * BLOCK_BYTES)
+    if cut >= end:
+        return None
+    tail = bytearray()
+    for offset, view in segments:
+        a, b = max(cut, offset), min(end, offset + len(view))
+        if a < b:
+            tail += view[a - offset:b - offset]
+    return cut, tail
+
+
 def _counted(tensors: Iterator[tuple[str, torch.Tensor]], run: BackendRun,
              bytes_of: ObjectBytes) -> Iterator[tuple[str, torch.Tensor]]:
     """The read's tensors; then the cache's counts into the run (its entries closed either way)."""
@@ -165,6 +211,7 @@ def _counted(tensors: Iterator[tuple[str, torch.Tensor]], run: BackendRun,
         if cache is not None:
             run.cache_bytes, run.store_bytes, run.corrupt_blocks = (cache.cache_bytes, cache.store_bytes,
                                                                     cache.corrupt_blocks)
+            run.cache_received_bytes = cache.received_bytes
 
 
 class StoreBytes:
@@ -179,16 +226,21 @@ class StoreBytes:
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
         pieces = [FileExtent(info, info.begin + src, dst, length) for src, dst, length in extents]
-        if self.bytes_of.cache is not None:  # large pieces straight from the cache into the bucket
-            for piece in [p for p in pieces if p.length >= DIRECT_BYTES]:
-                self.bytes_of.read_into(info.file, piece.start, piece.end,
-                                        view[piece.offset:piece.offset + piece.length])
-            pieces = [p for p in pieces if p.length < DIRECT_BYTES]
+        if self.bytes_of.cache is not None:  # from the cache straight into the bucket
+            for start, end, members in coalesce(pieces):
+                self.bytes_of.read_scatter(info.file, start, end,
+                                           [(p.start, view[p.offset:p.offset + p.length]) for p in members])
+            return
         for start, end, members in coalesce(pieces):
             data = memoryview(self.bytes_of.read(info.file, start, end))
             for piece in members:
                 at = piece.start - start
                 view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
+
+    def received(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None:
+        """Bytes a peer read: into this node's cache, where this load has one."""
+        if self.bytes_of.cache is not None:
+            self.bytes_of.offer([(info, info.begin + offset, view) for info, offset, view in pieces])
 
     def close(self) -> None:
         pass  # the cache closes once the tensors are all out (_counted)
@@ -227,7 +279,7 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
     if not jobs:
         return
     if bytes_of.cache is not None:
-        yield from _stream_cached(request, run, bytes_of, jobs, pieces_by_name)
+        yield from _stream_cached(request, run, bytes_of, jobs)
         return
     assemblies: dict[str, _Assembly] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="distload-ranged") as pool:
@@ -260,62 +312,55 @@ def _stream(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes) -> Ite
             del data
 
 
-# Requests read through the node cache at once: each read and checks on its own thread (the
-# cache's checks on more), so a warm load is not one thread's memory bandwidth.
-CACHED_IN_FLIGHT = 3
-# A piece at least this large is read from the cache straight into its tensor (two edge blocks
-# at most go through scratch memory); smaller ones are read together and copied out.
-DIRECT_BYTES = 4 * 1024 * 1024
+# Requests read through the node cache at once, each on its own thread, each at most
+# CACHED_REQUEST_BYTES (a larger piece is cut), so that a warm load is not one thread's memory
+# bandwidth, and each thread backs (prefaults) the part of a new tensor it reads into.
+CACHED_IN_FLIGHT = 4
+CACHED_REQUEST_BYTES = 16 * 1024 * 1024
 
 
-def _stream_cached(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes, jobs: list,
-                   pieces_by_name: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The plain ranged read through the node cache: a request of one piece (a large tensor, or
-    a 64 MiB part of one) is read straight into its tensor, the others (small tensors coalesced)
-    through scratch memory and copied out, on worker threads; tensors are handed out in order."""
-    # The plain read's requests mix large tensors with the small ones beside them; here a large
-    # piece is a request of its own (read straight into its tensor), the small ones coalesced.
-    regrouped = []
-    for order, (path, start, end, members) in enumerate(jobs):
-        small = [piece for piece in members if piece.length < DIRECT_BYTES]
-        regrouped += [(order, piece.start, (path, piece.start, piece.end, [piece]))
-                      for piece in members if piece.length >= DIRECT_BYTES]
-        regrouped += [(order, a, (path, a, b, group)) for a, b, group in coalesce(small)]
-    jobs = [job for _, _, job in sorted(regrouped, key=lambda item: item[:2])]
+def _stream_cached(request: ReadRequest, run: BackendRun, bytes_of: ObjectBytes,
+                   jobs: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain ranged read through the node cache: the pieces of each file, cut to at most
+    CACHED_REQUEST_BYTES and coalesced into requests of that size, each read from the cache
+    straight into its tensors' memory (``read_scatter``: every block once, no copy), on worker
+    threads; tensors are handed out in file order."""
+    requests = []
+    parts: dict[str, int] = {}
+    for path, _, _, members in jobs:
+        cut = [FileExtent(p.info, p.start + at, p.offset + at, min(CACHED_REQUEST_BYTES, p.length - at))
+               for p in members for at in range(0, p.length, CACHED_REQUEST_BYTES)]
+        for piece in cut:
+            parts[piece.info.name] = parts.get(piece.info.name, 0) + 1
+        requests += [(path, a, b, group) for a, b, group in coalesce(cut, CACHED_REQUEST_BYTES)]
     assemblies: dict[str, _Assembly] = {}
     lock = threading.Lock()
 
     def assembly(piece: FileExtent) -> _Assembly:
-        with lock:  # a tensor above CHUNK_BYTES has pieces in several requests
+        with lock:  # a tensor above CACHED_REQUEST_BYTES has pieces in several requests
             found = assemblies.get(piece.info.name)
             if found is None:
-                found = assemblies[piece.info.name] = _Assembly(piece.info, request,
-                                                                pieces_by_name[piece.info.name])
-                new = True
-            else:
-                new = False
-        if new:  # backed in one call (as pread does), not a page fault at a time while read into
-            request.host_memory.prefault(found.tensor.data_ptr(), found.tensor.numel() * found.tensor.element_size())
+                found = assemblies[piece.info.name] = _Assembly(piece.info, request, parts[piece.info.name])
         return found
 
     def work(job) -> None:
         path, start, end, members = job
-        if len(members) == 1 and members[0].length == end - start:
-            piece = members[0]
-            bytes_of.read_into(path, start, end, assembly(piece).view[piece.offset:piece.offset + piece.length])
-            return
-        data = bytes_of.read(path, start, end)  # this thread's scratch: copied out before its next read
+        targets = []
         for piece in members:
-            at = piece.start - start
-            assembly(piece).view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
+            tensor = assembly(piece)
+            # This request's part of the tensor backed in one call (as pread does in its units),
+            # not a page fault at a time inside the reads; each thread backs what it reads.
+            request.host_memory.prefault(tensor.tensor.data_ptr() + piece.offset, piece.length)
+            targets.append((piece.start, tensor.view[piece.offset:piece.offset + piece.length]))
+        bytes_of.read_scatter(path, start, end, targets)
 
     with ThreadPoolExecutor(CACHED_IN_FLIGHT, thread_name_prefix="distload-ranged") as pool:
-        pending = [pool.submit(work, job) for job in jobs[:CACHED_IN_FLIGHT]]
-        for i, job in enumerate(jobs):
+        pending = [pool.submit(work, job) for job in requests[:CACHED_IN_FLIGHT]]
+        for i, job in enumerate(requests):
             pending.pop(0).result()
             run.requested_bytes += job[2] - job[1]
-            if i + CACHED_IN_FLIGHT < len(jobs):
-                pending.append(pool.submit(work, jobs[i + CACHED_IN_FLIGHT]))
+            if i + CACHED_IN_FLIGHT < len(requests):
+                pending.append(pool.submit(work, requests[i + CACHED_IN_FLIGHT]))
             for piece in job[3]:
                 name = piece.info.name
                 with lock:

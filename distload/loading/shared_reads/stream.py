@@ -69,11 +69,17 @@ Extent = tuple[int, int, int]  # (offset in the tensor's data in its file, offse
 
 class ByteReader(Protocol):
     """Reads byte ranges of one tensor's data in its file into a buffer (thread-safe);
-    ``task_bytes``: the bytes one read task should take (several tasks run at once)."""
+    ``task_bytes``: the bytes one read task should take (several tasks run at once).
+    ``received``: after a bucket from a peer arrived, its bytes, where this rank keeps them
+    unbroken ``(tensor, offset in the tensor's data in its file, the bytes)``, in file order: a
+    reader with a node cache keeps them there (every node a shared read passes through fills
+    its cache, not only the one whose rank fetched); others ignore them."""
 
     task_bytes: int
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None: ...
+
+    def received(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -260,6 +266,21 @@ class _Bucket:
         if self.landing is not None and not self.placed:
             buckets.unpack_runs(self.landing, self.mine, self.tensors.flat)
 
+    def received(self) -> list[tuple[TensorInfo, int, memoryview]]:
+        """On a receiver, once arrived: its pieces as (tensor, offset in the tensor's data in the
+        file, the bytes in its memory), in file order. Rows with gaps between them in the file (a
+        slice along a later dim) are left out: no block of the file lies whole in them."""
+        out = []
+        for i, (src, dst, n, count, src_step, dst_step) in self.mine:
+            if count > 1 and not (src_step == n and dst_step == n):
+                continue
+            span = next(s for s in self.spans if s.tensor == i and s.at <= src < s.at + s.hi - s.lo)
+            flat = self.tensors.flat(i)[dst:dst + n * count]
+            if flat.device.type != "cpu":
+                flat = flat.cpu()  # a device's bytes, once more over the bus, for the node's disk
+            out.append((self.tensors.infos[i], span.lo + src - span.at, host_view(flat)))
+        return out
+
 
 def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, concurrency: int
                   ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -329,6 +350,8 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                     else:
                         run.received_bytes += 0 if bucket.landing is None else bucket.landing.numel()
                         bucket.arrived()
+                        if bucket.mine:
+                            reader.received(bucket.received())
                     yield from tensors.done([span.tensor for span in bucket.spans])
             yield from tensors.ready()
     finally:

@@ -132,6 +132,11 @@ class AzureStore(ObjectStore):
                 listing.folders.append(name)
             elif not _is_adls_directory(item):
                 listing.objects[name] = int(item.size or 0)
+                if getattr(item, "etag", None):
+                    # A listing gives the ETag bare, a read or a stat in quotes (as HTTP sends
+                    # it): the quoted form, the one the cache's entries and preconditions use.
+                    etag = item.etag
+                    listing.versions[name] = etag if etag.startswith('"') else f'"{etag}"'
         return listing
 
     def _blob(self, location: ObjectURI):

@@ -153,6 +153,9 @@ class Listing:
 
     objects: dict[str, int] = field(default_factory=dict)
     folders: list[str] = field(default_factory=list)  # "sub/"
+    # Each object's version as the listing gives it (the same string a read or a stat gives:
+    # the node cache keys on it), where the store's listing says.
+    versions: dict[str, str] = field(default_factory=dict)
 
     def names(self) -> list[str]:
         return sorted(list(self.objects) + self.folders)
@@ -440,16 +443,20 @@ class ObjectStore:
     def version(self, location: ObjectURI) -> str | None:
         return self.stat(location)[1]
 
-    def read_header(self, uri: str) -> FileInfo:
+    def read_header(self, uri: str, keep_head: bool = False) -> FileInfo:
         """The object's parsed header, with its size and version (one ranged GET where the header
-        fits in the first probe; GCS asks for the version first)."""
+        fits in the first probe; GCS asks for the version first); ``keep_head``: its raw bytes too."""
         location = parse_uri(uri)
         head, size, version = self.call(uri, lambda: self._read_head(location, HEADER_PROBE_BYTES))
         if len(head) >= 8:
             (header_len,) = struct.unpack("<Q", head[:8])
             if 2 <= header_len <= MAX_HEADER_BYTES and len(head) < 8 + header_len <= size:
                 head += self.read(location, len(head), 8 + header_len)
-        return dataclasses.replace(parse_header(uri, head, size), version=version)
+        info = dataclasses.replace(parse_header(uri, head, size), version=version)
+        if keep_head:  # parsed: its length prefix is valid
+            (length,) = struct.unpack("<Q", head[:8])
+            info = dataclasses.replace(info, head=bytes(head[:8 + length]))
+        return info
 
     def diagnose(self, uris: list[str]) -> ObjectStoreError | None:
         """After a reader failed on ``uris``: the first fault a fresh request finds, or None."""

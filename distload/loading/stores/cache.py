@@ -19,11 +19,27 @@ missing blocks. The layout (docs/cache.md says the same for an operator)::
       trash/        entries being removed (renamed there first, so no half-removed entry is
                     ever under entries/)
 
-**Keyed by version.** The key holds the object's ETag (S3, Azure) or generation (GCS) as read
-with its header while planning; an object written again has another version, so another
-entry, and its old entry is removed once no process uses it. Bytes are fetched for the cache
-only with that version as a precondition, and the answer's version is compared as well
-(``ObjectStore.read_version``): bytes of another version are never kept.
+**Keyed by version.** The key holds the object's ETag (S3, Azure) or generation (GCS) as the
+prefix's listing gives it while planning (or its header read, where the cache lacks the
+header's bytes); an object written again has another version, so another entry, and its old
+entry is removed once no process uses it. Bytes are fetched for the cache only with that version
+as a precondition, and the answer's version is compared as well (``ObjectStore.read_version``):
+bytes of another version are never kept. So a warm load asks the store for the listing alone:
+the index and config.json are read through the cache, each header from its first block
+(``cached_head``), and no object is asked its version after the load (every byte was of the
+version planned with).
+
+**A warm read** (``read_scatter``) reads each block once, ``preadv`` straight into the tensors
+its bytes go to, and checks its CRC-32C there (``crc.py``: in place, a 256 KiB piece at a time
+while it is still in the core's cache); the bytes no tensor takes only pass through a small
+sink to be checked.
+
+**Every node a shared read passes through** keeps what its rank received from the others
+(``offer``): the blocks the received bytes cover whole and that have no valid record yet, under
+the same lock as a fetch (tried, never waited for: a writer holding it finishes those blocks),
+bytes before records (a block two received buckets share: once the second arrives, the ranged
+reader carrying the first's part; a file's first block: with the header's raw bytes, which a
+load through a cache keeps from planning, ``FileInfo.head``).
 
 **Complete or absent.** A block counts only where its record is valid and the CRC-32C of the
 bytes read now matches it. A writer writes the data first and the record after; a process killed
@@ -43,6 +59,7 @@ blocks count), when an entry is opened and when a load ends.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import hashlib
@@ -53,12 +70,14 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from distload.errors import BackendUnavailableError, CheckpointError, ConfigError
+from distload.errors import CheckpointError, ConfigError
 from distload.fileio import write_json_atomic
+from distload.loading.index import MAX_HEADER_BYTES
+from distload.loading.stores.crc import PIECE_BYTES, crc32c
+from distload.loading.stores.crc import check_available as check_crc_available
 
 log = logging.getLogger("distload")
 
@@ -76,9 +95,6 @@ MAGIC = b"DLCC"  # CRC-32C
 # its fetch runs, itself bounded by the store's timeouts) before it gives up with an error.
 LOCK_WAIT_S = 600.0
 GIB = 1024**3
-# Threads that read and check one large range from the cache, each at least this many blocks.
-CHECK_THREADS = 4
-CHECK_GROUP_BLOCKS = 4
 
 
 def check_cache_dir(key: str, value: Any) -> None:
@@ -133,15 +149,29 @@ def _lock_range(fd: int, start: int, length: int, deadline: float) -> bool:
         pause = min(0.05, pause * 2)
 
 
-def _read_into(fd: int, view: memoryview, offset: int) -> int:
-    """Bytes read into ``view`` from ``offset`` (fewer at the end of the file)."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+def _read_all(fd: int, views: list[memoryview], offset: int) -> int:
+    """Bytes read into ``views`` (in order) from ``offset``: all of them, fewer only at the end
+    of the file (one call but where the kernel returns short)."""
+    total = sum(len(v) for v in views)
+    done = os.preadv(fd, views, offset)
+    while 0 < done < total:
+        rest, skip = [], done
+        for view in views:
+            if skip >= len(view):
+                skip -= len(view)
+                continue
+            rest.append(view[skip:])
+            skip = 0
+        n = os.preadv(fd, rest, offset + done)
         if n == 0:
             break
         done += n
     return done
+
+
+def _contiguous(view: memoryview, lo: int) -> "Callable[[int, int], list[memoryview]]":
+    """``memory`` for ``_check`` where file bytes go to one buffer that starts at offset ``lo``."""
+    return lambda a, b: [view[a - lo:b - lo]]
 
 
 def _write_all(fd: int, data, offset: int) -> None:
@@ -234,32 +264,30 @@ class _Entry:
         head = struct.pack("<4sII", MAGIC, crc, i)
         return head + struct.pack("<I", zlib.crc32(head + self.salt))
 
-    def _check(self, first: int, last: int, view: memoryview, lo: int, fd: int, again: bool = False) -> list[int]:
-        """Read blocks ``first..last`` from the data file into ``view`` (which starts at file
-        offset ``lo``) and check them: the blocks that are not complete. ``again``: the second
-        look, under the lock (a corrupt block was told of at the first)."""
+    def _check(self, first: int, last: int, memory: "Callable[[int, int], list[memoryview]]", fd: int,
+               again: bool = False) -> list[int]:
+        """Read blocks ``first..last`` from the data file into ``memory(start, end)`` (the views
+        that file bytes ``[start, end)`` go to, in order) and check them: the blocks that are not
+        complete. ``again``: the second look, under the lock (a corrupt block was told of at the
+        first)."""
         raw = os.pread(fd, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
-        crcs = {i: self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
-                for i in range(first, last + 1)}
-
-        def read_and_check(blocks: range) -> list[bool]:
-            """Whether each block of a group, read in one call, matches its record (a block without a
-            valid record is read with its group all the same, and counts as missing)."""
-            start, end = self._span(blocks[0])[0], self._span(blocks[-1])[1]
-            got = _read_into(self.data, view[start - lo:end - lo], start)
-            return [crcs[i] is not None and self._span(i)[1] - start <= got
-                    and _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]) == crcs[i] for i in blocks]
-
-        # Reading and checking a large range on several threads (both release the GIL): the
-        # check costs about as much as the read, and a warm load is nothing else.
-        groups = _split(range(first, last + 1), CHECK_THREADS)
-        fine = [ok for part in (self.cache.pool().map(read_and_check, groups) if len(groups) > 1
-                                else map(read_and_check, groups)) for ok in part]
         bad = []
-        for i, ok in zip(range(first, last + 1), fine):
+        for i in range(first, last + 1):
+            crc = self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES])
             s, e = self._span(i)
-            crc = crcs[i]
-            if ok:
+            # Read and checked a piece at a time, while the piece is still in the core's cache
+            # (crc.py). A block without a valid record is read all the same (the caller's memory
+            # needs its bytes when it is filled), and counts as missing.
+            got, at = 0, s
+            while at < e:
+                n = min(PIECE_BYTES, e - at)
+                views = memory(at, at + n)
+                if _read_all(self.data, views, at) < n:
+                    break
+                for view in views:
+                    got = crc32c(view, got)
+                at += n
+            if at == e and crc is not None and got == crc:
                 self.cache.count(cache=e - s)
                 continue
             if crc is not None and not again:
@@ -277,28 +305,66 @@ class _Entry:
         first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
         lo, hi = self._span(first)[0], self._span(last)[1]
         view = (scratch or Scratch()).view(hi - lo)
-        missing = self._check(first, last, view, lo, self.records)
+        missing = self._check(first, last, _contiguous(view, lo), self.records)
         for a, b in _runs(missing):
             self._fill(a, b, view, lo, fetch)
         return view[start - lo:end - lo]
 
+    def peek(self, start: int, end: int, scratch: "Scratch") -> memoryview | None:
+        """Bytes ``[start, end)`` where every block they need is complete here (in ``scratch``'s
+        memory), else None: nothing is fetched."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        lo, hi = self._span(first)[0], self._span(last)[1]
+        view = scratch.view(hi - lo)
+        if self._check(first, last, _contiguous(view, lo), self.records):
+            return None
+        return view[start - lo:end - lo]
+
+    def read_scatter(self, start: int, end: int, targets: list[tuple[int, memoryview]],
+                     fetch: Callable[[int, int], bytes], scratch: "Scratch") -> None:
+        """Bytes ``[start, end)`` of the object into ``targets`` ((file offset, memory: a tensor's),
+        in file order, inside the range, not overlapping). Each block is read once, straight
+        into the memory its bytes go to, and checked there; the bytes no target takes (gaps, the
+        parts of the edge blocks outside the range: a block is checked whole) land in a small
+        sink, a piece at a time, only to be checked. So several tensors in a row cost one read
+        of their blocks, with no copy (and no large scratch memory: a new buffer costs a page
+        fault per page). Blocks not complete here are fetched through ``scratch`` and copied
+        out."""
+        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
+        sink = scratch.view(PIECE_BYTES)  # _check asks for at most a piece at a time
+        starts = [offset for offset, _ in targets]
+
+        def memory(a: int, b: int) -> list[memoryview]:
+            views, at, used = [], a, 0
+            for offset, view in targets[max(0, bisect.bisect_right(starts, a) - 1):]:
+                if offset >= b:
+                    break
+                top = offset + len(view)
+                if top <= at:
+                    continue
+                if at < offset:
+                    views.append(sink[used:used + offset - at])
+                    used += offset - at
+                    at = offset
+                views.append(view[at - offset:min(b, top) - offset])
+                at = min(b, top)
+            if at < b:
+                views.append(sink[used:used + b - at])
+            return views
+
+        for a, b in _runs(self._check(first, last, memory, self.records)):
+            lo, hi = self._span(a)[0], self._span(b)[1]
+            buffer = scratch.view(hi - lo)
+            self._fill(a, b, buffer, lo, fetch)
+            for offset, view in targets:
+                x, y = max(lo, offset), min(hi, offset + len(view))
+                if x < y:
+                    view[x - offset:y - offset] = buffer[x - lo:y - lo]
+
     def read_into(self, start: int, end: int, out: memoryview, fetch: Callable[[int, int], bytes],
                   scratch: "Scratch") -> None:
-        """Bytes ``[start, end)`` of the object into ``out`` (a tensor's memory): the blocks wholly
-        inside the range are read and checked there, straight; the one or two it covers only in
-        part go through ``scratch`` (a block is checked whole)."""
-        first, last = start // BLOCK_BYTES, (end - 1) // BLOCK_BYTES
-        inner_first = first if start == self._span(first)[0] else first + 1
-        inner_last = last if end == self._span(last)[1] else last - 1
-        for edge in sorted({first, last} - set(range(inner_first, inner_last + 1))):
-            s, e = max(start, self._span(edge)[0]), min(end, self._span(edge)[1])
-            out[s - start:e - start] = self.read(s, e, fetch, scratch)
-        if inner_first > inner_last:
-            return
-        lo, hi = self._span(inner_first)[0], self._span(inner_last)[1]
-        view = out[lo - start:hi - start]
-        for a, b in _runs(self._check(inner_first, inner_last, view, lo, self.records)):
-            self._fill(a, b, view, lo, fetch)
+        """Bytes ``[start, end)`` of the object into ``out`` (a tensor's memory)."""
+        self.read_scatter(start, end, [(start, out)], fetch, scratch)
 
     def _fill(self, first: int, last: int, view: memoryview, lo: int, fetch: Callable[[int, int], bytes]) -> None:
         # Its own open file description: OFD locks then conflict with this process's other
@@ -311,15 +377,64 @@ class _Entry:
                     f"{self.uri}: waited {LOCK_WAIT_S:.0f} s for another process filling blocks {first}-{last} "
                     f"of it in the node cache ({self.folder}); is a load on this node stuck?")
             # What another writer filled while this one waited is complete now: checked, not fetched.
-            for a, b in _runs(self._check(first, last, view, lo, fd, again=True)):
+            for a, b in _runs(self._check(first, last, _contiguous(view, lo), fd, again=True)):
                 start, end = self._span(a)[0], self._span(b)[1]
                 data = fetch(start, end)
                 self.cache.count(store=len(data))
                 view[start - lo:end - lo] = data
                 _write_all(self.data, data, start)  # the bytes first, then the records that vouch for them
-                records = b"".join(self._pack(i, _block_crc(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
+                records = b"".join(self._pack(i, crc32c(view[self._span(i)[0] - lo:self._span(i)[1] - lo]))
                                    for i in range(a, b + 1))
                 _write_all(fd, records, a * RECORD_BYTES)
+        except OSError as exc:
+            raise CheckpointError(f"{self.folder}: writing to the node cache failed ({exc.strerror or exc}); "
+                                  f"free space there, or load without --cache-dir") from None
+        finally:
+            os.close(fd)
+
+    def offer(self, segments: list[tuple[int, memoryview]]) -> int:
+        """Keep bytes of this version that came from elsewhere (a peer's share of a shared read),
+        without any fetch: ``segments`` (file offset, the bytes there), in file order. Only the
+        blocks the segments cover whole, and only those without a valid record: a block being
+        filled by another writer (its records locked) is left to it, never waited for. The same
+        rules as ``_fill``: an exclusive lock on the blocks' records, the bytes first and the
+        records after. Returns the bytes kept."""
+        kept = 0
+        for start, end, parts in _covered(segments):
+            first = -(-start // BLOCK_BYTES)
+            last = (self.nblocks if end >= self.size else end // BLOCK_BYTES) - 1
+            if first > last:
+                continue
+            raw = os.pread(self.records, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
+            absent = [i for i in range(first, last + 1)
+                      if self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES]) is None]
+            for a, b in _runs(absent):
+                kept += self._offer_blocks(a, b, parts)
+        return kept
+
+    def _offer_blocks(self, first: int, last: int, parts: list[tuple[int, memoryview]]) -> int:
+        fd = os.open(self.records_path, os.O_RDWR | os.O_CLOEXEC)  # its own lock, as in _fill
+        try:
+            if not _lock_range(fd, first * RECORD_BYTES, (last + 1 - first) * RECORD_BYTES, time.monotonic()):
+                # Another writer is filling some of them (and finishes them): the others one by one.
+                return 0 if first == last else sum(self._offer_blocks(i, i, parts) for i in range(first, last + 1))
+            raw = os.pread(fd, (last + 1 - first) * RECORD_BYTES, first * RECORD_BYTES)
+            kept = 0
+            for i in range(first, last + 1):
+                if self._record(i, raw[(i - first) * RECORD_BYTES:(i - first + 1) * RECORD_BYTES]) is not None:
+                    continue  # filled while we looked
+                s, e = self._span(i)
+                views = _slices(parts, s, e)
+                crc = 0
+                for view in views:
+                    crc = crc32c(view, crc)
+                at = s
+                for view in views:  # the bytes first, then the record that vouches for them
+                    _write_all(self.data, view, at)
+                    at += len(view)
+                _write_all(fd, self._pack(i, crc), i * RECORD_BYTES)
+                kept += e - s
+            return kept
         except OSError as exc:
             raise CheckpointError(f"{self.folder}: writing to the node cache failed ({exc.strerror or exc}); "
                                   f"free space there, or load without --cache-dir") from None
@@ -344,29 +459,29 @@ class Scratch:
         return memoryview(self._buffer)[:nbytes]
 
 
-def _crc32c():
-    """google-crc32c (hardware CRC-32C: 2.5-3.5 GiB/s a core here, against 0.6-1.4 for zlib's
-    CRC-32, which made a warm load's check cost twice its read)."""
-    try:
-        import google_crc32c
-    except ImportError:
-        raise BackendUnavailableError(
-            "the node cache checks every block with CRC-32C: pip install google-crc32c (distload's s3, gcs "
-            "and azure extras install it)") from None
-    return google_crc32c
+def _covered(segments: list[tuple[int, memoryview]]) -> list[tuple[int, int, list[tuple[int, memoryview]]]]:
+    """Segments (file offset, bytes; in file order) as runs that cover ``[start, end)`` unbroken,
+    each with its segments."""
+    runs: list[tuple[int, int, list[tuple[int, memoryview]]]] = []
+    for offset, view in segments:
+        if not len(view):
+            continue
+        if runs and runs[-1][1] == offset:
+            runs[-1][2].append((offset, view))
+            runs[-1] = (runs[-1][0], offset + len(view), runs[-1][2])
+        else:
+            runs.append((offset, offset + len(view), [(offset, view)]))
+    return runs
 
 
-def _block_crc(data: memoryview) -> int:
-    # Its C function takes read-only bytes only: one copy of the block (a memcpy, cheap next to
-    # the checksum zlib would cost).
-    return _crc32c().value(bytes(data))
-
-
-def _split(blocks: range, parts: int) -> list[range]:
-    """``blocks`` in up to ``parts`` contiguous groups of at least CHECK_GROUP_BLOCKS."""
-    parts = max(1, min(parts, len(blocks) // CHECK_GROUP_BLOCKS))
-    step = -(-len(blocks) // parts)
-    return [blocks[i:i + step] for i in range(0, len(blocks), step)]
+def _slices(parts: list[tuple[int, memoryview]], start: int, end: int) -> list[memoryview]:
+    """The bytes ``[start, end)`` of an unbroken run of segments, as views of them in order."""
+    out = []
+    for offset, view in parts:
+        a, b = max(start, offset), min(end, offset + len(view))
+        if a < b:
+            out.append(view[a - offset:b - offset])
+    return out
 
 
 def _runs(blocks: list[int]) -> list[tuple[int, int]]:
@@ -404,19 +519,13 @@ class NodeCache:
         self.cache_bytes = 0
         self.store_bytes = 0
         self.corrupt_blocks = 0
+        self.received_bytes = 0  # bytes received from peers and kept here (whole blocks)
         self.evicted = 0
-        self._pool: ThreadPoolExecutor | None = None
-
-    def pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="distload-cache")
-            return self._pool
 
     def check_writable(self) -> None:
         """Create the cache's folders and write there once: a cache that cannot work is an error
         while planning, on every rank, never a load that quietly reads the store instead."""
-        _crc32c()
+        check_crc_available()
         try:
             os.makedirs(self.entries, exist_ok=True)
             os.makedirs(self.trash, exist_ok=True)
@@ -428,11 +537,12 @@ class NodeCache:
             raise CheckpointError(f"{self.settings.folder}: cannot use it as the node cache ({exc.strerror or exc}); "
                                   f"--cache-dir ({CACHE_DIR_VARIABLE}) must be a writable local folder") from None
 
-    def count(self, cache: int = 0, store: int = 0, corrupt: int = 0) -> None:
+    def count(self, cache: int = 0, store: int = 0, corrupt: int = 0, received: int = 0) -> None:
         with self._lock:
             self.cache_bytes += cache
             self.store_bytes += store
             self.corrupt_blocks += corrupt
+            self.received_bytes += received
 
     def entry(self, uri: str, version: str | None, size: int) -> _Entry:
         if version is None:
@@ -460,15 +570,21 @@ class NodeCache:
                   fetch: Callable[[int, int], bytes], scratch: Scratch) -> None:
         self.entry(uri, version, size).read_into(start, end, out, fetch, scratch)
 
+    def read_scatter(self, uri: str, version: str | None, size: int, start: int, end: int,
+                     targets: list[tuple[int, memoryview]], fetch: Callable[[int, int], bytes],
+                     scratch: Scratch) -> None:
+        self.entry(uri, version, size).read_scatter(start, end, targets, fetch, scratch)
+
+    def offer(self, uri: str, version: str | None, size: int, segments: list[tuple[int, memoryview]]) -> None:
+        """Bytes of this object version received from a peer, kept where they complete blocks."""
+        kept = self.entry(uri, version, size).offer(segments)
+        self.count(received=kept)
+
     def close(self) -> None:
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
             entry.close()
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown()
         self.trim()
 
     # -- removal ---------------------------------------------------------------------------------
@@ -544,3 +660,39 @@ def _listdir(folder: str) -> list[str]:
         return os.listdir(folder)
     except OSError:
         return []
+
+
+# -- planning's reads: small objects and headers -------------------------------------------------
+def read_whole(settings: CacheSettings, uri: str, version: str, size: int,
+               fetch: Callable[[int, int], bytes]) -> bytes:
+    """A small object's bytes (an index, a config.json) through the cache: the next load reads
+    them from here, not from the store."""
+    if size == 0:
+        return b""
+    cache = NodeCache(settings)
+    try:
+        return bytes(cache.read(uri, version, size, 0, size, fetch))
+    finally:
+        cache.close()
+
+
+def cached_head(settings: CacheSettings, uri: str, version: str, size: int) -> bytes | None:
+    """A safetensors object's length prefix and header (``[0, 8 + n)``) where the cache holds
+    them complete for this version (the load before read the first tensors, so block 0), else
+    None: nothing is fetched (the caller reads the header from the store, as without a cache)."""
+    if size < 8:
+        return None
+    cache = NodeCache(settings)
+    try:
+        entry = cache.entry(uri, version, size)
+        scratch = Scratch()
+        first = entry.peek(0, min(size, BLOCK_BYTES), scratch)  # most headers fit in the first block
+        if first is None:
+            return None
+        (length,) = struct.unpack("<Q", first[:8])
+        if not 2 <= length <= MAX_HEADER_BYTES or 8 + length > size:
+            return None  # the store's read names what is wrong with it
+        head = first if 8 + length <= len(first) else entry.peek(0, 8 + length, scratch)
+        return None if head is None else bytes(head[:8 + length])
+    finally:
+        cache.close()

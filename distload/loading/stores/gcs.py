@@ -105,6 +105,8 @@ class GCSStore(ObjectStore):
             name = blob.name[len(prefix):]
             if name and not name.endswith("/"):
                 listing.objects[name] = int(blob.size or 0)
+                if blob.generation is not None:
+                    listing.versions[name] = str(blob.generation)
         listing.folders = sorted(p[len(prefix):] for p in blobs.prefixes)
         return listing
 

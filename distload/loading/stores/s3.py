@@ -133,6 +133,8 @@ class S3Store(ObjectStore):
                 name = obj["Key"][len(prefix):]
                 if name and not name.endswith("/"):
                     listing.objects[name] = int(obj["Size"])
+                    if obj.get("ETag"):
+                        listing.versions[name] = obj["ETag"]
             for sub in page.get("CommonPrefixes", []):
                 listing.folders.append(sub["Prefix"][len(prefix):])
         return listing
