@@ -606,13 +606,12 @@ def test_two_ranks_share_the_read_into_the_node_cache_from_the_command_line(stor
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("store", ["s3rver"], indirect=True)  # the exchange is the store's; one is enough
 def test_the_ranks_that_receive_a_shared_read_fill_their_own_node_cache_too(store, llama, tmp_path):
     """Two ranks, each with its own cache folder (two nodes): each fetches about half the blocks
     and receives the rest from its peer, and keeps both (a file's first block with the header's
     bytes every rank has). Then either alone loads from its cache: the store serves it its
     listing, nothing else."""
-    if store.name != "s3rver":
-        pytest.skip("one store is enough for the exchange; the cache's store side runs on each above")
     from object_store_servers import ByteCountingProxy
 
     caches = [str(tmp_path / f"node{r}") for r in range(2)]
