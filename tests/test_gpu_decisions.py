@@ -12,6 +12,7 @@ import pytest
 from distload.errors import SyncError
 from distload.live import rendezvous, session as session_mod
 from distload.live.session import Session, session_backend
+from distload.runtime import RUNTIME
 
 
 def _info(device, gpu=None):
@@ -62,13 +63,12 @@ def _session(backend, pairs, issued, into_model=()):
 
 def test_a_given_up_nccl_transfer_aborts_its_pair(monkeypatch):
     """Finding 1: a spinning NCCL kernel is ended (ncclCommAbort), not kept for the watchdog."""
-    kept = session_mod._GivenUpPairs()
-    monkeypatch.setattr(session_mod, "GIVEN_UP", kept)
+    monkeypatch.setattr(RUNTIME, "given_up_pairs", [])
     stuck, done = _Pair(), _Pair()
     landing = _Work()
     s = _session("nccl", {0: stuck, 1: done}, {0: [landing], 1: [_Work(done=True)]}, [landing])
     assert s.end() == []  # nothing lands any more: settled at once
-    assert (stuck.aborted, done.aborted, kept.release_ended()) == (1, 0, 0)
+    assert (stuck.aborted, done.aborted, session_mod.release_given_up()) == (1, 0, 0)
 
 
 def test_a_given_up_gloo_pair_is_kept_until_its_transfer_ends_then_released(monkeypatch):
@@ -77,8 +77,7 @@ def test_a_given_up_gloo_pair_is_kept_until_its_transfer_ends_then_released(monk
     import gc
     import weakref
 
-    kept = session_mod._GivenUpPairs()
-    monkeypatch.setattr(session_mod, "GIVEN_UP", kept)
+    monkeypatch.setattr(RUNTIME, "given_up_pairs", [])
     stuck = _Pair()
     gone = weakref.ref(stuck)
     landing = _Work()
@@ -86,9 +85,9 @@ def test_a_given_up_gloo_pair_is_kept_until_its_transfer_ends_then_released(monk
     assert s.end() == [landing] and stuck.aborted == 0
     del stuck
     gc.collect()
-    assert gone() is not None and kept.release_ended() == 1  # its transfer still waits in it
+    assert gone() is not None and session_mod.release_given_up() == 1  # its transfer still waits in it
     landing.done = True  # the peer went, or the pair's timeout passed
-    assert kept.release_ended() == 0
+    assert session_mod.release_given_up() == 0
     gc.collect()
     assert gone() is None
 

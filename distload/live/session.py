@@ -37,8 +37,6 @@ supervisor. The update protocol (distload/live/channel.py) runs over it. On ever
 
 from __future__ import annotations
 
-import atexit
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import SyncError
+from distload.runtime import RUNTIME
 from distload.workers.heartbeat import Beat, PeerWatch
 from distload.live import handoff, rendezvous
 from distload.live.rendezvous import BoundedStore, SessionRecord, StoreLost, short
@@ -374,8 +373,8 @@ class Session:
                 else:
                     # A given-up gloo transfer still waits in this pair's worker thread, until its
                     # peer goes or the group's timeout passes; destroying the group would wait with
-                    # it. Kept until then (_GivenUpPairs), not for the life of the process.
-                    GIVEN_UP.keep(pair, self.issued.get(peer, ()))
+                    # it. Kept until then (keep_given_up), not for the life of the process.
+                    keep_given_up(pair, self.issued.get(peer, ()))
         # Destroying the others closes their connections: a peer still waiting on this member
         # gets an error at once.
         self.pairs, self.issued = {}, {}
@@ -433,7 +432,7 @@ def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str,
     keeps, its device type, its host unless it forces the socket path; ``device``: its tensors')
     over ``root``, the channel's store. ``serving``: this process serves the store (it waits for
     every member to say it saw an update complete, so it watches every member's heartbeat)."""
-    GIVEN_UP.release_ended()
+    release_given_up()
     nonce = rendezvous.post_hello(root, role, rank, size, info)
     if role == "trainer" and rank == 0:
         record = rendezvous.form_session(root, size, rendezvous.Hello(nonce, size, info), deadline, address)
@@ -523,34 +522,21 @@ def _within_unless(cancelled: threading.Event, deadline: float, late: Callable[[
     return box["result"]
 
 
-class _GivenUpPairs:
-    """Gloo pairs of ended sessions whose transfers had not ended: a given-up transfer waits in
-    its pair's worker thread until the peer goes or the pair's timeout passes, and destroying the
-    pair before then would wait with it. Each is released once its transfers have ended (looked
-    at whenever a session ends or forms); at interpreter exit those still waiting are kept, as
-    destroying them then would hold the exit up to the pair's timeout."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: list[tuple[Any, list[Any]]] = []
-        atexit.register(self._at_exit)
-
-    def keep(self, pair: Any, works: Iterable[Any]) -> None:
-        with self._lock:
-            self._kept.append((pair, [w for w in works if not w.is_completed()]))
-        self.release_ended()
-
-    def release_ended(self) -> int:
-        """Drop the pairs whose transfers have all ended; returns how many are still kept."""
-        with self._lock:
-            self._kept = [(pair, works) for pair, works in self._kept if not all(w.is_completed() for w in works)]
-            return len(self._kept)
-
-    def _at_exit(self) -> None:
-        with self._lock:
-            for pair, _ in self._kept:
-                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pair))
-            self._kept = []
+def keep_given_up(pair: Any, works: Iterable[Any]) -> None:
+    """Keep a gloo pair of an ended session whose transfers had not ended: a given-up transfer
+    waits in its pair's worker thread until the peer goes or the pair's timeout passes, and
+    destroying the pair before then would wait with it. It is released once its transfers have
+    ended (:func:`release_given_up`, whenever a session ends or forms), not kept for the life of
+    the process (at exit those still waiting are left to it: RUNTIME._at_exit)."""
+    with RUNTIME.lock:
+        RUNTIME.given_up_pairs.append((pair, [w for w in works if not w.is_completed()]))
+    release_given_up()
 
 
-GIVEN_UP = _GivenUpPairs()
+def release_given_up() -> int:
+    """Drop the kept pairs whose transfers have all ended; returns how many are still kept."""
+    with RUNTIME.lock:
+        RUNTIME.given_up_pairs = [(pair, works) for pair, works in RUNTIME.given_up_pairs
+                                  if not all(w.is_completed() for w in works)]
+        return len(RUNTIME.given_up_pairs)
+
