@@ -13,17 +13,25 @@ What is **measured by running distload's own code** here (one process, one CPU):
   (``live.transfer.group_entries``, ``layouts``);
 - the old load design: the exchange plan as ``main`` had it before (its module, loaded from git at BEFORE),
   at small N only (it grows as N; larger N are that line extended, and say so);
-- the sync channel's store protocol: ``rendezvous.post_hello``, ``form_session`` and
-  ``await_session``, and ``Session.put`` / ``Session.collect`` / ``Session.finish`` for one
-  update's metadata, agreement and done steps, run against an in-process store that counts keys,
-  bytes and round trips (``CountingStore``); the pickled sizes of the real metadata;
+- the sync channel's store protocol as the code runs it: ``rendezvous.post_hello``,
+  ``form_session`` and ``await_session``; then one update's steps, each member's calls in the
+  order it makes them (``verdicts.post_route`` / ``read_route`` / ``post_verdict`` /
+  ``await_verdict``, ``Session.put`` / ``collect`` / ``announce`` / ``await_posted``), against
+  an in-process store that counts keys, bytes and round trips (``CountingStore``), with the real
+  metadata (compressed as ``rendezvous.put`` stores it). Ranks at one place read the same keys:
+  the first reads them through ``read_route``, the others read the same keys' bytes (counted
+  alike) without unpickling them again. Main's protocol before (every member reading every
+  member's answers) is replayed call for call as its ``Session`` made them;
+- the pairs of the code: each trainer rank's receivers (``pairing.receivers``) and each inference
+  rank's senders (the leader's route), which must agree, give the pairs and connections "now";
 - the per-message cost of a gloo point-to-point message between two processes on this machine.
 
 What is **modelled** (from reading the code; no process per rank):
 
 - the pairs' store traffic (torch's gloo rendezvous: one address posted and one read per member
-  and pair), the heartbeats (every member reads every other member's counter every INTERVAL_S
-  while data moves), connections and threads per process;
+  and pair), the heartbeats (main: every member read every other member's counter every
+  INTERVAL_S while data moves; now the leader every member's, the others the leader's and their
+  peers'), threads per process (2 per gloo pair);
 - the exchanges of the load's planning, agreement and rounds (``WorkerGroup.exchange``: Bruck's
   all-gather, ceil(log2 N) steps of one message, two where items pass INLINE_BYTES), and the old
   design's all-gathers (torch's ring: 2 (N - 1) messages);
@@ -31,10 +39,12 @@ What is **modelled** (from reading the code; no process per rank):
   plans make (each exchange-plan bucket's reader to each member that keeps some of it; each
   trainer rank's bucket layouts to each inference rank), against the link-bandwidth bound (the
   bytes a rank must move at least, over its link);
-- the sync redesign (pairs only where a trainer rank holds bytes an inference rank keeps, expert
-  parallelism on the inference side, a relay tree for what every replica keeps, agreement
-  answers gathered by the leader): not in the code yet (distload/live/session.py and channel.py
-  are being changed); its numbers are the model's only.
+- the rest of the sync redesign (expert parallelism on the inference side, relays in chains for
+  what every replica keeps, so that a trainer rank sends to one replica): not in the code; its
+  column is the model's (its store traffic runs the code's protocol with the model's pairs).
+  The bytes each trainer rank sends each place are its layouts' sizes (``KeptSizes``: each
+  tensor's kept bytes computed once per name pattern and shape, checked against the real
+  ``layouts`` of the 16 ranks whose planning is timed).
 
 Shapes: a Llama-70B-like dense model (80 layers, hidden 8192, GQA 64/8 heads, bf16) and a
 1T-parameter MoE like Kimi-K2 (61 layers, 60 of them with 256 experts of intermediate 3072, hidden
@@ -928,7 +938,7 @@ def write_report(result: dict, json_path: str) -> None:
             ds = [r[k] for k in DESIGNS]
 
             def cells(key: str, fmt: str, scale: float = 1.0) -> str:
-                return " / ".join(format(d[key] / scale, fmt) for d in ds)
+                return " / ".join(format(d[key] / scale if scale != 1.0 else d[key], fmt) for d in ds)
             lines.append(f"| {r['trainer_ranks']} -> {r['inference_ranks']} | {r['planning_s_per_rank']:.3f} | {cells('pairs', 'd')} | "
                          f"{cells('connections_per_process', 'd')} | {cells('threads_per_process', 'd')} | "
                          f"{cells('store_bytes', '.1f', 1e6)} | {cells('store_round_trips', 'd')} | "
