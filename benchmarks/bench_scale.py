@@ -559,18 +559,28 @@ def store_before(metas: list[dict], trainers: int, inference: int, infos: dict) 
             "meta_bytes": sum(len(pickle.dumps(m)) for m in metas)}
 
 
+def _metadata(metas: list[dict], trainers: int, inference: int, infos: dict) -> tuple:
+    """A session formed, then an update's first step: every trainer rank posts its metadata and
+    the leader posts the route (verdicts.post_route). Returns what the steps after it need, and the
+    counts before the update."""
+    root, record, joined = _form(infos, trainers, inference)
+    sessions = _sessions(root, record)
+    deadline = time.monotonic() + 60
+    before = dict(root.counts)
+    for t in range(trainers):
+        sessions[t].put("meta", metas[t])
+    by_trainer = verdicts.post_route(sessions[0], metas[0], 1, deadline)
+    return root, record, joined, sessions, deadline, before, by_trainer
+
+
 def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> dict:
     """The channel's protocol as the code runs it (distload/live/verdicts.py, session.py), each
     member's calls in the order it makes them, against a counting store; and each member's peers
     as the real pairing decides them (pairing.receivers, the leader's route)."""
-    root, record, joined = _form(infos, trainers, inference)
-    sessions = _sessions(root, record)
-    deadline = time.monotonic() + 60
+    root, record, joined, sessions, deadline, before, by_trainer = _metadata(metas, trainers, inference, infos)
     leader = sessions[0]
-    before = dict(root.counts)
-    for t in range(trainers):
-        sessions[t].put("meta", metas[t])
-    by_trainer = verdicts.post_route(leader, metas[0], 1, deadline)
+    # Every place has the same senders here (each keeps a slice of every tensor): one key, metas/0.
+    assert set(rendezvous.get(leader.store, leader.key("route"))["places"].values()) == {0}
     senders: dict[int, list[int]] = {}
     by_place: dict[str, list[int]] = {}
     for i in range(inference):
@@ -583,7 +593,7 @@ def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> 
         else:
             # The ranks at one place read the same keys (the route, the same senders' metadata):
             # read here as bytes, counted alike, not unpickled again (minutes at 256 -> 128).
-            for key in [s.key("route")] + [s.key("meta", t) for t in by_place[place]]:
+            for key in [s.key("route"), s.key("metas/0")]:  # one set of senders here: every place's
                 s.store.get(key)
         senders[trainers + i] = by_place[place]
         s.put("takes", [])
@@ -595,14 +605,7 @@ def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> 
     for t, peers in receivers.items():  # a trainer rank reads what each of its receivers takes
         for r in peers:
             rendezvous.get(leader.store, sessions[t].key("takes", r))
-    for s in sessions:
-        s.put("done", None)
-    leader.collect("done", deadline)
-    leader.announce("complete", True)
-    for s in sessions[1:]:
-        s.await_posted("complete", deadline)
-        s.put("seen", None)
-    leader.store.check([leader.key("seen", r) for r in range(1, record.world_size)])
+    _finish(sessions, deadline)
     update = {k: root.counts[k] - before[k] for k in before}
     # The pairs as both sides decide them: they must agree, or a connect would wait for good.
     assert {(t, r) for t, rs in receivers.items() for r in rs} == {(t, r) for r, ts in senders.items() for t in ts}
@@ -612,18 +615,25 @@ def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> 
             "peers": {**receivers, **senders}}
 
 
+def _finish(sessions: list[Session], deadline: float) -> None:
+    """Session.finish's calls, every member's in turn: "done", the leader's "complete", "seen"."""
+    leader = sessions[0]
+    for s in sessions:
+        s.put("done", None)
+    leader.collect("done", deadline)
+    leader.announce("complete", True)
+    for s in sessions[1:]:
+        s.await_posted("complete", deadline)
+        s.put("seen", None)
+    leader.store.check([leader.key("seen", r) for r in range(1, len(sessions))])
+
+
 def store_redesign(metas: list[dict], trainers: int, inference: int, infos: dict, pairs_of: list[set]) -> dict:
     """The modelled redesign's store traffic (relays and expert parallelism on the inference side
     are not in the code): the protocol of the code, an inference rank reading the metadata of the
     trainer ranks it pairs with in the model (``pairs_of``)."""
-    root, record, joined = _form(infos, trainers, inference)
-    sessions = _sessions(root, record)
-    deadline = time.monotonic() + 60
+    root, record, joined, sessions, deadline, before, by_trainer = _metadata(metas, trainers, inference, infos)
     leader = sessions[0]
-    before = dict(root.counts)
-    for t in range(trainers):
-        sessions[t].put("meta", metas[t])
-    by_trainer = verdicts.post_route(leader, metas[0], 1, deadline)
     for i in range(inference):
         s = sessions[trainers + i]
         for t in pairs_of[i]:
@@ -633,14 +643,7 @@ def store_redesign(metas: list[dict], trainers: int, inference: int, infos: dict
     verdicts.post_verdict(leader, by_trainer, 1, deadline)
     for s in sessions[1:]:
         verdicts.await_verdict(s, deadline)
-    for s in sessions:
-        s.put("done", None)
-    leader.collect("done", deadline)
-    leader.announce("complete", True)
-    for s in sessions[1:]:
-        s.await_posted("complete", deadline)
-        s.put("seen", None)
-    leader.store.check([leader.key("seen", r) for r in range(1, record.world_size)])
+    _finish(sessions, deadline)
     update = {k: root.counts[k] - before[k] for k in before}
     return {"join_round_trips": joined["round_trips"], "join_bytes": joined["bytes"],
             "update_round_trips": update["round_trips"], "update_bytes": update["bytes"]}

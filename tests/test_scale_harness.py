@@ -94,9 +94,9 @@ def test_the_counting_store_counts_what_a_real_store_holds():
     finally:
         bench.CountingStore = original  # type: ignore[misc]
     assert created[0].counts["keys"] == real.num_keys()
-    # hellos (34), the session record and its id; then meta (2), the route, each receiver's takes
-    # and ready (32 each), the verdict, done (34), complete, seen (33)
-    assert real.num_keys() == 34 + 2 + 2 + 1 + 64 + 1 + 34 + 1 + 33
+    # hellos (34), the session record and its id; then meta (2), the route and the senders'
+    # metadata, each receiver's takes and ready (32 each), the verdict, done (34), complete, seen (33)
+    assert real.num_keys() == 34 + 2 + 2 + 2 + 64 + 1 + 34 + 1 + 33
     # Per member a dozen calls, per pair two reads (metadata, takes; each receiver pairs with both trainer ranks):
     # 34 members, 64 pairs; main's protocol had every member read every member's answers.
     assert counts["update_round_trips"] < 16 * 34 + 2 * 64

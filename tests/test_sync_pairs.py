@@ -75,6 +75,8 @@ def test_members_read_only_their_peers_and_a_trainer_with_nothing_for_a_receiver
                     results[f"{name} v{version}"] = all(
                         torch.equal(target[k], states[t][k] + version) for t in (0, 1) for k in states[t])
             results[name] = sorted(ch._session.pairs)
+            if role == "inference":  # the trainer ranks whose metadata it read (and whose base it holds)
+                results[f"{name} senders"] = sorted(ch._held)
             ch.close()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             results[name] = exc
@@ -96,9 +98,9 @@ def test_members_read_only_their_peers_and_a_trainer_with_nothing_for_a_receiver
         if who == "trainer 0":  # the leader reads every member's answers, once per update
             assert sum(k.startswith("u/0/ready/") for k in reads) == receivers, reads
             continue
-        # Nobody else reads another member's answer to a step: only the leader's verdicts,
-        # and an inference rank its senders' metadata (not trainer rank 2's).
-        assert not any("/ready/" in k or "/done/" in k for k in reads), (who, reads)
+        # Nobody else reads another member's answer to a step: only the leader's posts, and an
+        # inference rank its senders' metadata, in one key (the leader's; not trainer rank 2's).
+        assert not any("/ready/" in k or "/done/" in k or "/meta/" in k for k in reads), (who, reads)
         if who.startswith("inference"):
-            assert sorted(k for k in reads if "/meta/" in k) == ["u/0/meta/0", "u/0/meta/1",
-                                                                 "u/1/meta/0", "u/1/meta/1"], (who, reads)
+            assert sorted(k for k in reads if "/metas/" in k) == ["u/0/metas/0", "u/1/metas/0"], (who, reads)
+            assert results[f"{who} senders"] == [0, 1], results

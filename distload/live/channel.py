@@ -71,6 +71,7 @@ from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 log = logging.getLogger("distload")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+ABORT_LINGER_S = 0.5  # how long the process serving the store keeps it after an update failed
 SETTLE_S = 10.0  # how long a receiver waits for a given-up update's transfers before it refuses
 _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
 
@@ -274,6 +275,11 @@ class SyncChannel:
         session, self._session = self._session, None
         if session is None:
             return
+        if self._serving and session.aborted():
+            # The store goes with this process, which may exit as soon as push() raises: a member
+            # that did not see the abort yet would then only learn that the store was lost, not
+            # why (a dead peer the leader named first). Members look at least every POLL_S.
+            time.sleep(ABORT_LINGER_S)
         self._into_model += session.end()
         if session.unfinished:
             # A transfer given up may still write into its buffer: the next updates take new ones.

@@ -217,6 +217,13 @@ class Session:
                 f"stopped, died or gave the update up after posting its part done), so it may still hold "
                 f"the previous version"))
 
+    def aborted(self) -> bool:
+        """Whether this update's abort was posted (False where the store does not answer)."""
+        try:
+            return self.store.check([self.key("abort")])
+        except StoreLost:
+            return False
+
     def fail(self, reason: str) -> str:
         """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
         abort = self.key("abort")

@@ -5,8 +5,11 @@ member's was 1.6 GB of store traffic per update).
 Every trainer rank posts its metadata (``meta``: version, tensors, buckets). Then:
 
 1. the leader (trainer rank 0) reads all of it and posts the *route* (:func:`post_route`): the
-   version, and per receiver place the trainer ranks that carry bytes for it (pairing.py);
-2. an inference rank reads the route and the metadata of those trainer ranks only
+   version, and per receiver place the trainer ranks that carry bytes for it (pairing.py), whose
+   metadata it posts again under one key per distinct set of senders (``metas/i``): compressed
+   together, the metadata of many trainer ranks takes half the bytes it takes one by one (the
+   same names and shapes recur from rank to rank);
+2. an inference rank reads the route and the one key of its senders' metadata
    (:func:`read_route`; one that says what it keeps with ``keeps=`` reads every trainer rank's:
    its function is given the whole update), plans, and posts its answer (``ready``: what stops
    it) and what it takes (``takes``, ``cuts``);
@@ -34,8 +37,16 @@ def post_route(session: Any, meta: Mapping[str, Any], version: int, deadline: fl
     record = session.record
     trainers = range(1, record.trainer_size)
     metas = {0: meta, **dict(zip(trainers, session.collect("meta", deadline, trainers)))}
-    session.announce("route", {"version": version, "senders": pairing.senders(
-        {t: m["entries"] for t, m in metas.items()}, record)})
+    senders = pairing.senders({t: m["entries"] for t, m in metas.items()}, record)
+    sets: dict[tuple[int, ...], int] = {}
+    for ranks in senders.values():
+        sets.setdefault(tuple(ranks), len(sets))
+    every = sets.setdefault(tuple(sorted(metas)), len(sets)) if pairing.cut_receivers(record) else None
+    for ranks, i in sets.items():
+        if ranks:
+            session.announce(f"metas/{i}", {t: metas[t] for t in ranks})
+    session.announce("route", {"version": version, "every": every,
+                               "places": {key: sets[tuple(ranks)] if ranks else None for key, ranks in senders.items()}})
     return metas
 
 
@@ -44,13 +55,12 @@ def read_route(session: Any, rank: int, every: bool) -> tuple[int, dict[int, Map
     and the metadata of the trainer ranks the route names for its place (``every``: of every
     trainer rank), by trainer rank."""
     posted = rendezvous.get(session.store, session.key("route"))
-    record = session.record
     if every:
-        senders: Sequence[int] = range(record.trainer_size)
+        i = posted["every"]
     else:
-        info = record.infos[rendezvous.member_key("inference", rank)]
-        senders = posted["senders"].get(pairing.place_key(info, rank), [])
-    return posted["version"], {t: rendezvous.get(session.store, session.key("meta", t)) for t in senders}
+        info = session.record.infos[rendezvous.member_key("inference", rank)]
+        i = posted["places"].get(pairing.place_key(info, rank))
+    return posted["version"], {} if i is None else rendezvous.get(session.store, session.key(f"metas/{i}"))
 
 
 def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: int, deadline: float) -> str | None:
