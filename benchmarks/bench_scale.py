@@ -700,14 +700,14 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
         layout_msgs.append(msgs)
     replicas = inference // TP
     verify_msgs = 1  # the checksums after the last bucket
-    # Today: each trainer rank sends each inference rank its slices (all pairs).
+    # Main and now: each trainer rank sends each inference rank its slices (every pair carries bytes).
     egress = [replicas * sum(b) for b in layout_bytes]
     egress_msgs = [replicas * (sum(m) + verify_msgs * TP) for m in layout_msgs]
     ingress = [sum(layout_bytes[t][i % TP] for t in range(trainers)) for i in range(inference)]
     ingress_msgs = [sum(layout_msgs[t][i % TP] + verify_msgs for t in range(trainers)) for i in range(inference)]
-    today_s = max(max(moving_s(e, m, message_s) for e, m in zip(egress, egress_msgs)),
+    direct_s = max(max(moving_s(e, m, message_s) for e, m in zip(egress, egress_msgs)),
                   max(moving_s(g, m, message_s) for g, m in zip(ingress, ingress_msgs)))
-    # The redesign (model only): pairs where a trainer rank holds bytes an inference rank keeps,
+    # The redesign (model only): pairs where a trainer rank holds bytes an inference rank keeps, with
     # expert parallelism on the inference side, relays in chains (see _redesign_pairs).
     owned_bytes = [sum(e.nbytes for e in entries) for entries in owned]
     kept_inf, dense_slot = _redesign_kept(model)
@@ -743,7 +743,7 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
     r_heartbeat_per_s = (sum(len(p) for p in pairs_t) * 2 + world) / INTERVAL_S
     # torch's gloo rendezvous of a two-member group: each member posts its address (about 300 bytes)
     # and reads the other's (a wait and a get): 3 round trips, about 700 bytes, per member and pair.
-    today_pairs = trainers * inference
+    all_pairs = trainers * inference
     now_pairs = sum(len(now_peers[t]) for t in range(trainers))
     now_conn = max(len(p) for p in now_peers.values())
     redesign_pairs = sum(len(p) for p in pairs_t) + 2 * inference  # + the relays' chains
@@ -757,12 +757,12 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
         "trainer_ranks": trainers, "inference_ranks": inference, "state_bytes": model.nbytes,
         "planning_s_per_rank": max(plan_s),
         "before": {
-            "pairs": today_pairs, "connections_per_process": max(trainers, inference) + 1,
+            "pairs": all_pairs, "connections_per_process": max(trainers, inference) + 1,
             "threads_per_process": GLOO_THREADS_PER_GROUP * max(trainers, inference) + 3,
-            **totals(before_store, today_pairs), "heartbeat_reads_per_s": heartbeat_per_s,
+            **totals(before_store, all_pairs), "heartbeat_reads_per_s": heartbeat_per_s,
             "max_bytes_per_link": max(max(b) for b in layout_bytes),
             "max_egress_bytes": max(egress), "max_ingress_bytes": max(ingress),
-            "update_s_model": today_s, "vs_bound": today_s / bound_s,
+            "update_s_model": direct_s, "vs_bound": direct_s / bound_s,
         },
         # The code as it is now: its protocol and its pairs (counted above); the data moves as
         # before (every receiver keeps its TP slice of every tensor: every pair carries bytes).
@@ -773,7 +773,7 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
             "record_bytes": now_store["record_bytes"],
             "max_bytes_per_link": max(max(b) for b in layout_bytes),
             "max_egress_bytes": max(egress), "max_ingress_bytes": max(ingress),
-            "update_s_model": today_s, "vs_bound": today_s / bound_s,
+            "update_s_model": direct_s, "vs_bound": direct_s / bound_s,
         },
         "redesign": {
             "pairs": redesign_pairs,
