@@ -306,8 +306,9 @@ class Session:
         for peer in missing:
             pair = (self.me, peer) if trainer else (peer, self.me)
             self.pairs[peer] = _within_unless(
-                cancelled, deadline, lambda: f"{self.who(peer)} did not connect within {self.timeout_s:.0f} s "
-                                             f"(stopped, or {self.store.server}, which serves the store, stopped)",
+                cancelled, deadline, f"connecting to {self.who(peer)}",
+                lambda: f"{self.who(peer)} did not connect within {self.timeout_s:.0f} s (stopped, or "
+                        f"{self.store.server}, which serves the store, stopped)",
                 rendezvous.process_group, dist.PrefixStore(f"pg/{pair[0]}-{pair[1]}/", self.store.raw),
                 0 if trainer else 1, 2, self.backend, self.timeout_s)
 
@@ -505,9 +506,11 @@ class _Watch(PeerWatch):
         self._ranks += [r for r in ranks if r not in self._ranks]
 
 
-def _within_unless(cancelled: threading.Event, deadline: float, late: Callable[[], str], fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` on a thread of its own, waited for until ``deadline`` (SyncError ``late()``)
-    or ``cancelled`` (_GivenUp); a thread given up on is left to end on its own."""
+def _within_unless(cancelled: threading.Event, deadline: float, what: str, late: Callable[[], str], fn: Any,
+                   *args: Any) -> Any:
+    """``fn(*args)`` (``what`` it does, for its failure) on a thread of its own, waited for until
+    ``deadline`` (SyncError ``late()``) or ``cancelled`` (_GivenUp); a thread given up on is left
+    to end on its own."""
     done = threading.Event()
     box: dict[str, Any] = {}
 
@@ -525,7 +528,7 @@ def _within_unless(cancelled: threading.Event, deadline: float, late: Callable[[
         if time.monotonic() > deadline:
             raise SyncError(late())
     if "error" in box:
-        raise SyncError(f"a pair did not connect: {short(box['error'])}")
+        raise SyncError(f"{what} failed: {short(box['error'])}")
     return box["result"]
 
 
