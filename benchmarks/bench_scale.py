@@ -13,17 +13,25 @@ What is **measured by running distload's own code** here (one process, one CPU):
   (``live.transfer.group_entries``, ``layouts``);
 - the old load design: the exchange plan as ``main`` had it before (its module, loaded from git at BEFORE),
   at small N only (it grows as N; larger N are that line extended, and say so);
-- the sync channel's store protocol: ``rendezvous.post_hello``, ``form_session`` and
-  ``await_session``, and ``Session.put`` / ``Session.collect`` / ``Session.finish`` for one
-  update's metadata, agreement and done steps, run against an in-process store that counts keys,
-  bytes and round trips (``CountingStore``); the pickled sizes of the real metadata;
+- the sync channel's store protocol as the code runs it: ``rendezvous.post_hello``,
+  ``form_session`` and ``await_session``; then one update's steps, each member's calls in the
+  order it makes them (``verdicts.post_route`` / ``read_route`` / ``post_verdict`` /
+  ``await_verdict``, ``Session.put`` / ``collect`` / ``announce`` / ``await_posted``), against
+  an in-process store that counts keys, bytes and round trips (``CountingStore``), with the real
+  metadata (compressed as ``rendezvous.put`` stores it). Ranks at one place read the same keys:
+  the first reads them through ``read_route``, the others read the same keys' bytes (counted
+  alike) without unpickling them again. Main's protocol before (every member reading every
+  member's answers) is replayed call for call as its ``Session`` made them;
+- the pairs of the code: each trainer rank's receivers (``pairing.receivers``) and each inference
+  rank's senders (the leader's route), which must agree, give the pairs and connections "now";
 - the per-message cost of a gloo point-to-point message between two processes on this machine.
 
 What is **modelled** (from reading the code; no process per rank):
 
 - the pairs' store traffic (torch's gloo rendezvous: one address posted and one read per member
-  and pair), the heartbeats (every member reads every other member's counter every INTERVAL_S
-  while data moves), connections and threads per process;
+  and pair), the heartbeats (main: every member read every other member's counter every
+  INTERVAL_S while data moves; now the leader every member's, the others the leader's and their
+  peers'), threads per process (2 per gloo pair);
 - the exchanges of the load's planning, agreement and rounds (``WorkerGroup.exchange``: Bruck's
   all-gather, ceil(log2 N) steps of one message, two where items pass INLINE_BYTES), and the old
   design's all-gathers (torch's ring: 2 (N - 1) messages);
@@ -31,10 +39,12 @@ What is **modelled** (from reading the code; no process per rank):
   plans make (each exchange-plan bucket's reader to each member that keeps some of it; each
   trainer rank's bucket layouts to each inference rank), against the link-bandwidth bound (the
   bytes a rank must move at least, over its link);
-- the sync redesign (pairs only where a trainer rank holds bytes an inference rank keeps, expert
-  parallelism on the inference side, a relay tree for what every replica keeps, agreement
-  answers gathered by the leader): not in the code yet (distload/live/session.py and channel.py
-  are being changed); its numbers are the model's only.
+- the rest of the sync redesign (expert parallelism on the inference side, relays in chains for
+  what every replica keeps, so that a trainer rank sends to one replica): not in the code; its
+  column is the model's (its store traffic runs the code's protocol with the model's pairs).
+  The bytes each trainer rank sends each place are its layouts' sizes (``KeptSizes``: each
+  tensor's kept bytes computed once per name pattern and shape, checked against the real
+  ``layouts`` of the 16 ranks whose planning is timed).
 
 Shapes: a Llama-70B-like dense model (80 layers, hidden 8192, GQA 64/8 heads, bf16) and a
 1T-parameter MoE like Kimi-K2 (61 layers, 60 of them with 256 experts of intermediate 3072, hidden
@@ -52,6 +62,7 @@ import math
 import os
 import pickle
 import platform
+import re
 import statistics
 import struct
 import subprocess
@@ -66,11 +77,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from distload.live import rendezvous  # noqa: E402
+from distload.live import pairing, rendezvous, verdicts  # noqa: E402
 from distload.live.channel import DEFAULT_BUCKET_BYTES  # noqa: E402
 from distload.live.rendezvous import SessionRecord  # noqa: E402
 from distload.live.session import Session  # noqa: E402
-from distload.live.transfer import SyncTensor, group_entries, layouts  # noqa: E402
+from distload.live.transfer import SyncTensor, group_entries, kept_slice, layouts  # noqa: E402
+from distload.loading.buckets import ALIGN, offsets, run_bytes  # noqa: E402
 from distload.loading.agreement import read_facts  # noqa: E402
 from distload.loading.choice import ReadChoice  # noqa: E402
 from distload.loading.index import CheckpointIndex, FileInfo, TensorInfo, parse_header  # noqa: E402
@@ -81,7 +93,6 @@ from distload.workers.group import INLINE_BYTES, bruck_distances  # noqa: E402
 from distload.loading.plan import RankPlan  # noqa: E402
 from distload.loading.rank_slices import plan_slices  # noqa: E402
 from distload.loading.shared_reads.plan import BUCKET_BYTES, ExchangePlan, whole_need  # noqa: E402
-from distload.loading.buckets import run_bytes  # noqa: E402
 from distload.tp.place import TPPlace  # noqa: E402
 from distload.tp.spec import BUILTIN_SPECS, Rule, ShardingSpec  # noqa: E402
 from distload.workers.heartbeat import INTERVAL_S  # noqa: E402
@@ -477,65 +488,165 @@ def sync_entries(model: Model, trainers: int) -> list[list[SyncTensor]]:
     return out
 
 
-def store_protocol(model: Model, metas: list[dict], trainers: int, inference: int, redesign: bool) -> dict:
-    """One session's forming and one update's store traffic, on the real rendezvous and Session code
-    (pairs and heartbeats by the model)."""
+def hello_infos(model: Model) -> dict[tuple[str, int], dict]:
+    """What each member posts in its hello, as SyncChannel._info() makes it: an inference rank its
+    TP size and its sharding spec's JSON (decoder rules, sized by the model's config)."""
+    spec = ShardingSpec("decoder", BUILTIN_SPECS["decoder"], dict(model.config)).to_json()
+
+    def info(role: str, rank: int) -> dict:
+        return {"tp_size": TP if role == "inference" else 1, "spec": spec if role == "inference" else None,
+                "device": "cuda", "gpu": f"GPU-{role}-{rank:04d}-0000-0000-000000000000", "verify": True,
+                "pid": 100000 + rank, "cuts": False, "host": f"node-{role}-{rank // 8:03d}"}
+    return {(role, rank): info(role, rank) for role in ("trainer", "inference") for rank in range(4096)}
+
+
+def _form(infos: dict, trainers: int, inference: int) -> tuple[CountingStore, SessionRecord, dict]:
+    """A session formed on the real rendezvous code (hellos, the leader's record, every member's
+    wait for it), against a counting store."""
     root = CountingStore()
     hellos = {}
     for role, size in (("trainer", trainers), ("inference", inference)):
         for rank in range(size):
             if (role, rank) != ("trainer", 0):
-                hellos[(role, rank)] = rendezvous.post_hello(root, role, rank, size, {"tp_size": TP, "spec": None})
-    leader_nonce = rendezvous.post_hello(root, "trainer", 0, trainers, {"tp_size": TP, "spec": None})
-    record = rendezvous.form_session(root, trainers, rendezvous.Hello(leader_nonce, trainers, {}), time.monotonic() + 60, "x")
+                hellos[(role, rank)] = rendezvous.post_hello(root, role, rank, size, infos[(role, rank)])
+    leader_nonce = rendezvous.post_hello(root, "trainer", 0, trainers, infos[("trainer", 0)])
+    record = rendezvous.form_session(root, trainers, rendezvous.Hello(leader_nonce, trainers, infos[("trainer", 0)]),
+                                     time.monotonic() + 60, "x")
     for (role, rank), nonce in hellos.items():
         rendezvous.await_session(root, role, rank, nonce, time.monotonic() + 60, "x")
-    joined = dict(root.counts)
+    return root, record, dict(root.counts)
+
+
+def _sessions(root: CountingStore, record: SessionRecord) -> list[Session]:
     store = root.prefixed(f"s/{record.id}/")
+    return [Session(record, store, {}, "gloo", me, None, None, "x", 60.0, lambda role, rank: f"{role} {rank}")  # type: ignore[arg-type]
+            for me in range(record.world_size)]
+
+
+def store_before(metas: list[dict], trainers: int, inference: int, infos: dict) -> dict:
+    """main's protocol before this redesign, replayed call for call as main's Session made them:
+    every member reads every trainer rank's metadata (pickled, uncompressed, as main stored it) and
+    every member's answers; its pairs and heartbeats by the model. The values are read, not
+    unpickled (the counts are the same; 1.6 GB of unpickling at 256 -> 128 is minutes here)."""
+    root, record, joined = _form(infos, trainers, inference)
+    sessions = _sessions(root, record)
     world = trainers + inference
-    sessions = [Session(record, store, {}, "gloo", me, None, None, "x", 60.0, lambda role, rank: f"{role} {rank}")  # type: ignore[arg-type]
-                for me in range(world)]
-    deadline = time.monotonic() + 60
     for me in range(trainers):
-        sessions[me].put("meta", metas[me])
+        sessions[me].store.set(sessions[me].key("meta", me), pickle.dumps(metas[me]))
     for s in sessions:
         s.put("ready", [])
     before = dict(root.counts)
-    if redesign:
-        # The leader reads every answer and posts one verdict; an inference rank reads the metadata
-        # of the trainer ranks it pairs with only (what it keeps comes from them), once per session.
-        pairs_of = _redesign_pairs(model, trainers, inference)[1]
-        sessions[0].collect("ready", deadline)
-        rendezvous.put(store, "u/0/verdict", [])
-        for me in range(1, world):
-            rendezvous.get(store, "u/0/verdict")
-        for me in range(trainers):
-            sessions[me].collect("meta", deadline, 1)  # the leader's (version, bucket size)
-        for i in range(inference):
-            for t in pairs_of[i]:
-                rendezvous.get(store, sessions[0].key("meta", t))
-        for s in sessions:
-            s.put("done", None)
-        sessions[0].collect("done", deadline)
-        rendezvous.put(store, "u/0/complete", True)
-        for me in range(1, world):
-            rendezvous.get(store, "u/0/complete")
-    else:
-        for s in sessions:  # trainer ranks and inference ranks alike read every trainer rank's metadata
-            s.collect("meta", deadline, trainers)
-        for s in sessions:
-            s.collect("ready", deadline)
-        for s in sessions:
-            s.put("done", None)
-        for s in sessions:
-            s.collect("done", deadline)
-        for s in sessions[1:]:
-            s.put("seen", None)
-        sessions[0].store.check([sessions[0].key("seen", r) for r in range(1, world)])
+
+    def collect(s: Session, what: str, ranks: Sequence[int]) -> None:  # main's Session.collect
+        keys = [s.key(what, r) for r in ranks]
+        s.store.check(keys)
+        for k in keys:
+            s.store.get(k)
+    for s in sessions:  # trainer ranks and inference ranks alike read every trainer rank's metadata
+        collect(s, "meta", range(trainers))
+    for s in sessions:
+        collect(s, "ready", range(world))
+    for s in sessions:
+        s.put("done", None)
+    for s in sessions:
+        collect(s, "done", range(world))
+    for s in sessions[1:]:
+        s.put("seen", None)
+    sessions[0].store.check([sessions[0].key("seen", r) for r in range(1, world)])
     update = {k: root.counts[k] - before[k] for k in before}
     return {"join_round_trips": joined["round_trips"], "join_bytes": joined["bytes"],
             "update_round_trips": update["round_trips"], "update_bytes": update["bytes"],
             "meta_bytes": sum(len(pickle.dumps(m)) for m in metas)}
+
+
+def _metadata(metas: list[dict], trainers: int, inference: int, infos: dict) -> tuple:
+    """A session formed, then an update's first step: every trainer rank posts its metadata and
+    the leader posts the route (verdicts.post_route). Returns what the steps after it need, and the
+    counts before the update."""
+    root, record, joined = _form(infos, trainers, inference)
+    sessions = _sessions(root, record)
+    deadline = time.monotonic() + 60
+    before = dict(root.counts)
+    for t in range(trainers):
+        sessions[t].put("meta", metas[t])
+    by_trainer = verdicts.post_route(sessions[0], metas[0], 1, deadline)
+    return root, record, joined, sessions, deadline, before, by_trainer
+
+
+def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> dict:
+    """The channel's protocol as the code runs it (distload/live/verdicts.py, session.py), each
+    member's calls in the order it makes them, against a counting store; and each member's peers
+    as the real pairing decides them (pairing.receivers, the leader's route)."""
+    root, record, joined, sessions, deadline, before, by_trainer = _metadata(metas, trainers, inference, infos)
+    leader = sessions[0]
+    # Every place has the same senders here (each keeps a slice of every tensor): one key, metas/0.
+    assert set(rendezvous.get(leader.store, leader.key("route"))["places"].values()) == {0}
+    senders: dict[int, list[int]] = {}
+    by_place: dict[str, list[int]] = {}
+    for i in range(inference):
+        s = sessions[trainers + i]
+        s.store.check([s.key("route")])  # its wait for the route: the look that finds it
+        place = pairing.place_key(record.infos[rendezvous.member_key("inference", i)], i)
+        if place not in by_place:
+            _, mine = verdicts.read_route(s, i, every=False)
+            by_place[place] = sorted(mine)
+        else:
+            # The ranks at one place read the same keys (the route, the same senders' metadata):
+            # read here as bytes, counted alike, not unpickled again (minutes at 256 -> 128).
+            for key in [s.key("route"), s.key("metas/0")]:  # one set of senders here: every place's
+                s.store.get(key)
+        senders[trainers + i] = by_place[place]
+        s.put("takes", [])
+        s.put("ready", [])
+    verdicts.post_verdict(leader, by_trainer, 1, deadline)
+    for s in sessions[1:]:
+        verdicts.await_verdict(s, deadline)
+    receivers = {t: pairing.receivers(metas[t]["entries"], record) for t in range(trainers)}
+    for t, peers in receivers.items():  # a trainer rank reads what each of its receivers takes
+        for r in peers:
+            rendezvous.get(leader.store, sessions[t].key("takes", r))
+    _finish(sessions, deadline)
+    update = {k: root.counts[k] - before[k] for k in before}
+    # The pairs as both sides decide them: they must agree, or a connect would wait for good.
+    assert {(t, r) for t, rs in receivers.items() for r in rs} == {(t, r) for r, ts in senders.items() for t in ts}
+    return {"join_round_trips": joined["round_trips"], "join_bytes": joined["bytes"],
+            "update_round_trips": update["round_trips"], "update_bytes": update["bytes"],
+            "meta_bytes": sum(len(pickle.dumps(m)) for m in metas), "record_bytes": len(pickle.dumps(record)),
+            "peers": {**receivers, **senders}}
+
+
+def _finish(sessions: list[Session], deadline: float) -> None:
+    """Session.finish's calls, every member's in turn: "done", the leader's "complete", "seen"."""
+    leader = sessions[0]
+    for s in sessions:
+        s.put("done", None)
+    leader.collect("done", deadline)
+    leader.announce("complete", True)
+    for s in sessions[1:]:
+        s.await_posted("complete", deadline)
+        s.put("seen", None)
+    leader.store.check([leader.key("seen", r) for r in range(1, len(sessions))])
+
+
+def store_redesign(metas: list[dict], trainers: int, inference: int, infos: dict, pairs_of: list[set]) -> dict:
+    """The modelled redesign's store traffic (relays and expert parallelism on the inference side
+    are not in the code): the protocol of the code, an inference rank reading the metadata of the
+    trainer ranks it pairs with in the model (``pairs_of``)."""
+    root, record, joined, sessions, deadline, before, by_trainer = _metadata(metas, trainers, inference, infos)
+    leader = sessions[0]
+    for i in range(inference):
+        s = sessions[trainers + i]
+        for t in pairs_of[i]:
+            rendezvous.get(s.store, s.key("meta", t))
+        s.put("takes", [])
+        s.put("ready", [])
+    verdicts.post_verdict(leader, by_trainer, 1, deadline)
+    for s in sessions[1:]:
+        verdicts.await_verdict(s, deadline)
+    _finish(sessions, deadline)
+    update = {k: root.counts[k] - before[k] for k in before}
+    return {"join_round_trips": joined["round_trips"], "join_bytes": joined["bytes"],
+            "update_round_trips": update["round_trips"], "update_bytes": update["bytes"]}
 
 
 def _redesign_pairs(model: Model, trainers: int, inference: int) -> tuple[list[set], list[set], int]:
@@ -577,23 +688,26 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
         layout_msgs.append([sum(1 for layout in lays if layout.size) for lays in per_place])
         if len(plan_s) >= 16 and trainers > 32:
             break  # trainer ranks are alike: the first 16 give the time; bytes come per rank below
-    # Bytes per (trainer, TP slot), for every trainer rank: today's layouts from group sums.
-    if len(layout_bytes) < trainers:
-        for entries in owned[len(layout_bytes):]:
-            groups = group_entries(entries, DEFAULT_BUCKET_BYTES)
-            per_place = [layouts(entries, groups, place, False) for place in places]
-            layout_bytes.append([sum(layout.size for layout in lays) for lays in per_place])
-            layout_msgs.append([sum(1 for layout in lays if layout.size) for lays in per_place])
+    # Bytes per (trainer, TP slot), for every trainer rank: the layouts' sizes, each tensor's kept
+    # bytes computed once per name pattern and shape (KeptSizes), checked against the real
+    # layouts of the ranks planned above.
+    sizes = KeptSizes(places)
+    for t, entries in enumerate(owned[:len(layout_bytes)]):
+        assert sizes.of(entries, groups_of[t]) == (layout_bytes[t], layout_msgs[t]), t
+    for entries in owned[len(layout_bytes):]:
+        kept, msgs = sizes.of(entries, group_entries(entries, DEFAULT_BUCKET_BYTES))
+        layout_bytes.append(kept)
+        layout_msgs.append(msgs)
     replicas = inference // TP
     verify_msgs = 1  # the checksums after the last bucket
-    # Today: each trainer rank sends each inference rank its slices (all pairs).
+    # Main and now: each trainer rank sends each inference rank its slices (every pair carries bytes).
     egress = [replicas * sum(b) for b in layout_bytes]
     egress_msgs = [replicas * (sum(m) + verify_msgs * TP) for m in layout_msgs]
     ingress = [sum(layout_bytes[t][i % TP] for t in range(trainers)) for i in range(inference)]
     ingress_msgs = [sum(layout_msgs[t][i % TP] + verify_msgs for t in range(trainers)) for i in range(inference)]
-    today_s = max(max(moving_s(e, m, message_s) for e, m in zip(egress, egress_msgs)),
+    direct_s = max(max(moving_s(e, m, message_s) for e, m in zip(egress, egress_msgs)),
                   max(moving_s(g, m, message_s) for g, m in zip(ingress, ingress_msgs)))
-    # The redesign (model only): pairs where a trainer rank holds bytes an inference rank keeps,
+    # The redesign (model only): pairs where a trainer rank holds bytes an inference rank keeps, with
     # expert parallelism on the inference side, relays in chains (see _redesign_pairs).
     owned_bytes = [sum(e.nbytes for e in entries) for entries in owned]
     kept_inf, dense_slot = _redesign_kept(model)
@@ -616,42 +730,88 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
     metas = [{"version": 1, "entries": entries, "groups": groups_of[t] if t < len(groups_of)
               else group_entries(entries, DEFAULT_BUCKET_BYTES), "verify": True, "gathered": [], "delta": False,
               "base": None, "next": None, "audit": 0} for t, entries in enumerate(owned)]
-    today_store = store_protocol(model, metas, trainers, inference, redesign=False)
-    redesign_store = store_protocol(model, metas, trainers, inference, redesign=True)
+    infos = hello_infos(model)
+    before_store = store_before(metas, trainers, inference, infos)
+    now_store = store_now(metas, trainers, inference, infos)
+    redesign_store = store_redesign(metas, trainers, inference, infos, pairs_i)
     world = trainers + inference
+    # Heartbeats: every member counts its key up every INTERVAL_S; main's: every member read every
+    # other's; now the leader reads every member's, any other member the leader's and its peers'.
     heartbeat_per_s = world * (world - 1) / INTERVAL_S + world / INTERVAL_S
+    now_peers = now_store["peers"]
+    now_heartbeat_per_s = ((world - 1) + sum(1 + len(p) for m, p in now_peers.items() if m) + world) / INTERVAL_S
     r_heartbeat_per_s = (sum(len(p) for p in pairs_t) * 2 + world) / INTERVAL_S
     # torch's gloo rendezvous of a two-member group: each member posts its address (about 300 bytes)
     # and reads the other's (a wait and a get): 3 round trips, about 700 bytes, per member and pair.
-    today_pairs = trainers * inference
+    all_pairs = trainers * inference
+    now_pairs = sum(len(now_peers[t]) for t in range(trainers))
+    now_conn = max(len(p) for p in now_peers.values())
     redesign_pairs = sum(len(p) for p in pairs_t) + 2 * inference  # + the relays' chains
     pair_rt, pair_bytes = 3 * 2, 700 * 2
+
+    def totals(store: dict, pairs: int) -> dict:
+        return {"store_bytes": store["join_bytes"] + pairs * pair_bytes + store["update_bytes"],
+                "store_round_trips": store["join_round_trips"] + pairs * pair_rt + store["update_round_trips"],
+                "store_update_bytes": store["update_bytes"], "store_join_bytes": store["join_bytes"]}
     return {
         "trainer_ranks": trainers, "inference_ranks": inference, "state_bytes": model.nbytes,
         "planning_s_per_rank": max(plan_s),
-        "today": {
-            "pairs": today_pairs, "connections_per_process": max(trainers, inference) + 1,
+        "before": {
+            "pairs": all_pairs, "connections_per_process": max(trainers, inference) + 1,
             "threads_per_process": GLOO_THREADS_PER_GROUP * max(trainers, inference) + 3,
-            "store_bytes": today_store["join_bytes"] + today_pairs * pair_bytes + today_store["update_bytes"],
-            "store_round_trips": today_store["join_round_trips"] + today_pairs * pair_rt + today_store["update_round_trips"],
-            "store_update_bytes": today_store["update_bytes"], "heartbeat_reads_per_s": heartbeat_per_s,
+            **totals(before_store, all_pairs), "heartbeat_reads_per_s": heartbeat_per_s,
             "max_bytes_per_link": max(max(b) for b in layout_bytes),
             "max_egress_bytes": max(egress), "max_ingress_bytes": max(ingress),
-            "update_s_model": today_s, "vs_bound": today_s / bound_s,
+            "update_s_model": direct_s, "vs_bound": direct_s / bound_s,
+        },
+        # The code as it is now: its protocol and its pairs (counted above); the data moves as
+        # before (every receiver keeps its TP slice of every tensor: every pair carries bytes).
+        "now": {
+            "pairs": now_pairs, "connections_per_process": now_conn + 1,
+            "threads_per_process": GLOO_THREADS_PER_GROUP * now_conn + 3,
+            **totals(now_store, now_pairs), "heartbeat_reads_per_s": now_heartbeat_per_s,
+            "record_bytes": now_store["record_bytes"],
+            "max_bytes_per_link": max(max(b) for b in layout_bytes),
+            "max_egress_bytes": max(egress), "max_ingress_bytes": max(ingress),
+            "update_s_model": direct_s, "vs_bound": direct_s / bound_s,
         },
         "redesign": {
             "pairs": redesign_pairs,
             "connections_per_process": max(max(len(p) for p in pairs_t), max(len(p) for p in pairs_i) + 4) + 1,
             "threads_per_process": GLOO_THREADS_PER_GROUP * max(max(len(p) for p in pairs_t), max(len(p) for p in pairs_i) + 4) + 3,
-            "store_bytes": redesign_store["join_bytes"] + redesign_pairs * pair_bytes + redesign_store["update_bytes"],
-            "store_round_trips": redesign_store["join_round_trips"] + redesign_pairs * pair_rt + redesign_store["update_round_trips"],
-            "store_update_bytes": redesign_store["update_bytes"], "heartbeat_reads_per_s": r_heartbeat_per_s,
+            **totals(redesign_store, redesign_pairs), "heartbeat_reads_per_s": r_heartbeat_per_s,
             "max_bytes_per_link": max(owned_bytes),
             "max_egress_bytes": max(max(owned_bytes), relay_out), "max_ingress_bytes": max(kept_inf),
             "update_s_model": redesign_s, "vs_bound": redesign_s / bound_s,
         },
-        "bound_s": bound_s, "meta_bytes": today_store["meta_bytes"],
+        "bound_s": bound_s, "meta_bytes": now_store["meta_bytes"],
     }
+
+
+class KeptSizes:
+    """The sizes of a trainer rank's bucket layouts per place (``layouts``'s, summed) without
+    making them: what a place keeps of a tensor depends on its name's pattern (digits aside: the
+    layer and expert numbers) and its shape, so each is cut once (kept_slice) and reused; the
+    buckets' aligned offsets are the layouts' own (``offsets``). sync_at checks it against the
+    real layouts of the ranks it plans."""
+
+    def __init__(self, places: Sequence[TPPlace]):
+        self.places = places
+        self.kept: dict[tuple, int] = {}
+
+    def _kept(self, p: int, entry: SyncTensor) -> int:
+        key = (p, re.sub(r"[0-9]+", "#", entry.name), entry.shape, entry.dtype)
+        if key not in self.kept:
+            self.kept[key] = kept_slice(self.places[p], 0, entry).nbytes
+        return self.kept[key]
+
+    def of(self, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+        kept, messages = [], []
+        for p in range(len(self.places)):
+            sizes = [offsets([self._kept(p, entries[i]) for i in group], ALIGN)[1] for group in groups]
+            kept.append(sum(sizes))
+            messages.append(sum(1 for size in sizes if size))
+        return kept, messages
 
 
 def _trainer_plan(entries: list[SyncTensor], places: list[TPPlace]) -> tuple[list, list]:
@@ -711,12 +871,16 @@ def run(ranks: int, old_up_to: int = 32, message_s: float | None = None, models:
                 continue
             row = sync_at(model, trainers, inference, message_s)
             rows.append(row)
-            print(f"sync {model.name} {trainers}->{inference}: today {row['today']['connections_per_process']} conn, "
-                  f"{row['today']['store_bytes'] / 1e6:.0f} MB store, {row['today']['vs_bound']:.1f}x bound; redesign "
+            print(f"sync {model.name} {trainers}->{inference}: before {row['before']['store_bytes'] / 1e6:.0f} MB store; now "
+                  f"{row['now']['connections_per_process']} conn, {row['now']['store_bytes'] / 1e6:.0f} MB store, "
+                  f"{row['now']['vs_bound']:.1f}x bound; redesign "
                   f"{row['redesign']['connections_per_process']} conn, {row['redesign']['store_bytes'] / 1e6:.0f} MB, "
                   f"{row['redesign']['vs_bound']:.2f}x", flush=True)
         out["sync"][model.name] = rows
     return out
+
+
+DESIGNS = {"before": "main (before)", "now": "now (the code)", "redesign": "redesign (model)"}
 
 
 def goals(result: dict) -> list[tuple[str, str, bool]]:
@@ -725,8 +889,9 @@ def goals(result: dict) -> list[tuple[str, str, bool]]:
     out = []
     sync = next((r for r in result["sync"].get(moe, []) if r["trainer_ranks"] == 256 and r["inference_ranks"] == 128), None)
     if sync is not None:
-        for design in ("today", "redesign"):
+        for design in ("before", "now", "redesign"):
             d = sync[design]
+            design = DESIGNS[design]
             out += [(f"sync {design}: connections per process <= 64", f"{d['connections_per_process']}", d["connections_per_process"] <= 64),
                     (f"sync {design}: store traffic <= 100 MB", f"{d['store_bytes'] / 1e6:.1f} MB", d["store_bytes"] <= 100e6),
                     (f"sync {design}: update within 1.2x of the link bound", f"{d['vs_bound']:.2f}x ({d['update_s_model']:.2f} s vs {sync['bound_s']:.2f} s)",
@@ -769,16 +934,19 @@ def write_report(result: dict, json_path: str) -> None:
                          f"({r['old_agreement_bytes_per_rank'] / 1e6:.1f}) | {r['plan_and_agreement_s']:.2f} | {r['rounds']} | "
                          f"{r['max_bytes_sent_per_rank'] / 1e9:.1f} / {r['max_bytes_received_per_rank'] / 1e9:.1f} | {r['connections_per_process']} | {r['load_s_model']:.1f} | {r['load_bound_s']:.1f} |")
     for name, rows in result["sync"].items():
-        lines += ["", f"## Sync: {name}, today's channel / the redesign (model)", "",
+        lines += ["", f"## Sync: {name}, main before / now (the code) / the redesign (model: relays, experts by EP rank)", "",
                   "| trainer -> inference | planning s/rank | pairs | connections/process | threads/process | store MB | "
                   "store round trips | heartbeat reads/s | modelled update s | bound s | vs bound |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
-            t, d = r["today"], r["redesign"]
-            lines.append(f"| {r['trainer_ranks']} -> {r['inference_ranks']} | {r['planning_s_per_rank']:.3f} | {t['pairs']} / {d['pairs']} | "
-                         f"{t['connections_per_process']} / {d['connections_per_process']} | {t['threads_per_process']} / {d['threads_per_process']} | "
-                         f"{t['store_bytes'] / 1e6:.1f} / {d['store_bytes'] / 1e6:.1f} | {t['store_round_trips']} / {d['store_round_trips']} | "
-                         f"{t['heartbeat_reads_per_s']:.0f} / {d['heartbeat_reads_per_s']:.0f} | {t['update_s_model']:.2f} / {d['update_s_model']:.2f} | "
-                         f"{r['bound_s']:.2f} | {t['vs_bound']:.2f} / {d['vs_bound']:.2f} |")
+            ds = [r[k] for k in DESIGNS]
+
+            def cells(key: str, fmt: str, scale: float = 1.0) -> str:
+                return " / ".join(format(d[key] / scale if scale != 1.0 else d[key], fmt) for d in ds)
+            lines.append(f"| {r['trainer_ranks']} -> {r['inference_ranks']} | {r['planning_s_per_rank']:.3f} | {cells('pairs', 'd')} | "
+                         f"{cells('connections_per_process', 'd')} | {cells('threads_per_process', 'd')} | "
+                         f"{cells('store_bytes', '.1f', 1e6)} | {cells('store_round_trips', 'd')} | "
+                         f"{cells('heartbeat_reads_per_s', '.0f')} | {cells('update_s_model', '.2f')} | "
+                         f"{r['bound_s']:.2f} | {cells('vs_bound', '.2f')} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
@@ -793,10 +961,11 @@ def write_report(result: dict, json_path: str) -> None:
         axes[0][2].plot(n, [r["load_s_model"] / r["load_bound_s"] for r in rows], "o-", label=name)
     for name, rows in result["sync"].items():
         n = [r["trainer_ranks"] + r["inference_ranks"] for r in rows]
-        for design, style in (("today", "x--"), ("redesign", "o-")):
-            axes[1][0].plot(n, [r[design]["connections_per_process"] for r in rows], style, label=f"{name}, {design}")
-            axes[1][1].plot(n, [r[design]["store_bytes"] / 1e6 for r in rows], style, label=f"{name}, {design}")
-            axes[1][2].plot(n, [r[design]["vs_bound"] for r in rows], style, label=f"{name}, {design}")
+        for design, style in (("before", "x--"), ("now", "s-"), ("redesign", "o:")):
+            label = f"{name}, {DESIGNS[design]}"
+            axes[1][0].plot(n, [r[design]["connections_per_process"] for r in rows], style, label=label)
+            axes[1][1].plot(n, [r[design]["store_bytes"] / 1e6 for r in rows], style, label=label)
+            axes[1][2].plot(n, [r[design]["vs_bound"] for r in rows], style, label=label)
     titles = [("load: planning s per rank", True), ("load: agreement MB received per rank", True),
               ("load: modelled time / bound", False), ("sync: connections per process", True),
               ("sync: store MB per session + update", True), ("sync: modelled update / link bound", True)]

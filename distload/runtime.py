@@ -25,6 +25,7 @@ Tests call :func:`reset` (or set a field) instead of patching module globals.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import contextlib
 import os
 import threading
@@ -72,6 +73,8 @@ class Runtime:
             self.heartbeats: dict[int, Any] = {}
             self.weight_syncs = 0
             self.patch_weights: Any = None  # delta.py's patch-sum weights (a numpy table), grown as needed
+            # session.py's gloo pairs whose given-up transfers still wait in them: (pair, works)
+            self.given_up_pairs: list[tuple[Any, list[Any]]] = []
 
     def _at_exit(self) -> None:
         # A thread that wants the GIL once the interpreter finalizes makes the process abort
@@ -80,6 +83,12 @@ class Runtime:
         # dropping its last collective's tensors. Stop the first, let the second finish.
         self.stop_heartbeats()
         quiet_exit.let_workers_finish()
+        # A pair whose given-up transfer still waits: destroying it now would hold the exit up
+        # to the pair's timeout. It is left to the process's end instead.
+        with self.lock:
+            for pair, _ in self.given_up_pairs:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(pair))
+            self.given_up_pairs = []
 
     def stop_heartbeats(self) -> None:
         """Stop every heartbeat thread, waiting for a store call in progress."""

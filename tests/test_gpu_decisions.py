@@ -12,6 +12,7 @@ import pytest
 from distload.errors import SyncError
 from distload.live import rendezvous, session as session_mod
 from distload.live.session import Session, session_backend
+from distload.runtime import RUNTIME
 
 
 def _info(device, gpu=None):
@@ -62,22 +63,33 @@ def _session(backend, pairs, issued, into_model=()):
 
 def test_a_given_up_nccl_transfer_aborts_its_pair(monkeypatch):
     """Finding 1: a spinning NCCL kernel is ended (ncclCommAbort), not kept for the watchdog."""
-    kept = []
-    monkeypatch.setattr(session_mod, "_keep_forever", kept.append)
+    monkeypatch.setattr(RUNTIME, "given_up_pairs", [])
     stuck, done = _Pair(), _Pair()
     landing = _Work()
     s = _session("nccl", {0: stuck, 1: done}, {0: [landing], 1: [_Work(done=True)]}, [landing])
     assert s.end() == []  # nothing lands any more: settled at once
-    assert (stuck.aborted, done.aborted, kept) == (1, 0, [])
+    assert (stuck.aborted, done.aborted, session_mod.release_given_up()) == (1, 0, 0)
 
 
-def test_a_given_up_gloo_transfer_keeps_its_pair(monkeypatch):
-    kept = []
-    monkeypatch.setattr(session_mod, "_keep_forever", kept.append)
+def test_a_given_up_gloo_pair_is_kept_until_its_transfer_ends_then_released(monkeypatch):
+    """A gloo pair whose transfer was given up is not destroyed while the transfer waits (that
+    would wait with it), nor kept for the life of the process: released once it has ended."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(RUNTIME, "given_up_pairs", [])
     stuck = _Pair()
+    gone = weakref.ref(stuck)
     landing = _Work()
     s = _session("gloo", {0: stuck}, {0: [landing]}, [landing])
-    assert s.end() == [landing] and kept == [stuck] and stuck.aborted == 0
+    assert s.end() == [landing] and stuck.aborted == 0
+    del stuck
+    gc.collect()
+    assert gone() is not None and session_mod.release_given_up() == 1  # its transfer still waits in it
+    landing.done = True  # the peer went, or the pair's timeout passed
+    assert session_mod.release_given_up() == 0
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_failed_work_is_a_sync_error_not_an_arrival():
@@ -108,6 +120,8 @@ def test_pairs_time_out_after_the_channel_timeout_and_abort_only_their_communica
     s = session_mod.join(store, "inference", 0, 1, _info("cuda", "GPU-b"), time.monotonic() - 1, address="x",
                          timeout_s=120.0, name=lambda role, rank: f"{role} {rank}")
     s.beat.stop()
+    assert made == []  # pairs are made for an update's data step, with the peers it moves bytes with
+    s.connect([0], threading.Event(), time.monotonic() + 5)
     assert made == [("nccl", 120.0)] and s.backend == "nccl"
     assert dict(rendezvous.PAIR_NCCL_ENV) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
 

@@ -89,16 +89,35 @@ def test_the_counting_store_counts_what_a_real_store_holds():
     try:
         model = tiny_moe()
         owned = bench.sync_entries(model, 2)
-        metas = [{"entries": entries} for entries in owned]
-        counts = bench.store_protocol(model, metas, 2, 32, redesign=False)
+        metas = [{"version": 1, "entries": entries, "gathered": []} for entries in owned]
+        counts = bench.store_now(metas, 2, 32, bench.hello_infos(model))
     finally:
         bench.CountingStore = original  # type: ignore[misc]
     assert created[0].counts["keys"] == real.num_keys()
-    # hellos (34), the session record, then meta (2) + ready, done, seen (34 each)
-    assert real.num_keys() == 34 + 1 + 2 + 34 + 34 + 33
-    assert counts["update_round_trips"] > 34 * 2  # every member reads the 2 metas and 34 answers
+    # hellos (34), the session record and its id; then meta (2), the route and the senders'
+    # metadata, each receiver's takes and ready (32 each), the verdict, done (34), complete, seen (33)
+    assert real.num_keys() == 34 + 2 + 2 + 2 + 64 + 1 + 34 + 1 + 33
+    # Per member a dozen calls, per pair two reads (metadata, takes; each receiver pairs with both trainer ranks):
+    # 34 members, 64 pairs; main's protocol had every member read every member's answers.
+    assert counts["update_round_trips"] < 16 * 34 + 2 * 64
+    assert counts["peers"][0] == counts["peers"][1] == list(range(2, 34))
     assert counts["meta_bytes"] == sum(len(__import__("pickle").dumps(m)) for m in metas)
     assert rendezvous.session_id(created[0]) is not None
+
+
+def test_the_protocol_reads_grow_with_the_members_not_their_pairs():
+    """Main's protocol against the code's, at 8 and 16 trainer ranks to 32 inference ranks: the
+    code's update traffic grows with the members and what each one's peers posted."""
+    model = tiny_moe()
+    infos = bench.hello_infos(model)
+    rows = {}
+    for trainers in (8, 16):
+        metas = [{"version": 1, "entries": e, "gathered": []} for e in bench.sync_entries(model, trainers)]
+        rows[trainers] = (bench.store_before(metas, trainers, 32, infos), bench.store_now(metas, trainers, 32, infos))
+    for trainers, (before, now) in rows.items():
+        world = trainers + 32
+        assert before["update_round_trips"] >= world * world  # every member, every member's answers
+        assert now["update_round_trips"] < 16 * world + 2 * trainers * 32
 
 
 def test_todays_sync_replay_gives_each_receiver_exactly_what_it_keeps():
@@ -107,10 +126,12 @@ def test_todays_sync_replay_gives_each_receiver_exactly_what_it_keeps():
     spec = ShardingSpec("decoder", BUILTIN_SPECS["decoder"], dict(model.config))
     kept = [sum(kept_slice(TPPlace(bench.TP, slot, spec), i, SyncTensor(name, "BF16", shape, 2 * bench.math.prod(shape))).nbytes
                 for i, (name, shape) in enumerate(model.tensors)) for slot in range(bench.TP)]
-    assert row["today"]["max_ingress_bytes"] == max(kept)
-    assert row["today"]["pairs"] == 8 * 32 and row["redesign"]["pairs"] < row["today"]["pairs"]
+    assert row["now"]["max_ingress_bytes"] == max(kept)
+    # every receiver keeps a TP slice of every tensor: every trainer rank carries bytes for each
+    assert row["before"]["pairs"] == row["now"]["pairs"] == 8 * 32 and row["redesign"]["pairs"] < row["now"]["pairs"]
+    assert row["now"]["store_bytes"] < row["before"]["store_bytes"]
     # the redesign: each inference rank keeps its TP slice of the rest and its experts whole
-    assert row["redesign"]["max_ingress_bytes"] < row["today"]["max_ingress_bytes"]
+    assert row["redesign"]["max_ingress_bytes"] < row["now"]["max_ingress_bytes"]
 
 
 def test_headers_are_read_once_per_job_and_every_rank_gets_them_all(setup, monkeypatch):

@@ -58,7 +58,7 @@ from distload.errors import ConfigError, DistloadError, SyncError
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
 from distload.live import delta as deltas
-from distload.live import handoff, rendezvous
+from distload.live import handoff, pairing, rendezvous, verdicts
 from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
 from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
@@ -71,6 +71,7 @@ from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 log = logging.getLogger("distload")
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
+ABORT_LINGER_S = 0.5  # how long the process serving the store keeps it after an update failed
 SETTLE_S = 10.0  # how long a receiver waits for a given-up update's transfers before it refuses
 _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
 
@@ -267,13 +268,18 @@ class SyncChannel:
             self._drop_session()
         self._session = join(self._store, self.role, self.rank, self.size, self._info(), deadline,
                              address=self.address, timeout_s=self.timeout_s, name=self._name,
-                             device=self.device)
+                             device=self.device, serving=self._serving)
         return self._session
 
     def _drop_session(self) -> None:
         session, self._session = self._session, None
         if session is None:
             return
+        if self._serving and session.aborted():
+            # The store goes with this process, which may exit as soon as push() raises: a member
+            # that did not see the abort yet would then only learn that the store was lost, not
+            # why (a dead peer the leader named first). Members look at least every POLL_S.
+            time.sleep(ABORT_LINGER_S)
         self._into_model += session.end()
         if session.unfinished:
             # A transfer given up may still write into its buffer: the next updates take new ones.
@@ -300,17 +306,27 @@ class SyncChannel:
         self._attempts += 1
         following = f"{self._nonce}:{self._attempts}"
         changes = _Changes()
+        meta = {"version": version, "entries": entries, "groups": groups, "verify": verify,
+                "gathered": list(dtensors), "delta": self.delta, "base": self._base.id if self.delta else None,
+                "next": following if self.delta else None, "audit": self._pushes}
         try:
-            session.put("meta", {"version": version, "entries": entries, "groups": groups, "verify": verify,
-                                 "gathered": list(dtensors), "delta": self.delta,
-                                 "base": self._base.id if self.delta else None,
-                                 "next": following if self.delta else None, "audit": self._pushes})
-            session.put("ready", [])
-            metas = session.collect("meta", deadline, session.record.trainer_size)
-            self._check_refusals(session, session.collect("ready", deadline), metas, version)
+            session.put("meta", meta)
+            if session.leader:  # every trainer rank's metadata read here, and every receiver's answer
+                metas = verdicts.post_route(session, meta, version, deadline)
+                refused = verdicts.post_verdict(session, metas, version, deadline)
+                if refused:
+                    raise _Refused(refused)
+            else:
+                metas = {self.rank: meta}
+                refused = verdicts.await_verdict(session, deadline)
+                if refused:
+                    raise _Refused(refused)
+                if dtensors:  # the leader's order of gathering them
+                    metas[0] = rendezvous.get(session.store, session.key("meta", 0))
             routes = self._routes(session, entries, groups, verify)
-            sent = session.supervise(lambda cancelled: self._send(session, routes, tensors, dtensors, metas,
-                                                                  groups, changes, cancelled), deadline)
+            peers = sorted(rank for route in routes for rank in route.ranks)
+            sent = session.supervise(lambda cancelled: self._send(session, peers, routes, tensors, dtensors, metas,
+                                                                  groups, changes, cancelled, deadline), deadline)
             session.finish(deadline, self._serving)
         except _Refused:
             raise
@@ -325,26 +341,30 @@ class SyncChannel:
         any_delta = any(route.delta for route in routes)
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify or (any_delta and all(r.delta for r in routes)),
-                         any_delta, session.transport(range(session.record.trainer_size, session.record.world_size)))
+                         any_delta, session.transport(peers))
 
     def _routes(self, session: Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
                 verify: bool) -> list[_Route]:
         """Each distinct receiver place and kind of update (delta or full), the session ranks
-        that take it, and its bucket layouts. A receiver takes a delta from this trainer rank
+        that take it, and its bucket layouts; only receivers this rank carries bytes for
+        (pairing.py): it pairs with no other. A receiver takes a delta from this trainer rank
         where it said it holds this rank's base (its ``takes`` answer, posted before ``ready``)."""
         by_place: dict[tuple, _Route] = {}
         record = session.record
-        for rank in range(record.inference_size):
+        cut = set(pairing.cut_receivers(record))
+        for member in sorted(set(pairing.receivers(entries, record)) | cut):
+            rank = member - record.trainer_size
             info = record.infos[rendezvous.member_key("inference", rank)]
-            member = record.channel_rank("inference", rank)
+            tp_size = info["tp_size"]
+            cuts = None
+            if member in cut:  # what it keeps, posted with this update (read before its ready)
+                cuts = rendezvous.get(session.store, session.key("cuts", member))
+                if not pairing.carries(entries, TPPlace(1, 0, Cuts.from_json(cuts))):
+                    continue
             takes = self.delta and self._base.id is not None and self.rank in rendezvous.get(
                 session.store, session.key("takes", member))
-            tp_size = info["tp_size"]
-            key: tuple = (tp_size, rank % tp_size, takes)
-            cuts = None
-            if info.get("cuts"):  # what it keeps, posted with this update (read before its ready)
-                cuts = rendezvous.get(session.store, session.key("cuts", member))
-                key = ("cuts", json.dumps(cuts, sort_keys=True), takes)
+            key: tuple = (tp_size, rank % tp_size, takes) if cuts is None else (
+                "cuts", json.dumps(cuts, sort_keys=True), takes)
             if key not in by_place:
                 spec = None if info["spec"] is None else spec_from_json(info["spec"])
                 place = TPPlace(tp_size, rank % tp_size, spec) if cuts is None else TPPlace(1, 0, Cuts.from_json(cuts))
@@ -353,9 +373,11 @@ class SyncChannel:
             by_place[key].ranks.append(member)
         return list(by_place.values())
 
-    def _send(self, session: Session, routes: Sequence[_Route], tensors: Mapping[int, torch.Tensor],
-              dtensors: Mapping[str, torch.Tensor], metas: Sequence[Mapping[str, Any]],
-              groups: Sequence[Sequence[int]], changes: "_Changes", cancelled: threading.Event) -> int:
+    def _send(self, session: Session, peers: Sequence[int], routes: Sequence[_Route],
+              tensors: Mapping[int, torch.Tensor], dtensors: Mapping[str, torch.Tensor],
+              metas: Mapping[int, Mapping[str, Any]], groups: Sequence[Sequence[int]], changes: "_Changes",
+              cancelled: threading.Event, deadline: float) -> int:
+        session.connect(peers, cancelled, deadline)
         if self.rank != 0 and dtensors:
             _gather_with_leader(metas[0], dtensors)
         entries = metas[self.rank]["entries"]
@@ -488,13 +510,14 @@ class SyncChannel:
         wait_s = self.timeout_s if timeout_s is None else float(timeout_s)
         wait_deadline = time.monotonic() + wait_s
         try:
-            session, metas = self._next_update(wait_deadline, wait_s)
-            return self._receive_update(session, metas, targets_for, rollback)
+            session, version, metas = self._next_update(wait_deadline, wait_s)
+            return self._receive_update(session, version, metas, targets_for, rollback)
         except SyncError as exc:
             self.last_error = str(exc)
             raise
 
-    def _next_update(self, wait_deadline: float, wait_s: float) -> tuple[Session, list[Mapping[str, Any]]]:
+    def _next_update(self, wait_deadline: float, wait_s: float
+                     ) -> tuple[Session, int, dict[int, Mapping[str, Any]]]:
         """Wait for the next update's metadata; a trainer that goes away meanwhile (or restarts,
         or the process serving the store restarts, or stops and resumes) is waited for until the
         deadline, and named once it is not answering."""
@@ -538,7 +561,11 @@ class SyncChannel:
                         self.version)
 
     def _wait_metadata(self, wait_deadline: float, wait_s: float
-                       ) -> tuple[Session, list[Mapping[str, Any]]] | None:
+                       ) -> tuple[Session, int, dict[int, Mapping[str, Any]]] | None:
+        """The next update's version and the metadata of the trainer ranks that may send to this
+        rank (by trainer rank): those the leader names for this rank's place, or every trainer
+        rank for a rank that says what it keeps of the whole update (``keeps``). None: the
+        trainer restarted, join its next session."""
         me = self._name(self.role, self.rank)
         try:
             session = self._join(wait_deadline)
@@ -549,9 +576,9 @@ class SyncChannel:
                 raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s: {self._absent}; still at "
                                 f"version {self.version}") from None
             raise exc
-        keys = [session.key("meta", t) for t in range(session.record.trainer_size)]
+        route = session.key("route")  # posted by the leader once every trainer rank's metadata is in
         backoff = rendezvous.Backoff()
-        while not session.store.check(keys):
+        while not session.store.check([route]):
             if self._store.check([rendezvous.CLOSING]):
                 raise SyncError(f"{me}: the channel at {self.address} was closed by the process serving it; "
                                 f"still at version {self.version}")
@@ -565,31 +592,34 @@ class SyncChannel:
                 raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s{why}; still at version "
                                 f"{self.version}")
             backoff.pause()
-        return session, [rendezvous.get(session.store, k) for k in keys]
+        return (session, *verdicts.read_route(session, self.rank, every=self._keeps is not None))
 
-    def _receive_update(self, session: Session, metas: Sequence[Mapping[str, Any]],
+    def _receive_update(self, session: Session, version: int, metas: dict[int, Mapping[str, Any]],
                         targets_for: Callable[[dict], Mapping[str, torch.Tensor]], rollback: bool) -> SyncStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        version = metas[0]["version"]
         try:
             try:  # what this rank keeps; a spec that cannot cut a tensor is this rank's refusal
                 place = self._update_place(session, metas)
-                plans = [layouts(m["entries"], m["groups"], place, m["verify"]) for m in metas]
+                if self._keeps is not None:  # the senders: those it keeps bytes of (as they decide)
+                    metas = {t: m for t, m in metas.items() if pairing.carries(m["entries"], place)}
+                plans = {t: layouts(m["entries"], m["groups"], place, m["verify"]) for t, m in metas.items()}
             except (ConfigError, _Unkept) as exc:
-                plans, problems = [], [str(exc)]
+                plans, problems = {}, [str(exc)]
             else:
                 wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
-                          for m, plan in zip(metas, plans) for layout in plan for piece, _ in layout.items}
+                          for t, m in metas.items() for layout in plans[t] for piece, _ in layout.items}
                 targets = targets_for(wanted)
                 problems = self._settled(min(self.timeout_s, SETTLE_S))
-                for meta, plan in zip(metas, plans):
-                    pieces = [piece for layout in plan for piece, _ in layout.items]
+                for t, meta in metas.items():
+                    pieces = [piece for layout in plans[t] for piece, _ in layout.items]
                     problems += check_pieces(meta["entries"], pieces, targets)
             takes = [] if problems else self._takes(metas, plans, targets)
-            session.put("takes", takes)  # read by the trainer ranks once every member is ready
+            session.put("takes", takes)  # read by the trainer ranks that send here, after the verdict
             session.put("ready", problems)
-            self._check_refusals(session, session.collect("ready", deadline), metas, version)
+            refused = verdicts.await_verdict(session, deadline)  # the leader's, from every member's ready
+            if refused:
+                raise _Refused(refused)
         except _Refused:
             raise
         except BaseException:
@@ -601,7 +631,8 @@ class SyncChannel:
         self._scratch.reset()  # the last update's undo is done with: its deltas' memory is free
         try:
             wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, takes,
-                                                                         landing, cancelled, undo), deadline)
+                                                                         landing, cancelled, undo, deadline),
+                                     deadline)
             session.finish(deadline, self._serving)
         except BaseException as exc:
             # supervise() has ended the transfer thread: nothing of this update lands after this.
@@ -618,34 +649,34 @@ class SyncChannel:
         session.seq += 1
         self.version, self.consistent, self.last_error = version, True, None
         # What the next delta from each trainer rank may patch: this version, as it now lies here.
-        self._held = {t: m["next"] for t, m in enumerate(metas) if m.get("next")}
+        self._held = {t: m["next"] for t, m in metas.items() if m.get("next")}
         self._marks = {name: _mark(targets[name]) for name in _names(metas, plans)}
-        nbytes = sum(piece.nbytes for plan in plans for layout in plan for piece, _ in layout.items)
-        verified = all(m["verify"] or t in takes for t, m in enumerate(metas))
-        return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas), sum(len(p) for p in plans),
-                         time.perf_counter() - start, wire, verified, bool(takes),
-                         session.transport(range(session.record.trainer_size)))
+        nbytes = sum(piece.nbytes for plan in plans.values() for layout in plan for piece, _ in layout.items)
+        verified = all(m["verify"] or t in takes for t, m in metas.items())
+        return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas.values()),
+                         sum(len(p) for p in plans.values()), time.perf_counter() - start, wire, verified, bool(takes),
+                         session.transport(metas))
 
-    def _update_place(self, session: Session, metas: Sequence[Mapping[str, Any]]) -> TPPlace:
+    def _update_place(self, session: Session, metas: Mapping[int, Mapping[str, Any]]) -> TPPlace:
         """Where this rank sits for this update: its TP place, or the cuts its ``keeps`` makes of
         the update's tensors, posted for the trainer ranks (read once every member is ready)."""
         if self._keeps is None:
             return self.place
         try:
-            cuts = Cuts(self._keeps([entry for m in metas for entry in m["entries"]]))
+            cuts = Cuts(self._keeps([entry for t in sorted(metas) for entry in metas[t]["entries"]]))
         except DistloadError as exc:
             raise _Unkept(str(exc)) from None
         session.put("cuts", cuts.to_json())
         return TPPlace(1, 0, cuts)
 
-    def _takes(self, metas: Sequence[Mapping[str, Any]], plans: Sequence[Sequence[BucketLayout]],
+    def _takes(self, metas: Mapping[int, Mapping[str, Any]], plans: Mapping[int, Sequence[BucketLayout]],
                targets: Mapping[str, torch.Tensor]) -> list[int]:
         """The trainer ranks whose delta this rank can take: it holds exactly the base that trainer
         rank will patch (received whole from it last, and its tensors have not moved since)."""
         if any(self._marks.get(name) != _mark(targets[name]) for name in _names(metas, plans)):
             self._held.clear()  # a tensor was reallocated, repacked or is new here: its base is unknown
             return []
-        return [t for t, m in enumerate(metas) if m.get("base") is not None and self._held.get(t) == m["base"]]
+        return [t for t, m in metas.items() if m.get("base") is not None and self._held.get(t) == m["base"]]
 
     def _undo(self, landing: "_Landing") -> str:
         """After a failed update: put back what its deltas overwrote (its transfer thread has
@@ -659,12 +690,14 @@ class SyncChannel:
             return " (every change undone)"
         return ""
 
-    def _receive_all(self, session: Session, metas: Sequence[Mapping[str, Any]],
-                     plans: Sequence[Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
+    def _receive_all(self, session: Session, metas: Mapping[int, Mapping[str, Any]],
+                     plans: Mapping[int, Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
                      takes: Sequence[int], landing: "_Landing", cancelled: threading.Event,
-                     undo: dict[str, torch.Tensor] | None) -> int:
+                     undo: dict[str, torch.Tensor] | None, deadline: float) -> int:
+        session.connect(sorted(metas), cancelled, deadline)
         wire = 0
-        for sender, (meta, plan) in enumerate(zip(metas, plans)):
+        for sender in sorted(metas):
+            meta, plan = metas[sender], plans[sender]
             if sender in takes:
                 wire += self._receive_delta(session, sender, meta, plan, targets, landing.undo, cancelled)
                 continue
@@ -872,22 +905,6 @@ class SyncChannel:
         """Where buffers live: the device with NCCL, host memory with gloo."""
         return self.device if self._session is not None and self._session.backend == "nccl" else torch.device("cpu")
 
-    def _check_refusals(self, session: Session, answers: Sequence[list[str]], metas: Sequence[Mapping[str, Any]],
-                        version: int) -> None:
-        """Raise on every member, identically, when any member refused (nothing has moved)."""
-        refusals = []
-        for rank, problems in enumerate(answers):
-            if problems:
-                shown = "; ".join(problems[:_SHOWN])
-                more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
-                what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
-                refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}")
-        refusals += _sender_conflicts(metas)
-        if refusals:
-            session.seq += 1  # nothing moved: the session stays, the next update takes the next number
-            raise _Refused(f"update to version {version} refused, nothing was sent (receivers still at their "
-                            f"old version): " + " | ".join(refusals))
-
     def close(self) -> None:
         """Leave the channel. The process serving the store first tells the members (their
         heartbeats stop, a waiting receive raises) and gives them CLOSE_WAIT_S to leave."""
@@ -921,8 +938,8 @@ def _mark(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
-def _names(metas: Sequence[Mapping[str, Any]], plans: Sequence[Sequence[BucketLayout]]) -> set[str]:
-    return {m["entries"][piece.entry].name for m, plan in zip(metas, plans) for layout in plan
+def _names(metas: Mapping[int, Mapping[str, Any]], plans: Mapping[int, Sequence[BucketLayout]]) -> set[str]:
+    return {m["entries"][piece.entry].name for t, m in metas.items() for layout in plans[t]
             for piece, _ in layout.items}
 
 
@@ -980,26 +997,6 @@ def _gather_with_leader(leader_meta: Mapping[str, Any], dtensors: Mapping[str, t
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if _is_dtensor(tensor) else tensor
-
-
-def _sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
-    problems = []
-    versions = sorted({m["version"] for m in metas})
-    if len(versions) > 1:
-        problems.append(f"trainer ranks push different versions ({', '.join(map(str, versions))})")
-    owner: dict[str, int] = {}
-    twice = []
-    for rank, meta in enumerate(metas):
-        for entry in meta["entries"]:
-            if owner.setdefault(entry.name, rank) != rank:
-                twice.append(f"{entry.name} (trainer ranks {owner[entry.name]} and {rank})")
-    if twice:
-        problems.append(f"{len(twice)} tensor(s) sent by two trainer ranks: {', '.join(twice[:_SHOWN])}")
-    gathered = {tuple(m["gathered"]) for m in metas}
-    if len(gathered) > 1:
-        problems.append("trainer ranks hold different DTensors (every trainer rank pushes the same DTensor "
-                        "state, in the same order)")
-    return problems
 
 
 def _set_aside(undo: dict[str, torch.Tensor], space: dict[str, torch.Tensor], layout: BucketLayout,

@@ -21,6 +21,7 @@ it waited for.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import queue
@@ -28,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
@@ -39,7 +41,11 @@ from distload.runtime import RUNTIME
 from distload.workers.group import NCCL_CLEANUP_ONLY
 
 ROLES = ("trainer", "inference")
-_SESSION = "session"
+_SESSION = "session"  # the record: every member's nonce and what it keeps (grows with the members)
+# A few bytes beside it, written after it: (the current session's id or None, whether forming it
+# failed). Members poll this one, and read the record only when it changes: polling the record
+# itself would cost every member the whole record per poll, quadratic in the members.
+_SESSION_ID = "session/id"
 POLL_S = 0.02  # the longest pause between two looks at the store
 ANSWER_S = 5.0  # a store call unanswered this long: the process serving the store is stopped or hung
 
@@ -249,12 +255,22 @@ CLOSING = "closing"  # posted by the process that serves the store before it sto
 CLOSE_WAIT_S = 5.0  # how long that process waits for the members to leave first
 
 
+# A value pickled to more than this is stored compressed (zlib, level 1). A trainer rank's metadata
+# (tensor names, shapes, buckets) compresses about 11:1 (names repeat per layer and expert), and it
+# is the store's largest traffic: each inference rank reads that of every trainer rank that sends
+# to it. A pickle (protocol 2 and later) begins with 0x80, zlib's stream with 0x78: get() tells them
+# apart by the first byte.
+COMPRESS_FROM = 2048
+
+
 def get(store: Any, key: str) -> Any:
-    return pickle.loads(store.get(key))
+    data = store.get(key)
+    return pickle.loads(zlib.decompress(data) if data[:1] == b"\x78" else data)
 
 
 def put(store: Any, key: str, value: Any) -> None:
-    store.set(key, pickle.dumps(value))
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    store.set(key, zlib.compress(data, 1) if len(data) > COMPRESS_FROM else data)
 
 
 @dataclass(frozen=True)
@@ -298,6 +314,15 @@ def _current(store: Any) -> dict[str, Any] | None:
     return get(store, _SESSION) if store.check([_SESSION]) else None
 
 
+def _post_current(store: Any, value: dict[str, Any]) -> None:
+    put(store, _SESSION, value)
+    put(store, _SESSION_ID, (value.get("id"), "failed" in value))
+
+
+def _state(store: Any) -> tuple[str | None, bool] | None:
+    return get(store, _SESSION_ID) if store.check([_SESSION_ID]) else None
+
+
 def post_hello(store: Any, role: str, rank: int, size: int, info: Mapping[str, Any]) -> str:
     nonce = uuid.uuid4().hex
     put(store, f"hello/{member_key(role, rank)}", Hello(nonce, size, dict(info)))
@@ -306,8 +331,8 @@ def post_hello(store: Any, role: str, rank: int, size: int, info: Mapping[str, A
 
 def session_id(store: Any) -> str | None:
     """The current session's id; None while the leader forms one (or before any was formed)."""
-    current = _current(store)
-    return None if current is None else current.get("id")
+    state = _state(store)
+    return None if state is None else state[0]
 
 
 def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, address: str) -> SessionRecord:
@@ -316,12 +341,12 @@ def form_session(store: Any, trainer_size: int, leader: Hello, deadline: float, 
     timeout for a session that will not come)."""
     previous = _current(store)
     old_nonces = previous.get("nonces", {}) if previous else {}
-    put(store, _SESSION, {"id": None, "nonces": old_nonces})
+    _post_current(store, {"id": None, "nonces": old_nonces})
     seen: set[str] = set()
     try:
         return _form(store, trainer_size, leader, deadline, address, set(old_nonces.values()), seen)
     except SyncError as exc:
-        put(store, _SESSION, {"id": None, "nonces": old_nonces, "failed": str(exc), "seen": seen})
+        _post_current(store, {"id": None, "nonces": old_nonces, "failed": str(exc), "seen": seen})
         raise
 
 
@@ -360,16 +385,35 @@ def _form(store: Any, trainer_size: int, leader: Hello, deadline: float, address
                             f"other job (or its missing ranks), pointed at the same address")
         time.sleep(POLL_S)
     record = SessionRecord(uuid.uuid4().hex, trainer_size, inference_size,
-                           {k: h.nonce for k, h in hellos.items()}, {k: dict(h.info) for k, h in hellos.items()})
-    put(store, _SESSION, {"id": record.id, "nonces": dict(record.nonces), "record": record})
+                           {k: h.nonce for k, h in hellos.items()}, _shared_specs({k: h.info for k, h in hellos.items()}))
+    _post_current(store, {"id": record.id, "nonces": dict(record.nonces), "record": record})
     return record
+
+
+def _shared_specs(infos: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The members' infos, each distinct sharding spec one object: pickle writes an object once
+    however often it is referred to, so the record (read by every member) holds each spec once,
+    not once per inference rank (a spec's JSON is a few KB; 128 of them, read by 384 members,
+    would be most of a session's store traffic)."""
+    specs: dict[str, Any] = {}
+    out = {}
+    for key, info in infos.items():
+        info = dict(info)
+        if info.get("spec") is not None:
+            info["spec"] = specs.setdefault(json.dumps(info["spec"], sort_keys=True), info["spec"])
+        out[key] = info
+    return out
 
 
 def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float, address: str) -> SessionRecord:
     """A member's side: wait for a session record that lists this member's nonce."""
     key = member_key(role, rank)
+    state: Any = ()
+    current = None
     while True:
-        current = _current(store)
+        now = _state(store)
+        if now != state:  # the record changed: read it once
+            state, current = now, _current(store)
         if current and current.get("id") and current["nonces"].get(key) == nonce:
             return current["record"]
         if current and current.get("failed") and nonce in current.get("seen", ()):

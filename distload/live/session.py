@@ -3,24 +3,30 @@
 Members come and go, so a session is formed afresh after every failure over the channel's
 rendezvous store (distload/live/rendezvous.py: hellos, the leader's record). Everything a
 protocol run over the members needs lives here: the session's part of the store, a two-member
-process group with each peer on the other side (a *pair*), the heartbeats, the abort and the
+process group with each peer it moves bytes with (a *pair*), the heartbeats, the abort and the
 supervisor. The update protocol (distload/live/channel.py) runs over it. On every member:
 
 1. :func:`join` forms it: trainer rank 0 (the leader) writes the record, every other member
-   waits for a record that lists it; each makes its pairs (gloo, or NCCL where every member is
-   on CUDA; a pair whose members share a host hands off through memory both map instead:
-   distload/live/handoff.py) and starts its heartbeat. Before the next update :meth:`Session.current` says
-   whether to keep it (the leader's lasts until an update fails; another member's while the
-   rendezvous still names it); an inference rank waiting for an update asks
-   :meth:`Session.trainer_gone` (the leader formed a new one, or a trainer went silent);
+   waits for a record that lists it and starts its heartbeat; a member whose peer shares its host
+   hands off through memory both map (distload/live/handoff.py). Pairs are not made here: before
+   an update's data moves, :meth:`Session.connect` makes the ones that update needs and lacks
+   (gloo, or NCCL where every member is on CUDA), with the peers it moves bytes with only
+   (distload/live/pairing.py), and they last as long as the session. Before the next update
+   :meth:`Session.current` says whether to keep it (the leader's lasts until an update fails;
+   another member's while the rendezvous still names it); an inference rank waiting for an
+   update asks :meth:`Session.trainer_gone` (the leader formed a new one, or a trainer went silent);
 2. each step of an update (numbered ``seq``): :meth:`Session.put` posts this member's answer
-   under :meth:`Session.key`; :meth:`Session.collect` waits for every member's;
-3. the data step runs in :meth:`Session.supervise`: a transfer thread posts transfers
-   (:meth:`Session.post`: a trainer sends to its peer, an inference rank receives from it) and
-   polls them (:meth:`Session.wait`), while the calling thread watches the abort key and every
-   member's heartbeat; on a failure it stops the transfer thread (whose waits poll, because a
-   gloo wait can be neither interrupted nor timed out without closing its connection) before
-   it raises;
+   under :meth:`Session.key`. Nobody reads everyone's answers but the leader: it
+   :meth:`Session.collect` s them and :meth:`Session.announce` s one verdict, which every other
+   member :meth:`Session.await_posted` s, so the store's traffic is one key and one read per
+   member and step, not one read per pair of members;
+3. the data step runs in :meth:`Session.supervise`: a transfer thread connects the pairs it lacks
+   and posts transfers (:meth:`Session.post`: a trainer sends to its peer, an inference rank
+   receives from it) and polls them (:meth:`Session.wait`), while the calling thread watches the
+   abort key and the heartbeats it watches: the leader's every member's, any other member its
+   peers' and the leader's (a member that dies unwatched by the others is the leader's to name);
+   on a failure it stops the transfer thread (whose waits poll, because a gloo wait can be
+   neither interrupted nor timed out without closing its connection) before it raises;
 4. any failure (a peer that died or stopped, a deadline, the protocol's own) is posted as the
    update's abort reason (:meth:`Session.fail`: the first one posted wins) and every member
    raises it within its timeout; each then ends its session (:meth:`Session.end`: its heartbeat
@@ -31,7 +37,6 @@ supervisor. The update protocol (distload/live/channel.py) runs over it. On ever
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,11 +46,13 @@ import torch
 import torch.distributed as dist
 
 from distload.errors import SyncError
+from distload.runtime import RUNTIME
 from distload.workers.heartbeat import Beat, PeerWatch
 from distload.live import handoff, rendezvous
 from distload.live.rendezvous import BoundedStore, SessionRecord, StoreLost, short
 
 DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
+LEADER = 0  # trainer rank 0's session rank: it forms sessions and posts each step's verdict
 
 
 class _GivenUp(SyncError):
@@ -58,7 +65,7 @@ class Session:
 
     record: SessionRecord
     store: BoundedStore  # the session's part of the rendezvous store
-    pairs: dict[int, Any]  # a two-member process group with each peer (trainer: rank 0 in it)
+    pairs: dict[int, Any]  # a two-member process group with each peer connected (trainer: rank 0 in it)
     backend: str
     me: int  # this member's rank in the session
     beat: Beat
@@ -97,6 +104,10 @@ class Session:
         return None
 
     # -- the steps of an update ----------------------------------------------------------------
+    @property
+    def leader(self) -> bool:
+        return self.me == LEADER
+
     def key(self, what: str, member: int | None = None) -> str:
         return f"u/{self.seq}/{what}" + ("" if member is None else f"/{member}")
 
@@ -104,21 +115,42 @@ class Session:
         """Post this member's answer to step ``what`` of this update."""
         rendezvous.put(self.store, self.key(what, self.me), value)
 
-    def collect(self, what: str, deadline: float, members: int | None = None) -> list[Any]:
-        """The value for ``what`` in this update of every member (or of the first ``members``:
-        the trainer ranks), in session-rank order."""
-        count = self.record.world_size if members is None else members
-        keys = [self.key(what, r) for r in range(count)]
+    def collect(self, what: str, deadline: float, members: Iterable[int] | None = None) -> list[Any]:
+        """The value for ``what`` in this update of each of ``members`` (session ranks; by default
+        every member), in that order. The leader's, and a member's of its peers' only: a member
+        that read every member's would make the store's traffic quadratic in the members."""
+        ranks = list(range(self.record.world_size) if members is None else members)
+        keys = [self.key(what, r) for r in ranks]
         backoff = rendezvous.Backoff()
-        while not self._check(keys):
+        while keys and not self._check(keys):
             reason = self._interruption()
             if reason is None and time.monotonic() > deadline:
-                late = [self.who(r) for r, k in enumerate(keys) if not self.store.check([k])]
+                late = [self.who(r) for r, k in zip(ranks, keys) if not self.store.check([k])]
                 reason = f"{', '.join(late)} did not reach the {what} step within {self.timeout_s:.0f} s"
             if reason is not None:
                 raise SyncError(self.fail(reason))
             backoff.pause()
         return [rendezvous.get(self.store, k) for k in keys]
+
+    def announce(self, what: str, value: Any) -> None:
+        """The leader's: post step ``what``'s verdict of this update, for every other member."""
+        rendezvous.put(self.store, self.key(what), value)
+
+    def await_posted(self, what: str, deadline: float) -> Any:
+        """Wait for the leader's verdict of step ``what`` of this update (or an abort, a silent
+        peer or leader, the deadline)."""
+        key = self.key(what)
+        backoff = rendezvous.Backoff()
+        while not self._check([key]):
+            reason = self._interruption()
+            if reason is None and time.monotonic() > deadline:
+                # The leader names what it waited for, if it waited: its reason, posted, wins.
+                reason = (f"{self.who(LEADER)} did not post the {what} step of the update within "
+                          f"{self.timeout_s:.0f} s")
+            if reason is not None:
+                raise SyncError(self.fail(reason))
+            backoff.pause()
+        return rendezvous.get(self.store, key)
 
     def _check(self, keys: list[str]) -> bool:
         try:
@@ -144,8 +176,8 @@ class Session:
         return None
 
     def finish(self, deadline: float, serving: bool) -> None:
-        """The update's last step: every member posts that its part is done and waits for every
-        other's; the update is complete once they all have. Then each member says it saw that,
+        """The update's last step: every member posts that its part is done; the leader waits for
+        every other's and posts that the update is complete, which the others wait for. Then each member says it saw that,
         and the process serving the store (``serving``) waits for those, so that it never returns
         (and perhaps exits, taking the store with it) while a member still has to learn that the
         update completed: "done" is done on both sides. A member that went silent or left is not
@@ -156,7 +188,11 @@ class Session:
         process was stopped and its store did not answer) may hold the previous version, so the
         update fails here too, and a trainer never reports a version some receiver rolled back."""
         self.put("done", None)
-        self.collect("done", deadline)
+        if self.leader:  # the leader reads every member's "done" and says once that all are
+            self.collect("done", deadline)
+            self.announce("complete", True)
+        else:
+            self.await_posted("complete", deadline)
         if not serving:
             try:
                 self.put("seen", None)
@@ -180,6 +216,13 @@ class Session:
                 f"{names} did not say within {self.timeout_s:.0f} s that it saw the update complete (it "
                 f"stopped, died or gave the update up after posting its part done), so it may still hold "
                 f"the previous version"))
+
+    def aborted(self) -> bool:
+        """Whether this update's abort was posted (False where the store does not answer)."""
+        try:
+            return self.store.check([self.key("abort")])
+        except StoreLost:
+            return False
 
     def fail(self, reason: str) -> str:
         """Post ``reason`` as this update's abort (the first one posted wins) and return it."""
@@ -248,6 +291,26 @@ class Session:
             raise SyncError(f"{verb} {self.who(peer)} failed: {short(exc)}") from None
         self.issued.setdefault(peer, []).append(work)
         return work
+
+    def connect(self, peers: Iterable[int], cancelled: threading.Event, deadline: float) -> None:
+        """Make the pairs with ``peers`` (session ranks this member moves bytes with in this
+        update) that this session lacks; from then on their heartbeats are watched too. Called in
+        the transfer thread, so a given-up update stops it between two connects or within one.
+
+        Every member connects in (trainer, inference) order, so no two wait on each other. Each
+        connect runs on a thread of its own: it goes through the store, whose server may have
+        stopped answering (SIGSTOP), and nothing in torch bounds that."""
+        missing = sorted(p for p in peers if p not in self.pairs and p not in self.lanes)
+        self.watch.add([p for p in peers if p != self.me])
+        trainer = self.me < self.record.trainer_size
+        for peer in missing:
+            pair = (self.me, peer) if trainer else (peer, self.me)
+            self.pairs[peer] = _within_unless(
+                cancelled, deadline, f"connecting to {self.who(peer)}",
+                lambda: f"{self.who(peer)} did not connect within {self.timeout_s:.0f} s (stopped, or "
+                        f"{self.store.server}, which serves the store, stopped)",
+                rendezvous.process_group, dist.PrefixStore(f"pg/{pair[0]}-{pair[1]}/", self.store.raw),
+                0 if trainer else 1, 2, self.backend, self.timeout_s)
 
     def maps(self, peer: int) -> bool:
         """Whether this member and ``peer`` hand bytes off through memory both map (same host)."""
@@ -318,8 +381,8 @@ class Session:
                 else:
                     # A given-up gloo transfer still waits in this pair's worker thread, until its
                     # peer goes or the group's timeout passes; destroying the group would wait with
-                    # it (at interpreter exit too). Kept alive for the life of the process instead.
-                    _keep_forever(pair)
+                    # it. Kept until then (keep_given_up), not for the life of the process.
+                    keep_given_up(pair, self.issued.get(peer, ()))
         # Destroying the others closes their connections: a peer still waiting on this member
         # gets an error at once.
         self.pairs, self.issued = {}, {}
@@ -372,10 +435,12 @@ def gpu_identity(device: torch.device) -> str | None:
 
 def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str, Any], deadline: float, *,
          address: str, timeout_s: float, name: Callable[[str, int], str],
-         device: torch.device = torch.device("cpu")) -> Session:
+         device: torch.device = torch.device("cpu"), serving: bool = False) -> Session:
     """Form a new session with this member (``role`` rank ``rank`` of ``size``; ``info``: what it
     keeps, its device type, its host unless it forces the socket path; ``device``: its tensors')
-    over ``root``, the channel's store."""
+    over ``root``, the channel's store. ``serving``: this process serves the store (it waits for
+    every member to say it saw an update complete, so it watches every member's heartbeat)."""
+    release_given_up()
     nonce = rendezvous.post_hello(root, role, rank, size, info)
     if role == "trainer" and rank == 0:
         record = rendezvous.form_session(root, size, rendezvous.Hello(nonce, size, info), deadline, address)
@@ -386,31 +451,12 @@ def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str,
     backend = session_backend(record.infos.values())
     beat = Beat(_Beating(store), me, until=lambda: _Beating(root).check([rendezvous.CLOSING]))
     peers = range(record.trainer_size, record.world_size) if role == "trainer" else range(record.trainer_size)
-    pairs: dict[int, Any] = {}
     lanes: dict[int, handoff.Lane] = {}
     segment = None
     try:
-        # Same-host pairs first (every member decides them alike); the others get a process group.
+        # Same-host peers (every member decides them alike): no process group for them, ever.
         lanes, segment = handoff.form(store, record, me, peers, backend, device, deadline,
                                       lambda r: name(*record.member(r)))
-        # Every member makes its pairs in (trainer, inference) order, so no two wait on each other.
-        # Each on a thread of its own: the connect goes through the store, whose server may have
-        # stopped answering (SIGSTOP), and nothing in torch bounds that.
-        for peer in peers:
-            if peer in lanes:
-                continue
-            trainer, receiver = (me, peer) if role == "trainer" else (peer, me)
-            pairs[peer] = rendezvous.within(
-                max(0.1, deadline - time.monotonic()), rendezvous.process_group,
-                dist.PrefixStore(f"pg/{trainer}-{receiver}/", store.raw), 0 if role == "trainer" else 1, 2,
-                backend, timeout_s)
-    except TimeoutError:
-        beat.stop()
-        _close(lanes, segment)
-        raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together within "
-                        f"{timeout_s:.0f} s: "
-                        f"{', '.join(name(*record.member(p)) for p in peers if p not in pairs and p not in lanes)} "
-                        f"did not connect (stopped, or {root.server} that serves the store stopped)") from None
     except BaseException as exc:
         beat.stop()
         _close(lanes, segment)
@@ -418,8 +464,11 @@ def join(root: BoundedStore, role: str, rank: int, size: int, info: Mapping[str,
             raise
         raise SyncError(f"{name(role, rank)}: the sync session at {address} did not come together (a member "
                         f"died while joining, or the timeout passed): {short(exc)}") from None
-    others = [r for r in range(record.world_size) if r != me]
-    return Session(record, store, pairs, backend, me, beat, PeerWatch(store, others, DEAD_AFTER_S), address,
+    # The leader (and the process serving the store) watch every member; any other member the
+    # leader, and its peers once it has them (connect).
+    watched = ([r for r in range(record.world_size) if r != me] if me == LEADER or serving
+               else [LEADER] + [p for p in lanes])
+    return Session(record, store, {}, backend, me, beat, _Watch(store, watched, DEAD_AFTER_S), address,
                    timeout_s, name, lanes, segment)
 
 
@@ -450,5 +499,54 @@ def leave(root: Any, session: Session | None, serving: bool) -> None:
         pass
 
 
-def _keep_forever(group: Any) -> None:
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+class _Watch(PeerWatch):
+    """A PeerWatch whose ranks grow as the member connects to peers."""
+
+    def add(self, ranks: Iterable[int]) -> None:
+        self._ranks += [r for r in ranks if r not in self._ranks]
+
+
+def _within_unless(cancelled: threading.Event, deadline: float, what: str, late: Callable[[], str], fn: Any,
+                   *args: Any) -> Any:
+    """``fn(*args)`` (``what`` it does, for its failure) on a thread of its own, waited for until
+    ``deadline`` (SyncError ``late()``) or ``cancelled`` (_GivenUp); a thread given up on is left
+    to end on its own."""
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            box["error"] = exc
+        done.set()
+
+    threading.Thread(target=run, name="distload-sync-connect", daemon=True).start()
+    while not done.wait(0.01):
+        if cancelled.is_set():
+            raise _GivenUp()
+        if time.monotonic() > deadline:
+            raise SyncError(late())
+    if "error" in box:
+        raise SyncError(f"{what} failed: {short(box['error'])}")
+    return box["result"]
+
+
+def keep_given_up(pair: Any, works: Iterable[Any]) -> None:
+    """Keep a gloo pair of an ended session whose transfers had not ended: a given-up transfer
+    waits in its pair's worker thread until the peer goes or the pair's timeout passes, and
+    destroying the pair before then would wait with it. It is released once its transfers have
+    ended (:func:`release_given_up`, whenever a session ends or forms), not kept for the life of
+    the process (at exit those still waiting are left to it: RUNTIME._at_exit)."""
+    with RUNTIME.lock:
+        RUNTIME.given_up_pairs.append((pair, [w for w in works if not w.is_completed()]))
+    release_given_up()
+
+
+def release_given_up() -> int:
+    """Drop the kept pairs whose transfers have all ended; returns how many are still kept."""
+    with RUNTIME.lock:
+        RUNTIME.given_up_pairs = [(pair, works) for pair, works in RUNTIME.given_up_pairs
+                                  if not all(w.is_completed() for w in works)]
+        return len(RUNTIME.given_up_pairs)
+

@@ -1,0 +1,116 @@
+"""An update's agreement over the session's store: who reads what, so that no member but the
+leader reads every member's answers (issue 36: at 256 -> 128 ranks, every member reading every
+member's was 1.6 GB of store traffic per update).
+
+Every trainer rank posts its metadata (``meta``: version, tensors, buckets). Then:
+
+1. the leader (trainer rank 0) reads all of it and posts the *route* (:func:`post_route`): the
+   version, and per receiver place the trainer ranks that carry bytes for it (pairing.py), whose
+   metadata it posts again under one key per distinct set of senders (``metas/i``): compressed
+   together, the metadata of many trainer ranks takes half the bytes it takes one by one (the
+   same names and shapes recur from rank to rank);
+2. an inference rank reads the route and the one key of its senders' metadata
+   (:func:`read_route`; one that says what it keeps with ``keeps=`` reads every trainer rank's:
+   its function is given the whole update), plans, and posts its answer (``ready``: what stops
+   it) and what it takes (``takes``, ``cuts``);
+3. the leader reads every inference rank's answer and posts one *verdict* (:func:`post_verdict`):
+   None, or why the update is refused (the receivers' problems, trainer ranks that disagree);
+   every other member waits for it (:func:`await_verdict`), and a trainer rank then reads the
+   ``takes`` and ``cuts`` of its own receivers only.
+
+Each step's store traffic is one key per member plus what the member's peers posted, and the
+leader's reads of every member: proportional to the members, not to their pairs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from distload.live import pairing, rendezvous
+
+SHOWN = 4  # problems listed per rank in a refusal; the rest are counted
+
+
+def post_route(session: Any, meta: Mapping[str, Any], version: int, deadline: float) -> dict[int, Mapping[str, Any]]:
+    """The leader's: read every trainer rank's metadata (its own is ``meta``) and post the route.
+    Returns the metadata by trainer rank."""
+    record = session.record
+    trainers = range(1, record.trainer_size)
+    metas = {0: meta, **dict(zip(trainers, session.collect("meta", deadline, trainers)))}
+    senders = pairing.senders({t: m["entries"] for t, m in metas.items()}, record)
+    sets: dict[tuple[int, ...], int] = {}
+    for ranks in senders.values():
+        sets.setdefault(tuple(ranks), len(sets))
+    every = sets.setdefault(tuple(sorted(metas)), len(sets)) if pairing.cut_receivers(record) else None
+    for ranks, i in sets.items():
+        if ranks:
+            session.announce(f"metas/{i}", {t: metas[t] for t in ranks})
+    session.announce("route", {"version": version, "every": every,
+                               "places": {key: sets[tuple(ranks)] if ranks else None for key, ranks in senders.items()}})
+    return metas
+
+
+def read_route(session: Any, rank: int, every: bool) -> tuple[int, dict[int, Mapping[str, Any]]]:
+    """An inference rank's (``rank`` of its side), once the route is posted: the update's version
+    and the metadata of the trainer ranks the route names for its place (``every``: of every
+    trainer rank), by trainer rank."""
+    posted = rendezvous.get(session.store, session.key("route"))
+    if every:
+        i = posted["every"]
+    else:
+        info = session.record.infos[rendezvous.member_key("inference", rank)]
+        i = posted["places"].get(pairing.place_key(info, rank))
+    return posted["version"], {} if i is None else rendezvous.get(session.store, session.key(f"metas/{i}"))
+
+
+def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: int, deadline: float) -> str | None:
+    """The leader's: read every inference rank's answer and post the verdict (returned): None,
+    or why the update is refused, the same words on every member. A refused update moved no byte:
+    the session stays, and the next update takes the next number."""
+    record = session.record
+    receivers = range(record.trainer_size, record.world_size)
+    refusals = []
+    for rank, problems in zip(receivers, session.collect("ready", deadline, receivers)):
+        if problems:
+            shown = "; ".join(problems[:SHOWN])
+            more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
+            what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
+            refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}")
+    refusals += sender_conflicts([metas[t] for t in sorted(metas)])
+    verdict = None
+    if refusals:
+        verdict = (f"update to version {version} refused, nothing was sent (receivers still at their old "
+                   f"version): " + " | ".join(refusals))
+    session.announce("verdict", verdict)
+    if verdict is not None:
+        session.seq += 1
+    return verdict
+
+
+def await_verdict(session: Any, deadline: float) -> str | None:
+    """Every other member's: the leader's verdict (see :func:`post_verdict`)."""
+    verdict = session.await_posted("verdict", deadline)
+    if verdict is not None:
+        session.seq += 1
+    return verdict
+
+
+def sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What stops an update on the trainer side (``metas``: every trainer rank's, in rank order)."""
+    problems = []
+    versions = sorted({m["version"] for m in metas})
+    if len(versions) > 1:
+        problems.append(f"trainer ranks push different versions ({', '.join(map(str, versions))})")
+    owner: dict[str, int] = {}
+    twice = []
+    for rank, meta in enumerate(metas):
+        for entry in meta["entries"]:
+            if owner.setdefault(entry.name, rank) != rank:
+                twice.append(f"{entry.name} (trainer ranks {owner[entry.name]} and {rank})")
+    if twice:
+        problems.append(f"{len(twice)} tensor(s) sent by two trainer ranks: {', '.join(twice[:SHOWN])}")
+    gathered = {tuple(m["gathered"]) for m in metas}
+    if len(gathered) > 1:
+        problems.append("trainer ranks hold different DTensors (every trainer rank pushes the same DTensor "
+                        "state, in the same order)")
+    return problems
