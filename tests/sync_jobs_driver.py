@@ -298,7 +298,11 @@ def verify(role, address, result, args):
     shapes["huge"] = ((1024, 1024), torch.float32)  # 4 MiB: sent directly, from the tensor itself
     real_checksum = channel_module.checksum
     # Full updates (a delta's own checks are the delta scenario's); only the inference side asks.
-    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference"), delta=False) as ch:
+    # On the socket: a faulty transport is a socket's. Handed off through shared memory, a receiver
+    # reads the very bytes the trainer sums (while they go), and both receivers of one place the
+    # same ones: a byte flipped there is the trainer's memory changed, which the sum may then see.
+    with open_channel(role, address, bucket_bytes=32 * 1024, verify=(role == "inference"), delta=False,
+                      transport="socket") as ch:
         if role == "trainer":
             for version in (1, 2, 3, 4, 5):
                 summed = []
