@@ -5,9 +5,9 @@
 
 Runs in vLLM's environment (``.vllm-venv``, made by ``bash .ci/run``; ``--python`` for another).
 A random Llama (bf16) saved by transformers, and its ``distload reshard`` output for each TP size.
-In ONE run per TP size (one driver process, engines one after the other), each case twice in a
-row: **cold**, the model's files evicted from the page cache first (posix_fadvise DONTNEED, no
-root), then **warm**, straight after (its files now cached):
+In ONE run per TP size (one driver process, engines one after the other; every other repeat in
+reverse order), each case twice in a row: **cold**, the model's files evicted from the page cache
+first (posix_fadvise DONTNEED, no root), then **warm**, straight after (its files now cached):
 
 - **vLLM default**: ``load_format="auto"`` on the whole checkpoint;
 - **vLLM runai_streamer**: Run:ai's streamer, as vLLM ships it;
@@ -80,8 +80,9 @@ def main():
         cleanup_dist_env_and_memory()
     for name, model, fmt in once:
         start(name, model, fmt, True)
-    for _ in range(repeats):
-        for name, model, fmt in cases:
+    for i in range(repeats):
+        # Every other repeat in reverse: no loader always runs after the same neighbour.
+        for name, model, fmt in (cases if i % 2 == 0 else cases[::-1]):
             start(name + ", cold", model, fmt, True)
             start(name + ", warm", model, fmt, False)
     print("DONE", flush=True)
@@ -223,6 +224,11 @@ def _loading_seconds(output: str) -> dict[str, list[float]]:
     return found
 
 
+def _loadavg() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--python", default=os.path.join(ROOT, ".vllm-venv", "bin", "python"))
@@ -250,6 +256,8 @@ def main() -> None:
         return
 
     load: dict[str, dict[str, float]] = {}
+    loads: dict[str, list[float]] = {}
+    runs: dict[str, dict[str, list[float]]] = {}  # every repeat's seconds, for the spread
     with tempfile.TemporaryDirectory(prefix="distload-vllm-", dir=os.environ.get("DISTLOAD_BENCH_DIR")) as tmp:
         whole = os.path.join(tmp, "whole")
         subprocess.run([args.python, "-c", MAKE, whole, str(args.hidden), str(args.layers)], check=True)
@@ -266,13 +274,18 @@ def main() -> None:
                 f.write(TIMING)
             env["PYTHONPATH"] = os.pathsep.join(x for x in (tmp, env.get("PYTHONPATH")) if x)
             env["DISTLOAD_WEIGHT_MAP_CACHE"] = os.path.join(tmp, f"maps-tp{tp}")  # empty: the first load records
+            loadavg = [_loadavg()]  # the machine is shared: say how busy it was around the run
             run = subprocess.run([args.python, "-c", DRIVE, str(tp), json.dumps(once), json.dumps(cases),
                                   str(args.repeats)], capture_output=True, text=True, env=env)
+            loadavg.append(_loadavg())
+            loads[str(tp)] = loadavg
             if run.returncode != 0 or "DONE" not in run.stdout:
                 sys.exit(run.stdout[-3000:] + run.stderr[-6000:])
             found = _loading_seconds(run.stdout + run.stderr)
             load[str(tp)] = {name: statistics.median(values) for name, values in found.items()}
-    result = {"machine": machine(), "checkpoint_bytes": size, "repeats": args.repeats, "load_s": load}
+            runs[str(tp)] = found
+    result = {"machine": machine(), "checkpoint_bytes": size, "repeats": args.repeats, "load_s": load,
+              "load_s_each_repeat": runs, "loadavg_1min_before_after": loads}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "vllm.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -281,7 +294,9 @@ def main() -> None:
              f"workers (the slowest TP rank). Cold: the files evicted from the page cache first; warm: "
              f"the same case again straight after. Ratio: vLLM default's time over the loader's (above 1: faster).", ""]
     for tp, times in load.items():
-        lines += [f"## TP {tp}", "", f"First distload load of the model, recording the weight map: "
+        before, after = loads[tp]
+        lines += [f"## TP {tp}", "", f"Load average (1 min) before the run: {before:.2f}, after: {after:.2f}.", "",
+                  f"First distload load of the model, recording the weight map: "
                   f"{times['distload, recording the map']:.2f} s (cold; every later load uses the cache).", "",
                   "| loader | cold s | vs default | warm s | vs default |", "|---|---|---|---|---|"]
         for name in LOADERS:
