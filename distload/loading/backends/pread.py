@@ -164,6 +164,7 @@ class LocalBytes:
     """Byte ranges of local files for a shared read (one descriptor per file, shared by threads)."""
 
     task_bytes = CHUNK_BYTES  # several reads in flight for the disk's queue, as in a plain read
+    keeps_received = False  # local files have the page cache
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
@@ -177,7 +178,7 @@ class LocalBytes:
         _read_extents(_OpenFile(fd, info.file), 0, view, info.begin, list(extents), info.name)
 
     def received(self, pieces) -> None:
-        pass  # local files have the page cache
+        pass  # never called: keeps_received is False
 
     def close(self) -> None:
         with self._lock:

@@ -223,6 +223,8 @@ class StoreBytes:
 
     def __init__(self, bytes_of: ObjectBytes):
         self.bytes_of = bytes_of
+        self.keeps_received = bytes_of.cache is not None  # into this node's cache
+
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
         pieces = [FileExtent(info, info.begin + src, dst, length) for src, dst, length in extents]
@@ -238,9 +240,8 @@ class StoreBytes:
                 view[piece.offset:piece.offset + piece.length] = data[at:at + piece.length]
 
     def received(self, pieces: Sequence[tuple[TensorInfo, int, memoryview]]) -> None:
-        """Bytes a peer read: into this node's cache, where this load has one."""
-        if self.bytes_of.cache is not None:
-            self.bytes_of.offer([(info, info.begin + offset, view) for info, offset, view in pieces])
+        """Bytes a peer read: into this node's cache (only where this load has one: keeps_received)."""
+        self.bytes_of.offer([(info, info.begin + offset, view) for info, offset, view in pieces])
 
     def close(self) -> None:
         pass  # the cache closes once the tensors are all out (_counted)

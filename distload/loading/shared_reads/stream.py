@@ -73,9 +73,11 @@ class ByteReader(Protocol):
     ``received``: after a bucket from a peer arrived, its bytes, where this rank keeps them
     unbroken ``(tensor, offset in the tensor's data in its file, the bytes)``, in file order: a
     reader with a node cache keeps them there (every node a shared read passes through fills
-    its cache, not only the one whose rank fetched); others ignore them."""
+    its cache, not only the one whose rank fetched). ``keeps_received``: whether it does; where
+    not, the pieces are never gathered (on a GPU, a copy of every received byte to the host)."""
 
     task_bytes: int
+    keeps_received: bool
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None: ...
 
@@ -350,7 +352,7 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                     else:
                         run.received_bytes += 0 if bucket.landing is None else bucket.landing.numel()
                         bucket.arrived()
-                        if bucket.mine:
+                        if bucket.mine and reader.keeps_received:
                             reader.received(bucket.received())
                     yield from tensors.done([span.tensor for span in bucket.spans])
             yield from tensors.ready()
