@@ -43,8 +43,10 @@ from distload.workers.group import NCCL_CLEANUP_ONLY
 ROLES = ("trainer", "inference")
 _SESSION = "session"  # the record: every member's nonce and what it keeps (grows with the members)
 # A few bytes beside it, written after it: (the current session's id or None, whether forming it
-# failed). Members poll this one, and read the record only when it changes: polling the record
-# itself would cost every member the whole record per poll, quadratic in the members.
+# failed, a token new with every post). Members poll this one, and read the record only when it
+# changes: polling the record itself would cost every member the whole record per poll, quadratic
+# in the members. The token: two failed formations in a row post the same id and flag, and a
+# member that missed the post between them must still read the second's record (its reason).
 _SESSION_ID = "session/id"
 POLL_S = 0.02  # the longest pause between two looks at the store
 ANSWER_S = 5.0  # a store call unanswered this long: the process serving the store is stopped or hung
@@ -316,10 +318,10 @@ def _current(store: Any) -> dict[str, Any] | None:
 
 def _post_current(store: Any, value: dict[str, Any]) -> None:
     put(store, _SESSION, value)
-    put(store, _SESSION_ID, (value.get("id"), "failed" in value))
+    put(store, _SESSION_ID, (value.get("id"), "failed" in value, uuid.uuid4().hex))
 
 
-def _state(store: Any) -> tuple[str | None, bool] | None:
+def _state(store: Any) -> tuple[str | None, bool, str] | None:
     return get(store, _SESSION_ID) if store.check([_SESSION_ID]) else None
 
 
