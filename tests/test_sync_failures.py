@@ -147,7 +147,8 @@ for step in cfg["steps"]:
             # several trainer ranks split the names between them
             mine = {n: t for i, (n, t) in enumerate(state(version).items()) if i % size == rank}
             stats = ch.push(mine, version)
-            log("push", ok=True, version=version, seconds=time.monotonic() - t0, nbytes=stats.nbytes)
+            log("push", ok=True, version=version, seconds=time.monotonic() - t0, nbytes=stats.nbytes,
+                wire=stats.wire_bytes, delta=stats.delta, verified=stats.verified)
         except SyncError as exc:
             log("push", ok=False, version=version, error=str(exc), seconds=time.monotonic() - t0)
     elif kind == "recv":
@@ -157,7 +158,8 @@ for step in cfg["steps"]:
             log("recv", ok=True, version=stats.version, channel_version=ch.version, exact=exact(target, stats.version),
                 in_place=all(target[n].data_ptr() == p for n, p in pointers.items()), consistent=ch.consistent,
                 last_error=ch.last_error, seconds=time.monotonic() - t0, buffers_kept=seen(ch._buffers.values()),
-                transport=stats.transport)
+                transport=stats.transport, delta=stats.delta, verified=stats.verified,
+                pairs=sorted(ch._session.pairs) if ch._session is not None else None)
         except SyncError as exc:
             log("recv", ok=False, error=str(exc), version=ch.version, consistent=ch.consistent,
                 last_error=ch.last_error, unchanged=all(before[n].equal(target[n]) for n in target),
@@ -848,3 +850,55 @@ def test_sync_demo_inference_prints_one_line_not_torch_backtraces_when_the_train
     assert "distload: error on rank 0: " in err and "trainer rank 0" in err, err
     for noise in ("TCPStore.cpp", "frame #0", "c10::Error"):
         assert noise not in err and noise not in out, err
+
+
+# -- 14. relays: receivers at one place pass the trainer's messages on down a chain ---------------------
+
+@pytest.mark.dist
+def test_a_relay_chain_delivers_every_version_exactly_and_the_trainer_sends_it_once(jobs):
+    """Three inference processes at one place, on the socket (no same-host handoff): the trainer
+    sends each version to the head of its chain only, and each receiver passes the messages on to
+    the next (pairing.relay). Full and delta versions arrive exactly and verified on all three,
+    and the trainer's bytes on the wire are one receiver's, not three."""
+    for r in range(3):
+        jobs.start(f"inf{r}-", "inference", ["recv", "recv", "recv"], rank=r, size=3, delta=True, transport="socket")
+    jobs.start("train", "trainer", ["push:1", "push:2", "push:3"], delta=True, transport="socket")
+    pushes = jobs.wait("train0", "push", 3)
+    assert all(p["ok"] for p in pushes), jobs.report()
+    for r in range(3):
+        got = jobs.wait(f"inf{r}-{r}", "recv", 3)
+        for version, event in zip((1, 2, 3), got):
+            _assert_received(event, version)
+            assert event["transport"] == "socket" and event["verified"], event
+            assert event["delta"] == (version > 1), event
+        # the head pairs with the trainer (session rank 0) and its successor; the others with their
+        # neighbours only (session ranks: the trainer 0, inference ranks 1, 2, 3)
+        assert got[-1]["pairs"] == [[0, 2], [1, 3], [2]][r], got[-1]
+    full, *deltas = pushes
+    # one receiver's bytes (and its checksums), not three receivers'
+    assert full["nbytes"] <= full["wire"] < 1.1 * full["nbytes"], full
+    assert all(d["delta"] and d["verified"] and d["wire"] < 0.2 * full["nbytes"] for d in deltas), deltas
+    assert jobs.exit_codes("train", "inf0-", "inf1-", "inf2-") == {"train": 0, "inf0-": 0, "inf1-": 0, "inf2-": 0}
+
+
+@pytest.mark.dist
+def test_a_relay_killed_mid_update_fails_it_on_every_member_and_leaves_the_others_at_their_old_version(jobs):
+    """The middle of a chain of three receivers is SIGKILLed while version 2's buckets pass
+    through it: the trainer's push and both other receivers fail within their bound, naming a
+    member that went away, and the two hold exactly version 1 (rolled back), not a mix."""
+    for r in (0, 2):
+        jobs.start(f"inf{r}-", "inference", ["recv", "recv"], rank=r, size=3, transport="socket")
+    jobs.start("inf1-", "inference", ["recv", f"arm:unpack,3,{int(signal.SIGKILL)}", "recv"], rank=1, size=3,
+               transport="socket")
+    jobs.start("train", "trainer", ["push:1", "push:2"], transport="socket")
+    pushed, failed = jobs.wait("train0", "push", 2)
+    assert pushed["ok"] and not failed["ok"], jobs.report()
+    assert "inference rank 1" in failed["error"] and failed["seconds"] < BOUND_S, failed
+    for r in (0, 2):
+        first, second = jobs.wait(f"inf{r}-{r}", "recv", 2)
+        _assert_received(first, 1)
+        assert not second["ok"] and second["version"] == 1 and second["holds_its_version"], second
+        assert "still at version 1 (what had landed was rolled back)" in second["error"], second
+        assert second["seconds"] < BOUND_S, second
+    assert jobs.exit_code("inf1-") == -signal.SIGKILL
+    assert jobs.exit_codes("train", "inf0-", "inf2-") == {"train": 0, "inf0-": 0, "inf2-": 0}, jobs.report()

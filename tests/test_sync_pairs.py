@@ -51,7 +51,7 @@ class _Recorder:
         monkeypatch.setattr(rendezvous.BoundedStore, "_call", call)
 
 
-def test_members_read_only_their_peers_and_a_trainer_with_nothing_for_a_receiver_pairs_with_none(monkeypatch):
+def test_members_read_only_their_peers_relays_pass_on_and_a_trainer_with_nothing_pairs_with_none(monkeypatch):
     recorder = _Recorder(monkeypatch)
     store = dist.HashStore()
     trainers, receivers = 3, 3
@@ -90,9 +90,11 @@ def test_members_read_only_their_peers_and_a_trainer_with_nothing_for_a_receiver
         t.join(120)
     assert not any(isinstance(v, BaseException) for v in results.values()), results
     assert all(results[f"inference {r} v{v}"] for r in range(receivers) for v in (1, 2)), results  # bit-exact
-    # Pairs: the trainers that hold bytes with every receiver; trainer rank 2 with none.
-    assert results["trainer 0"] == results["trainer 1"] == [3, 4, 5] and results["trainer 2"] == []
-    assert all(results[f"inference {r}"] == [0, 1] for r in range(receivers))
+    # Pairs: the receivers are one place, so each trainer rank that holds bytes sends to the head
+    # of its relay chain only (trainer rank 0's chain: session ranks 3, 4, 5; rank 1's: 4, 5, 3);
+    # trainer rank 2 pairs with none. A receiver pairs with the heads' trainers and its neighbours.
+    assert (results["trainer 0"], results["trainer 1"], results["trainer 2"]) == ([3], [4], [])
+    assert [results[f"inference {r}"] for r in range(receivers)] == [[0, 4, 5], [1, 3, 5], [3, 4]]
     for who, calls in recorder.calls.items():
         reads = [key for op, key in calls if op == "get" and key.startswith("u/")]
         if who == "trainer 0":  # the leader reads every member's answers, once per update

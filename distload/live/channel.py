@@ -113,6 +113,7 @@ class _Route:
     ranks: list[int]  # their session ranks
     layouts: list[BucketLayout]
     delta: bool  # they hold this trainer rank's base: sent what changed since it
+    chained: bool = True  # at a TP place (not cuts): its far members pass the messages on (relays)
 
 
 @dataclass
@@ -313,17 +314,15 @@ class SyncChannel:
             session.put("meta", meta)
             if session.leader:  # every trainer rank's metadata read here, and every receiver's answer
                 metas = verdicts.post_route(session, meta, version, deadline)
-                refused = verdicts.post_verdict(session, metas, version, deadline)
-                if refused:
-                    raise _Refused(refused)
+                verdict = verdicts.post_verdict(session, metas, version, deadline)
             else:
                 metas = {self.rank: meta}
-                refused = verdicts.await_verdict(session, deadline)
-                if refused:
-                    raise _Refused(refused)
-                if dtensors:  # the leader's order of gathering them
-                    metas[0] = rendezvous.get(session.store, session.key("meta", 0))
-            routes = self._routes(session, entries, groups, verify)
+                verdict = verdicts.await_verdict(session, deadline)
+            if verdict.refused:
+                raise _Refused(verdict.refused)
+            if not session.leader and dtensors:  # the leader's order of gathering them
+                metas[0] = rendezvous.get(session.store, session.key("meta", 0))
+            routes = self._routes(session, entries, groups, verify, verdict.takes)
             peers = sorted(rank for route in routes for rank in route.ranks)
             sent = session.supervise(lambda cancelled: self._send(session, peers, routes, tensors, dtensors, metas,
                                                                   groups, changes, cancelled, deadline), deadline)
@@ -344,11 +343,11 @@ class SyncChannel:
                          any_delta, session.transport(peers))
 
     def _routes(self, session: Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
-                verify: bool) -> list[_Route]:
+                verify: bool, takes_of: Mapping[int, Sequence[int]]) -> list[_Route]:
         """Each distinct receiver place and kind of update (delta or full), the session ranks
         that take it, and its bucket layouts; only receivers this rank carries bytes for
         (pairing.py): it pairs with no other. A receiver takes a delta from this trainer rank
-        where it said it holds this rank's base (its ``takes`` answer, posted before ``ready``)."""
+        where it said it holds this rank's base (its answer, in the verdict's ``takes``)."""
         by_place: dict[tuple, _Route] = {}
         record = session.record
         cut = set(pairing.cut_receivers(record))
@@ -361,16 +360,22 @@ class SyncChannel:
                 cuts = rendezvous.get(session.store, session.key("cuts", member))
                 if not pairing.carries(entries, TPPlace(1, 0, Cuts.from_json(cuts))):
                     continue
-            takes = self.delta and self._base.id is not None and self.rank in rendezvous.get(
-                session.store, session.key("takes", member))
-            key: tuple = (tp_size, rank % tp_size, takes) if cuts is None else (
+            takes = self.delta and self._base.id is not None and self.rank in takes_of.get(member, ())
+            # the receivers of a route are those pairing.route_members names (a relay chain's members
+            # derive it alike)
+            key: tuple = (pairing.place_key(info, rank), takes) if cuts is None else (
                 "cuts", json.dumps(cuts, sort_keys=True), takes)
             if key not in by_place:
                 spec = None if info["spec"] is None else spec_from_json(info["spec"])
                 place = TPPlace(tp_size, rank % tp_size, spec) if cuts is None else TPPlace(1, 0, Cuts.from_json(cuts))
                 # A delta update carries its own checks (delta.py): its layouts need no bucket sums.
-                by_place[key] = _Route(place, [], layouts(entries, groups, place, verify and not takes), takes)
+                by_place[key] = _Route(place, [], layouts(entries, groups, place, verify and not takes), takes,
+                                       chained=cuts is None)
             by_place[key].ranks.append(member)
+        for route in by_place.values():
+            if route.chained:  # sent to its same-host members and its chain's head only: the head passes it on
+                direct, chain = pairing.relay(record, self.rank, route.ranks)
+                route.ranks = direct + chain[:1]
         return list(by_place.values())
 
     def _send(self, session: Session, peers: Sequence[int], routes: Sequence[_Route],
@@ -615,11 +620,12 @@ class SyncChannel:
                     pieces = [piece for layout in plans[t] for piece, _ in layout.items]
                     problems += check_pieces(meta["entries"], pieces, targets)
             takes = [] if problems else self._takes(metas, plans, targets)
-            session.put("takes", takes)  # read by the trainer ranks that send here, after the verdict
-            session.put("ready", problems)
-            refused = verdicts.await_verdict(session, deadline)  # the leader's, from every member's ready
-            if refused:
-                raise _Refused(refused)
+            session.put("ready", verdicts.ready(problems, takes))
+            verdict = verdicts.await_verdict(session, deadline)  # the leader's, from every member's ready
+            if verdict.refused:
+                raise _Refused(verdict.refused)
+            # per sender: where its messages come from, whom this rank passes them on to (relays)
+            relays = {t: pairing.links(session.record, session.me, t, verdict.takes) for t in metas}
         except _Refused:
             raise
         except BaseException:
@@ -631,7 +637,7 @@ class SyncChannel:
         self._scratch.reset()  # the last update's undo is done with: its deltas' memory is free
         try:
             wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, takes,
-                                                                         landing, cancelled, undo, deadline),
+                                                                         relays, landing, cancelled, undo, deadline),
                                      deadline)
             session.finish(deadline, self._serving)
         except BaseException as exc:
@@ -692,14 +698,18 @@ class SyncChannel:
 
     def _receive_all(self, session: Session, metas: Mapping[int, Mapping[str, Any]],
                      plans: Mapping[int, Sequence[BucketLayout]], targets: Mapping[str, torch.Tensor],
-                     takes: Sequence[int], landing: "_Landing", cancelled: threading.Event,
-                     undo: dict[str, torch.Tensor] | None, deadline: float) -> int:
-        session.connect(sorted(metas), cancelled, deadline)
+                     takes: Sequence[int], relays: Mapping[int, tuple[int, int | None]], landing: "_Landing",
+                     cancelled: threading.Event, undo: dict[str, torch.Tensor] | None, deadline: float) -> int:
+        session.connect(sorted({p for link in relays.values() for p in link if p is not None}), cancelled, deadline)
         wire = 0
+        # Senders in rank order on every member: a relay chain's pairs then carry their messages in
+        # the same order on both sides (pairing.py).
         for sender in sorted(metas):
             meta, plan = metas[sender], plans[sender]
+            relay = _Relay(session, *relays[sender], cancelled)
             if sender in takes:
-                wire += self._receive_delta(session, sender, meta, plan, targets, landing.undo, cancelled)
+                wire += self._receive_delta(session, sender, meta, plan, targets, landing.undo, relay)
+                relay.drain()
                 continue
             landing.full = True
             posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
@@ -713,7 +723,7 @@ class SyncChannel:
                 # trainer could still land there after the rollback.
                 into = None if undo is not None else self._direct_target(layout, meta, targets)
                 straight = into is not None
-                if not straight and session.transport([sender]) == "shm":
+                if not straight and session.transport([relay.source]) == "shm":
                     # From a same-host trainer's host memory: read where it lies (no copy into a
                     # buffer first), released once unpacked. (CUDA IPC memory is on the trainer's
                     # GPU: it is copied onto this rank's, as a process group would.)
@@ -721,7 +731,8 @@ class SyncChannel:
                 else:
                     if into is None:
                         into = self._buffer(("recv", i % 2), layout.size)
-                    work = session.post(sender, into)
+                    relay.drain()  # what was passed on from this buffer two buckets ago has left it
+                    work = relay.take(into)
                 if undo is not None:  # while the bucket is on its way
                     _set_aside(undo, self._set_aside_in, layout, meta["entries"], targets)
                 if straight:
@@ -738,6 +749,8 @@ class SyncChannel:
                     taken = data is None
                     if taken:
                         data = work.data
+                    else:
+                        relay.pass_on(data)
                     if layout.verified:
                         sums.append(checksum(data))
                     if cancelled.is_set():
@@ -749,7 +762,8 @@ class SyncChannel:
                     wire += layout.wire_bytes
                 post(i + 2)
             if sums:
-                self._check_sums(session, sender, plan, torch.stack(sums), cancelled)
+                self._check_sums(session, sender, plan, torch.stack(sums), relay)
+            relay.drain()
         if self.device.type == "cuda":
             # unpack's copies run on this thread's current stream of the device: done before
             # receive() returns, for a consumer on any other stream.
@@ -770,9 +784,10 @@ class SyncChannel:
         undo.clear()
 
     def _receive_delta(self, session: Session, sender: int, meta: Mapping[str, Any], plan: Sequence[BucketLayout],
-                       targets: Mapping[str, torch.Tensor], undo: deltas.Undo, cancelled: threading.Event) -> int:
+                       targets: Mapping[str, torch.Tensor], undo: deltas.Undo, relay: "_Relay") -> int:
         """Take ``sender``'s delta (delta.py: a header and the data, bucket by bucket), applying each
         bucket in place as it lands, then check it: the trainer's rows against this rank's."""
+        cancelled = relay.cancelled
         entries = meta["entries"]
         trainer = self._name("trainer", sender)
         rows, buckets, wire = [], [], 0
@@ -783,7 +798,7 @@ class SyncChannel:
             if k >= len(sent):
                 return None
             header = torch.empty(len(plan[sent[k]].items), dtype=torch.int64, device=device)
-            return header, session.post(sender, header)
+            return header, relay.take(header)
 
         following = header_of(0)
         for k, i in enumerate(sent):
@@ -791,6 +806,7 @@ class SyncChannel:
             assert following is not None
             header, work = following
             session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
+            relay.pass_on(header)
             counts = header.cpu().tolist()
             for (piece, _), count in zip(layout.items, counts):
                 if not deltas.RAW <= count <= piece.nbytes:
@@ -799,9 +815,10 @@ class SyncChannel:
             size = offsets(deltas.data_sizes(layout, entries, counts), ALIGN)[1]
             data = None
             if size:
+                relay.drain()  # the last bucket's data, passed on from this buffer, has left it
                 data = self._buffer(("delta",), size)
-                session.wait(session.post(sender, data), cancelled,
-                             lambda i=i: f"receiving bucket {i} from {trainer}")
+                session.wait(relay.take(data), cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
+                relay.pass_on(data)
             # The next bucket's header on its way while this one is applied: its data can be taken
             # as soon as this one is in (one wait less per bucket).
             following = header_of(k + 1)
@@ -820,7 +837,8 @@ class SyncChannel:
         if rows:
             mine = torch.stack(rows)
             table = torch.empty_like(mine, device=device)
-            session.wait(session.post(sender, table), cancelled, lambda: f"receiving the checks from {trainer}")
+            session.wait(relay.take(table), cancelled, lambda: f"receiving the checks from {trainer}")
+            relay.pass_on(table)
             wire += table.numel() * 8
             self._check_delta(mine, table.cpu(), buckets, audited, plan, entries, trainer)
         return wire
@@ -852,13 +870,14 @@ class SyncChannel:
                         f"here (the values written are not the trainer's new values): {drifted}")
 
     def _check_sums(self, session: Session, sender: int, plan: Sequence[BucketLayout], sums: torch.Tensor,
-                    cancelled: threading.Event) -> None:
+                    relay: "_Relay") -> None:
         """Receive the trainer's checksums of every verified bucket it sent this rank and compare
         them with ``sums``, those of the buckets that arrived: a mismatch fails the update, naming
         the bucket."""
         table = torch.empty_like(sums)
-        session.wait(session.post(sender, table), cancelled,
+        session.wait(relay.take(table), relay.cancelled,
                      lambda: f"receiving the checksums from {self._name('trainer', sender)}")
+        relay.pass_on(table)
         bad = first_mismatch(sums, table)
         if bad is None:
             return
@@ -922,6 +941,32 @@ class SyncChannel:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+class _Relay:
+    """One sender's messages at a receiver: taken from ``source`` (the sender, or the member
+    before this one in its relay chain: pairing.links) and, where the chain goes on, passed on to
+    ``onward`` as each lands. A message passed on is read until :meth:`drain`: its buffer is not
+    written again before that."""
+
+    def __init__(self, session: Session, source: int, onward: int | None, cancelled: threading.Event):
+        self.session, self.source, self.onward, self.cancelled = session, source, onward, cancelled
+        self.passing: list[tuple[torch.Tensor, Any]] = []
+
+    def take(self, tensor: torch.Tensor) -> Any:
+        """Start receiving the sender's next message into ``tensor``."""
+        return self.session.post(self.source, tensor, send=False)
+
+    def pass_on(self, tensor: torch.Tensor) -> None:
+        """``tensor`` has landed: send it on down the chain, if it goes on."""
+        if self.onward is not None:
+            self.passing.append((tensor, self.session.post(self.onward, tensor, send=True)))
+
+    def drain(self) -> None:
+        """Wait until everything passed on has left."""
+        for _, work in self.passing:
+            self.session.wait(work, self.cancelled, lambda: f"passing messages on to {self.session.who(self.onward)}")
+        self.passing = []
 
 
 @dataclass

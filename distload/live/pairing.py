@@ -84,3 +84,60 @@ def receivers(entries: Sequence[SyncTensor], record: SessionRecord) -> list[int]
     """A trainer rank's: the session ranks of the inference ranks (cuts receivers left out) it
     carries bytes for, in rank order."""
     return sorted(rank for place, ranks in places(record).values() if carries(entries, place) for rank in ranks)
+
+
+# -- relays ---------------------------------------------------------------------------------------
+# Receivers at one place keep the same bytes of a trainer rank, so a trainer rank need not send
+# them to each: it sends to the first of a *chain*, and each receiver passes every message on to the
+# next as soon as it has landed (bucket by bucket: pipelined, so the last one waits a bucket per hop,
+# not the whole update). A trainer rank's egress is then its bytes once per place, not once per
+# replica, and a process pairs with the trainer ranks whose chains it heads plus its neighbours in
+# the chain: at 256 trainer ranks and 128 inference ranks 18 pairs, not 257 (benchmarks/bench_scale.py).
+# Same-host receivers are not chained: they read the trainer's segment (handoff.py), written once.
+# Both sides derive the chain from the same data (the record, the verdict's ``takes``), and every
+# member handles its senders in rank order, so each pair's messages match in order on both sides.
+
+
+def near(record: SessionRecord, a: int, b: int) -> bool:
+    """Whether session ranks ``a`` and ``b`` posted the same host (a same-host pair hands off through
+    memory, handoff.py; a member that forces the socket path posts none)."""
+    host = record.infos[member_key(*record.member(a))].get("host")
+    return host is not None and host == record.infos[member_key(*record.member(b))].get("host")
+
+
+def relay(record: SessionRecord, sender: int, members: Sequence[int]) -> tuple[list[int], list[int]]:
+    """How ``sender`` (a trainer's session rank) reaches ``members`` (session ranks, in order: the
+    receivers of one of its routes, which take the same messages): (those it sends to itself, the
+    chain the others pass its messages along, first to last; empty when fewer than two). Chains start
+    at a different member for each trainer rank, so that the heads, and the trainer ranks' pairs,
+    spread over the members."""
+    direct = [m for m in members if near(record, sender, m)]
+    far = [m for m in members if m not in direct]
+    if len(far) < 2:
+        return direct + far, []
+    head = sender % len(far)
+    return direct, far[head:] + far[:head]
+
+
+def route_members(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Sequence[int]]) -> list[int]:
+    """An inference rank's (session rank ``me``, not a cuts receiver): the members of ``sender``'s
+    route it is in, as the trainer rank groups them: the inference ranks at its place that take a
+    delta from ``sender`` where it does, and a full update where it does."""
+    info = record.infos[member_key(*record.member(me))]
+    ranks = places(record)[place_key(info, me - record.trainer_size)][1]
+    mine = sender in takes.get(me, ())
+    return [r for r in ranks if (sender in takes.get(r, ())) == mine]
+
+
+def links(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Sequence[int]]
+          ) -> tuple[int, int | None]:
+    """An inference rank's (session rank ``me``): where ``sender``'s messages reach it from (the
+    sender, or the member before it in the chain) and whom it passes them on to (None: nobody)."""
+    info = record.infos[member_key(*record.member(me))]
+    if info.get("cuts"):  # its own cuts: its own route, never chained
+        return sender, None
+    _, chain = relay(record, sender, route_members(record, me, sender, takes))
+    if me not in chain:
+        return sender, None
+    at = chain.index(me)
+    return (sender if at == 0 else chain[at - 1]), (chain[at + 1] if at + 1 < len(chain) else None)

@@ -273,21 +273,26 @@ class Session:
             raise SyncError(self.fail(text))
         return box["result"]
 
-    def post(self, peer: int, tensor: torch.Tensor) -> Any:
+    def post(self, peer: int, tensor: torch.Tensor, send: bool | None = None) -> Any:
         """Start moving ``tensor`` between this member and ``peer`` (a broadcast in their pair
-        group, from the trainer): sent by a trainer, received by an inference rank. To a
-        same-host peer (:meth:`maps`) a trainer sends only what lies in :meth:`staging`."""
+        group, from the one that sends): ``send`` (default: whether this member is a trainer
+        rank) sends it, else it is received; an inference rank sends only what it passes on along
+        a relay chain (pairing.relay). To a same-host peer (:meth:`maps`) a trainer sends only
+        what lies in :meth:`staging`."""
+        if send is None:
+            send = self.me < self.record.trainer_size
         lane = self.lanes.get(peer)
         if lane is not None:
             work = lane.post(tensor)
             self.issued.setdefault(peer, []).append(work)
             return work
         options = dist.BroadcastOptions()
-        options.rootRank = 0
+        # The pair's group ranks: the lower session rank is 0 (connect)
+        options.rootRank = int((self.me > peer) == send)
         try:
             work = self.pairs[peer].broadcast([tensor], options)
         except Exception as exc:  # noqa: BLE001 - a closed connection fails at once
-            verb = "sending to" if self.record.member(self.me)[0] == "trainer" else "receiving from"
+            verb = "sending to" if send else "receiving from"
             raise SyncError(f"{verb} {self.who(peer)} failed: {short(exc)}") from None
         self.issued.setdefault(peer, []).append(work)
         return work
@@ -297,20 +302,23 @@ class Session:
         update) that this session lacks; from then on their heartbeats are watched too. Called in
         the transfer thread, so a given-up update stops it between two connects or within one.
 
-        Every member connects in (trainer, inference) order, so no two wait on each other. Each
-        connect runs on a thread of its own: it goes through the store, whose server may have
-        stopped answering (SIGSTOP), and nothing in torch bounds that."""
-        missing = sorted(p for p in peers if p not in self.pairs and p not in self.lanes)
+        A pair's group ranks are its members' session ranks in order (a trainer rank, then an
+        inference rank; two inference ranks of a relay chain, the lower first). Every member
+        connects its pairs in that order of pairs, (lower, higher) ascending, so no two wait on
+        each other: the lowest pair anyone waits on has both members at it. Each connect runs on a
+        thread of its own: it goes through the store, whose server may have stopped answering
+        (SIGSTOP), and nothing in torch bounds that."""
+        missing = sorted((p for p in peers if p not in self.pairs and p not in self.lanes),
+                         key=lambda p: (min(p, self.me), max(p, self.me)))
         self.watch.add([p for p in peers if p != self.me])
-        trainer = self.me < self.record.trainer_size
         for peer in missing:
-            pair = (self.me, peer) if trainer else (peer, self.me)
+            pair = (min(self.me, peer), max(self.me, peer))
             self.pairs[peer] = _within_unless(
                 cancelled, deadline, f"connecting to {self.who(peer)}",
                 lambda: f"{self.who(peer)} did not connect within {self.timeout_s:.0f} s (stopped, or "
                         f"{self.store.server}, which serves the store, stopped)",
                 rendezvous.process_group, dist.PrefixStore(f"pg/{pair[0]}-{pair[1]}/", self.store.raw),
-                0 if trainer else 1, 2, self.backend, self.timeout_s)
+                int(self.me > peer), 2, self.backend, self.timeout_s)
 
     def maps(self, peer: int) -> bool:
         """Whether this member and ``peer`` hand bytes off through memory both map (same host)."""

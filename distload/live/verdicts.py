@@ -11,12 +11,13 @@ Every trainer rank posts its metadata (``meta``: version, tensors, buckets). The
    same names and shapes recur from rank to rank);
 2. an inference rank reads the route and the one key of its senders' metadata
    (:func:`read_route`; one that says what it keeps with ``keeps=`` reads every trainer rank's:
-   its function is given the whole update), plans, and posts its answer (``ready``: what stops
-   it) and what it takes (``takes``, ``cuts``);
+   its function is given the whole update, and it posts its ``cuts``), plans, and posts its answer
+   (``ready``: what stops it, and the trainer ranks whose delta it takes);
 3. the leader reads every inference rank's answer and posts one *verdict* (:func:`post_verdict`):
-   None, or why the update is refused (the receivers' problems, trainer ranks that disagree);
-   every other member waits for it (:func:`await_verdict`), and a trainer rank then reads the
-   ``takes`` and ``cuts`` of its own receivers only.
+   why the update is refused (the receivers' problems, trainer ranks that disagree) or None, and
+   what every inference rank takes (the trainer ranks route by it, and the members of a relay
+   chain derive the chain from it: pairing.py); every other member waits for it
+   (:func:`await_verdict`), and a trainer rank then reads the ``cuts`` of its own receivers only.
 
 Each step's store traffic is one key per member plus what the member's peers posted, and the
 leader's reads of every member: proportional to the members, not to their pairs.
@@ -24,11 +25,26 @@ leader's reads of every member: proportional to the members, not to their pairs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from distload.live import pairing, rendezvous
 
 SHOWN = 4  # problems listed per rank in a refusal; the rest are counted
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The leader's word on an update, the same on every member."""
+
+    refused: str | None  # why no byte moves, or None
+    takes: Mapping[int, Sequence[int]] = field(default_factory=dict)  # inference session rank -> the
+    # trainer ranks whose delta it takes (one that takes none is left out)
+
+
+def ready(problems: Sequence[str], takes: Sequence[int]) -> list:
+    """An inference rank's answer: what stops it, and the trainer ranks whose delta it takes."""
+    return [list(problems), list(takes)]
 
 
 def post_route(session: Any, meta: Mapping[str, Any], version: int, deadline: float) -> dict[int, Mapping[str, Any]]:
@@ -63,36 +79,39 @@ def read_route(session: Any, rank: int, every: bool) -> tuple[int, dict[int, Map
     return posted["version"], {} if i is None else rendezvous.get(session.store, session.key(f"metas/{i}"))
 
 
-def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: int, deadline: float) -> str | None:
-    """The leader's: read every inference rank's answer and post the verdict (returned): None,
-    or why the update is refused, the same words on every member. A refused update moved no byte:
-    the session stays, and the next update takes the next number."""
+def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: int, deadline: float) -> Verdict:
+    """The leader's: read every inference rank's answer and post the verdict (returned): why the
+    update is refused, the same words on every member, or None, and what each receiver takes. A
+    refused update moved no byte: the session stays, and the next update takes the next number."""
     record = session.record
     receivers = range(record.trainer_size, record.world_size)
     refusals = []
-    for rank, problems in zip(receivers, session.collect("ready", deadline, receivers)):
+    takes = {}
+    for rank, (problems, took) in zip(receivers, session.collect("ready", deadline, receivers)):
+        if took:
+            takes[rank] = took
         if problems:
             shown = "; ".join(problems[:SHOWN])
             more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
             what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
             refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}")
     refusals += sender_conflicts([metas[t] for t in sorted(metas)])
-    verdict = None
+    refused = None
     if refusals:
-        verdict = (f"update to version {version} refused, nothing was sent (receivers still at their old "
+        refused = (f"update to version {version} refused, nothing was sent (receivers still at their old "
                    f"version): " + " | ".join(refusals))
-    session.announce("verdict", verdict)
-    if verdict is not None:
+    session.announce("verdict", [refused, takes])
+    if refused is not None:
         session.seq += 1
-    return verdict
+    return Verdict(refused, takes)
 
 
-def await_verdict(session: Any, deadline: float) -> str | None:
+def await_verdict(session: Any, deadline: float) -> Verdict:
     """Every other member's: the leader's verdict (see :func:`post_verdict`)."""
-    verdict = session.await_posted("verdict", deadline)
-    if verdict is not None:
+    refused, takes = session.await_posted("verdict", deadline)
+    if refused is not None:
         session.seq += 1
-    return verdict
+    return Verdict(refused, {int(rank): took for rank, took in takes.items()})
 
 
 def sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:
