@@ -95,12 +95,13 @@ def test_the_counting_store_counts_what_a_real_store_holds():
         bench.CountingStore = original  # type: ignore[misc]
     assert created[0].counts["keys"] == real.num_keys()
     # hellos (34), the session record and its id; then meta (2), the route and the senders'
-    # metadata, each receiver's takes and ready (32 each), the verdict, done (34), complete, seen (33)
-    assert real.num_keys() == 34 + 2 + 2 + 2 + 64 + 1 + 34 + 1 + 33
-    # Per member a dozen calls, per pair two reads (metadata, takes; each receiver pairs with both trainer ranks):
-    # 34 members, 64 pairs; main's protocol had every member read every member's answers.
-    assert counts["update_round_trips"] < 16 * 34 + 2 * 64
-    assert counts["peers"][0] == counts["peers"][1] == list(range(2, 34))
+    # metadata, each receiver's ready (32), the verdict, done (34), complete, seen (33)
+    assert real.num_keys() == 34 + 2 + 2 + 2 + 32 + 1 + 34 + 1 + 33
+    # Per member a dozen calls; main's protocol had every member read every member's answers.
+    assert counts["update_round_trips"] < 16 * 34
+    # Relay chains: the 4 receivers of each of the 8 places are one chain per trainer rank, headed
+    # by the first (trainer rank 0) or the second (rank 1) of them: a trainer rank pairs with 8.
+    assert counts["peers"][0] == list(range(2, 10)) and counts["peers"][1] == list(range(10, 18))
     assert counts["meta_bytes"] == sum(len(__import__("pickle").dumps(m)) for m in metas)
     assert rendezvous.session_id(created[0]) is not None
 
@@ -127,8 +128,12 @@ def test_todays_sync_replay_gives_each_receiver_exactly_what_it_keeps():
     kept = [sum(kept_slice(TPPlace(bench.TP, slot, spec), i, SyncTensor(name, "BF16", shape, 2 * bench.math.prod(shape))).nbytes
                 for i, (name, shape) in enumerate(model.tensors)) for slot in range(bench.TP)]
     assert row["now"]["max_ingress_bytes"] == max(kept)
-    # every receiver keeps a TP slice of every tensor: every trainer rank carries bytes for each
-    assert row["before"]["pairs"] == row["now"]["pairs"] == 8 * 32 and row["redesign"]["pairs"] < row["now"]["pairs"]
+    # every receiver keeps a TP slice of every tensor: every trainer rank carries bytes for each, and
+    # main paired every trainer rank with every receiver; the code sends to one relay chain per place
+    # (8 places of 4 receivers: 8 heads per trainer rank) and each place's ring of 4 pairs its neighbours
+    assert row["before"]["pairs"] == 8 * 32 and row["now"]["pairs"] == 8 * 8 + 8 * 4
+    assert row["now"]["connections_per_process"] < row["before"]["connections_per_process"]
+    assert row["now"]["max_egress_bytes"] < row["before"]["max_egress_bytes"]
     assert row["now"]["store_bytes"] < row["before"]["store_bytes"]
     # the redesign: each inference rank keeps its TP slice of the rest and its experts whole
     assert row["redesign"]["max_ingress_bytes"] < row["now"]["max_ingress_bytes"]

@@ -374,8 +374,8 @@ class SyncChannel:
             by_place[key].ranks.append(member)
         for route in by_place.values():
             if route.chained:  # sent to its same-host members and its chain's head only: the head passes it on
-                direct, chain = pairing.relay(record, self.rank, route.ranks)
-                route.ranks = direct + chain[:1]
+                direct, chains = pairing.relay(record, self.rank, route.ranks)
+                route.ranks = direct + [chain[0] for chain in chains]
         return list(by_place.values())
 
     def _send(self, session: Session, peers: Sequence[int], routes: Sequence[_Route],
@@ -625,7 +625,8 @@ class SyncChannel:
             if verdict.refused:
                 raise _Refused(verdict.refused)
             # per sender: where its messages come from, whom this rank passes them on to (relays)
-            relays = {t: pairing.links(session.record, session.me, t, verdict.takes) for t in metas}
+            where = pairing.places(session.record)
+            relays = {t: pairing.links(session.record, session.me, t, verdict.takes, where) for t in metas}
         except _Refused:
             raise
         except BaseException:

@@ -98,6 +98,16 @@ def receivers(entries: Sequence[SyncTensor], record: SessionRecord) -> list[int]
 # member handles its senders in rank order, so each pair's messages match in order on both sides.
 
 
+# A chain's members at most. A byte reaches a chain's last member a bucket's transfer per member
+# after its first (each passes a bucket on once it has landed), and a trainer rank sends a route's
+# messages once per chain: longer chains cost latency, more chains cost the trainer's link and a
+# receiver's pairs (each heads chains of about trainer ranks x chains / members). At 16 replicas a
+# place (256 -> 128 ranks, TP 8), 3 chains of 5-6: the last member waits 5 buckets (0.05 s of 512 MiB
+# at 50 GB/s), a trainer rank sends 3 times its bytes, a receiver pairs with 48 trainer ranks
+# (benchmarks/bench_scale.py).
+CHAIN_MEMBERS = 6
+
+
 def near(record: SessionRecord, a: int, b: int) -> bool:
     """Whether session ranks ``a`` and ``b`` posted the same host (a same-host pair hands off through
     memory, handoff.py; a member that forces the socket path posts none)."""
@@ -105,39 +115,45 @@ def near(record: SessionRecord, a: int, b: int) -> bool:
     return host is not None and host == record.infos[member_key(*record.member(b))].get("host")
 
 
-def relay(record: SessionRecord, sender: int, members: Sequence[int]) -> tuple[list[int], list[int]]:
+def relay(record: SessionRecord, sender: int, members: Sequence[int]) -> tuple[list[int], list[list[int]]]:
     """How ``sender`` (a trainer's session rank) reaches ``members`` (session ranks, in order: the
     receivers of one of its routes, which take the same messages): (those it sends to itself, the
-    chain the others pass its messages along, first to last; empty when fewer than two). Chains start
-    at a different member for each trainer rank, so that the heads, and the trainer ranks' pairs,
-    spread over the members."""
+    chains the others pass its messages along, each first to last). The far members, in a ring that
+    starts at a different member for each trainer rank (so that the heads, and the trainer ranks'
+    pairs, spread over them), are cut into chains of at most CHAIN_MEMBERS: a member's predecessor
+    in any chain is its predecessor in the ring, so it pairs with two neighbours whatever the sender."""
     direct = [m for m in members if near(record, sender, m)]
     far = [m for m in members if m not in direct]
     if len(far) < 2:
         return direct + far, []
-    head = sender % len(far)
-    return direct, far[head:] + far[:head]
+    start = sender % len(far)
+    ring = far[start:] + far[:start]
+    count = -(-len(ring) // CHAIN_MEMBERS)
+    cuts = [len(ring) * k // count for k in range(count + 1)]
+    return direct, [ring[a:b] for a, b in zip(cuts, cuts[1:])]
 
 
-def route_members(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Sequence[int]]) -> list[int]:
+def route_members(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Sequence[int]],
+                  where: Mapping[str, tuple[TPPlace, list[int]]] | None = None) -> list[int]:
     """An inference rank's (session rank ``me``, not a cuts receiver): the members of ``sender``'s
     route it is in, as the trainer rank groups them: the inference ranks at its place that take a
-    delta from ``sender`` where it does, and a full update where it does."""
+    delta from ``sender`` where it does, and a full update where it does. ``where``: the record's
+    :func:`places`, if made already."""
     info = record.infos[member_key(*record.member(me))]
-    ranks = places(record)[place_key(info, me - record.trainer_size)][1]
+    ranks = (where if where is not None else places(record))[place_key(info, me - record.trainer_size)][1]
     mine = sender in takes.get(me, ())
     return [r for r in ranks if (sender in takes.get(r, ())) == mine]
 
 
-def links(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Sequence[int]]
-          ) -> tuple[int, int | None]:
+def links(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Sequence[int]],
+          where: Mapping[str, tuple[TPPlace, list[int]]] | None = None) -> tuple[int, int | None]:
     """An inference rank's (session rank ``me``): where ``sender``'s messages reach it from (the
     sender, or the member before it in the chain) and whom it passes them on to (None: nobody)."""
     info = record.infos[member_key(*record.member(me))]
     if info.get("cuts"):  # its own cuts: its own route, never chained
         return sender, None
-    _, chain = relay(record, sender, route_members(record, me, sender, takes))
-    if me not in chain:
-        return sender, None
-    at = chain.index(me)
-    return (sender if at == 0 else chain[at - 1]), (chain[at + 1] if at + 1 < len(chain) else None)
+    for chain in relay(record, sender, route_members(record, me, sender, takes, where))[1]:
+        if me in chain:
+            at = chain.index(me)
+            return (sender if at == 0 else chain[at - 1]), (chain[at + 1] if at + 1 < len(chain) else None)
+    return sender, None
