@@ -90,9 +90,10 @@ def receivers(entries: Sequence[SyncTensor], record: SessionRecord) -> list[int]
 # Receivers at one place keep the same bytes of a trainer rank, so a trainer rank need not send
 # them to each: it sends to the first of a *chain*, and each receiver passes every message on to the
 # next as soon as it has landed (bucket by bucket: pipelined, so the last one waits a bucket per hop,
-# not the whole update). A trainer rank's egress is then its bytes once per place, not once per
+# not the whole update). A trainer rank's egress is then its bytes once per chain, not once per
 # replica, and a process pairs with the trainer ranks whose chains it heads plus its neighbours in
-# the chain: at 256 trainer ranks and 128 inference ranks 18 pairs, not 257 (benchmarks/bench_scale.py).
+# the chain: at 256 trainer ranks -> 128 inference ranks at most 51 connections a process, not 257
+# (benchmarks/bench_scale.py).
 # Same-host receivers are not chained: they read the trainer's segment (handoff.py), written once.
 # Both sides derive the chain from the same data (the record, the verdict's ``takes``), and every
 # member handles its senders in rank order, so each pair's messages match in order on both sides.
