@@ -706,6 +706,8 @@ class SyncChannel:
         # Senders in rank order on every member: a relay chain's pairs then carry their messages in
         # the same order on both sides (pairing.py).
         for sender in sorted(metas):
+            if cancelled.is_set():
+                return wire  # given up inside the last sender's: post nothing more (straight into the model)
             meta, plan = metas[sender], plans[sender]
             relay = _Relay(session, *relays[sender], cancelled)
             if sender in takes:

@@ -122,7 +122,10 @@ def relay(record: SessionRecord, sender: int, members: Sequence[int]) -> tuple[l
     chains the others pass its messages along, each first to last). The far members, in a ring that
     starts at a different member for each trainer rank (so that the heads, and the trainer ranks'
     pairs, spread over them), are cut into chains of at most CHAIN_MEMBERS: a member's predecessor
-    in any chain is its predecessor in the ring, so it pairs with two neighbours whatever the sender."""
+    in any chain is its predecessor in the ring, so where every sender's ring holds the same members
+    (no same-host sender, every member taking the same kind of update) it pairs with two neighbours
+    whatever the sender; a member left out of some rings (it takes every byte where the others take
+    a delta, or shares a sender's host) gives those rings other neighbours, and a few pairs more."""
     direct = [m for m in members if near(record, sender, m)]
     far = [m for m in members if m not in direct]
     if len(far) < 2:
