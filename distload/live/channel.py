@@ -709,7 +709,7 @@ class SyncChannel:
             if cancelled.is_set():
                 return wire  # given up inside the last sender's: post nothing more (straight into the model)
             meta, plan = metas[sender], plans[sender]
-            relay = _Relay(session, *relays[sender], cancelled)
+            relay = _Relay(session, *relays[sender], cancelled, self._name("trainer", sender))
             if sender in takes:
                 wire += self._receive_delta(session, sender, meta, plan, targets, landing.undo, relay)
                 relay.drain()
@@ -747,8 +747,7 @@ class SyncChannel:
             for i, layout in enumerate(plan):
                 if layout.size:
                     data, work = posted.pop(i)
-                    session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from "
-                                                              f"{self._name('trainer', sender)}")
+                    session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from {relay.origin}")
                     taken = data is None
                     if taken:
                         data = work.data
@@ -808,7 +807,7 @@ class SyncChannel:
             layout = plan[i]
             assert following is not None
             header, work = following
-            session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
+            session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from {relay.origin}")
             relay.pass_on(header)
             counts = header.cpu().tolist()
             for (piece, _), count in zip(layout.items, counts):
@@ -820,7 +819,7 @@ class SyncChannel:
             if size:
                 relay.drain()  # the last bucket's data, passed on from this buffer, has left it
                 data = self._buffer(("delta",), size)
-                session.wait(relay.take(data), cancelled, lambda i=i: f"receiving bucket {i} from {trainer}")
+                session.wait(relay.take(data), cancelled, lambda i=i: f"receiving bucket {i} from {relay.origin}")
                 relay.pass_on(data)
             # The next bucket's header on its way while this one is applied: its data can be taken
             # as soon as this one is in (one wait less per bucket).
@@ -840,7 +839,7 @@ class SyncChannel:
         if rows:
             mine = torch.stack(rows)
             table = torch.empty_like(mine, device=device)
-            session.wait(relay.take(table), cancelled, lambda: f"receiving the checks from {trainer}")
+            session.wait(relay.take(table), cancelled, lambda: f"receiving the checks from {relay.origin}")
             relay.pass_on(table)
             wire += table.numel() * 8
             self._check_delta(mine, table.cpu(), buckets, audited, plan, entries, trainer)
@@ -879,7 +878,7 @@ class SyncChannel:
         the bucket."""
         table = torch.empty_like(sums)
         session.wait(relay.take(table), relay.cancelled,
-                     lambda: f"receiving the checksums from {self._name('trainer', sender)}")
+                     lambda: f"receiving the checksums from {relay.origin}")
         relay.pass_on(table)
         bad = first_mismatch(sums, table)
         if bad is None:
@@ -952,9 +951,11 @@ class _Relay:
     ``onward`` as each lands. A message passed on is read until :meth:`drain`: its buffer is not
     written again before that."""
 
-    def __init__(self, session: Session, source: int, onward: int | None, cancelled: threading.Event):
+    def __init__(self, session: Session, source: int, onward: int | None, cancelled: threading.Event, sender: str):
         self.session, self.source, self.onward, self.cancelled = session, source, onward, cancelled
         self.passing: list[tuple[torch.Tensor, Any]] = []
+        # how a failed receive names where it came from: the relay whose connection failed, if any
+        self.origin = sender if source < session.record.trainer_size else f"{sender} through {session.who(source)}"
 
     def take(self, tensor: torch.Tensor) -> Any:
         """Start receiving the sender's next message into ``tensor``."""
