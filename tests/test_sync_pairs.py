@@ -106,3 +106,71 @@ def test_members_read_only_their_peers_relays_pass_on_and_a_trainer_with_nothing
         if who.startswith("inference"):
             assert sorted(k for k in reads if "/metas/" in k) == ["u/0/metas/0", "u/1/metas/0"], (who, reads)
             assert results[f"{who} senders"] == [0, 1], results
+
+
+def test_relay_chains_split_by_what_each_receiver_takes_and_every_version_arrives_exact():
+    """Two trainer ranks, six receivers at TP 2 (three replicas of each TP rank), on the socket:
+    each place's receivers are a relay chain. Before version 3, inference rank 2 reallocates its
+    tensors, so it takes every byte while its place's others take a delta: different messages,
+    so the trainer ranks and the receivers split that place's chain alike (both from the verdict),
+    and every receiver ends with exactly its slices of every version."""
+    store = dist.HashStore()
+    trainers, receivers = 2, 6
+    q, o, norm = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight", \
+        "model.layers.0.input_layernorm.weight"
+
+    def state(version):
+        gen = torch.Generator().manual_seed(7)
+        s = {q: torch.randn(8, 4, generator=gen), o: torch.randn(4, 8, generator=gen), norm: torch.randn(4, generator=gen)}
+        for t in s.values():  # a training step: a few elements move each version
+            t.view(-1)[version::9] += version
+        return s
+
+    def mine(rank, version):  # a receiver's slices (the plain spec: q split by rows, o by columns)
+        s, tp = state(version), rank % 2
+        return {q: s[q][4 * tp:4 * tp + 4], o: s[o][:, 4 * tp:4 * tp + 4], norm: s[norm]}
+
+    results: dict[str, object] = {}
+
+    def member(role, rank):
+        name = f"{role} {rank}"
+        try:
+            options = {} if role == "trainer" else {"tensor_parallel_size": 2, "sharding": "plain", "model_config": {
+                "num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 8, "head_dim": 2}}
+            ch = SyncChannel(role=role, rank=rank, size=trainers if role == "trainer" else receivers,
+                             store=store, device="cpu", timeout_s=60, transport="socket", **options)
+            if role == "trainer":
+                owned = (q, norm) if rank == 0 else (o,)
+                for version in (1, 2, 3):
+                    ch.push({k: v for k, v in state(version).items() if k in owned}, version)
+            else:
+                target = {k: torch.zeros_like(v) for k, v in mine(rank, 0).items()}
+                for version in (1, 2, 3):
+                    if version == 3 and rank == 2:  # its tensors moved: its base is unknown
+                        target = {k: v.clone() for k, v in target.items()}
+                    stats = ch.receive(target)
+                    exact = all(torch.equal(target[k], v) for k, v in mine(rank, version).items())
+                    results[f"{name} v{version}"] = (exact, stats.delta)
+                results[f"{name} pairs"] = sorted(ch._session.pairs)
+            ch.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            results[name] = exc
+
+    threads = [threading.Thread(target=member, args=(role, r)) for role, n in (("trainer", trainers),
+                                                                                ("inference", receivers))
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(isinstance(v, BaseException) for v in results.values()), results
+    for r in range(receivers):
+        assert [results[f"inference {r} v{v}"] for v in (1, 2, 3)] == [
+            (True, False), (True, True), (True, r != 2)], (r, results)
+    # Session ranks: trainers 0-1, inference ranks 2-7; TP rank 0 is inference 0, 2, 4 (session 2, 4, 6).
+    # Versions 1-2: trainer rank 0's chain 2 -> 4 -> 6, rank 1's 4 -> 6 -> 2. Version 3: inference
+    # rank 2 (session 4) takes every byte, from each trainer rank directly; the others a delta along
+    # 2 -> 6 (from trainer rank 0) and 6 -> 2 (from rank 1).
+    assert results["inference 0 pairs"] == [0, 4, 6], results
+    assert results["inference 2 pairs"] == [0, 1, 2, 6], results
+    assert results["inference 4 pairs"] == [1, 2, 4], results
