@@ -5,7 +5,8 @@ own loads) that meet at a TCP rendezvous address, or ranks of one job (:class:`~
 sync.WeightSync` runs this channel over the job's own store). Neither job's default group is used.
 
 Control goes through the store; data through a two-member process group between each trainer
-rank and each inference rank (a *pair*), built on the store, or, for a pair whose members share a
+rank and each inference rank it sends to (a *pair*; and between neighbours of a relay chain),
+built on the store, or, for a pair whose members share a
 host, through a segment of memory both map (distload/live/handoff.py: the trainer packs a bucket
 there once for all its same-host receivers, each unpacks from it): both belong to the session
 (distload/live/session.py), which every update runs over. Every trainer rank calls
@@ -18,7 +19,9 @@ first waits for the metadata); one update, numbered within its session:
    slices, a model asleep; every member: versions that disagree, a name two trainers send) and
    every member reads every answer: if any member refused, every member raises, and no byte moved;
 3. *data*: each trainer rank sends each inference rank exactly the bytes it keeps (its
-   tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight; a
+   tensor-parallel slices, or whole tensors), bucket by bucket, two buckets in flight (receivers
+   at one place on other hosts than the trainer rank's take them along a relay chain, each passing
+   every message on to the next: pairing.relay, :class:`_Relay`); a
    receiver takes a bucket of small tensors into a buffer and copies it into its tensors in place;
    a big tensor lands in its tensor straight. A verified update is checked once all of it has
    landed (a mismatch fails it, so the version does not advance): the trainer sums each bucket

@@ -22,7 +22,7 @@ supervisor. The update protocol (distload/live/channel.py) runs over it. On ever
    member and step, not one read per pair of members;
 3. the data step runs in :meth:`Session.supervise`: a transfer thread connects the pairs it lacks
    and posts transfers (:meth:`Session.post`: a trainer sends to its peer, an inference rank
-   receives from it) and polls them (:meth:`Session.wait`), while the calling thread watches the
+   receives from it, and sends on what it passes down a relay chain) and polls them (:meth:`Session.wait`), while the calling thread watches the
    abort key and the heartbeats it watches: the leader's every member's, any other member its
    peers' and the leader's (a member that dies unwatched by the others is the leader's to name);
    on a failure it stops the transfer thread (whose waits poll, because a gloo wait can be
