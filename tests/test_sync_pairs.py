@@ -33,6 +33,26 @@ def test_a_trainer_rank_pairs_only_with_the_places_it_carries_bytes_for():
     assert pairing.cut_receivers(record) == [4]
 
 
+def test_a_chain_takes_a_trainer_ranks_delta_only_where_every_far_member_can():
+    """The verdict's takes (pairing.chained_takes): a relay chain passes one kind of message, so a
+    place's far members take a trainer rank's delta only where all of them can; a same-host member
+    (read from the trainer's segment, not chained) and a cuts receiver keep what they said."""
+    info = {"tp_size": 1, "spec": None, "host": None}
+    record = SessionRecord("s", 2, 4, {}, {
+        "trainer/0": {"host": "a"}, "trainer/1": {"host": "b"},
+        "inference/0": {**info, "host": "a"}, "inference/1": info, "inference/2": info,
+        "inference/3": {**info, "cuts": True}})
+    # session ranks: trainers 0, 1; inference ranks 2 (on trainer rank 0's host), 3, 4; 5 (cuts)
+    said = {2: [0, 1], 3: [0, 1], 4: [1], 5: [0]}  # inference rank 2 (session 4) lacks trainer rank 0's base
+    # trainer rank 0's far members are 3 and 4, and 4 cannot: both take every byte from it; 2 (same
+    # host) keeps its delta; every member can take trainer rank 1's
+    assert pairing.chained_takes(record, said) == {2: [0, 1], 3: [1], 4: [1], 5: [0]}
+    assert pairing.chained_takes(record, {2: [0, 1], 3: [0, 1], 4: [0, 1]}) == {2: [0, 1], 3: [0, 1], 4: [0, 1]}
+    # trainer rank 0's chain is the far members 3 and 4; trainer rank 1's all three (none on its host)
+    assert pairing.relay(record, 0, [2, 3, 4]) == ([2], [[3, 4]])
+    assert pairing.relay(record, 1, [2, 3, 4]) == ([], [[3, 4, 2]])
+
+
 class _Recorder:
     """Every get and set of the channels' stores, by the member that made it."""
 
@@ -108,12 +128,12 @@ def test_members_read_only_their_peers_relays_pass_on_and_a_trainer_with_nothing
             assert results[f"{who} senders"] == [0, 1], results
 
 
-def test_relay_chains_split_by_what_each_receiver_takes_and_every_version_arrives_exact():
+def test_a_receiver_that_cannot_take_a_delta_has_its_chain_take_every_byte_and_every_version_arrives_exact():
     """Two trainer ranks, six receivers at TP 2 (three replicas of each TP rank), on the socket:
     each place's receivers are a relay chain. Before version 3, inference rank 2 reallocates its
-    tensors, so it takes every byte while its place's others take a delta: different messages,
-    so the trainer ranks and the receivers split that place's chain alike (both from the verdict),
-    and every receiver ends with exactly its slices of every version."""
+    tensors, so it cannot take a delta while its place's others can: a chain passes one kind of
+    message, so the verdict has its whole place take every byte (the other place a delta), the
+    chains stay as they were, and every receiver ends with exactly its slices of every version."""
     store = dist.HashStore()
     trainers, receivers = 2, 6
     q, o, norm = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.o_proj.weight", \
@@ -166,11 +186,9 @@ def test_relay_chains_split_by_what_each_receiver_takes_and_every_version_arrive
     assert not any(isinstance(v, BaseException) for v in results.values()), results
     for r in range(receivers):
         assert [results[f"inference {r} v{v}"] for v in (1, 2, 3)] == [
-            (True, False), (True, True), (True, r != 2)], (r, results)
+            (True, False), (True, True), (True, r % 2 == 1)], (r, results)
     # Session ranks: trainers 0-1, inference ranks 2-7; TP rank 0 is inference 0, 2, 4 (session 2, 4, 6).
-    # Versions 1-2: trainer rank 0's chain 2 -> 4 -> 6, rank 1's 4 -> 6 -> 2. Version 3: inference
-    # rank 2 (session 4) takes every byte, from each trainer rank directly; the others a delta along
-    # 2 -> 6 (from trainer rank 0) and 6 -> 2 (from rank 1).
+    # Every version: trainer rank 0's chain 2 -> 4 -> 6, rank 1's 4 -> 6 -> 2; no other pairs.
     assert results["inference 0 pairs"] == [0, 4, 6], results
-    assert results["inference 2 pairs"] == [0, 1, 2, 6], results
-    assert results["inference 4 pairs"] == [1, 2, 4], results
+    assert results["inference 2 pairs"] == [1, 2, 6], results
+    assert results["inference 4 pairs"] == [2, 4], results

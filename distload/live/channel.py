@@ -627,6 +627,9 @@ class SyncChannel:
             verdict = verdicts.await_verdict(session, deadline)  # the leader's, from every member's ready
             if verdict.refused:
                 raise _Refused(verdict.refused)
+            # the deltas it takes as the verdict says: where its relay chain's others cannot take a
+            # trainer rank's delta, it takes every byte from that rank with them (chained_takes)
+            takes = list(verdict.takes.get(session.me, ()))
             # per sender: where its messages come from, whom this rank passes them on to (relays)
             where = pairing.places(session.record)
             relays = {t: pairing.links(session.record, session.me, t, verdict.takes, where) for t in metas}

@@ -123,9 +123,9 @@ def relay(record: SessionRecord, sender: int, members: Sequence[int]) -> tuple[l
     starts at a different member for each trainer rank (so that the heads, and the trainer ranks'
     pairs, spread over them), are cut into chains of at most CHAIN_MEMBERS: a member's predecessor
     in any chain is its predecessor in the ring, so where every sender's ring holds the same members
-    (no same-host sender, every member taking the same kind of update) it pairs with two neighbours
-    whatever the sender; a member left out of some rings (it takes every byte where the others take
-    a delta, or shares a sender's host) gives those rings other neighbours, and a few pairs more."""
+    it pairs with two neighbours whatever the sender (the far members of a place take one kind of
+    update: chained_takes); a member left out of some rings (it shares a sender's host) gives those
+    rings other neighbours, and a few pairs more."""
     direct = [m for m in members if near(record, sender, m)]
     far = [m for m in members if m not in direct]
     if len(far) < 2:
@@ -161,3 +161,24 @@ def links(record: SessionRecord, me: int, sender: int, takes: Mapping[int, Seque
             at = chain.index(me)
             return (sender if at == 0 else chain[at - 1]), (chain[at + 1] if at + 1 < len(chain) else None)
     return sender, None
+
+
+def chained_takes(record: SessionRecord, takes: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+    """What each inference rank takes, as the leader's verdict says it (``takes``: what each said
+    it can take: the trainer ranks whose delta it can patch). A relay chain passes one kind of
+    message, so the far members of a place (those a trainer rank does not share a host with) take
+    that trainer rank's delta only where every one of them can; else all of them take every byte.
+    Without this a member that cannot (new, restarted, its tensors moved) would take every byte
+    from every trainer rank straight, one pair each: at 256 -> 128 ranks, 257 connections in the
+    process that just restarted. It costs its place's others a full update from those trainer
+    ranks, once. Cuts receivers (never chained) and same-host members keep what they said."""
+    where = places(record)
+    out = {rank: list(took) for rank, took in takes.items()}
+    for _, members in where.values():
+        for t in sorted({t for m in members for t in takes.get(m, ())}):
+            far = [m for m in members if not near(record, t, m)]
+            if len(far) > 1 and not all(t in takes.get(m, ()) for m in far):
+                for m in far:
+                    if t in out.get(m, ()):
+                        out[m].remove(t)
+    return {rank: took for rank, took in out.items() if took}

@@ -39,7 +39,8 @@ class Verdict:
 
     refused: str | None  # why no byte moves, or None
     takes: Mapping[int, Sequence[int]] = field(default_factory=dict)  # inference session rank -> the
-    # trainer ranks whose delta it takes (one that takes none is left out)
+    # trainer ranks whose delta it takes (one that takes none is left out): what it said it can
+    # take, less what its relay chain cannot (pairing.chained_takes)
 
 
 def ready(problems: Sequence[str], takes: Sequence[int]) -> list:
@@ -100,6 +101,7 @@ def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: 
     if refusals:
         refused = (f"update to version {version} refused, nothing was sent (receivers still at their old "
                    f"version): " + " | ".join(refusals))
+    takes = pairing.chained_takes(record, takes)  # one kind of message along each relay chain
     session.announce("verdict", [refused, takes])
     if refused is not None:
         session.seq += 1
