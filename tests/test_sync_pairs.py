@@ -53,6 +53,19 @@ def test_a_chain_takes_a_trainer_ranks_delta_only_where_every_far_member_can():
     assert pairing.relay(record, 1, [2, 3, 4]) == ([], [[3, 4, 2]])
 
 
+def _run_members(member, trainers: int, receivers: int, results: dict) -> None:
+    """Run ``member(role, rank)`` for every member, each on a thread of its own, to the end; none
+    may have raised (``results`` holds what each reported, an exception for one that raised)."""
+    threads = [threading.Thread(target=member, args=(role, r)) for role, n in (("trainer", trainers),
+                                                                                ("inference", receivers))
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(isinstance(v, BaseException) for v in results.values()), results
+
+
 class _Recorder:
     """Every get and set of the channels' stores, by the member that made it."""
 
@@ -101,14 +114,7 @@ def test_members_read_only_their_peers_relays_pass_on_and_a_trainer_with_nothing
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             results[name] = exc
 
-    threads = [threading.Thread(target=member, args=(role, r)) for role, n in (("trainer", trainers),
-                                                                                ("inference", receivers))
-               for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(isinstance(v, BaseException) for v in results.values()), results
+    _run_members(member, trainers, receivers, results)
     assert all(results[f"inference {r} v{v}"] for r in range(receivers) for v in (1, 2)), results  # bit-exact
     # Pairs: the receivers are one place, so each trainer rank that holds bytes sends to the head
     # of its relay chain only (trainer rank 0's chain: session ranks 3, 4, 5; rank 1's: 4, 5, 3);
@@ -176,14 +182,7 @@ def test_a_receiver_that_cannot_take_a_delta_has_its_chain_take_every_byte_and_e
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             results[name] = exc
 
-    threads = [threading.Thread(target=member, args=(role, r)) for role, n in (("trainer", trainers),
-                                                                                ("inference", receivers))
-               for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(isinstance(v, BaseException) for v in results.values()), results
+    _run_members(member, trainers, receivers, results)
     for r in range(receivers):
         assert [results[f"inference {r} v{v}"] for v in (1, 2, 3)] == [
             (True, False), (True, True), (True, r % 2 == 1)], (r, results)
