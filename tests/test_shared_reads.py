@@ -359,8 +359,7 @@ def test_a_rank_killed_mid_read_ends_the_others_in_bounded_time_naming_it(tmp_pa
     for rank in (0, 2):
         out = results[rank].stdout + results[rank].stderr
         assert results[rank].returncode == 3, out[-3000:]
-        # rank 1 named (under load a slow survivor's heartbeat may be named with it: "ranks 1, 2")
-        assert re.search(rf"rank {rank} stopped after [0-9.]+ s: .*ranks? (?:\d+, )*1\b", out), out[-3000:]
+        assert re.search(rf"rank {rank} stopped after [0-9.]+ s: .*rank 1", out), out[-3000:]
 
 
 @pytest.mark.slow

@@ -212,6 +212,12 @@ class Heartbeat:
         if ended:
             return ended
         silent = self.silent_ranks(others)
+        # Looked for again after the watch: a SIGKILLed peer's sockets close before its process has
+        # ended, so the first look can miss it; by now it has. Naming the process that ended beats
+        # naming every rank that went quiet meanwhile (a survivor failing and exiting goes quiet too).
+        ended = self.describe_ended(others, me) if silent else ""
+        if ended:
+            return ended
         if silent is None:
             return ("; the job's rendezvous store does not answer either, so the rank that hosts it "
                     "(rank 0 outside torchrun) is likely the one that stopped")
