@@ -54,7 +54,7 @@ plan() {
     echo "  4b. Run:ai's host memory within memory_limit"
     echo "  6a. reload_into and WeightSleeper on cuda:0: sleep gives the memory to the driver, level 1 wakes with the values [13]"
     echo "      auto with a TP place of 1: pread onto the device (step 3's auto is InstantTensor where it is installed) [11]"
-    echo "  6b. weight sync between two jobs on the device, then with the trainer SIGKILLed mid-update: SyncError, the receiver lives [1, 2, 16]"
+    echo "  6b. weight sync between two jobs on the device (the third version a delta, compared on the GPU), then with the trainer SIGKILLed mid-update: SyncError, the receiver lives [1, 2, 16]"
     if [[ "$g" -lt 2 ]]; then
         echo "      both jobs on one GPU: the pairs use gloo (NCCL refuses one GPU twice) [7]"
         echo "  6c. vLLM --load-format distload on the GPU (where vLLM is installed)"

@@ -166,8 +166,13 @@ def case_sync_peer(role: str, address: str, mib: str, kill: str = "") -> None:
                                                                os.kill(os.getpid(), signal.SIGKILL))[0]
                 for t in state.values():
                     t.add_(1)
-                channel.push(state, 2)
-                say("sync-peer", 0, "trainer pushed 2 versions")
+                full = channel.push(state, 2)
+                _step(state)  # a training step's few changed elements: compared on the device
+                delta = channel.push(state, 3)
+                assert delta.delta, "version 3 went whole: the trainer's delta base was not used"
+                say("sync-peer", 0, f"trainer pushed 3 versions; the delta (version 3) sent "
+                                    f"{delta.wire_bytes / full.wire_bytes:.4f}x the bytes and {delta.seconds / full.seconds:.3f}x "
+                                    f"the time ({delta.seconds:.3f} s) of version 2, whose every element changed")
                 return
             target = {name: torch.empty_like(t) for name, t in state.items()}
             channel.receive(target)
@@ -184,7 +189,22 @@ def case_sync_peer(role: str, address: str, mib: str, kill: str = "") -> None:
                 return
             assert not kill, "version 2 arrived from a killed trainer"
             assert all(torch.equal(target[n], state[n] + 1) for n in state), "version 2 arrived wrong"
-            say("sync-peer", 0, "receiver got 2 versions")
+            stats = channel.receive(target)
+            for t in state.values():
+                t.add_(1)
+            _step(state)
+            assert stats.delta and all(torch.equal(target[n], state[n]) for n in state), "version 3 arrived wrong"
+            say("sync-peer", 0, "receiver got 3 versions, the third a delta, bit for bit")
+
+
+def _step(state: dict[str, torch.Tensor]) -> None:
+    """Flip the lowest bit of a seeded 2% of every tensor's elements (a bf16 optimizer step's
+    size of change), the same on both jobs."""
+    generator = torch.Generator().manual_seed(3)
+    for t in state.values():
+        bits = t.view(torch.int16)
+        hit = (torch.rand(bits.numel(), generator=generator) < 0.02).to(bits.device)
+        bits[hit] ^= 1
 
 
 CASES = {"load": case_load, "load-kill": case_load_kill, "gloo-data": case_gloo_data, "subgroup": case_subgroup,

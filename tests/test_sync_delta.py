@@ -51,6 +51,39 @@ def test_a_nan_payload_and_a_signed_zero_are_changes():
     assert deltas.diff(new, old).positions.tolist() == [0, 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.bool])
+def test_the_device_compare_finds_the_host_compares_patch_bit_for_bit(dtype, monkeypatch):
+    """A GPU state is compared where it lives (torch ops, the base going up a slab at a time);
+    the same ops run here on the CPU and must give the numpy compare's patch exactly, across slab
+    edges, for NaN payloads and signed zeros, and for a state that is not contiguous."""
+    monkeypatch.setattr(deltas, "DEVICE_SLAB", 1000)
+    if dtype == torch.bool:
+        old = torch.rand(3 * 1000 + 17) < 0.5
+        new = old.clone()
+        new[torch.rand(new.numel()) < 0.05] ^= True
+    else:
+        old, new = _changed((3 * 1000 + 17,), dtype, 0.05)
+        if dtype.is_floating_point and dtype.itemsize > 1:
+            old[:2] = torch.tensor([0.0, float("nan")], dtype=dtype)
+            new[:2] = old[:2]
+            new[0] = -0.0
+            deltas.flat_ints(new)[1] ^= 1
+    host = deltas.diff(new, old)
+    device = deltas.diff_on_device(new, old)
+    assert device.positions.numel() > 50
+    for got, want in ((device.positions, host.positions), (device.new, host.new), (device.flips, host.flips)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    if dtype.is_floating_point and dtype.itemsize > 1:
+        assert device.positions[:2].tolist() == [0, 1]
+    # A transposed state (a view of other strides) is compared in its logical order.
+    square_old, square_new = old[:3000].view(60, 50), new[:3000].view(60, 50)
+    got = deltas.diff_on_device(square_new.t(), square_old.t().contiguous())
+    want = deltas.diff(square_new.t().contiguous(), square_old.t().contiguous())
+    assert torch.equal(got.positions, want.positions) and torch.equal(got.flips, want.flips)
+    # Nothing changed: an empty patch, not an error.
+    assert deltas.diff_on_device(old, old.clone()).positions.numel() == 0
+
+
 @pytest.mark.parametrize("numel,count", [(10, 3), ((1 << 16) * 2 + 9, 2000), ((1 << 16) * 4, 1)])
 def test_a_patch_decodes_to_what_was_encoded_and_applies_exactly(numel, count):
     old, _ = _changed((numel,), torch.bfloat16, 0.0)

@@ -476,12 +476,15 @@ class SyncChannel:
         out = {}
         for index in group:
             name = entries[index].name
-            host = whole[index].detach().to("cpu").contiguous()
-            base = self._base.held(name, host)
-            if base is not None:
-                out[index] = changes.patches[name] = deltas.diff(host, base, self._base.scratch)
+            tensor = whole[index].detach()
+            base = self._base.held(name, tensor)
+            if base is not None:  # compared where the tensor lives: a GPU's state never comes down whole
+                out[index] = changes.patches[name] = (
+                    deltas.diff(tensor.contiguous(), base, self._base.scratch) if tensor.device.type == "cpu"
+                    else deltas.diff_on_device(tensor, base))
             elif self._base.room_for(name, entries[index].nbytes, changes.pending):
-                changes.copies[name] = host.clone()  # the caller's tensor may change after push() returns
+                # a copy of its own: the caller's tensor may change after push() returns
+                changes.copies[name] = tensor.to("cpu", copy=True).contiguous()
                 changes.pending += entries[index].nbytes
         return out
 
