@@ -68,6 +68,12 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def untracked(t: torch.Tensor):
+    """A contiguous bf16 tensor's memory as a numpy int16 array: writes through it leave torch's
+    version counter as it was."""
+    return t.detach().view(torch.int16).reshape(-1).numpy()
+
+
 def digest(state) -> str:
     h = hashlib.sha256()
     for name in sorted(state):
@@ -416,7 +422,7 @@ def bf16_state(params) -> dict[str, torch.Tensor]:
 # pushed again, what an inference rank does to its tensors before receiving it).
 DELTA_STEPS = [(1, None, None), (2, 1e-6, None), (3, 1e-2, None), (4, 1e-6, "drift-1"), (4, None, None),
                (5, 1e-6, "move-0"), (6, 1e-6, "fail-0"), (6, None, None), (7, None, "flip-1"), (7, None, None),
-               (8, 1e-6, "restart"), (9, 1e-6, None)]
+               (8, 1e-6, "restart"), (9, 1e-6, None), (10, 1e-6, "rewrite-0")]
 
 
 def delta(role, address, result, args):
@@ -466,13 +472,19 @@ def delta(role, address, result, args):
         real_receive = delta_module.receive_bucket
         for version, _, action in DELTA_STEPS:
             calls = []
+            # Drift and flips are written through a numpy view of the memory (as a kernel writing
+            # through the pointer would): torch's count of writes does not see them, the patch sums
+            # and the audit must. A torch op's rewrite is seen before any byte moves: a full update.
             if action == f"drift-{ch.rank}":  # an engine rewrote a weight in place: same storage
+                drifted = target["model.layers.0.mlp.up_proj.weight"]
+                untracked(drifted)[:] = untracked(drifted.float().add(0.5).to(torch.bfloat16))
+            if action == f"rewrite-{ch.rank}":  # the same through a torch op: its write count moves
                 target["model.layers.0.mlp.up_proj.weight"].add_(0.5)
             if action == f"move-{ch.rank}":  # an engine repacked a weight into new memory
                 target["model.layers.1.self_attn.q_proj.weight"] = target["model.layers.1.self_attn.q_proj.weight"].clone()
             if action == f"flip-{ch.rank}":  # a bug flipped bits the next update does not touch
                 for t in target.values():
-                    raw(t).view(torch.int16)[::97] ^= 1
+                    untracked(t)[::97] ^= 1
             if action == f"fail-{ch.rank}":
                 def failing(*a, **k):
                     calls.append(1)

@@ -173,7 +173,9 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     bytes; every receiver ends with the trainer's exact slices, or, where its base drifted (found
     by the patch sums or by the audit) or a receiver failed mid-update, every receiver is back at
     its previous version exactly (the undo) and the same state pushed again arrives in full; so
-    does the first push of a restarted trainer (a new channel: it holds no base)."""
+    does the first push of a restarted trainer (a new channel: it holds no base), and the update
+    after a receiver's tensor was rewritten by a torch op (its write count moved: seen before
+    any byte moves, so no error, and that receiver alone takes every byte)."""
     results = run_driver(tmp_path, "delta", 1, 2)
     (trainer,) = results.trainer
     pushes = trainer["pushes"]
@@ -187,9 +189,10 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     assert "not the version 3 it received" in pushes[3]["error"]
     assert "injected: this receiver fails in its third bucket" in pushes[6]["error"]
     assert "differ from trainer rank 0's after the update" in pushes[8]["error"]  # drift elsewhere: the audit
-    # ... and after the restart (a new trainer: no base) one full update, then deltas again
+    # ... and after the restart (a new trainer: no base) one full update, then deltas again; a
+    # tensor rewritten by a torch op is seen before the update: that receiver takes every byte
     assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, None, False, None, False,
-                                                False, True]
+                                                False, True, True]
     assert all(p["verified"] for p in pushes if "error" not in p), pushes
     full, step = pushes[0]["wire_bytes"], pushes[1]["wire_bytes"]
     assert full >= pushes[0]["state_bytes"] and step < 0.15 * full, (full, step)  # lr 1e-6: about 4% of the elements changed
@@ -197,12 +200,12 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     assert pushes[-1]["base_bytes"] == pushes[-1]["state_bytes"]  # the trainer's host copy: 1x the state
 
     # (version held after each receive, whether it took a delta) on each rank; None: it failed
-    took = {0: [True, True, None, False, False, None, False, None, False, False, True],
-            1: [True, True, None, False, True, None, False, None, False, False, True]}
+    took = {0: [True, True, None, False, False, None, False, None, False, False, True, False],
+            1: [True, True, None, False, True, None, False, None, False, False, True, True]}
     for rank in results.inference:
         r = rank["rank"]
         receives = rank["receives"]
-        assert [x["channel_version"] for x in receives] == [1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 9], (r, receives)
+        assert [x["channel_version"] for x in receives] == [1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 9, 10], (r, receives)
         assert [x.get("delta") for x in receives[1:]] == took[r], (r, receives)
         for i, x in enumerate(receives):
             assert x["consistent"], (r, i, x)

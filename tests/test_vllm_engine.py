@@ -113,7 +113,8 @@ def _perturbed_copy(source: str, dest: str) -> str:
 
 # The trainer job of a push case: its own torchrun, its own world. It pushes the perturbed model
 # as version 1, then the original weights as version 2; with "die" it dies (SIGKILL) a few buckets
-# into version 2.
+# into version 2; with "steps", version 3 is the original with a training step's few changed
+# elements and version 4 the original again: both deltas.
 TRAINER = r"""
 import os, signal, sys
 from safetensors.torch import load_file
@@ -131,7 +132,19 @@ def state(folder):
 with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=1200, bucket_bytes=64 << 10) as sync:
     print("pushed", sync.push(state(first), 1).version, flush=True)
     if mode != "die":
-        print("pushed", sync.push(state(second), 2).version, flush=True)
+        own = state(second)
+        print("pushed", sync.push(own, 2).version, flush=True)
+        import torch
+        from distload.live.delta import flat_ints
+        generator = torch.Generator().manual_seed(5)
+        stepped = {}
+        for name, t in own.items():  # the lowest bit of 3% of the elements: a training step's change
+            bits = flat_ints(t.clone())
+            bits[torch.rand(bits.numel(), generator=generator) < 0.03] ^= 1
+            stepped[name] = bits.view(t.dtype).view(t.shape)
+        for version, weights in ((3, stepped), (4, own)):
+            stats = sync.push(weights, version)
+            print("pushed", version, "delta" if stats.delta else "full", stats.wire_bytes, flush=True)
         sys.exit(0)
     # Version 2 differs in every element: a delta update sends each piece raw, packed by delta.py.
     import distload.live.delta as delta
@@ -206,7 +219,7 @@ def architecture_cases(p: dict, address: str) -> list[dict]:
              for a in ARCHITECTURES]
     cases[ARCHITECTURES.index("phi3")]["extra"]["save_sharded"] = f"{root}/phi3-tp2"
     cases.append({"name": "phi3 saved", "model": f"{root}/phi3-tp2", "format": "sharded_state",
-                  "push": {"address": address, "receives": 2}})
+                  "push": {"address": address, "receives": 4}})
     return [dict(case, tp=2, name=f"arch {case['name']}") for case in cases]
 
 
@@ -220,7 +233,7 @@ def engines(checkpoints, tmp_path_factory):
 
     script = write_script(tmp_path_factory.mktemp("trainer"), "trainer.py", TRAINER)
     addresses, trainers = [], []
-    for first, second, mode in ((p["llama-b"], p["llama"], "die"), (p["phi3-b"], f"{p['root']}/phi3", "both")):
+    for first, second, mode in ((p["llama-b"], p["llama"], "die"), (p["phi3-b"], f"{p['root']}/phi3", "steps")):
         addresses.append(f"tcp://127.0.0.1:{free_port()}")
         trainers.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                           "--nproc-per-node=1", script, addresses[-1], first, second, mode],
@@ -436,16 +449,23 @@ def test_a_push_by_slices_into_an_architecture_no_table_knows(architectures):
     """Phi-3 fuses q/k/v and gate/up in its checkpoint: each TP 2 worker of the engine above
     receives its runs of rows of those (its weight map's cuts), at most 1.05x the bytes of its
     slices, and vLLM's own reload puts them in place: other weights generate other tokens, and
-    Phi-3's own weights pushed after them generate Phi-3's tokens again."""
-    assert "pushed 2" in architectures["_trainer"], architectures["_trainer"][-3000:]
+    Phi-3's own weights pushed after them generate Phi-3's tokens again. Then a training step's
+    change and its reverse arrive as deltas into each worker's staging (a fraction of the bytes,
+    checked): after both, the engine serves Phi-3's exact weights again, so its tokens."""
+    assert "pushed 4 delta" in architectures["_trainer"], architectures["_trainer"][-3000:]
     saved = architectures["phi3 saved"]
-    other, own = saved["pushed"]
-    assert other.get("version") == 1 and own.get("version") == 2, saved["pushed"]
+    other, own, step, back = saved["pushed"]
+    assert [push.get("version") for push in saved["pushed"]] == [1, 2, 3, 4], saved["pushed"]
     for push in (other, own):
         for sent, kept in zip(push["bytes"], push["slices"]):
             assert sent <= 1.05 * kept, push
     assert other["tokens"] != saved["tokens"]
     assert own["tokens"] == saved["tokens"]
+    for push in (step, back):  # 3% of the elements changed: 4 bytes a change of bf16, and the checks
+        assert push["delta"] == [True, True] and push["verified"] == [True, True], push
+        for sent, kept in zip(push["bytes"], push["slices"]):
+            assert sent < 0.15 * kept, push
+    assert back["tokens"] == saved["tokens"]
 
 
 @pytest.mark.slow

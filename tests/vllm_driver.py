@@ -84,7 +84,9 @@ def main() -> None:
                     got = plugin.sync_receive(llm, timeout_s=600)
                     entry = {"version": got["version"], "bytes": [w["bytes"] for w in got["workers"]],
                              "slices": [w["slice_bytes"] for w in got["workers"]],
-                             "reload_s": [w["reload_seconds"] for w in got["workers"]]}
+                             "reload_s": [w["reload_seconds"] for w in got["workers"]],
+                             "delta": [w["delta"] for w in got["workers"]],
+                             "verified": [w["verified"] for w in got["workers"]]}
                 except SyncError as exc:
                     entry = {"error": str(exc)}
                 entry["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]

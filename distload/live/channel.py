@@ -991,9 +991,22 @@ class _Landing:
 
 
 def _mark(tensor: torch.Tensor) -> tuple:
-    """Where a receiver's tensor lies: a tensor that moved (reallocated, repacked) between two
-    updates no longer holds the base it held."""
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+    """Where a receiver's tensor lies, and torch's count of in-place writes to it: a tensor that
+    moved (reallocated, repacked) or was written by any torch op (an engine that rewrote it, a
+    wake that restored it) between two updates no longer holds the base it held, whichever of its
+    elements the next delta changes. Writes torch does not count (a kernel or a numpy view writing
+    through the pointer) are what the patch sums and the audit catch (delta.py)."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+            _writes(tensor))
+
+
+def _writes(tensor: torch.Tensor) -> int | None:
+    """Torch's version counter of ``tensor`` (shared with its views); None for an inference-mode
+    tensor, which keeps none (the sums and the audit still check it)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 def _names(metas: Mapping[int, Mapping[str, Any]], plans: Mapping[int, Sequence[BucketLayout]]) -> set[str]:

@@ -25,7 +25,8 @@ tensors changed since the base at a changed position fails that sum (as does a p
 wrong); it is undone from the values it found there. A drift at positions the trainer did not change is found by the
 *audit*: each update also checks one window of 1/AUDIT_ROUNDS of every receiver's bytes, in turn
 (:func:`audit_window`), so every byte is checked once every AUDIT_ROUNDS updates; a receiver whose
-tensors moved (another storage: repacked or reallocated) is sent the next update raw.
+tensors moved (another storage: repacked or reallocated) or were written by a torch op (their
+version counter moved: channel.py's ``_mark``) is sent the next update raw, before any byte moves.
 
 Where the time goes, and why each step is a few whole-array numpy operations (no Python loop
 per element): docs/delta-sync.md, "Speed".
