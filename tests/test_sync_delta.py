@@ -4,6 +4,7 @@ tested in tests/test_sync_jobs.py (the "delta" scenario) and inside one job in t
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,8 +85,12 @@ def test_the_device_compare_finds_the_host_compares_patch_bit_for_bit(dtype, mon
     assert deltas.diff_on_device(old, old.clone()).positions.numel() == 0
 
 
-@pytest.mark.parametrize("numel,count", [(10, 3), ((1 << 16) * 2 + 9, 2000), ((1 << 16) * 4, 1)])
-def test_a_patch_decodes_to_what_was_encoded_and_applies_exactly(numel, count):
+@pytest.mark.parametrize("scratch", [False, True])
+@pytest.mark.parametrize("numel,count", [(10, 3), ((1 << 16) * 2 + 9, 2000), ((1 << 16) * 4, 1),
+                                         ((1 << 16) * 3, 3 * 8192 + 5)])
+def test_a_patch_decodes_to_what_was_encoded_and_applies_exactly(numel, count, scratch):
+    """Through torch's ops, or (``scratch``: a receiver's arrays, a host tensor) numpy's in blocks
+    of changes (several blocks and a short last one in the last case)."""
     old, _ = _changed((numel,), torch.bfloat16, 0.0)
     gen = torch.Generator().manual_seed(numel)
     positions = torch.randperm(numel, generator=gen)[:count].sort().values
@@ -102,8 +107,36 @@ def test_a_patch_decodes_to_what_was_encoded_and_applies_exactly(numel, count):
     assert torch.equal(flips, _bits(new)[positions] ^ _bits(old)[positions])
     target = old.clone()
     undo = deltas.Undo()
-    written = deltas.apply(target, got_positions, flips, undo)
+    into = [np.full(count, 7, dtype=np.int16), np.full(count, 7, dtype=np.int16)] if scratch else None
+    written = deltas.apply(target, got_positions, flips, undo, into)
     assert torch.equal(_bits(target), _bits(new)) and torch.equal(written, patch.new)
+    undo.restore()
+    assert torch.equal(_bits(target), _bits(old))
+
+
+def test_an_apply_that_fails_between_blocks_is_undone_exactly(monkeypatch):
+    """A receiver's apply stopped after two blocks of changes: its undo holds what those two
+    overwrote, and nothing it never read (the rest of the scratch is stale), so the restore gives
+    back the old tensor bit for bit."""
+    old, new = _changed((1 << 18,), torch.bfloat16, 0.2)
+    patch = deltas.diff(new, old)
+    assert patch.positions.numel() > 3 * 8192
+    target = old.clone()
+    undo = deltas.Undo()
+    real, calls = np.take, []
+
+    def take(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise MemoryError("injected: the third block fails")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(np, "take", take)
+    into = [np.full(patch.positions.numel(), 7, dtype=np.int16) for _ in range(2)]
+    with pytest.raises(MemoryError):
+        deltas.apply(target, patch.positions, patch.flips, undo, into)
+    monkeypatch.setattr(np, "take", real)
+    assert not torch.equal(_bits(target), _bits(old))  # two blocks landed
     undo.restore()
     assert torch.equal(_bits(target), _bits(old))
 
@@ -210,17 +243,23 @@ def test_a_bucket_round_trips_through_its_messages_with_matching_checks():
         assert all(torch.equal(_bits(targets[n]), _bits(before[n])) for n in shapes)
 
 
-def test_patch_sums_tell_every_single_change_apart():
-    positions = torch.arange(0, 10000, 7)
-    values = torch.randint(-2**15, 2**15, (positions.numel(),), dtype=torch.int16)
+@pytest.mark.parametrize("dtype,count", [(torch.int16, 1429), (torch.int16, 1428), (torch.uint8, 1429),
+                                         (torch.int32, 3), (torch.int64, 1429)])
+def test_patch_sums_tell_every_single_change_apart(dtype, count):
+    """Any one value changed by any amount, in any lane of the words the values are summed as or
+    in the tail short of a word (counts that fill whole words and that do not), changes the sum."""
+    positions = torch.arange(0, 7 * count, 7)
+    info = torch.iinfo(dtype)
+    values = torch.randint(info.min, info.max, (count,), dtype=dtype)
     total = deltas.patch_sum(positions, values)
-    for k in (0, 5, positions.numel() - 1):
-        for delta in (1, -1, 2**14):
+    assert deltas.patch_sum(positions, values.clone()) == total
+    for k in sorted({0, 1, 2, 3, 5, 6, 7, count - 2, count - 1} & set(range(count))):
+        for flip in (1, 2**6, 2**7 - 1):  # the lowest bit, one high bit, every low bit
             other = values.clone()
-            other[k] += delta
-            assert deltas.patch_sum(positions, other) != total
+            other[k] ^= flip
+            assert deltas.patch_sum(positions, other) != total, (k, flip)
     moved = positions.clone()
-    moved[3] += 1
+    moved[count // 2] += 1
     assert deltas.patch_sum(moved, values) != total
 
 
