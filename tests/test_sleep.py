@@ -21,6 +21,7 @@ def test_level1_restores_values_and_keeps_objects():
     model[1].weight = model[0].weight  # tied: one storage
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = list(model.parameters())
+    versions = [p._version for p in params]
     sleeper = WeightSleeper(model)
     released = sleeper.sleep(1)
     assert released == sum(p.numel() * p.element_size() for p in params)  # the tied storage once
@@ -29,6 +30,9 @@ def test_level1_restores_values_and_keeps_objects():
     assert list(model.parameters()) == params  # the very same objects
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert model[1].weight.data_ptr() == model[0].weight.data_ptr()  # still tied after wake
+    # The wake's writes (through the storages) count as writes to the tensors: a weight-sync
+    # receiver then takes its next update whole, not a delta over what the wake put back.
+    assert all(p._version > v for p, v in zip(params, versions))
 
 
 def test_level2_drops_then_reload_fills(tmp_path):

@@ -80,8 +80,11 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
     shapes = {f"layer{i}.w": ((17 + i, 9), dtypes[i % len(dtypes)]) for i in range(20)}
     shapes["big"] = ((64, 64), torch.float32)  # 16 KiB: bigger than a bucket
     shapes["scalar"] = ((), torch.float64)
+    # A tied weight (an embedding and an LM head): one tensor under two names on both sides.
+    shapes["tied.embed"] = shapes["tied.head"] = ((40, 9), torch.bfloat16)
     def value(name, version):
         shape, dtype = shapes[name]
+        name = "tied.embed" if name == "tied.head" else name
         if version == 4:  # version 3 with every 40th element's lowest bit flipped: a delta of 2.5%
             t = value(name, 3)
             ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
@@ -98,6 +101,8 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
             if mode == "refuse" and version != 2:
                 continue
             state = {n: value(n, version) for n in shapes if mine(n)}
+            if "tied.head" in state and "tied.embed" in state:
+                state["tied.head"] = state["tied.embed"]
             if mode == "refuse":
                 try:
                     sync.push(state, version)
@@ -107,6 +112,7 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
             sync.push(state, version)
     else:
         target = {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
+        target["tied.head"] = target["tied.embed"]
         if mode == "refuse" and g.rank == 2:
             target["layer3.w"] = torch.zeros(3, 3, dtype=shapes["layer3.w"][1])
         pointers = {n: t.data_ptr() for n, t in target.items()}
@@ -143,6 +149,9 @@ def _results(tmp_path, nproc):
 
 @pytest.mark.dist
 def test_versions_arrive_exact_and_in_place(tmp_path):
+    """Versions 1-4 of twenty-odd tensors of five dtypes, a scalar, one bigger than a bucket, and a
+    tied weight (one tensor under two names on both sides: a delta patches it once, not twice,
+    which would undo it), each exact in the receivers' own tensors."""
     script = write_script(tmp_path, "sync.py", _SYNC)
     run = run_script(script, ["one-sender", str(tmp_path)], nproc=3, env={"PYTHONHASHSEED": "0"})
     assert run.returncode == 0, run.stderr[-4000:]

@@ -81,8 +81,12 @@ def test_the_device_compare_finds_the_host_compares_patch_bit_for_bit(dtype, mon
     got = deltas.diff_on_device(square_new.t(), square_old.t().contiguous())
     want = deltas.diff(square_new.t().contiguous(), square_old.t().contiguous())
     assert torch.equal(got.positions, want.positions) and torch.equal(got.flips, want.flips)
-    # Nothing changed: an empty patch, not an error.
+    # Nothing changed, or nothing there: an empty patch, not an error.
     assert deltas.diff_on_device(old, old.clone()).positions.numel() == 0
+    for empty in (old[:0], old[:0].view(0, 1).expand(0, 4)):
+        got = deltas.diff_on_device(empty, empty.contiguous().clone())
+        want = deltas.diff(empty.contiguous(), empty.contiguous().clone())
+        assert got.positions.numel() == 0 and got.new.dtype == want.new.dtype and got.flips.dtype == want.flips.dtype
 
 
 @pytest.mark.parametrize("scratch", [False, True])
@@ -254,7 +258,7 @@ def test_patch_sums_tell_every_single_change_apart(dtype, count):
     total = deltas.patch_sum(positions, values)
     assert deltas.patch_sum(positions, values.clone()) == total
     for k in sorted({0, 1, 2, 3, 5, 6, 7, count - 2, count - 1} & set(range(count))):
-        for flip in (1, 2**6, 2**7 - 1):  # the lowest bit, one high bit, every low bit
+        for flip in (1, 2**6, 2**7 - 1, info.min or 128):  # the lowest bit, a high one, the low ones, the top one
             other = values.clone()
             other[k] ^= flip
             assert deltas.patch_sum(positions, other) != total, (k, flip)

@@ -126,6 +126,7 @@ class _Changes:
     patches: dict[str, deltas.Patch] = field(default_factory=dict)  # tensors the base holds
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors it does not yet hold
     pending: int = 0  # the copies' bytes
+    names: dict[tuple, str] = field(default_factory=dict)  # the first name of each tensor's memory
 
 
 class SyncChannel:
@@ -477,6 +478,13 @@ class SyncChannel:
         for index in group:
             name = entries[index].name
             tensor = whole[index].detach()
+            first = changes.names.setdefault(deltas.alias_key(tensor), name)
+            if first != name:  # one tensor under two names (tied weights): compared and kept once
+                if first in changes.patches:
+                    out[index] = changes.patches[name] = changes.patches[first]
+                elif first in changes.copies:
+                    changes.copies[name] = changes.copies[first]
+                continue
             base = self._base.held(name, tensor)
             if base is not None:  # compared where the tensor lives: a GPU's state never comes down whole
                 out[index] = changes.patches[name] = (
@@ -992,10 +1000,12 @@ class _Landing:
 
 def _mark(tensor: torch.Tensor) -> tuple:
     """Where a receiver's tensor lies, and torch's count of in-place writes to it: a tensor that
-    moved (reallocated, repacked) or was written by any torch op (an engine that rewrote it, a
-    wake that restored it) between two updates no longer holds the base it held, whichever of its
-    elements the next delta changes. Writes torch does not count (a kernel or a numpy view writing
-    through the pointer) are what the patch sums and the audit catch (delta.py)."""
+    moved (reallocated, repacked) or was written by a torch op on it or a view of it (an engine
+    that rewrote it; distload's wake and reload count their writes through memory as well)
+    between two updates no longer holds the base it held, whichever of its elements the next
+    delta changes. Writes torch does not count (through ``.data`` or another tensor on the same
+    storage, a kernel or a numpy view writing through the pointer) are what the patch sums and
+    the audit catch (delta.py)."""
     return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
             _writes(tensor))
 

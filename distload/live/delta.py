@@ -18,8 +18,8 @@ sends nothing. Values are compared and flipped as integers of the element's size
 or a -0.0 is a change like any other and the receiver ends with the trainer's exact bits.
 
 Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
-each bucket the trainer sums its patches' new values (:func:`patch_sum`: weighted by their index,
-plus the positions); the receiver makes the same sum of the values it wrote, which are its old
+each bucket the trainer sums its patches' new values (:func:`patch_sum`: as 8-byte words weighted
+by their index, plus the positions); the receiver makes the same sum of the values it wrote, which are its old
 values XOR the flips: the trainer's new values only where it held the base's. A receiver whose
 tensors changed since the base at a changed position fails that sum (as does a patch read
 wrong); it is undone from the values it found there. A drift at positions the trainer did not change is found by the
@@ -240,9 +240,10 @@ def diff(new: torch.Tensor, base: torch.Tensor, scratch: PatchScratch | None = N
     return Patch(torch.from_numpy(positions), torch.from_numpy(values), torch.from_numpy(flips))
 
 
-# A device compare's slab: the base's bytes go up this many elements at a time (256 MiB of bf16),
-# so that the device holds one slab of the base and its mask, never a second copy of a tensor.
-DEVICE_SLAB = 1 << 27
+# A device compare's slab: the base goes up this many elements at a time (64 MiB of bf16), so the
+# device holds one slab of the base, its mask and its patch (at most 17 bytes an element of bf16,
+# when every element changed: 0.5 GiB), never a second copy of a whole tensor.
+DEVICE_SLAB = 1 << 25
 
 
 def diff_on_device(new: torch.Tensor, base: torch.Tensor) -> Patch:
@@ -250,7 +251,8 @@ def diff_on_device(new: torch.Tensor, base: torch.Tensor) -> Patch:
     the base goes up a slab at a time, the compare runs at the device's memory speed, and only
     the patch comes down. A host compare would first bring all of ``new`` down and then scan it
     at one core's speed (about 2 GB/s of bf16 state: slower than the link a full push takes).
-    Torch ops only, the same on any device (the tests run them on the CPU)."""
+    Torch ops only, the same on any device (the tests run them on the CPU). A state tensor that
+    is not contiguous is made so first (one copy on the device)."""
     x = int_view(new.contiguous()).reshape(-1)
     y = int_view(base).reshape(-1)
     parts = []
@@ -261,6 +263,8 @@ def diff_on_device(new: torch.Tensor, base: torch.Tensor) -> Patch:
         values = ours[at]
         flips = torch.bitwise_xor(values, theirs[at])
         parts.append((at.add_(start).cpu(), values.cpu(), flips.cpu()))
+    if not parts:  # no elements
+        return Patch(torch.empty(0, dtype=torch.int64), x.new_empty(0).cpu(), x.new_empty(0).cpu())
     if len(parts) == 1:
         return Patch(*parts[0])
     return Patch(*(torch.cat(lane) for lane in zip(*parts)))
@@ -386,9 +390,12 @@ def decode(data: torch.Tensor, numel: int, count: int, dtype: torch.dtype,
 
 @dataclass
 class Undo:
-    """What a delta update overwrote on a receiver, in the order written, to restore on failure."""
+    """What a delta update overwrote on a receiver, in the order written, to restore on failure;
+    and which memory it has written (:func:`alias_key`), so that a tensor the receiver holds
+    under two names (a tied weight: the embedding and the LM head) is patched once."""
 
     writes: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    touched: set[tuple] = field(default_factory=set)
 
     def restore(self) -> None:
         """Put back every overwritten value, last write first."""
@@ -399,6 +406,12 @@ class Undo:
                 else:
                     _scatter(target, positions, old)
         self.writes.clear()
+        self.touched.clear()
+
+
+def alias_key(tensor: torch.Tensor) -> tuple:
+    """The memory a tensor views, as a key: two names of one tensor (tied weights) have one."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
 
 
 def _on_host(target: torch.Tensor) -> bool:
@@ -432,7 +445,15 @@ def apply(target: torch.Tensor, positions: torch.Tensor, flips: torch.Tensor, un
     """Flip the bits ``flips`` at flat ``positions`` (within ``target``: decode checked them) of
     ``target`` in place, keeping the overwritten values in ``undo``. Returns the values written,
     for the check: they are the trainer's new values only where ``target`` held the base's.
-    ``into``: two arrays for the values found and written (a receiver's scratch), for a host target."""
+    ``into``: two arrays for the values found and written (a receiver's scratch), for a host target.
+
+    A tensor this update already wrote under another name (a tied weight, whose patch under each
+    name is the same) is not flipped twice, which would undo the change: its values are read back
+    for the check, which then holds exactly where the two names' patches agree."""
+    key = alias_key(target)
+    if key in undo.touched:
+        return _gather(target, positions)
+    undo.touched.add(key)
     if into is not None and _on_host(target):
         return _apply_on_host(target, positions, flips, undo, into)
     with torch.no_grad():
@@ -466,7 +487,9 @@ def _apply_on_host(target: torch.Tensor, positions: torch.Tensor, flips: torch.T
 
 
 def keep_whole(target: torch.Tensor, undo: Undo) -> None:
-    """Before a raw piece overwrites ``target``: its old bytes into ``undo``."""
+    """Before a raw piece overwrites ``target``: its old bytes into ``undo`` (and its memory noted
+    as written, so that a tied name's patch is not flipped over the new bytes)."""
+    undo.touched.add(alias_key(target))
     undo.writes.append((target, None, target.detach().clone()))
 
 
@@ -539,7 +562,8 @@ class Base:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Host bytes the copy holds (a tensor kept under two names, tied weights, counted once)."""
+        return sum(t.numel() * t.element_size() for t in {id(t): t for t in self.tensors.values()}.values())
 
     def held(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """The base of ``name`` where it matches ``tensor``'s dtype and shape."""

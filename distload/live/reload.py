@@ -28,9 +28,10 @@ import time
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Sequence, Union
 
 import torch
+from torch.autograd.graph import increment_version
 
 from distload.errors import DistloadError, ReloadError
 from distload.workers.group import WorkerGroup
@@ -245,6 +246,18 @@ def _renamed(old: str, old_value: Any, new: str, value: Any) -> Any:
     return old_value
 
 
+@contextlib.contextmanager
+def _counted(tensors) -> Iterator[None]:
+    """Count the reader's writes into ``tensors`` (direct destinations, written through their
+    memory) as torch writes, however the reload ends: a weight-sync receiver then sees them
+    rewritten and takes its next update whole (channel.py's _mark), never a delta over them."""
+    try:
+        yield
+    finally:
+        if tensors:
+            increment_version(list(tensors))
+
+
 def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor],
             loader: Loader, *, strict: bool, name_map: NameMap | None, start: float) -> ReloadReport:
     group = loader.group
@@ -274,8 +287,8 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], targets: Mappi
               and writes_per_storage[local[c[0].dest.name].untyped_storage().data_ptr()] == 1}
     written = 0
     stream = loader.stream(rank_plan, destinations=direct)
-    with torch.no_grad(), contextlib.closing(stream):  # a failed copy tells the other ranks at once
-        try:
+    with _counted(direct.values()), torch.no_grad(), contextlib.closing(stream):
+        try:  # (a failed copy tells the other ranks at once: the stream's close)
             for name, tensor in stream:
                 for copy in copies.get(name, ()):
                     src = tensor  # already this rank's slice of a split tensor

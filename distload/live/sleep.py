@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
+from torch.autograd.graph import increment_version
 
 from distload.errors import ConfigError, DistloadError
 from distload.live.targets import model_tensors
@@ -158,6 +159,10 @@ class WeightSleeper:
                 _read_storage(self._file, data)
             else:
                 data.zero_()
+        # The bytes went in through the storages, which torch does not count as writes to the
+        # tensors: count them, so a weight-sync receiver sees its tensors were rewritten and takes
+        # the next update whole, never a delta over what a wake put back (channel.py's _mark).
+        increment_version(list({id(t): t for t in self._tensors.values()}.values()))
         nbytes = sum(entry.nbytes for entry in self._slept)
         self._slept = []
         self._close_file()
