@@ -267,6 +267,22 @@ def test_patch_sums_tell_every_single_change_apart(dtype, count):
     assert deltas.patch_sum(moved, values) != total
 
 
+def test_a_deltas_buckets_merge_consecutive_buckets_within_the_trainers_bucket_size():
+    """delta.merged: the buckets with bytes at a place, consecutive ones together up to the budget
+    of whole bytes (a bigger one alone), each ending where the trainer sends it; what a receiver
+    keeps nothing of is skipped, and every piece is in exactly one merged bucket, in order."""
+    sizes = [100, 0, 200, 700, 1500, 50, 50, 0, 900, 10]
+    entries = [SyncTensor(f"t{i}", "U8", (n,), n) for i, n in enumerate(sizes)]
+    groups = [(i,) for i in range(len(sizes))]
+    plan = layouts(entries, groups, TPPlace(), False)
+    got = deltas.merged(plan, 1000)
+    assert [last for last, _ in got] == [3, 4, 8, 9]
+    assert [[piece.entry for piece, _ in layout.items] for _, layout in got] == [[0, 2, 3], [4], [5, 6, 8], [9]]
+    assert [layout.size for _, layout in got] == [1000, 1500, 1000, 10]
+    assert deltas.merged(plan, 1 << 30)[0][0] == 9 and len(deltas.merged(plan, 1 << 30)) == 1
+    assert deltas.merged(plan[1:2], 1000) == []
+
+
 def test_the_audit_window_covers_every_byte_once_per_round():
     sizes = [0, 10, 3, 1000, 0, 77, 1 << 16]
     seen = [torch.zeros(s, dtype=torch.int32) for s in sizes]

@@ -313,7 +313,7 @@ class SyncChannel:
         changes = _Changes()
         meta = {"version": version, "entries": entries, "groups": groups, "verify": verify,
                 "gathered": list(dtensors), "delta": self.delta, "base": self._base.id if self.delta else None,
-                "next": following if self.delta else None, "audit": self._pushes}
+                "next": following if self.delta else None, "audit": self._pushes, "bucket_bytes": self.bucket_bytes}
         try:
             session.put("meta", meta)
             if session.leader:  # every trainer rank's metadata read here, and every receiver's answer
@@ -407,26 +407,39 @@ class SyncChannel:
                          for v, route in enumerate(routes) if self._hands_off(session, route.ranks)
                          for s in (0, 1) if route.layouts[s::2]})
         wire = 0
+        # A delta route's messages: consecutive buckets merged (delta.merged), each sent once its
+        # last bucket is compared; what its buckets bring, gathered until then.
+        merged = [dict(deltas.merged(route.layouts, self.bucket_bytes)) if route.delta else {} for route in routes]
+        gathered: list[tuple[dict, dict]] = [({}, {}) for _ in routes]
+        sent = [0] * len(routes)
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}
             patches = self._changes(group, entries, whole, changes) if self.delta else {}
             for v, route in enumerate(routes):
-                slot = (v, i % 2)
-                wait(in_flight.pop(slot, []))  # two buckets in flight; a slot's buffer is free again
-                held.pop(slot, None)
-                layout = route.layouts[i]
-                if route.delta:
-                    audited[v] += deltas.sent_audit(audits[v].get(i, ()), whole, route.place)
-                if not layout.size:
-                    continue
                 device = self._transport_device()
                 if route.delta:
-                    messages, row = deltas.send_bucket(layout, entries, whole, patches, route.place, device)
+                    audited[v] += deltas.sent_audit(audits[v].get(i, ()), whole, route.place)
+                    gathered[v][0].update(whole)
+                    gathered[v][1].update(patches)
+                    if i not in merged[v]:
+                        continue
+                    slot = (v, sent[v] % 2)
+                    sent[v] += 1
+                    wait(in_flight.pop(slot, []))  # two messages in flight; a slot's buffer is free again
+                    held.pop(slot, None)
+                    (kept, found), gathered[v] = gathered[v], ({}, {})
+                    messages, row = deltas.send_bucket(merged[v][i], entries, kept, found, route.place, device)
                     messages = self._staged(session, route.ranks, ("send",) + slot, messages)
                     sums[v].append(row)
                     held[slot] = messages
                     in_flight[slot] = [(dst, session.post(dst, m)) for dst in route.ranks for m in messages]
                     wire += sum(m.numel() * m.element_size() for m in messages) * len(route.ranks)
+                    continue
+                slot = (v, i % 2)
+                wait(in_flight.pop(slot, []))  # two buckets in flight; a slot's buffer is free again
+                held.pop(slot, None)
+                layout = route.layouts[i]
+                if not layout.size:
                     continue
                 if layout.direct:
                     data = run_bytes(whole[layout.items[0][0].entry].to(device), layout.items[0][0])
@@ -804,24 +817,24 @@ class SyncChannel:
 
     def _receive_delta(self, session: Session, sender: int, meta: Mapping[str, Any], plan: Sequence[BucketLayout],
                        targets: Mapping[str, torch.Tensor], undo: deltas.Undo, relay: "_Relay") -> int:
-        """Take ``sender``'s delta (delta.py: a header and the data, bucket by bucket), applying each
-        bucket in place as it lands, then check it: the trainer's rows against this rank's."""
+        """Take ``sender``'s delta (delta.py: a header and the data, bucket by bucket, the buckets
+        merged as delta.merged says), applying each bucket in place as it lands, then check it: the
+        trainer's rows against this rank's."""
         cancelled = relay.cancelled
         entries = meta["entries"]
         trainer = self._name("trainer", sender)
         rows, buckets, wire = [], [], 0
         device = self._transport_device()
-        sent = [i for i, layout in enumerate(plan) if layout.size]
+        sent = [layout for _, layout in deltas.merged(plan, meta["bucket_bytes"])]  # as the trainer merged them
 
         def header_of(k: int) -> tuple[torch.Tensor, Any] | None:
             if k >= len(sent):
                 return None
-            header = torch.empty(len(plan[sent[k]].items), dtype=torch.int64, device=device)
+            header = torch.empty(len(sent[k].items), dtype=torch.int64, device=device)
             return header, relay.take(header)
 
         following = header_of(0)
-        for k, i in enumerate(sent):
-            layout = plan[i]
+        for i, layout in enumerate(sent):
             assert following is not None
             header, work = following
             session.wait(work, cancelled, lambda i=i: f"receiving bucket {i} from {relay.origin}")
@@ -840,7 +853,7 @@ class SyncChannel:
                 relay.pass_on(data)
             # The next bucket's header on its way while this one is applied: its data can be taken
             # as soon as this one is in (one wait less per bucket).
-            following = header_of(k + 1)
+            following = header_of(i + 1)
             if cancelled.is_set():
                 return wire  # the update was given up: never write into the model after that
             try:
@@ -859,7 +872,7 @@ class SyncChannel:
             session.wait(relay.take(table), cancelled, lambda: f"receiving the checks from {relay.origin}")
             relay.pass_on(table)
             wire += table.numel() * 8
-            self._check_delta(mine, table.cpu(), buckets, audited, plan, entries, trainer)
+            self._check_delta(mine, table.cpu(), buckets, audited, sent, entries, trainer)
         return wire
 
     def _check_delta(self, mine: torch.Tensor, table: torch.Tensor, buckets: Sequence[int],
