@@ -762,14 +762,14 @@ def sent_audit(parts: Sequence[tuple[KeptSlice, int, int]], whole: Mapping[int, 
     """The audit rows of ``parts`` from the version being sent (``whole``: its tensors)."""
     rows = []
     for piece, start, stop in parts:
-        source = whole[piece.entry].detach().to("cpu")
+        source = whole[piece.entry].detach()  # where it lives: only the window comes to the host
         if piece.run is not None:
             data = run_bytes(source, piece)[start:stop]
         else:
-            data = torch.empty(piece.nbytes, dtype=torch.uint8)
+            data = torch.empty(piece.nbytes, dtype=torch.uint8, device=source.device)
             pack(data, BucketLayout(((piece, 0),), piece.nbytes), {piece.entry: source}, place)
             data = data[start:stop]
-        rows.append(audit_row(data))
+        rows.append(audit_row(data.cpu()))
     return rows
 
 
