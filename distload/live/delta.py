@@ -626,7 +626,8 @@ class Base:
 
 
 # -- buckets of a delta update --------------------------------------------------------------------
-# A delta update sends, per bucket of a receiver's layout (transfer.py), two messages: a header
+# A delta update sends, per bucket of a receiver's layout (transfer.py; consecutive buckets merged
+# up to the trainer's bucket size: merged), two messages: a header
 # (an int64 per piece: RAW, or its count of changes, 0 for none) and, when any piece changed,
 # the data: each piece's patch or raw bytes at 64-byte aligned offsets. The header is what lets a
 # receiver size the data message: a patch's size is known only once the trainer has compared.
