@@ -283,6 +283,55 @@ def test_a_deltas_buckets_merge_consecutive_buckets_within_the_trainers_bucket_s
     assert deltas.merged(plan[1:2], 1000) == []
 
 
+def test_a_base_kept_once_for_tied_names_splits_when_they_part():
+    """The trainer keeps one copy for two names of one tensor (tied weights) while both take one
+    patch; when they part (each its own patch, or one not pushed) each name gets its own copy, and
+    every copy ends at what was pushed under its name."""
+    old, _ = _changed((4096,), torch.bfloat16, 0.0)
+    base = deltas.Base(None)
+    shared = old.clone()
+    base.commit({}, {"embed": shared, "head": shared}, "v1")
+    assert base.nbytes == old.numel() * 2  # counted once
+    _, a = _changed((4096,), torch.bfloat16, 0.05, seed=1)
+    _, b = _changed((4096,), torch.bfloat16, 0.05, seed=2)
+    base.commit({"embed": deltas.diff(a, old), "head": deltas.diff(b, old)}, {}, "v2")  # untied
+    assert torch.equal(_bits(base.tensors["embed"]), _bits(a)) and torch.equal(_bits(base.tensors["head"]), _bits(b))
+    shared = a.clone()
+    base.commit({}, {"embed": shared, "head": shared}, "v3")  # tied again
+    _, c = _changed((4096,), torch.bfloat16, 0.05, seed=3)
+    base.commit({"embed": deltas.diff(c, a)}, {}, "v4")  # only one name pushed
+    assert torch.equal(_bits(base.tensors["embed"]), _bits(c)) and torch.equal(_bits(base.tensors["head"]), _bits(a))
+
+
+def test_tied_names_are_found_from_the_callers_tensors_not_the_gathered_ones():
+    """Two entries whose gathered tensors share memory (a DTensor's whole freed and its memory
+    handed to the next one) are not tied: each is compared against its own base. Two names of one
+    caller's tensor are: one compare, one patch."""
+    from distload.live.channel import SyncChannel, _Changes
+
+    channel = SyncChannel.__new__(SyncChannel)
+    channel._base = deltas.Base(None)
+    olds = {n: _changed((512,), torch.bfloat16, 0.0, seed=i)[0] for i, n in enumerate(("w1", "w3", "e", "h"))}
+    channel._base.commit({}, {n: t.clone() for n, t in olds.items() if n in ("w1", "w3")}, "v1")
+    channel._base.commit({}, {"e": olds["e"].clone()}, "v1")
+    channel._base.tensors["h"] = channel._base.tensors["e"]
+    entries = [SyncTensor(n, "BF16", (512,), 1024) for n in ("w1", "w3", "e", "h")]
+    new1 = _changed((512,), torch.bfloat16, 0.0, seed=0)[0]
+    deltas.flat_ints(new1)[1] ^= 1
+    new3 = olds["w3"].clone()
+    deltas.flat_ints(new3)[3] ^= 1
+    reused = torch.empty(512, dtype=torch.bfloat16)  # one buffer, as a caching allocator hands back
+    changes = _Changes()
+    first = channel._changes((0,), entries, {0: reused.copy_(new1)}, changes, {0: new1})
+    assert first[0].positions.tolist() == [1]
+    second = channel._changes((1,), entries, {1: reused.copy_(new3)}, changes, {1: new3})
+    assert second[1].positions.tolist() == [3]  # its own compare, not w1's patch
+    tied = olds["e"].clone()
+    deltas.flat_ints(tied)[7] ^= 1
+    both = channel._changes((2, 3), entries, {2: tied, 3: tied}, changes, {2: tied, 3: tied})
+    assert both[2] is both[3] and both[2].positions.tolist() == [7]
+
+
 def test_the_audit_window_covers_every_byte_once_per_round():
     sizes = [0, 10, 3, 1000, 0, 77, 1 << 16]
     seen = [torch.zeros(s, dtype=torch.int32) for s in sizes]

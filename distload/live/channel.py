@@ -414,7 +414,7 @@ class SyncChannel:
         sent = [0] * len(routes)
         for i, group in enumerate(groups):
             whole = {index: _whole(tensors[index]) for index in group}
-            patches = self._changes(group, entries, whole, changes) if self.delta else {}
+            patches = self._changes(group, entries, whole, changes, tensors) if self.delta else {}
             for v, route in enumerate(routes):
                 device = self._transport_device()
                 if route.delta:
@@ -484,20 +484,25 @@ class SyncChannel:
         return staged
 
     def _changes(self, group: Sequence[int], entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
-                 changes: "_Changes") -> dict[int, deltas.Patch]:
+                 changes: "_Changes", tensors: Mapping[int, torch.Tensor]) -> dict[int, deltas.Patch]:
         """Each entry's patch since the base (by entry index; none where the base does not hold
-        it: it travels raw). What the base becomes once the push is done goes into ``changes``."""
+        it: it travels raw). What the base becomes once the push is done goes into ``changes``.
+        ``tensors``: the caller's, which live through the push (``whole``'s gathered DTensors do
+        not: their memory may come back for a later one)."""
         out = {}
         for index in group:
             name = entries[index].name
             tensor = whole[index].detach()
-            first = changes.names.setdefault(deltas.alias_key(tensor), name)
+            first = changes.names.setdefault(_memory_key(tensors[index]), name)
             if first != name:  # one tensor under two names (tied weights): compared and kept once
-                if first in changes.patches:
-                    out[index] = changes.patches[name] = changes.patches[first]
-                elif first in changes.copies:
+                if first in changes.copies:  # new to the base: both travel whole, one copy kept
                     changes.copies[name] = changes.copies[first]
-                continue
+                    continue
+                held = self._base.tensors.get(name)
+                if first in changes.patches and held is not None and held is self._base.tensors.get(first):
+                    out[index] = changes.patches[name] = changes.patches[first]  # one base, one patch
+                    continue
+                # tied now but not in the base (a name new to it, or kept apart): on its own below
             base = self._base.held(name, tensor)
             if base is not None:  # compared where the tensor lives: a GPU's state never comes down whole
                 out[index] = changes.patches[name] = (
@@ -674,10 +679,12 @@ class SyncChannel:
         except BaseException as exc:
             # supervise() has ended the transfer thread: nothing of this update lands after this.
             self._drop_session()
-            undone = self._undo(landing)
+            # The full writes' old bytes first, then the deltas' undo: a tensor a delta patched
+            # before a full write set its bytes aside holds its old values again only in that order.
             rolled = " (what had landed was rolled back)" if undo else ""
             if undo is not None:
                 self._roll_back(undo, targets)
+            undone = self._undo(landing)
             if not isinstance(exc, SyncError):
                 raise
             raise SyncError(f"version {version} did not arrive whole; still at version {self.version}"
@@ -745,6 +752,10 @@ class SyncChannel:
                 relay.drain()
                 continue
             landing.full = True
+            # What this sender writes whole: a later sender's delta of the same memory (a tied
+            # weight pushed by two trainer ranks) reads it back rather than flipping over it.
+            landing.undo.touched.update(deltas.alias_key(targets[meta["entries"][piece.entry].name])
+                                        for layout in plan for piece, _ in layout.items if piece.nbytes)
             posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
             sums: list[torch.Tensor] = []  # the checksum of every verified bucket that arrived, in order
 
@@ -1087,6 +1098,12 @@ def _gather_with_leader(leader_meta: Mapping[str, Any], dtensors: Mapping[str, t
             tensor = dtensors.get(entries[index].name)
             if tensor is not None:
                 tensor.full_tensor()
+
+
+def _memory_key(tensor: torch.Tensor) -> tuple:
+    """What one tensor of a pushed state is, so that two names of it (tied weights) are found: its
+    memory, or a DTensor's object (its gathered whole is a new tensor each time)."""
+    return ("dtensor", id(tensor)) if _is_dtensor(tensor) else deltas.alias_key(tensor)
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

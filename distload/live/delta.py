@@ -615,6 +615,15 @@ class Base:
                         "every byte", failed)
 
     def _apply(self, patches: Mapping[str, Patch]) -> None:
+        # A copy kept for two names (tied weights) stays one only while both take one patch: names
+        # that were tied and no longer are (or one of them was not pushed) get copies of their own.
+        shared: dict[int, list[str]] = {}
+        for name, tensor in self.tensors.items():
+            shared.setdefault(id(tensor), []).append(name)
+        for names in shared.values():
+            if len(names) > 1 and len({id(patches.get(name)) for name in names}) > 1:
+                for name in names[1:]:
+                    self.tensors[name] = self.tensors[name].clone()
         for name, patch in patches.items():
             host_ints(self.tensors[name])[_array(patch.positions)] = _array(patch.new)
 
