@@ -440,3 +440,79 @@ def test_a_commit_written_later_is_waited_for_and_a_failed_one_drops_the_base():
     base.commit({"gone": deltas.diff(new, old)}, {}, "x:3", later=True)
     base.settle()
     assert base.id is None and not base.tensors
+
+
+@pytest.mark.parametrize("whole_rank", [1, 0])
+def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure_rolls_back_exactly(
+        monkeypatch, whole_rank):
+    """Trainer rank 0 pushes the embedding, rank 1 the LM head: one tensor on the receiver (tied).
+    One rank sends deltas, the other (``delta=False``) whole bytes; senders are taken in rank order.
+    Whole second: the delta patches that memory, then the whole bytes land over it (their old bytes
+    set aside after the patch). Whole first: the delta after it reads that memory back rather than
+    flipping over the new bytes. Version 3 fails after every byte landed, and the receiver is back
+    at version 2 exactly: the whole write's old bytes are put back before the delta's undo (the
+    other order leaves version 3's patched values)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from distload.errors import SyncError
+    from distload.live.channel import SyncChannel
+
+    store = dist.HashStore()
+    results: dict[str, object] = {}
+
+    def weight(version):
+        w = (torch.randn(64, 16, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
+        deltas.flat_ints(w)[version::13] ^= 1
+        return w
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 16, dtype=torch.bfloat16)
+            self.head = torch.nn.Linear(16, 64, bias=False, dtype=torch.bfloat16)
+            self.head.weight = self.embed.weight
+
+    real = SyncChannel._receive_all
+
+    def failing_third(channel, *args, **kwargs):
+        wire = real(channel, *args, **kwargs)
+        if channel.role == "inference" and channel.version == 2:
+            raise SyncError("injected: the update fails after every byte landed")
+        return wire
+
+    monkeypatch.setattr(SyncChannel, "_receive_all", failing_third)
+
+    def channel(role, rank, **options):
+        return SyncChannel(role=role, rank=rank, size=2 if role == "trainer" else 1, store=store, device="cpu",
+                           timeout_s=30, transport="socket", **options)
+
+    def trainer(rank):
+        name = "embed.weight" if rank == 0 else "head.weight"
+        with channel("trainer", rank, delta=rank != whole_rank) as ch:
+            for version in (1, 2, 3):
+                try:
+                    results[f"trainer {rank} v{version}"] = ch.push({name: weight(version)}, version).delta
+                except SyncError as exc:
+                    results[f"trainer {rank} v{version}"] = str(exc)
+
+    def receiver():
+        model = Tied()
+        with channel("inference", 0) as ch:
+            for version in (1, 2, 3):
+                try:
+                    stats = ch.receive(model)
+                    results[f"v{version}"] = (stats.delta, torch.equal(model.embed.weight, weight(version)))
+                except SyncError as exc:
+                    results[f"v{version}"] = (str(exc), torch.equal(model.embed.weight, weight(2)), ch.consistent)
+
+    threads = [threading.Thread(target=trainer, args=(r,)) for r in (0, 1)] + [threading.Thread(target=receiver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results["v1"] == (False, True) and results["v2"] == (True, True), results
+    error, at_version_2, consistent = results["v3"]
+    assert "injected" in error and at_version_2 and consistent, results
+    assert results[f"trainer {1 - whole_rank} v2"] is True and results[f"trainer {whole_rank} v2"] is False, results
