@@ -1030,8 +1030,7 @@ def _mark(tensor: torch.Tensor) -> tuple:
     delta changes. Writes torch does not count (through ``.data`` or another tensor on the same
     storage, a kernel or a numpy view writing through the pointer) are what the patch sums and
     the audit catch (delta.py)."""
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
-            _writes(tensor))
+    return deltas.alias_key(tensor) + (_writes(tensor),)
 
 
 def _writes(tensor: torch.Tensor) -> int | None:
