@@ -313,9 +313,9 @@ def verify(role, address, result, args):
             for version in (1, 2, 3, 4, 5):
                 summed = []
 
-                def wrong_checksum(data):
+                def wrong_checksum(data, key):
                     summed.append(data.numel())
-                    return real_checksum(data) + (data.numel() == 4 * 1024 * 1024)  # the direct bucket's only
+                    return real_checksum(data, key) + (data.numel() == 4 * 1024 * 1024)  # the direct bucket's only
 
                 channel_module.checksum = wrong_checksum if version == 4 else real_checksum
                 try:
@@ -332,11 +332,11 @@ def verify(role, address, result, args):
         for version in (1, 2, 3, 4, 5):
             landed = []
 
-            def corrupting_checksum(frame):
+            def corrupting_checksum(frame, key):
                 landed.append(frame.numel())
                 if len(landed) == 2:  # the second bucket, as it arrived: one byte differs from the sent one
                     frame[frame.numel() // 3] ^= 0x5A
-                return real_checksum(frame)
+                return real_checksum(frame, key)
 
             channel_module.checksum = corrupting_checksum if version == 2 else real_checksum
             try:

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from distload.live import delta as deltas
-from distload.live.transfer import SyncTensor, group_entries, layouts, pack
+from distload.live.transfer import BucketKey, SyncTensor, group_entries, layouts, pack
 from distload.loading.index import dtype_code
 from distload.tp.place import TPPlace
 from distload.tp.slices import take_shard
 from distload.tp.spec import load_spec
 
+KEY = BucketKey(None, "session", 0, 0)  # the tags' key in these tests (no secret: the same code path)
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return deltas.flat_ints(t.contiguous())
@@ -224,7 +225,8 @@ def test_a_bucket_round_trips_through_its_messages_with_matching_checks():
     (layout,) = layouts(entries, group_entries(entries, 1 << 20), TPPlace(), False)
     patches = {i: deltas.diff(news[e.name], olds[e.name]) for i, e in enumerate(entries)}
     whole = {i: news[e.name] for i, e in enumerate(entries)}
-    messages, row = deltas.send_bucket(layout, entries, whole, patches, TPPlace(), torch.device("cpu"))
+    key = BucketKey(None, "session", 0, 0)
+    messages, row = deltas.send_bucket(layout, entries, whole, patches, TPPlace(), torch.device("cpu"), key)
     header, data = messages
     counts = header.tolist()
     assert counts[2] == deltas.RAW and counts[3] == 0 and 0 < counts[0] < 300 * 40 // 10, counts
@@ -236,7 +238,7 @@ def test_a_bucket_round_trips_through_its_messages_with_matching_checks():
             deltas.flat_ints(targets["a"]).__ixor__(2)
         before = {n: t.clone() for n, t in targets.items()}
         undo = deltas.Undo()
-        mine = deltas.receive_bucket(data, counts, layout, entries, targets, undo)
+        mine = deltas.receive_bucket(data, counts, layout, entries, targets, undo, key)
         assert torch.equal(mine[:2], row[:2])  # the bytes arrived as sent
         if not drifted:
             assert torch.equal(mine, row)
@@ -358,15 +360,15 @@ def test_the_audit_of_a_sliced_piece_is_the_bytes_the_receiver_holds():
     whole = dict(enumerate(news.values()))
     for turn in range(deltas.AUDIT_ROUNDS):
         parts = [p for ps in deltas.audit_parts(plan, turn).values() for p in ps]
-        assert torch.equal(torch.stack(deltas.sent_audit(parts, whole, place)),
-                           torch.stack(deltas.held_audit(parts, entries, held)))
+        assert torch.equal(torch.stack(deltas.sent_audit(parts, whole, place, KEY)),
+                           torch.stack(deltas.held_audit(parts, entries, held, KEY)))
     name = "model.layers.0.mlp.down_proj.weight"  # split along dim 1: packed, not a run
     deltas.flat_ints(held[name])[5] ^= 1
     mismatches = 0
     for turn in range(deltas.AUDIT_ROUNDS):
         parts = [p for ps in deltas.audit_parts(plan, turn).values() for p in ps]
-        mismatches += not torch.equal(torch.stack(deltas.sent_audit(parts, whole, place)),
-                                      torch.stack(deltas.held_audit(parts, entries, held)))
+        mismatches += not torch.equal(torch.stack(deltas.sent_audit(parts, whole, place, KEY)),
+                                      torch.stack(deltas.held_audit(parts, entries, held, KEY)))
     assert mismatches == 1  # found by exactly one turn of the round
 
 
@@ -408,22 +410,54 @@ def test_changes_across_blocks_land_in_the_scratch_or_past_it_exactly(dtype):
     assert torch.equal(first.new, _bits(new)[want]) and torch.equal(second.new, _bits(old)[want])
 
 
-def test_the_host_checksum_is_the_two_words_it_describes():
-    """transfer.checksum of host bytes (numpy) against the definition, at any length and start."""
-    from distload.live.transfer import _ROW_WORDS, checksum
+def test_the_checksum_is_the_keyed_tag_it_describes():
+    """transfer.checksum of host bytes (numpy, blocked) and of any other tensor (torch ops, the
+    device path) against its definition in plain Python, at any length and start: the first 16
+    bytes of HMAC-SHA256(key, length, extra, NH of each zero-padded 4 KiB block)."""
+    import hashlib
+    import hmac
+    import struct
 
+    from distload.live.transfer import BucketKey, checksum
+
+    key = BucketKey(None, "session", 3, 1)
     gen = torch.Generator().manual_seed(3)
-    buffer = torch.randint(0, 256, (3 * _ROW_WORDS * 8 + 77,), dtype=torch.uint8, generator=gen)
+    buffer = torch.randint(0, 256, (3 * 4096 + 77,), dtype=torch.uint8, generator=gen)
+    nh = [int(k) for k in key.nh]
     for start, stop in ((0, 0), (0, 5), (3, 4096 + 9), (0, buffer.numel()), (5, buffer.numel())):
         data = buffer[start:stop]
         raw = bytes(data.tolist())
-        words = [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw) // 8 * 8, 8)]
-        rows = [sum(words[i:i + _ROW_WORDS]) for i in range(0, len(words) // _ROW_WORDS * _ROW_WORDS, _ROW_WORDS)]
-        tail = sum(words[len(rows) * _ROW_WORDS:]) + sum(raw[len(words) * 8:])
-        plain = sum(rows) + tail
-        weighted = sum(r * (k + 1) for k, r in enumerate(rows)) + tail * (len(rows) + 1)
-        wrap = [(v + (1 << 63)) % (1 << 64) - (1 << 63) for v in (plain, weighted)]
-        assert checksum(data).tolist() == wrap, (start, stop)
+        padded = raw + bytes(-len(raw) % 4096)
+        digest = b""
+        for b in range(0, len(padded), 4096):
+            words = struct.unpack("<1024I", padded[b:b + 4096])
+            added = [(w + k) % 2**32 for w, k in zip(words, nh)]
+            digest += struct.pack("<Q", sum(added[i] * added[i + 1] for i in range(0, 1024, 2)) % 2**64)
+        for extra in (b"", b"header"):
+            tag = hmac.new(key.mac, struct.pack(">QI", len(raw), len(extra)) + extra + digest, hashlib.sha256)
+            want = list(struct.unpack("<2q", tag.digest()[:16]))
+            assert checksum(data, key, extra).tolist() == want, (start, stop)
+            # the device path (torch ops), run on the CPU: a non-contiguous view takes it
+            strided = torch.zeros(2 * data.numel(), dtype=torch.uint8)
+            strided[::2] = data
+            assert checksum(strided[::2], key, extra).tolist() == want, (start, stop)
+
+
+def test_the_checksum_key_is_per_update_and_trainer_and_secret(monkeypatch):
+    """A tag made under another update's, trainer rank's or secret's key does not pass."""
+    from distload.live.transfer import BucketKey, checksum
+    from distload.secret import Secret
+
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    secret, other = Secret(b"a" * 32, "test"), Secret(b"b" * 32, "test")
+    tags = {checksum(data, BucketKey(s, sid, seq, t)).tolist().__repr__()
+            for s, sid, seq, t in ((secret, "x", 1, 0), (secret, "x", 2, 0), (secret, "x", 1, 1), (secret, "y", 1, 0),
+                                   (other, "x", 1, 0), (None, "x", 1, 0))}
+    assert len(tags) == 6
+    flipped = data.clone()
+    flipped[4097] ^= 1
+    key = BucketKey(secret, "x", 1, 0)
+    assert not torch.equal(checksum(data, key), checksum(flipped, key))
 
 
 def test_a_commit_written_later_is_waited_for_and_a_failed_one_drops_the_base():

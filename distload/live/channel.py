@@ -65,10 +65,11 @@ from distload.live import handoff, pairing, rendezvous, verdicts
 from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
 from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
-from distload.live.transfer import (Cuts, SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
+from distload.live.transfer import (BucketKey, Cuts, SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.buckets import ALIGN, flat_bytes, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
+from distload.secret import job_secret
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
 log = logging.getLogger("distload")
@@ -155,6 +156,10 @@ class SyncChannel:
     whole shape) that returns what this rank keeps of them, ``{name: (dim, [(start, stop), ...])}``
     (a name it leaves out: whole; no ranges: nothing of it). It is posted with the update and
     the trainer sends only those ranges (a vLLM worker's: distload/vllm/sync.py).
+    ``secret_file`` (default: ``DISTLOAD_SECRET_FILE``, else ``DISTLOAD_SECRET``): the job secret
+    every member proves before the store reads a value from it, and that keys every bucket's
+    check (docs/security.md); without one the store is served on a loopback address only, unless
+    ``insecure``.
     ``store`` and ``member_name`` are WeightSync's: the job's own store instead of an address,
     and how its messages name members (by job rank); ``server``, how they name the process serving
     the store (distload/live/server.py's loads: "server rank 0").
@@ -168,7 +173,8 @@ class SyncChannel:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, delta: bool = True,
                  max_base_bytes: int | None = None, transport: str = "auto", store: Any = None,
                  member_name: Callable[[str, int], str] = describe, server: str | None = None,
-                 keeps: Callable[[Sequence[SyncTensor]], Mapping[str, tuple[int, Sequence]]] | None = None):
+                 keeps: Callable[[Sequence[SyncTensor]], Mapping[str, tuple[int, Sequence]]] | None = None,
+                 secret_file: str | None = None, insecure: bool = False):
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if host not in ROLES:
@@ -214,6 +220,9 @@ class SyncChannel:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
                               "inside one job use distload.WeightSync")
         self.address = rendezvous_address or "the job's rendezvous store"
+        # The job secret (distload/secret.py): proves this member to the store and keys the
+        # buckets' checks; None where none is set (then only loopback is served).
+        self._secret = job_secret(secret_file)
         self._serving = store is None and role == host and self.rank == 0
         self._reconnects = store is None and not self._serving  # a restarted host serves again
         # How messages name the process that serves the store: it is the one whose loss they report.
@@ -221,7 +230,8 @@ class SyncChannel:
                                   "the process serving the job's rendezvous store")
         self._store: BoundedStore | None = (
             BoundedStore(store, self.address, self._server) if store is not None
-            else rendezvous.open_store(self.address, self._serving, self.timeout_s, self._server))
+            else rendezvous.open_store(self.address, self._serving, self.timeout_s, self._server, self._secret,
+                                       insecure))
         self._session: Session | None = None
         self._into_model: list[Any] = []  # given-up transfers still landing in this rank's tensors
         self._buffers: dict[tuple, torch.Tensor] = {}
@@ -261,7 +271,7 @@ class SyncChannel:
     def _info(self) -> dict[str, Any]:
         spec = self.place.spec
         return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
-                "device": self.device.type, "gpu": gpu_identity(self.device), "verify": self.verify,
+                "device": self.device.type, "gpu": gpu_identity(self.device), "verify": self.verify or self._secret is not None,
                 "pid": os.getpid(), "cuts": self._keeps is not None,
                 # Only a member that posts its host may hand off to a same-host peer (handoff.py).
                 "host": handoff.host_identity() if self.transport == "auto" else None}
@@ -387,6 +397,7 @@ class SyncChannel:
               metas: Mapping[int, Mapping[str, Any]], groups: Sequence[Sequence[int]], changes: "_Changes",
               cancelled: threading.Event, deadline: float) -> int:
         session.connect(peers, cancelled, deadline)
+        key = self._bucket_key(session, self.rank)
         if self.rank != 0 and dtensors:
             _gather_with_leader(metas[0], dtensors)
         entries = metas[self.rank]["entries"]
@@ -418,7 +429,7 @@ class SyncChannel:
             for v, route in enumerate(routes):
                 device = self._transport_device()
                 if route.delta:
-                    audited[v] += deltas.sent_audit(audits[v].get(i, ()), whole, route.place)
+                    audited[v] += deltas.sent_audit(audits[v].get(i, ()), whole, route.place, key)
                     gathered[v][0].update(whole)
                     gathered[v][1].update(patches)
                     if i not in merged[v]:
@@ -428,7 +439,7 @@ class SyncChannel:
                     wait(in_flight.pop(slot, []))  # two messages in flight; a slot's buffer is free again
                     held.pop(slot, None)
                     (kept, found), gathered[v] = gathered[v], ({}, {})
-                    messages, row = deltas.send_bucket(merged[v][i], entries, kept, found, route.place, device)
+                    messages, row = deltas.send_bucket(merged[v][i], entries, kept, found, route.place, device, key)
                     messages = self._staged(session, route.ranks, ("send",) + slot, messages)
                     sums[v].append(row)
                     held[slot] = messages
@@ -450,7 +461,7 @@ class SyncChannel:
                     pack(data, layout, {k: t.to(device) for k, t in whole.items()}, route.place)
                 in_flight[slot] = [(dst, session.post(dst, data)) for dst in route.ranks]
                 if layout.verified:  # summed while the transport copies it: the sends never wait for a sum
-                    sums[v].append(checksum(data))
+                    sums[v].append(checksum(data, key))
                 wire += layout.wire_bytes * len(route.ranks)
         for works in in_flight.values():
             wait(works)
@@ -578,7 +589,7 @@ class SyncChannel:
                 self._store.close()
                 try:  # a restarted trainer serves the store again at the same address
                     self._store = rendezvous.open_store(self.address, False, wait_deadline - time.monotonic(),
-                                                        self._server)
+                                                        self._server, self._secret)
                 except SyncError as lost:
                     raise SyncError(f"{me}: no update arrived within {wait_s:.0f} s: {exc}, and no restarted "
                                     f"{self._server} served it again ({lost}); still at version {self.version}"
@@ -758,6 +769,7 @@ class SyncChannel:
                                         for layout in plan for piece, _ in layout.items if piece.nbytes)
             posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
             sums: list[torch.Tensor] = []  # the checksum of every verified bucket that arrived, in order
+            key = self._bucket_key(session, sender)
 
             def post(i: int) -> None:
                 if i >= len(plan) or not plan[i].size:
@@ -795,7 +807,7 @@ class SyncChannel:
                     else:
                         relay.pass_on(data)
                     if layout.verified:
-                        sums.append(checksum(data))
+                        sums.append(checksum(data, key))
                     if cancelled.is_set():
                         return wire  # the update was given up: never write into the model after that
                     if not layout.direct or not _same_memory(data, targets[meta["entries"][layout.items[0][0].entry].name]):
@@ -834,6 +846,7 @@ class SyncChannel:
         cancelled = relay.cancelled
         entries = meta["entries"]
         trainer = self._name("trainer", sender)
+        key = self._bucket_key(session, sender)
         rows, buckets, wire = [], [], 0
         device = self._transport_device()
         sent = [layout for _, layout in deltas.merged(plan, meta["bucket_bytes"])]  # as the trainer merged them
@@ -868,7 +881,7 @@ class SyncChannel:
             if cancelled.is_set():
                 return wire  # the update was given up: never write into the model after that
             try:
-                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo, self._scratch))
+                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo, key, self._scratch))
             except deltas.PatchError as exc:
                 raise SyncError(f"bucket {i} from {trainer} failed its check on {self._name(self.role, self.rank)}: "
                                 f"{exc}: the bytes that arrived are not the bytes sent") from None
@@ -876,7 +889,7 @@ class SyncChannel:
             wire += header.numel() * 8 + size
         parts = deltas.audit_parts(plan, meta["audit"])
         audited = [part for i in sorted(parts) for part in parts[i]]
-        rows += deltas.held_audit(audited, entries, targets)
+        rows += deltas.held_audit(audited, entries, targets, key)
         if rows:
             mine = torch.stack(rows)
             table = torch.empty_like(mine, device=device)
@@ -957,6 +970,10 @@ class SyncChannel:
                 f"tensors (its trainer stopped mid-update and has not resumed or died); not receiving over them"]
 
     # -- shared ------------------------------------------------------------------------------------
+    def _bucket_key(self, session: Session, trainer: int) -> BucketKey:
+        """The key that tags trainer rank ``trainer``'s buckets in this update (transfer.BucketKey)."""
+        return BucketKey(self._secret, session.record.id, session.seq, trainer)
+
     def _buffer(self, key: tuple, size: int) -> torch.Tensor:
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < size or buffer.device != self._transport_device():

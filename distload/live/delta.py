@@ -42,7 +42,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from distload.live.transfer import BucketLayout, KeptSlice, SyncTensor, checksum, pack, run_bytes, unpack
+from distload.live.transfer import BucketKey, BucketLayout, KeptSlice, SyncTensor, checksum, pack, run_bytes, unpack
 from distload.loading.buckets import ALIGN, aligned, flat_bytes, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
@@ -682,10 +682,11 @@ def merged(plan: Sequence[BucketLayout], budget: int) -> list[tuple[int, BucketL
 
 
 def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
-                patches: Mapping[int, Patch], place: TPPlace, device: torch.device
+                patches: Mapping[int, Patch], place: TPPlace, device: torch.device, key: BucketKey
                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A bucket's messages (header, then data where there is any) for receivers at ``place``, and
-    its row of the update's check: the data's checksum and the patch sum of the new values."""
+    its row of the update's check: the tag of its header and data under ``key`` (transfer.checksum)
+    and the patch sum of the new values."""
     counts, parts = [], []
     total = 0
     for piece, _ in layout.items:
@@ -709,7 +710,7 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
     sizes = data_sizes(layout, entries, counts)
     at, size = offsets(sizes, ALIGN)
     if not size:
-        return [header], torch.tensor([0, 0, _wrap(total)], dtype=torch.int64)
+        return [header], _row(torch.empty(0, dtype=torch.uint8), key, counts, total)
     data = torch.empty(size, dtype=torch.uint8, device=device)
     gap = 0
     for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at, sizes):
@@ -721,12 +722,19 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
         elif count:
             encode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entries[piece.entry]), part)
     data[gap:].zero_()
-    return [header, data], torch.cat([checksum(data).cpu(), torch.tensor([_wrap(total)], dtype=torch.int64)])
+    return [header, data], _row(data, key, counts, total)
+
+
+def _row(data: torch.Tensor, key: BucketKey, counts: Sequence[int], total: int) -> torch.Tensor:
+    """A delta bucket's row of the check: the tag of its header (``counts``) and data, and the
+    patch sum of the values written."""
+    header = np.asarray(counts, dtype="<i8").tobytes()
+    return torch.cat([checksum(data, key, header).cpu(), torch.tensor([_wrap(total)], dtype=torch.int64)])
 
 
 def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: BucketLayout,
                    entries: Sequence[SyncTensor], targets: Mapping[str, torch.Tensor], undo: Undo,
-                   scratch: PatchScratch | None = None) -> torch.Tensor:
+                   key: BucketKey, scratch: PatchScratch | None = None) -> torch.Tensor:
     """Apply a bucket's data into ``targets`` in place (the overwritten values into ``undo``; the
     arrays made per change in ``scratch``, 4 lanes, when given); returns its row of the check, as
     this receiver found it."""
@@ -750,8 +758,7 @@ def receive_bucket(data: torch.Tensor | None, counts: Sequence[int], layout: Buc
         # base's (a flip is undone by nothing else), at the positions as decoded (the data's
         # checksum covers the bytes that arrived, this their reading).
         total += patch_sum(positions, apply(target, positions, flips, undo, None if lanes is None else lanes[2:]))
-    summed = checksum(data).cpu() if data is not None else torch.zeros(2, dtype=torch.int64)
-    return torch.cat([summed, torch.tensor([_wrap(total)], dtype=torch.int64)])
+    return _row(torch.empty(0, dtype=torch.uint8) if data is None else data, key, counts, total)
 
 
 def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple[KeptSlice, int, int]]]:
@@ -764,12 +771,12 @@ def audit_parts(plan: Sequence[BucketLayout], turn: int) -> dict[int, list[tuple
     return out
 
 
-def audit_row(data: torch.Tensor) -> torch.Tensor:
-    return torch.cat([checksum(data).cpu(), torch.zeros(1, dtype=torch.int64)])
+def audit_row(data: torch.Tensor, key: BucketKey) -> torch.Tensor:
+    return torch.cat([checksum(data, key).cpu(), torch.zeros(1, dtype=torch.int64)])
 
 
 def sent_audit(parts: Sequence[tuple[KeptSlice, int, int]], whole: Mapping[int, torch.Tensor],
-               place: TPPlace) -> list[torch.Tensor]:
+               place: TPPlace, key: BucketKey) -> list[torch.Tensor]:
     """The audit rows of ``parts`` from the version being sent (``whole``: its tensors)."""
     rows = []
     for piece, start, stop in parts:
@@ -780,12 +787,12 @@ def sent_audit(parts: Sequence[tuple[KeptSlice, int, int]], whole: Mapping[int, 
             data = torch.empty(piece.nbytes, dtype=torch.uint8, device=source.device)
             pack(data, BucketLayout(((piece, 0),), piece.nbytes), {piece.entry: source}, place)
             data = data[start:stop]
-        rows.append(audit_row(data.cpu()))
+        rows.append(audit_row(data.cpu(), key))
     return rows
 
 
 def held_audit(parts: Sequence[tuple[KeptSlice, int, int]], entries: Sequence[SyncTensor],
-               targets: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+               targets: Mapping[str, torch.Tensor], key: BucketKey) -> list[torch.Tensor]:
     """The audit rows of ``parts`` from what a receiver's tensors hold."""
-    return [audit_row(flat_bytes(targets[entries[piece.entry].name].detach().contiguous().cpu())[start:stop])
+    return [audit_row(flat_bytes(targets[entries[piece.entry].name].detach().contiguous().cpu())[start:stop], key)
             for piece, start, stop in parts]

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import pickle
 import socket
 import time
 import uuid
@@ -196,18 +195,15 @@ class _CudaSegment:
     kind = "cuda-ipc"
 
     def __init__(self, device: torch.device):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         self.device = device
         self.nonce = uuid.uuid4().hex
-        self._reduce = reduce_tensor
-        self.regions: dict[Any, tuple[int, torch.Tensor, bytes]] = {}  # key -> (id, memory, its handle)
+        self.regions: dict[Any, tuple[int, torch.Tensor, list]] = {}  # key -> (id, memory, its handle)
         # What a receiver opens first, to confirm it maps this GPU memory: the nonce.
         self.hello = torch.frombuffer(bytearray(self.nonce.encode()), dtype=torch.uint8).to(device)
         torch.cuda.synchronize(device)
 
     def where(self) -> dict[str, Any]:
-        return {"kind": self.kind, "handle": pickle.dumps(self._reduce(self.hello)), "nonce": self.nonce,
+        return {"kind": self.kind, "handle": ipc_handle(self.hello), "nonce": self.nonce,
                 "gpu": str(torch.cuda.get_device_properties(self.device).uuid)}
 
     def reserve(self, wanted: Mapping[Any, int]) -> None:
@@ -218,7 +214,7 @@ class _CudaSegment:
         held = self.regions.get(key)
         if held is None or held[1].numel() < nbytes:
             memory = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.regions[key] = (uuid.uuid4().int, memory, pickle.dumps(self._reduce(memory)))
+            self.regions[key] = (uuid.uuid4().int, memory, ipc_handle(memory))
             held = self.regions[key]
         return held[1][:nbytes]
 
@@ -283,6 +279,35 @@ class _HostMapping:
 
 
 _STORAGE_DEVICE = 6  # in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments
+# The other arguments that are types, by name: a handle names one of these or is refused.
+_TENSOR_TYPES = {"Tensor": torch.Tensor}
+_STORAGE_TYPES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+
+
+def ipc_handle(tensor: torch.Tensor) -> list:
+    """A CUDA tensor's IPC handle as plain values (torch's reduce_tensor's, less the function and
+    the types, which are named): a receiver rebuilds it without unpickling anything a peer wrote."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    rebuild, args = reduce_tensor(tensor)
+    if rebuild is not rebuild_cuda_tensor:
+        raise SyncError(f"internal error: a CUDA IPC handle for {tensor.device} is rebuilt by {rebuild.__name__}")
+    (tensor_cls, size, stride, offset, storage_cls, dtype, device, *rest) = args
+    return [tensor_cls.__name__, list(size), list(stride), offset, storage_cls.__name__, str(dtype).split(".")[-1],
+            device, *rest]
+
+
+def ipc_arguments(handle: list) -> tuple:
+    """:func:`ipc_handle`'s values as rebuild_cuda_tensor's arguments; SyncError if they name a
+    type or dtype that is not a plain tensor's."""
+    try:
+        tensor_cls, size, stride, offset, storage_cls, dtype, device, *rest = handle
+        types = (_TENSOR_TYPES[tensor_cls], _STORAGE_TYPES[storage_cls], getattr(torch, dtype))
+        if not isinstance(types[2], torch.dtype) or len(rest) != 8:
+            raise KeyError(dtype)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise SyncError(f"a CUDA IPC handle in the store is not one distload wrote ({exc!r})") from None
+    return (types[0], torch.Size(size), tuple(stride), int(offset), types[1], types[2], int(device), *rest)
 
 
 class _CudaMapping:
@@ -302,11 +327,13 @@ class _CudaMapping:
         if bytes(hello.cpu().numpy()) != where["nonce"].encode():
             raise OSError("the CUDA IPC handle opened memory that does not hold the trainer's nonce")
 
-    def _open(self, handle: bytes) -> torch.Tensor:
-        rebuild, args = pickle.loads(handle)
+    def _open(self, handle: list) -> torch.Tensor:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+        args = ipc_arguments(handle)
         args = args[:_STORAGE_DEVICE] + (self.index,) + args[_STORAGE_DEVICE + 1:]
         try:
-            return rebuild(*args)
+            return rebuild_cuda_tensor(*args)
         except Exception as exc:  # noqa: BLE001 - named for the user
             raise SyncError(f"CUDA IPC: cannot open the trainer's GPU memory on {self.device} ({exc}); "
                             f"force the socket path ({TRANSPORT_ENV}=socket)") from None

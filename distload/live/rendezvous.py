@@ -22,14 +22,13 @@ it waited for.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import pickle
 import queue
 import socket
 import threading
 import time
 import uuid
-import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
@@ -37,8 +36,13 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from distload.errors import ConfigError, SyncError
+from distload.live import wire
+from distload.live.store import AuthError, NotAStore, StoreClient, StoreServer, is_loopback
 from distload.runtime import RUNTIME
+from distload.secret import HOW, Secret
 from distload.workers.group import NCCL_CLEANUP_ONLY
+
+log = logging.getLogger("distload")
 
 ROLES = ("trainer", "inference")
 _SESSION = "session"  # the record: every member's nonce and what it keeps (grows with the members)
@@ -121,11 +125,12 @@ class BoundedStore:
     """A store whose every call answers within ANSWER_S or raises StoreLost, naming the member
     that serves it. ``raw`` is the torch store (for process groups, heartbeats, prefixes)."""
 
-    def __init__(self, raw: Any, address: str, server: str, caller: _Caller | None = None):
+    def __init__(self, raw: Any, address: str, server: str, caller: _Caller | None = None, served: Any = None):
         self.raw = raw
         self.address = address
         self.server = server  # how messages name the process serving it ("trainer rank 0")
         self._caller = caller or _Caller()
+        self.served = served  # the StoreServer, where this process serves the store
 
     def prefixed(self, prefix: str) -> "BoundedStore":
         """This store's keys under ``prefix``, over the same connection."""
@@ -159,8 +164,20 @@ class BoundedStore:
         return self._call("add", key, amount)
 
     def close(self) -> None:
-        """Stop this connection's caller thread (once its last call has ended)."""
+        """Stop this connection's caller thread (once its last call has ended); close the
+        connection where this store opened it, and stop serving where this process serves it."""
         self._caller.close()
+        if isinstance(self.raw, StoreClient):
+            self.raw.close()
+        if self.served is not None:
+            self.served.close()
+
+    def refused(self) -> str:
+        """Where this process serves the store: the peers it refused lately, for a message
+        that says why a member never came ("" if none)."""
+        if self.served is None or not self.served.refused:
+            return ""
+        return f" (refused meanwhile: {', '.join(self.served.refused)})"
 
 
 def short(exc: BaseException) -> str:
@@ -191,38 +208,63 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def open_store(address: str, serve: bool, timeout_s: float, server: str) -> BoundedStore:
-    """The channel's store: served here (``serve``) or reached at ``address`` within the timeout
-    (``server``: how messages name the process that serves it)."""
+def open_store(address: str, serve: bool, timeout_s: float, server: str, secret: Secret | None = None,
+               insecure: bool = False) -> BoundedStore:
+    """The channel's store (distload/live/store.py): served here (``serve``), on the address's
+    interface only, or reached at ``address`` within the timeout (``server``: how messages name
+    the process that serves it). Every connection proves ``secret`` (the job's) both ways before
+    a value is read. With no secret a store is served on a loopback address only, unless
+    ``insecure`` (logged once)."""
     host, port = parse_address(address)
     timeout = timedelta(seconds=timeout_s)
     if serve:
+        check_listen(host, address, secret, insecure)
         try:
-            raw = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError
-            raise SyncError(f"cannot serve the sync rendezvous at {address}: {short(exc)} (is another process "
-                            f"already serving it? each channel needs a port of its own)") from None
-        return BoundedStore(raw, address, server)
+            served = StoreServer(host, port, secret, f"the sync rendezvous at {address}")
+        except OSError as exc:
+            raise SyncError(f"cannot serve the sync rendezvous at {address}: {exc.strerror or exc} (is another "
+                            f"process already serving it? each channel needs a port of its own; the host must "
+                            f"be an address of this machine)") from None
+        try:
+            raw = StoreClient(host, served.port, secret, timeout, timeout_s, address)
+        except BaseException:
+            served.close()
+            raise
+        return BoundedStore(raw, address, server, served=served)
     deadline = time.monotonic() + timeout_s
     _await_listener(host, port, deadline, address, timeout_s)
-    # torch's handshake is not bounded by its timeout: a listener that accepts and never answers
-    # (a stopped server, another program) holds it for good. It runs on a thread of its own.
-    # torch's own retries overrun the timeout it is given by up to about two seconds.
+    # The handshake runs on a thread of its own: a listener that accepts and never answers (a
+    # stopped server, another program) must not hold this process past its timeout.
     wait_s = max(1.0, deadline - time.monotonic())
     try:
-        raw = within(wait_s, dist.TCPStore, host, port, None, False, timedelta(seconds=max(0.5, wait_s - 2.0)))
+        raw = within(wait_s, StoreClient, host, port, secret, timeout, wait_s, address)
     except TimeoutError:
         raise SyncError(f"something accepts connections at {address} but does not answer as a sync rendezvous "
                         f"store (waited {timeout_s:.0f} s): {server}, which serves it, is stopped (SIGSTOP) or "
                         f"hung, or another program holds the port; check the address") from None
-    except Exception as exc:  # noqa: BLE001 - torch raises DistNetworkError/RuntimeError
-        if "invalid value returned from server" in str(exc):
-            raise SyncError(f"the program at {address} is not a distload sync rendezvous (it answered the store's "
-                            f"handshake with something else): another program holds the port; point both jobs at "
-                            f"a free port") from None
-        raise SyncError(f"the sync rendezvous at {address} accepted a connection but its store did not answer "
-                        f"within {timeout_s:.0f} s: {short(exc)}") from None
+    except (AuthError, NotAStore) as exc:
+        raise SyncError(str(exc)) from None
+    except (OSError, ConnectionError) as exc:
+        raise SyncError(f"the sync rendezvous at {address} accepted a connection but did not answer as a "
+                        f"distload store within {timeout_s:.0f} s: {exc}") from None
     return BoundedStore(raw, address, server)
+
+
+_WARNED_INSECURE: set[str] = set()
+
+
+def check_listen(host: str, address: str, secret: Secret | None, insecure: bool) -> None:
+    """Refuse to listen beyond this host without the job secret (unless ``insecure``: warned once)."""
+    if secret is not None or is_loopback(host):
+        return
+    if not insecure:
+        raise ConfigError(f"refusing to serve {address} without a job secret: anyone who reaches it could push "
+                          f"or take weights; {HOW} (or listen on 127.0.0.1, or pass insecure=True / --insecure "
+                          f"on a network only this job's hosts reach)")
+    if address not in _WARNED_INSECURE:
+        _WARNED_INSECURE.add(address)
+        log.warning("serving %s without a job secret (insecure): anyone who reaches it can push or take "
+                    "weights", address)
 
 
 def within(seconds: float, fn: Any, *args: Any) -> Any:
@@ -257,24 +299,16 @@ CLOSING = "closing"  # posted by the process that serves the store before it sto
 CLOSE_WAIT_S = 5.0  # how long that process waits for the members to leave first
 
 
-# A value pickled to more than this is stored compressed (zlib, level 1). A trainer rank's metadata
-# (tensor names, shapes, buckets) compresses about 11:1 (names repeat per layer and expert), and it
-# is the store's largest traffic: each inference rank reads that of every trainer rank that sends
-# to it. A pickle (protocol 2 and later) begins with 0x80, zlib's stream with 0x78: get() tells them
-# apart by the first byte.
-COMPRESS_FROM = 2048
-
-
 def get(store: Any, key: str) -> Any:
-    data = store.get(key)
-    return pickle.loads(zlib.decompress(data) if data[:1] == b"\x78" else data)
+    """The value under ``key`` (distload/live/wire.py: JSON, never pickle)."""
+    return wire.decode(store.get(key))
 
 
 def put(store: Any, key: str, value: Any) -> None:
-    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    store.set(key, zlib.compress(data, 1) if len(data) > COMPRESS_FROM else data)
+    store.set(key, wire.encode(value))
 
 
+@wire.register
 @dataclass(frozen=True)
 class Hello:
     nonce: str
@@ -282,6 +316,7 @@ class Hello:
     info: Mapping[str, Any] = field(default_factory=dict)  # what it keeps, its device type
 
 
+@wire.register
 @dataclass(frozen=True)
 class SessionRecord:
     id: str
@@ -383,28 +418,14 @@ def _form(store: Any, trainer_size: int, leader: Hello, deadline: float, address
             break
         if time.monotonic() > deadline:
             who = ", ".join(describe(*_split(k)) for k in missing) or "every inference rank"
+            refused = store.refused() if isinstance(store, BoundedStore) else ""
             raise SyncError(f"{who} did not join the sync channel at {address} in time: start the "
-                            f"other job (or its missing ranks), pointed at the same address")
+                            f"other job (or its missing ranks), pointed at the same address{refused}")
         time.sleep(POLL_S)
     record = SessionRecord(uuid.uuid4().hex, trainer_size, inference_size,
-                           {k: h.nonce for k, h in hellos.items()}, _shared_specs({k: h.info for k, h in hellos.items()}))
+                           {k: h.nonce for k, h in hellos.items()}, {k: dict(h.info) for k, h in hellos.items()})
     _post_current(store, {"id": record.id, "nonces": dict(record.nonces), "record": record})
     return record
-
-
-def _shared_specs(infos: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The members' infos, each distinct sharding spec one object: pickle writes an object once
-    however often it is referred to, so the record (read by every member) holds each spec once,
-    not once per inference rank (a spec's JSON is a few KB; 128 of them, read by 384 members,
-    would be most of a session's store traffic)."""
-    specs: dict[str, Any] = {}
-    out = {}
-    for key, info in infos.items():
-        info = dict(info)
-        if info.get("spec") is not None:
-            info["spec"] = specs.setdefault(json.dumps(info["spec"], sort_keys=True), info["spec"])
-        out[key] = info
-    return out
 
 
 def await_session(store: Any, role: str, rank: int, nonce: str, deadline: float, address: str) -> SessionRecord:
