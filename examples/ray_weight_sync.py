@@ -10,12 +10,20 @@ With ``--vllm`` each inference actor starts a vLLM engine on MODEL (a Hugging Fa
 distload's worker extension, joins the channel (``sync_join``) and takes each version into the
 running engine (``sync_receive``); the trainer pushes MODEL's own tensors, moved a little each
 step. Without it the inference actors hold a plain torch module of the same tensors.
+
+Every actor proves the job secret to the channel (docs/security.md): the actors read
+``DISTLOAD_SECRET_FILE`` from the environment Ray gives them. Without one set, this script makes
+one in a file only this user can read and passes its path (never the secret: Ray shows a job's
+environment in its dashboard) through ``runtime_env``; on a cluster of several nodes, put the file
+where every node reads it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import tempfile
 
 import ray
 import torch
@@ -120,7 +128,15 @@ def main() -> None:
     parser.add_argument("--inference", type=int, default=2, help="inference actors")
     parser.add_argument("--vllm", metavar="MODEL", help="inference actors are vLLM engines on this model")
     args = parser.parse_args()
-    ray.init()
+    env = {}
+    if not (os.environ.get("DISTLOAD_SECRET") or os.environ.get("DISTLOAD_SECRET_FILE")):
+        from distload.secret import make_secret
+
+        fd, path = tempfile.mkstemp(prefix="distload-secret-")  # mode 600
+        with os.fdopen(fd, "w") as f:
+            f.write(make_secret())
+        env["DISTLOAD_SECRET_FILE"] = path
+    ray.init(runtime_env={"env_vars": env} if env else None)
     for row in run(args.steps, args.inference, args.vllm):
         pushed = row["trainer"]
         same = all(r.get("digest", pushed["digest"]) == pushed["digest"] for r in row["inference"])

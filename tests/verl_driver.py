@@ -22,6 +22,7 @@ import json
 import multiprocessing
 import os
 import signal
+import secrets
 import sys
 import time
 import traceback
@@ -227,6 +228,9 @@ def run_ray() -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway loopback cluster: no token file in ~/.ray
+    # The job secret the engine's channel proves (its rendezvous listens on Ray's node address, not
+    # loopback): the workers inherit it, as docs/verl.md says.
+    os.environ.setdefault("DISTLOAD_SECRET", secrets.token_hex(32))
     # Logical CPUs for verl's 4 workers and the example's 3 actors, all alive at once.
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:

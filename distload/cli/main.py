@@ -57,6 +57,16 @@ def _log_level_options(parser: argparse.ArgumentParser, default: object) -> None
                              "log warnings and errors, and everything at debug")
 
 
+def _secret_options(command: argparse.ArgumentParser, listens: bool) -> None:
+    command.add_argument("--secret-file", default=None, metavar="FILE",
+                         help="a file holding the job secret (mode 600), the same on every member and loader; "
+                              "default: DISTLOAD_SECRET_FILE, else DISTLOAD_SECRET (docs/security.md)")
+    if listens:
+        command.add_argument("--insecure", action="store_true",
+                             help="listen on a non-loopback address without a job secret (anyone who reaches it "
+                                  "can push or take weights)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m distload",
@@ -106,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB",
                       help="the node cache's size bound: the least recently used entries go beyond it (also "
                            "DISTLOAD_CACHE_MAX_GIB; extra config cache_max_gib; default: no bound)")
+    _secret_options(load, listens=False)
 
     serve = sub.add_parser("serve", help="load a checkpoint and serve it from memory to jobs that load from "
                                          "tcp://HOST:PORT, until stopped (Ctrl-C, SIGTERM)")
@@ -127,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", default=None, metavar="DIR", help="as for load")
     serve.add_argument("--cache-max-gib", type=float, default=None, metavar="GIB", help="as for load")
     serve.add_argument("--no-progress", action="store_true", help="no progress bar for the server's read")
+    _secret_options(serve, listens=True)
 
     # Python's reshard() does the same; "save-sharded" was its first name (Python's save_sharded()
     # saves from a running job), kept as an alias that says so.
@@ -185,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     sync_demo.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                            help=f"timeout of every collective (default {DEFAULT_TIMEOUT_S:.0f})")
 
+    _secret_options(sync_demo, listens=True)
+
+    sub.add_parser("secret", help="print a new job secret (64 hex digits) for DISTLOAD_SECRET or a secret file")
+
     pull = sub.add_parser("pull", help="copy a checkpoint folder to a local folder on every node, each "
                                        "byte read from the source once per job")
     pull.add_argument("source", help="a folder or an object-store prefix (s3://, gs://, az://)")
@@ -241,7 +257,8 @@ def run_load(args: argparse.Namespace) -> int:
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
         if is_server_address(args.source):
             report = load_from_server(args.source, group=group, tensor_parallel_size=args.tensor_parallel_size,
-                                      sharding=args.sharding, digest=not args.no_digest).report
+                                      sharding=args.sharding, digest=not args.no_digest,
+                                      secret_file=args.secret_file).report
         else:
             loader = Loader(args.source, args.load_format, extra,
                             group=group, progress=not args.no_progress,
@@ -272,7 +289,8 @@ def run_serve(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         server = serve_checkpoint(args.source, args.address, group, load_format=args.load_format,
                                   extra_config=_with_cache_flags(args), progress=not args.no_progress,
-                                  timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * 2**20))
+                                  timeout_s=args.timeout, bucket_bytes=int(args.bucket_mib * 2**20),
+                                  secret_file=args.secret_file, insecure=args.insecure)
 
         def stop(signum, frame):
             raise _Stopped()
@@ -390,9 +408,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.command in ("load", "serve"):
         make_load_config(args.load_format, _with_cache_flags(args))
     if args.command == "serve":
-        from distload.live.rendezvous import parse_address
+        from distload.live.rendezvous import check_listen, parse_address
+        from distload.secret import job_secret
 
-        parse_address(args.address)
+        # Before the checkpoint is read: a server that may not listen there fails in a second.
+        check_listen(parse_address(args.address)[0], args.address, job_secret(args.secret_file), args.insecure)
         if args.bucket_mib <= 0:
             raise ConfigError(f"--bucket-mib must be positive, got {args.bucket_mib}")
     if args.command == "load" and args.source.startswith("tcp://"):
@@ -507,6 +527,11 @@ def _run(args: argparse.Namespace) -> int:
         return run_pull(args)
     if args.command == "serve":
         return run_serve(args)
+    if args.command == "secret":
+        from distload.secret import make_secret
+
+        print(make_secret())
+        return 0
     if args.command == "demo":
         from distload.cli.demo import run_demo
 

@@ -95,7 +95,8 @@ def run_sync_demo(args: argparse.Namespace) -> int:
                               bucket_bytes=args.bucket_mib * 2**20, verify=not args.no_verify,
                               delta=not args.no_delta, tensor_parallel_size=tp_size,
                               sharding="decoder" if tp_size > 1 else None,
-                              model_config=demo_config() if tp_size > 1 else None)
+                              model_config=demo_config() if tp_size > 1 else None,
+                              secret_file=args.secret_file, insecure=args.insecure)
         with channel:
             if args.role == "trainer":
                 rows = _train(channel, args, group)

@@ -25,6 +25,7 @@ from distload.loading.host_memory import HostMemory
 from distload.loading.loader import LoadResult
 from distload.loading.report import (LoadReport, RankReport, gib_per_s, peak_rss_bytes, state_digest,
                                      storage_read_bytes)
+from distload.secret import job_secret
 from distload.tp.slices import shard_shape, take_shard
 from distload.tp.spec import ShardingSpec, load_spec
 from distload.workers.group import WorkerGroup
@@ -41,7 +42,8 @@ def is_server_address(source: Any) -> bool:
 
 def load_from_server(address: str, *, group: WorkerGroup | None = None, device: str = "auto",
                      tensor_parallel_size: int | None = None, sharding: str | ShardingSpec | None = None,
-                     timeout_s: float | None = None, digest: bool = False, gather: bool = True) -> LoadResult:
+                     timeout_s: float | None = None, digest: bool = False, gather: bool = True,
+                     secret_file: str | None = None) -> LoadResult:
     """Load the weights a server (``distload serve``, or a :class:`~distload.live.server.WeightServer`)
     holds at ``address`` onto every rank of ``group``.
 
@@ -51,23 +53,25 @@ def load_from_server(address: str, *, group: WorkerGroup | None = None, device: 
     gives it. Nothing is read from storage. ``timeout_s`` (default the group's) bounds the join
     and the transfer: a server that dies or stops mid-load fails every rank within it, naming the
     server. ``digest``: each rank report gets its state's digest; ``gather``: the job's report on
-    every rank (a collective).
+    every rank (a collective). ``secret_file`` (default ``DISTLOAD_SECRET_FILE``, else
+    ``DISTLOAD_SECRET``): the job secret the server was started with (docs/security.md).
     """
     if not is_server_address(address):
         raise ConfigError(f"a server's address is tcp://HOST:PORT, got {address!r}")
     rendezvous.parse_address(address)  # a malformed address fails here, before any group
     with WorkerGroup.for_call(group, device=device) as g:
         return _load(address, g, tensor_parallel_size, sharding,
-                     g.timeout.total_seconds() if timeout_s is None else float(timeout_s), digest, gather)
+                     g.timeout.total_seconds() if timeout_s is None else float(timeout_s), digest, gather,
+                     secret_file)
 
 
 def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, timeout_s: float, digest: bool,
-          gather: bool) -> LoadResult:
+          gather: bool, secret_file: str | None) -> LoadResult:
     start = time.perf_counter()
     read_before = storage_read_bytes()
     store = channel = None
     try:
-        store = group.agree("reaching the server", lambda: _reach(address, timeout_s))
+        store = group.agree("reaching the server", lambda: _reach(address, timeout_s, secret_file))
         info = group.broadcast(group.agree("reaching the server", lambda: _info(store, address, timeout_s)
                                            if group.rank == 0 else None), 0)
         # Refused here, before the job takes a ticket: the server never waits for a job that will not come.
@@ -81,7 +85,7 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
             address, "inference", rank=group.rank, size=group.world_size, device=str(group.device),
             timeout_s=timeout_s, tensor_parallel_size=tp_size or 1, sharding=spec if (tp_size or 1) > 1 else None,
             store=dist.PrefixStore(server.job_prefix(ticket), store.raw),
-            member_name=server.member_name(ticket), server=server.SERVER))
+            member_name=server.member_name(ticket), server=server.SERVER, secret_file=secret_file))
         state: dict[str, torch.Tensor] = {}
         # New host tensors on huge pages where the kernel has them free (host_memory.py): a fault
         # per 2 MiB instead of per 4 KiB as the bytes land. Not prefaulted: faults taken while the
@@ -129,9 +133,9 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
     return LoadResult(state, report, job)
 
 
-def _reach(address: str, timeout_s: float) -> rendezvous.BoundedStore:
+def _reach(address: str, timeout_s: float, secret_file: str | None) -> rendezvous.BoundedStore:
     try:
-        return rendezvous.open_store(address, False, timeout_s, server.SERVER)
+        return rendezvous.open_store(address, False, timeout_s, server.SERVER, job_secret(secret_file))
     except SyncError as exc:
         raise SyncError(f"cannot load from the server at {address}: {exc} (a server is `distload serve SOURCE "
                         f"--address {address}`, or a WeightServer)") from None

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from distload.errors import ConfigError, SyncError
 from distload.live import rendezvous
 from distload.live.channel import DEFAULT_BUCKET_BYTES, SyncChannel
+from distload.secret import job_secret
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch
 
@@ -69,12 +70,15 @@ class WeightServer:
     ``model_config`` (the model's config.json, a dict) lets loading jobs cut head-aware slices;
     ``source`` says where the weights came from. ``timeout_s`` bounds every wait of one load
     (its joining too); ``bucket_bytes`` and ``transport`` are SyncChannel's. Every load is verified.
+    ``secret_file`` and ``insecure`` are SyncChannel's: a loading job must prove the same job secret
+    (``DISTLOAD_SECRET``), and without one only a loopback address is served.
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], address: str, *, rank: int | None = None,
                  size: int | None = None, version: int = 0, model_config: Mapping[str, Any] | None = None,
                  source: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto"):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto", secret_file: str | None = None,
+                 insecure: bool = False):
         if not isinstance(state, Mapping):
             raise ConfigError(f"WeightServer serves a state dict (name -> tensor), got {type(state).__name__}")
         launch = detect_launch()
@@ -97,7 +101,11 @@ class WeightServer:
         self._stop = threading.Event()
         self._jobs: dict[int, threading.Thread] = {}
         self._thread: threading.Thread | None = None
-        self._store = rendezvous.open_store(address, self.rank == 0, self.timeout_s, SERVER)
+        # Every loading job proves the job secret before the store reads a value from it, and
+        # every bucket it takes is tagged with it (docs/security.md).
+        self._secret_file = secret_file
+        self._store = rendezvous.open_store(address, self.rank == 0, self.timeout_s, SERVER,
+                                            job_secret(secret_file), insecure)
         if self.rank == 0:
             rendezvous.put(self._store, INFO, {"source": source, "version": version, "ranks": self.size,
                                                "config": dict(model_config or {})})
@@ -142,7 +150,8 @@ class WeightServer:
         try:
             channel = SyncChannel(self.address, "trainer", rank=self.rank, size=self.size, timeout_s=self.timeout_s,
                                   delta=False, store=dist.PrefixStore(job_prefix(ticket), self._store.raw),
-                                  member_name=member_name(ticket), server=SERVER, **self._options)
+                                  member_name=member_name(ticket), server=SERVER, secret_file=self._secret_file,
+                                  **self._options)
             if self._one_at_a_time is None:
                 stats = channel.push(self.state, self.version)
             else:

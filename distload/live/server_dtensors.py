@@ -59,7 +59,7 @@ def _literal(name: str) -> str:
 
 def load_dtensors_from_server(address: str, device_mesh: Any, placements: Mapping[str, Sequence[Any]], *,
                               group: WorkerGroup | None = None, timeout_s: float | None = None,
-                              digest: bool = False, gather: bool = True) -> LoadResult:
+                              digest: bool = False, gather: bool = True, secret_file: str | None = None) -> LoadResult:
     """Every tensor a server at ``address`` holds, as a DTensor on ``device_mesh``, each rank
     receiving only its local shard.
 
@@ -69,8 +69,8 @@ def load_dtensors_from_server(address: str, device_mesh: Any, placements: Mappin
         placements: tensor name -> its placements (one: ``Shard(d)`` or ``Replicate()``); a name
             it does not hold is replicated. A dict: the server's names arrive with its tensors.
         group: collective over it (None: one from the environment).
-        timeout_s, digest, gather: as for :func:`load_from_server` (the digest is of the local
-            shards: what this rank received).
+        timeout_s, digest, gather, secret_file: as for :func:`load_from_server` (the digest is of
+            the local shards: what this rank received).
 
     Returns:
         The DTensors by name as the result's state, this rank's report (``server_bytes``: what
@@ -89,7 +89,7 @@ def load_dtensors_from_server(address: str, device_mesh: Any, placements: Mappin
                               f"{list(g.ranks)} in order; got a {device_mesh.ndim}-D mesh of ranks {ranks}")
         size = device_mesh.size()
         loaded = load_from_server(address, group=g, tensor_parallel_size=size, sharding=spec, timeout_s=timeout_s,
-                                  digest=digest, gather=gather)
+                                  digest=digest, gather=gather, secret_file=secret_file)
         out = {}
         for name, local in loaded.state.items():
             placement = tuple(placements.get(name) or (Replicate(),))

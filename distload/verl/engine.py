@@ -58,21 +58,25 @@ class DistloadCheckpointEngine(CheckpointEngine):
     through shared memory; ``socket``), ``host`` (the address
     the rollout workers reach the master at; default Ray's node IP, else this host's),
     ``rebuild_group`` (close the channel after every update, as verl's NCCL engine can: each
-    update is then a full one).
+    update is then a full one), ``secret_file`` and ``insecure`` (SyncChannel's: every worker
+    proves the job secret, ``DISTLOAD_SECRET`` or ``DISTLOAD_SECRET_FILE`` from the environment
+    Ray gives it by default: docs/verl.md).
     """
 
     wire_format = "named_tensors"
 
     def __init__(self, bucket_size: int, is_master: bool = False, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  verify: bool = True, delta: bool = True, max_base_bytes: int | None = None,
-                 transport: str = "auto", host: str | None = None, rebuild_group: bool = False) -> None:
+                 transport: str = "auto", host: str | None = None, rebuild_group: bool = False,
+                 secret_file: str | None = None, insecure: bool = False) -> None:
         if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
             raise ConfigError(f"the distload checkpoint engine's bucket_size must be a positive number of bytes, "
                               f"got {bucket_size!r} (verl's update_weights_bucket_megabytes << 20)")
         self.bucket_size = bucket_size
         self.is_master = bool(is_master)
         self.options = {"timeout_s": float(timeout_s), "verify": bool(verify), "delta": bool(delta),
-                        "max_base_bytes": max_base_bytes, "bucket_bytes": bucket_size, "transport": transport}
+                        "max_base_bytes": max_base_bytes, "bucket_bytes": bucket_size, "transport": transport,
+                        "secret_file": secret_file, "insecure": bool(insecure)}
         self.host = host
         self.rebuild_group = bool(rebuild_group)
         self.role: str | None = None

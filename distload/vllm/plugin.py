@@ -281,13 +281,15 @@ def _check_extension(llm, what: str) -> None:
 def sync_join(llm, address: str, **options: Any) -> None:
     """Make every worker of a running vLLM engine an inference member of the weight-sync channel
     at ``address`` (``options``: SyncChannel's ``timeout_s``, ``verify``, ``host``,
-    ``bucket_bytes``). The trainer job pushes with ``SyncChannel(address, "trainer")`` and the
+    ``bucket_bytes``, ``secret_file``; the workers read ``DISTLOAD_SECRET`` / ``DISTLOAD_SECRET_FILE``
+    from the engine's environment otherwise: never pass the secret itself, which would travel in
+    vLLM's RPC arguments). The trainer job pushes with ``SyncChannel(address, "trainer")`` and the
     checkpoint's own names, whole tensors; :func:`sync_receive` takes each version. Each worker
     receives only what its own weight loaders take of each tensor (distload/vllm/push.py);
     ``slices=False`` sends each worker every tensor whole instead (for a model whose weight map
     cannot be recorded: vLLM's loaders then cut them, as before distload learned the map)."""
     _check_extension(llm, "sync_join")
-    allowed = {"timeout_s", "verify", "host", "bucket_bytes", "slices"}
+    allowed = {"timeout_s", "verify", "host", "bucket_bytes", "slices", "secret_file"}
     unknown = sorted(set(options) - allowed)
     if unknown:
         raise ConfigError(f"sync_join: unknown option(s) {unknown}; it takes {sorted(allowed)}")
