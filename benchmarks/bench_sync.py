@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -110,16 +111,57 @@ def trainer(args: argparse.Namespace) -> None:
     with SyncChannel(args.rendezvous, "trainer", rank=0, size=1, device="cpu", timeout_s=300,
                      bucket_bytes=args.bucket_mib * 2**20, verify=args.verify, delta=False,
                      transport="socket") as channel:
-        seconds: dict[bool, list[float]] = {False: [], True: []}
+        seconds: dict[Any, list[float]] = {False: [], True: [], UNKEYED: []}
         # With --interleave-verify, verified and plain pushes alternate in the same two jobs
         # (after one warm-up of each), so that the verify cost is not a difference between two
-        # runs of a noisy machine.
-        modes = [False, True] if args.interleave_verify else [args.verify]
+        # runs of a noisy machine; with --tags, verified pushes with the unkeyed sums too.
+        modes = _modes(args) or [args.verify]
         for version in range(len(modes) * (args.repeats + 1)):
-            channel.verify = modes[version % len(modes)]
-            seconds[channel.verify].append(channel.push(state, version).seconds)
+            mode = modes[version % len(modes)]
+            channel.verify = bool(mode)
+            _use_sums(mode)
+            seconds[mode].append(channel.push(state, version).seconds)
     _write_part(args, f"{args.case}-trainer", {"seconds": seconds[args.verify][1:], "plain": seconds[False][1:],
-                                               "verified": seconds[True][1:]})
+                                               "verified": seconds[True][1:], "unkeyed": seconds[UNKEYED][1:]})
+
+
+UNKEYED = "unkeyed"  # a verified push checked with the sums buckets had before they were keyed
+
+
+def _modes(args: argparse.Namespace) -> list[Any]:
+    """Each round's pushes, in order: plain (False), verified (True), verified unkeyed."""
+    if args.tags:
+        return [False, True, UNKEYED]
+    return [False, True] if args.interleave_verify else []
+
+
+def _unkeyed_sums(data: torch.Tensor, key: Any = None, extra: bytes = b"") -> torch.Tensor:
+    """The bucket check before it was keyed with the job secret (the baseline of --tags): two
+    int64 words, the wrapping sum of the 8-byte words and of the 4 KiB row sums weighted by their
+    position, in numpy. A check against transport faults, not against an adversary."""
+    import numpy as np
+
+    from distload.tensor_io import host_view
+
+    raw = np.frombuffer(host_view(data), dtype=np.uint8)
+    words = raw.size // 8
+    whole_rows = words // 512
+    view = raw[:words * 8].view(np.int64)
+    rows = view[:whole_rows * 512].reshape(whole_rows, 512).sum(axis=1)
+    tail = int(view[whole_rows * 512:].sum()) + int(raw[words * 8:].sum(dtype=np.int64))
+    plain = int(rows.sum()) + tail
+    weighted = int(np.dot(rows, np.arange(1, whole_rows + 1, dtype=np.int64))) + tail * (whole_rows + 1)
+    wrap = [(v + (1 << 63)) % (1 << 64) - (1 << 63) for v in (plain, weighted)]
+    return torch.tensor(wrap, dtype=torch.int64)
+
+
+def _use_sums(mode: Any) -> None:
+    """Check this push's buckets with the keyed tags (the code's) or, for UNKEYED, the old sums:
+    both sides switch alike, push by push."""
+    import distload.live.channel as channel_module
+    from distload.live.transfer import checksum
+
+    channel_module.checksum = _unkeyed_sums if mode == UNKEYED else checksum
 
 
 def inference(args: argparse.Namespace) -> None:
@@ -140,7 +182,10 @@ def inference(args: argparse.Namespace) -> None:
                          sharding="decoder" if channel_tp > 1 else None,
                          model_config=demo_config(args.hidden) if channel_tp > 1 else None) as channel:
             received, seconds = [], []
-            for _ in range((2 if args.interleave_verify else 1) * (args.repeats + 1)):
+            modes = _modes(args)
+            for number in range(max(1, len(modes)) * (args.repeats + 1)):
+                if modes:
+                    _use_sums(modes[number % len(modes)])
                 start = time.perf_counter()
                 stats = channel.receive(held)
                 if args.locally:  # cut this rank's slices out of the whole tensors, into its own
@@ -246,7 +291,7 @@ def _common(args: argparse.Namespace) -> list[str]:
 def _two_jobs(args: argparse.Namespace, case: str, tp: int = 1, verify: bool = False, locally: bool = False,
               interleave_verify: bool = False) -> None:
     address = f"tcp://127.0.0.1:{_free_port()}"
-    base = _common(args) + ["--rendezvous", address, "--case", case]
+    base = _common(args) + ["--rendezvous", address, "--case", case] + (["--tags"] if args.tags else [])
     inference_cmd = _torchrun(2, "--part", "inference", "--tensor-parallel-size", str(tp), *base,
                               *(["--locally"] if locally else []),
                               *(["--interleave-verify"] if interleave_verify else []))
@@ -266,8 +311,41 @@ def _verify_cost(args: argparse.Namespace) -> tuple[dict, float]:
     return {"two jobs": plain, "two jobs, verify": verified}, verified / plain - 1
 
 
+def tag_cost(args: argparse.Namespace) -> None:
+    """Plain pushes, verified ones with the keyed tags and verified ones with the old unkeyed sums,
+    interleaved in one pair of jobs (1 trainer -> 2 inference ranks, the socket path):
+    results/sync_tags.{json,md}."""
+    load_before = os.getloadavg()[0]
+    _two_jobs(args, "two_jobs")
+    sent = json.load(open(os.path.join(args.scratch, "two_jobs-trainer.json")))
+    load_after = os.getloadavg()[0]
+    median = {k: statistics.median(sent[k]) for k in ("plain", "verified", "unkeyed")}
+    keyed_cost = median["verified"] / median["unkeyed"] - 1
+    result = {"machine": f"{os.cpu_count()} CPUs, torch {torch.__version__}, {platform.platform()}", "size_mib": args.size_mib, "bucket_mib": args.bucket_mib, "repeats": args.repeats,
+              "load_average": [load_before, load_after], "seconds": sent, "median": median,
+              "keyed_vs_unkeyed": keyed_cost}
+    with open(os.path.join(args.out, "sync_tags.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [f"Bucket checks keyed with the job secret (NH + HMAC-SHA256, transfer.checksum) against the unkeyed "
+             f"sums they replaced: 1 trainer rank -> 2 inference ranks, two jobs on the socket path, "
+             f"{args.size_mib} MiB bf16 (sync-demo's Llama shape), buckets of {args.bucket_mib} MiB; plain, keyed and "
+             f"unkeyed pushes interleaved in the same jobs, median of {args.repeats} each after a warm-up; "
+             f"{result['machine']}; load average {load_before:.2f} before, {load_after:.2f} after.", "",
+             "| push | seconds (median) | vs unkeyed verified |", "|---|---|---|"]
+    for label, key in (("plain (no check)", "plain"), ("verified, unkeyed sums (before)", "unkeyed"),
+                       ("verified, keyed tags (now)", "verified")):
+        lines.append(f"| {label} | {median[key]:.4f} | {median[key] / median['unkeyed']:.3f} |")
+    lines += ["", f"The keyed tags cost {keyed_cost * 100:+.1f}% of a verified push against the unkeyed sums "
+                  f"(every push: {', '.join(f'{k} ' + ' '.join(f'{x:.3f}' for x in v) for k, v in sent.items() if k != 'seconds')})."]
+    with open(os.path.join(args.out, "sync_tags.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def orchestrate(args: argparse.Namespace) -> None:
     os.makedirs(args.scratch, exist_ok=True)
+    if args.tags:
+        return tag_cost(args)
     if args.only_verify:
         seconds, cost = _verify_cost(args)
         print(f"plain {seconds['two jobs']:.4f} s, verified {seconds['two jobs, verify']:.4f} s: "
@@ -723,6 +801,8 @@ def main() -> int:
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--locally", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--interleave-verify", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tags", action="store_true",
+                        help="the keyed bucket tags' cost against the old unkeyed sums, interleaved (sync_tags.md)")
     parser.add_argument("--only-verify", action="store_true",
                         help="run only the verified and plain two-job pushes, interleaved (the verify cost)")
     args = parser.parse_args()
