@@ -461,8 +461,15 @@ def _split(key: str) -> tuple[str, int]:
 PAIR_NCCL_ENV = NCCL_CLEANUP_ONLY + (("TORCH_NCCL_DUMP_ON_TIMEOUT", "0"),)
 
 
-def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: float) -> Any:
-    """A process group of the session's members over ``store``, outside torch's default world."""
+def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: float,
+                  address: str | None = None) -> Any:
+    """A process group of the session's members over ``store``, outside torch's default world.
+
+    A gloo pair listens on :func:`pair_address` (the local address that routes to the rendezvous
+    host of ``address``, ``tcp://HOST:PORT``), unless GLOO_SOCKET_IFNAME names an interface: not
+    on whatever this host's name resolves to, which on a Debian-style /etc/hosts is 127.0.1.1,
+    where no peer on another host can reach it. A pair that cannot connect fails with one line
+    naming the addresses tried and the setting that fixes it."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -476,6 +483,143 @@ def process_group(store: Any, rank: int, size: int, backend: str, timeout_s: flo
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
-    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0]) if interface
-                        else dist.ProcessGroupGloo.create_default_device()]
-    return dist.ProcessGroupGloo(store, rank, size, options)
+    local = None if interface else pair_address(address)
+    if interface:
+        device = dist.ProcessGroupGloo.create_device(interface=interface.split(",")[0])
+    elif local is not None:
+        device = dist.ProcessGroupGloo.create_device(hostname=local)
+    else:  # the job's own store (WeightSync): as torch's default group does
+        device = dist.ProcessGroupGloo.create_default_device()
+    options._devices = [device]
+    try:
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    except Exception as exc:  # noqa: BLE001 - gloo's connect failed (refused, unreachable, timed out)
+        raise SyncError(pair_failure(exc, address, local, interface)) from None
+
+
+FIX = ("set GLOO_SOCKET_IFNAME to the interface that reaches the other job's hosts, on every member, or "
+       "make each host's name resolve to that interface's address in /etc/hosts")
+
+
+def _rendezvous_host(address: str | None) -> str | None:
+    """The host of a ``tcp://HOST:PORT`` address; None for anything else (a job's own store)."""
+    if not address:
+        return None
+    try:
+        return parse_address(address)[0]
+    except ConfigError:
+        return None
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "*")
+
+
+def _route_from(host: str, port: int = 9) -> str:
+    """The local address this host's routes send from to reach ``host`` (no packet is sent:
+    connecting a UDP socket only looks the route up). Raises OSError without a route."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    last: OSError | None = None
+    for family, _, _, _, where in infos:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect(where)
+                return probe.getsockname()[0]
+            except OSError as exc:
+                last = exc
+    raise last or OSError(f"no address for {host}")
+
+
+def _own_address() -> str | None:
+    """A serving member on a wildcard address (0.0.0.0): this host's name where it resolves to an
+    address of this host that is not loopback, else the source of the default route, else the
+    first address of an interface that is up and not loopback; None if there is none."""
+    import ipaddress
+
+    try:
+        name = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(name).is_loopback:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.bind((name, 0))  # an address of this host
+            return name
+    except OSError:
+        pass
+    try:
+        return _route_from("192.0.2.1")  # TEST-NET-1: only the default route reaches it
+    except OSError:
+        pass
+    for _, ifname in socket.if_nameindex():
+        found = _interface_address(ifname)
+        if found and not ipaddress.ip_address(found).is_loopback:
+            return found
+    return None
+
+
+def _interface_address(ifname: str) -> str | None:
+    """The IPv4 address of ``ifname`` (Linux: SIOCGIFADDR), None where it has none."""
+    try:
+        import fcntl
+        import struct
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            packed = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        return None
+
+
+def pair_address(address: str | None) -> str | None:
+    """The local address a gloo pair of the channel at ``address`` listens on and connects from:
+    the one that routes to the rendezvous host (a loopback rendezvous: loopback, both jobs are on
+    this host); on a wildcard host (the serving member of ``tcp://0.0.0.0:PORT``),
+    :func:`_own_address`. None where ``address`` is no ``tcp://`` address (a job's own store).
+    Raises SyncError, one line, where no route leads to the rendezvous host."""
+    host = _rendezvous_host(address)
+    if host is None:
+        return None
+    if _is_wildcard(host):
+        found = _own_address()
+        if found is None:
+            raise SyncError(f"the sync pairs of {address} found no address of this host to listen on (no "
+                            f"interface but loopback is up): {FIX}")
+        return found
+    try:
+        return _route_from(host)
+    except OSError as exc:
+        raise SyncError(f"no route from this host to the sync rendezvous host {host} ({address}: "
+                        f"{exc.strerror or exc}), so no pair can listen on the interface that reaches it: "
+                        f"{FIX}") from None
+
+
+def pair_hint(address: str | None) -> str:
+    """For a pair that did not connect in time: where this member listened, and the setting that
+    fixes a wrong interface ("" where that is not known)."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        local = None if interface else pair_address(address)
+    except SyncError:
+        local = None
+    where = f"interface {interface} (GLOO_SOCKET_IFNAME)" if interface else local
+    if where is None:
+        return ""
+    return f", or the hosts cannot reach each other: this member listened on {where}; {FIX}"
+
+
+def pair_failure(exc: BaseException, address: str | None, local: str | None, interface: str | None) -> str:
+    """One line for a gloo pair that could not connect: the addresses tried, and what fixes it."""
+    import re
+
+    text = (short(exc).splitlines() or [type(exc).__name__])[0][:300]
+    remote = re.search(r"remote=([^\s,;)]+)", str(exc))
+    listening = (f"interface {interface} (GLOO_SOCKET_IFNAME)" if interface else
+                 f"{local}, the address routing to the rendezvous host {_rendezvous_host(address)}" if local else
+                 f"the address this host's name resolves to ({_resolved()})")
+    peer = f"; connecting to the peer at {remote.group(1)} failed" if remote else ""
+    return (f"the sync pair could not connect: this member listened on {listening}{peer} ({text}); {FIX}")
+
+
+def _resolved() -> str:
+    try:
+        return f"{socket.gethostname()} -> {socket.gethostbyname(socket.gethostname())}"
+    except OSError as exc:
+        return f"{socket.gethostname()}: {exc.strerror or exc}"

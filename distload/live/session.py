@@ -316,9 +316,9 @@ class Session:
             self.pairs[peer] = _within_unless(
                 cancelled, deadline, f"connecting to {self.who(peer)}",
                 lambda: f"{self.who(peer)} did not connect within {self.timeout_s:.0f} s (stopped, or "
-                        f"{self.store.server}, which serves the store, stopped)",
+                        f"{self.store.server}, which serves the store, stopped{rendezvous.pair_hint(self.address)})",
                 rendezvous.process_group, dist.PrefixStore(f"pg/{pair[0]}-{pair[1]}/", self.store.raw),
-                int(self.me > peer), 2, self.backend, self.timeout_s)
+                int(self.me > peer), 2, self.backend, self.timeout_s, self.address)
 
     def maps(self, peer: int) -> bool:
         """Whether this member and ``peer`` hand bytes off through memory both map (same host)."""
