@@ -610,7 +610,7 @@ def pair_failure(exc: BaseException, address: str | None, local: str | None, int
     import re
 
     text = (short(exc).splitlines() or [type(exc).__name__])[0][:300]
-    remote = re.search(r"remote=([^\s,;)]+)", str(exc))
+    remote = re.search(r"remote=([^\s,;)$]+)", str(exc))
     listening = (f"interface {interface} (GLOO_SOCKET_IFNAME)" if interface else
                  f"{local}, the address routing to the rendezvous host {_rendezvous_host(address)}" if local else
                  f"the address this host's name resolves to ({_resolved()})")
