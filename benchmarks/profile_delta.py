@@ -20,6 +20,10 @@ import time
 
 import torch
 
+from distload.live.transfer import BucketKey
+
+KEY = BucketKey(None, "profile", 0, 0)  # the buckets' tags (transfer.checksum), as with no job secret
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
@@ -75,7 +79,7 @@ def main() -> int:
             made = {k: deltas.diff(whole[k], base[names[k]], *scratches[:1]) if scratches else
                     deltas.diff(whole[k], base[names[k]]) for k in group}
             patches.update(made)
-            sent.append(deltas.send_bucket(plan[i], entries, whole, made, place, torch.device("cpu")))
+            sent.append(deltas.send_bucket(plan[i], entries, whole, made, place, torch.device("cpu"), KEY))
         trainer = dict(spent, total=time.thread_time() - start)
         spent.clear()
         start = time.thread_time()
@@ -83,7 +87,7 @@ def main() -> int:
         for i, (messages, row) in enumerate(sent):
             data = messages[1] if len(messages) > 1 else None
             extra = scratches[1:] if scratches else ()
-            mine = deltas.receive_bucket(data, messages[0].tolist(), plan[i], entries, targets, undo, *extra)
+            mine = deltas.receive_bucket(data, messages[0].tolist(), plan[i], entries, targets, undo, KEY, *extra)
             assert torch.equal(mine, row), f"bucket {i}: the receiver's check row is not the trainer's"
         receiver = dict(spent, total=time.thread_time() - start)
         copy = deltas.Base(None)

@@ -72,6 +72,7 @@ class Runtime:
             self.stop_heartbeats()
             self.heartbeats: dict[int, Any] = {}
             self.weight_syncs = 0
+            self.warned_insecure: set[str] = set()  # addresses served without a secret (warned once each)
             self.patch_weights: Any = None  # delta.py's patch-sum weights (a numpy table), grown as needed
             # session.py's gloo pairs whose given-up transfers still wait in them: (pair, works)
             self.given_up_pairs: list[tuple[Any, list[Any]]] = []

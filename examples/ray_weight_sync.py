@@ -130,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     env = {}
     if not (os.environ.get("DISTLOAD_SECRET") or os.environ.get("DISTLOAD_SECRET_FILE")):
-        from distload.secret import make_secret
+        from distload.live.secret import make_secret
 
         fd, path = tempfile.mkstemp(prefix="distload-secret-")  # mode 600
         with os.fdopen(fd, "w") as f:

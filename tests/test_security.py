@@ -27,7 +27,7 @@ import torch
 from distload.errors import ConfigError, SyncError
 from distload.live import rendezvous, wire
 from distload.live.store import AuthError, StoreClient, StoreServer
-from distload.secret import Secret, job_secret
+from distload.live.secret import Secret, job_secret
 
 from dist_helpers import clean_env, free_port, write_script
 
@@ -47,7 +47,7 @@ from distload.errors import SyncError
 from distload.live import channel as channel_module
 from distload.live.channel import SyncChannel
 from distload.live.transfer import BucketKey
-from distload.secret import Secret
+from distload.live.secret import Secret
 
 def state(version):
     g = torch.Generator().manual_seed(version)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from distload.tp.place import TPPlace
-from distload.live.transfer import (ALIGN, SyncTensor, KeptSlice, check_pieces, checksum, first_mismatch,
+from distload.live.transfer import (ALIGN, BucketKey, SyncTensor, KeptSlice, check_pieces, checksum, first_mismatch,
                                     group_entries, layouts)
 
 from dist_helpers import clean_env, free_port, run_script, write_script
@@ -43,16 +43,21 @@ def test_a_verified_update_names_the_bucket_whose_bytes_changed():
     assert [b.wire_bytes for b in plain] == list(sizes)
     assert [b.wire_bytes for b in verified] == [n + 16 for n in sizes]  # one checksum a bucket
     buckets = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in sizes]
-    sent = torch.stack([checksum(b) for b in buckets])
+    key = BucketKey(None, "session", 0, 0)
+    sent = torch.stack([checksum(b, key) for b in buckets])
     assert first_mismatch(sent.clone(), sent) is None
     for bucket, where in ((0, 5), (0, sizes[0] - 1), (1, 77), (2, 4096 * 4 + 3)):
         arrived = [b.clone() for b in buckets]
         arrived[bucket][where] ^= 1
-        assert first_mismatch(torch.stack([checksum(b) for b in arrived]), sent) == bucket
+        assert first_mismatch(torch.stack([checksum(b, key) for b in arrived]), sent) == bucket
     # two 4 KiB rows swapped: the same words in other places
     swapped = [b.clone() for b in buckets]
     swapped[2][:4096], swapped[2][4096:8192] = buckets[2][4096:8192].clone(), buckets[2][:4096].clone()
-    assert first_mismatch(torch.stack([checksum(b) for b in swapped]), sent) == 2
+    assert first_mismatch(torch.stack([checksum(b, key) for b in swapped]), sent) == 2
+    # two words swapped inside one 4 KiB block (which the unkeyed sums missed)
+    inside = [b.clone() for b in buckets]
+    inside[0][:8], inside[0][8:16] = buckets[0][8:16].clone(), buckets[0][:8].clone()
+    assert first_mismatch(torch.stack([checksum(b, key) for b in inside]), sent) == 0
 
 
 def test_check_pieces_names_every_problem():

@@ -446,7 +446,7 @@ def test_the_checksum_is_the_keyed_tag_it_describes():
 def test_the_checksum_key_is_per_update_and_trainer_and_secret(monkeypatch):
     """A tag made under another update's, trainer rank's or secret's key does not pass."""
     from distload.live.transfer import BucketKey, checksum
-    from distload.secret import Secret
+    from distload.live.secret import Secret
 
     data = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     secret, other = Secret(b"a" * 32, "test"), Secret(b"b" * 32, "test")

@@ -409,7 +409,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         make_load_config(args.load_format, _with_cache_flags(args))
     if args.command == "serve":
         from distload.live.rendezvous import check_listen, parse_address
-        from distload.secret import job_secret
+        from distload.live.secret import job_secret
 
         # Before the checkpoint is read: a server that may not listen there fails in a second.
         check_listen(parse_address(args.address)[0], args.address, job_secret(args.secret_file), args.insecure)
@@ -528,7 +528,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "serve":
         return run_serve(args)
     if args.command == "secret":
-        from distload.secret import make_secret
+        from distload.live.secret import make_secret
 
         print(make_secret())
         return 0

@@ -69,7 +69,7 @@ from distload.live.transfer import (BucketKey, Cuts, SyncTensor, BucketLayout, T
                                     group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.buckets import ALIGN, flat_bytes, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
-from distload.secret import job_secret
+from distload.live.secret import job_secret
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
 log = logging.getLogger("distload")
@@ -220,7 +220,7 @@ class SyncChannel:
             raise ConfigError("a SyncChannel needs a rendezvous address (tcp://HOST:PORT) for two jobs; "
                               "inside one job use distload.WeightSync")
         self.address = rendezvous_address or "the job's rendezvous store"
-        # The job secret (distload/secret.py): proves this member to the store and keys the
+        # The job secret (distload/live/secret.py): proves this member to the store and keys the
         # buckets' checks; None where none is set (then only loopback is served).
         self._secret = job_secret(secret_file)
         self._serving = store is None and role == host and self.rank == 0

@@ -25,7 +25,7 @@ from distload.loading.host_memory import HostMemory
 from distload.loading.loader import LoadResult
 from distload.loading.report import (LoadReport, RankReport, gib_per_s, peak_rss_bytes, state_digest,
                                      storage_read_bytes)
-from distload.secret import job_secret
+from distload.live.secret import job_secret
 from distload.tp.slices import shard_shape, take_shard
 from distload.tp.spec import ShardingSpec, load_spec
 from distload.workers.group import WorkerGroup

@@ -280,8 +280,8 @@ class _HostMapping:
 
 _STORAGE_DEVICE = 6  # in torch.multiprocessing.reductions.rebuild_cuda_tensor's arguments
 # The other arguments that are types, by name: a handle names one of these or is refused.
-_TENSOR_TYPES = {"Tensor": torch.Tensor}
-_STORAGE_TYPES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+_TENSOR_TYPES = (("Tensor", torch.Tensor),)
+_STORAGE_TYPES = (("TypedStorage", torch.storage.TypedStorage), ("UntypedStorage", torch.UntypedStorage))
 
 
 def ipc_handle(tensor: torch.Tensor) -> list:
@@ -302,7 +302,7 @@ def ipc_arguments(handle: list) -> tuple:
     type or dtype that is not a plain tensor's."""
     try:
         tensor_cls, size, stride, offset, storage_cls, dtype, device, *rest = handle
-        types = (_TENSOR_TYPES[tensor_cls], _STORAGE_TYPES[storage_cls], getattr(torch, dtype))
+        types = (dict(_TENSOR_TYPES)[tensor_cls], dict(_STORAGE_TYPES)[storage_cls], getattr(torch, dtype))
         if not isinstance(types[2], torch.dtype) or len(rest) != 8:
             raise KeyError(dtype)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:

@@ -39,7 +39,7 @@ from distload.errors import ConfigError, SyncError
 from distload.live import wire
 from distload.live.store import AuthError, NotAStore, StoreClient, StoreServer, is_loopback
 from distload.runtime import RUNTIME
-from distload.secret import HOW, Secret
+from distload.live.secret import HOW, Secret
 from distload.workers.group import NCCL_CLEANUP_ONLY
 
 log = logging.getLogger("distload")
@@ -250,9 +250,6 @@ def open_store(address: str, serve: bool, timeout_s: float, server: str, secret:
     return BoundedStore(raw, address, server)
 
 
-_WARNED_INSECURE: set[str] = set()
-
-
 def check_listen(host: str, address: str, secret: Secret | None, insecure: bool) -> None:
     """Refuse to listen beyond this host without the job secret (unless ``insecure``: warned once)."""
     if secret is not None or is_loopback(host):
@@ -261,8 +258,10 @@ def check_listen(host: str, address: str, secret: Secret | None, insecure: bool)
         raise ConfigError(f"refusing to serve {address} without a job secret: anyone who reaches it could push "
                           f"or take weights; {HOW} (or listen on 127.0.0.1, or pass insecure=True / --insecure "
                           f"on a network only this job's hosts reach)")
-    if address not in _WARNED_INSECURE:
-        _WARNED_INSECURE.add(address)
+    with RUNTIME.lock:
+        first = address not in RUNTIME.warned_insecure
+        RUNTIME.warned_insecure.add(address)
+    if first:
         log.warning("serving %s without a job secret (insecure): anyone who reaches it can push or take "
                     "weights", address)
 
@@ -308,7 +307,6 @@ def put(store: Any, key: str, value: Any) -> None:
     store.set(key, wire.encode(value))
 
 
-@wire.register
 @dataclass(frozen=True)
 class Hello:
     nonce: str
@@ -316,7 +314,6 @@ class Hello:
     info: Mapping[str, Any] = field(default_factory=dict)  # what it keeps, its device type
 
 
-@wire.register
 @dataclass(frozen=True)
 class SessionRecord:
     id: str

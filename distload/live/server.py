@@ -32,7 +32,7 @@ import torch.distributed as dist
 from distload.errors import ConfigError, SyncError
 from distload.live import rendezvous
 from distload.live.channel import DEFAULT_BUCKET_BYTES, SyncChannel
-from distload.secret import job_secret
+from distload.live.secret import job_secret
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch
 

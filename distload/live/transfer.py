@@ -27,8 +27,7 @@ import numpy as np
 import torch
 
 from distload.errors import ConfigError
-from distload.live import wire
-from distload.secret import Secret
+from distload.live.secret import Secret
 from distload.loading.buckets import ALIGN, flat_bytes, group_in_order, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
@@ -49,7 +48,6 @@ CHECKSUM_BYTES = 16  # two int64 words a bucket: its tag (checksum)
 DIRECT_BYTES = 4 * 1024**2
 
 
-@wire.register
 @dataclass(frozen=True)
 class SyncTensor:
     """One tensor of an update, as the sender holds it (whole)."""
@@ -233,7 +231,7 @@ def unpack(buffer: torch.Tensor, layout: BucketLayout, entries: Sequence[SyncTen
 
 class BucketKey:
     """The key of one trainer rank's buckets in one update: :func:`checksum` tags every bucket
-    with it. Derived from the job secret (distload/secret.py), the session, the update's number
+    with it. Derived from the job secret (distload/live/secret.py), the session, the update's number
     and the trainer rank, so a tag proves who sent the bytes and is good for that update only: a
     bucket replayed from another update, session or trainer rank fails. Without a secret the
     same key is derived from public values: the tag still catches transport and buffer faults,
@@ -253,7 +251,7 @@ class BucketKey:
         return self._on[device]
 
 
-_PUBLIC_BUCKETS = hashlib.sha256(b"distload buckets without a secret").digest()
+_PUBLIC_BUCKETS = b"distload buckets without a secret"  # an HMAC key anyone knows
 _NH_WORDS = 1024  # an NH block: 4 KiB, 1024 32-bit words
 _NH_BLOCK = _NH_WORDS * 4
 _NH_ROWS = 128  # blocks hashed at a time on the host: 512 KiB, in L2 with its temporaries

@@ -7,11 +7,11 @@ every value is JSON, with a few tagged objects for what JSON lacks:
 
 - ``{"\\u0000t": [...]}`` a tuple, ``{"\\u0000s": [...]}`` a set, ``{"\\u0000b": "base64"}`` bytes;
 - ``{"\\u0000d": [[key, value], ...]}`` a dict whose keys are not all strings;
-- ``{"\\u0000c": "Name", "f": [...]}`` one of the dataclasses :func:`register`-ed by name (its
-  fields in order): nothing else is ever constructed.
+- ``{"\\u0000c": "Name", "f": [...]}`` one of the dataclasses :data:`TYPES` names (its fields in
+  order): nothing else is ever constructed.
 
 So a value comes back as it was put (a tuple as a tuple, an int key as an int), and a name that
-was not registered is refused. Values over :data:`COMPRESS_FROM` bytes are stored compressed
+is not among them is refused. Values over :data:`COMPRESS_FROM` bytes are stored compressed
 (zlib, level 1): a trainer rank's metadata (names repeat per layer and expert) compresses about
 11:1, and it is the store's largest traffic. JSON never begins with ``x`` (0x78, zlib's first byte).
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import importlib
 import json
 import zlib
 from typing import Any
@@ -27,19 +28,24 @@ from typing import Any
 COMPRESS_FROM = 2048
 MAX_DECODED = 1 << 31  # a compressed value expands to at most this
 _TUPLE, _SET, _BYTES, _DICT, _CLASS = "\x00t", "\x00s", "\x00b", "\x00d", "\x00c"
-_CLASSES: dict[str, type] = {}
+# The dataclasses that travel, by name, and the module that defines each: nothing else is built.
+TYPES = (("Hello", "distload.live.rendezvous"), ("SessionRecord", "distload.live.rendezvous"),
+         ("SyncTensor", "distload.live.transfer"))
 
 
 class WireError(ValueError):
     """A stored value could not be decoded (not distload's, or from another version)."""
 
 
-def register(cls: type) -> type:
-    """Let instances of dataclass ``cls`` travel (as a class decorator). Only its fields travel."""
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is not a dataclass")
-    _CLASSES[cls.__name__] = cls
-    return cls
+def _travels(kind: type) -> bool:
+    return (kind.__name__, kind.__module__) in TYPES and dataclasses.is_dataclass(kind)
+
+
+def _class(name: str) -> type:
+    module = dict(TYPES).get(name)
+    if module is None:
+        raise WireError(f"a stored value names the type {name!r}, which is not one distload writes")
+    return getattr(importlib.import_module(module), name)
 
 
 def _plain(value: Any) -> Any:
@@ -59,7 +65,7 @@ def _plain(value: Any) -> Any:
         return {_BYTES: base64.b64encode(bytes(value)).decode()}
     if kind in (set, frozenset):
         return {_SET: [_plain(v) for v in value]}
-    if kind.__name__ in _CLASSES and _CLASSES[kind.__name__] is kind:
+    if _travels(kind):
         return {_CLASS: kind.__name__, "f": [_plain(getattr(value, f.name)) for f in dataclasses.fields(value)]}
     if isinstance(value, dict):  # a Mapping subclass (OrderedDict, ...)
         return _plain(dict(value))
@@ -69,7 +75,7 @@ def _plain(value: Any) -> Any:
         return int(value.__index__())
     if isinstance(value, float) or hasattr(value, "__float__") and type(value).__module__ == "numpy":
         return float(value)
-    raise TypeError(f"a {kind.__name__} cannot be written to the store (register it with distload.live.wire)")
+    raise TypeError(f"a {kind.__name__} cannot be written to the store (name it in distload.live.wire.TYPES)")
 
 
 def _hook(obj: dict) -> Any:
@@ -88,10 +94,7 @@ def _hook(obj: dict) -> Any:
     if tag == _DICT:
         return {(tuple(k) if isinstance(k, list) else k): v for k, v in body}
     if tag == _CLASS:
-        cls = _CLASSES.get(body)
-        if cls is None:
-            raise WireError(f"a stored value names the type {body!r}, which is not one distload writes")
-        return cls(*obj["f"])
+        return _class(body)(*obj["f"])
     raise WireError(f"a stored value has the unknown tag {tag!r}")
 
 

@@ -25,8 +25,8 @@ from distload.errors import ConfigError
 SECRET_ENV = "DISTLOAD_SECRET"
 SECRET_FILE_ENV = "DISTLOAD_SECRET_FILE"
 MIN_BYTES = 16  # a shorter secret is refused: it could be guessed by trying
-HOW = (f"set {SECRET_ENV} (or {SECRET_FILE_ENV}, a file readable by its owner only) to the same secret on "
-       f"every member, e.g. one made by `distload secret`")
+HOW = ("set DISTLOAD_SECRET (or DISTLOAD_SECRET_FILE, a file readable by its owner only) to the same secret on "
+       "every member, e.g. one made by `distload secret`")  # what to do, in every message that needs one
 
 
 class Secret:
