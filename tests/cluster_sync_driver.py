@@ -6,11 +6,11 @@
 The config (JSON): ``out`` (a folder every host sees: the hosts share this machine's files),
 ``name``, ``role``, ``rank``, ``size``, ``tp`` (tensor-parallel size of an inference rank),
 ``channels`` ({"delta": "tcp://HOST:PORT", "full": ...}: a channel with deltas on, one with them
-off), ``host`` (the side serving the rendezvous), ``timeout``, ``bucket`` (bytes), ``model``
+off; any name that starts with "delta" has them on), ``host`` (the side serving the rendezvous), ``timeout``, ``bucket`` (bytes), ``model``
 (hidden, inter, layers, vocab, heads, kv_heads, head_dim: a Llama's bf16 shapes), ``change`` (the
 fraction of elements a step changes, by one ulp each: what an RL step at lr 1e-6 does to bf16
 weights), ``steps``: ``push:CHANNEL:VERSION``, ``recv:CHANNEL``, ``mark:NAME``, ``gate:NAME``,
-``sleep:S``, ``close``.
+``sleep:S``, ``close`` (``gate``: comma-separated names, all waited for).
 
 Every step's outcome is one JSON line in ``OUT/NAME<rank>.jsonl`` with a wall-clock stamp; an
 inference rank checks every received tensor bit for bit against the version it says it holds
@@ -102,12 +102,14 @@ def exact(target: dict[str, torch.Tensor], version: int) -> bool:
                for n in want)
 
 
-def gate(name: str, timeout: float = 120) -> None:
+def gate(names: str, timeout: float = 600) -> None:
+    """Wait for every file of ``names`` (comma-separated) in OUT."""
     deadline = time.monotonic() + timeout
-    while not os.path.exists(os.path.join(OUT, name)):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{NAME}: {name} never appeared")
-        time.sleep(0.02)
+    for name in names.split(","):
+        while not os.path.exists(os.path.join(OUT, name)):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{NAME}: {name} never appeared")
+            time.sleep(0.01)
 
 
 class Logged(logging.Handler):
@@ -130,7 +132,7 @@ for kind, address in cfg["channels"].items():
     try:
         channels[kind] = SyncChannel(address, cfg["role"], rank=RANK, size=SIZE, host=cfg.get("host", "trainer"),
                                      device="cpu", timeout_s=cfg["timeout"], bucket_bytes=cfg["bucket"],
-                                     delta=kind == "delta", **extra)
+                                     delta=kind.startswith("delta"), **extra)
     except SyncError as exc:
         log("open", ok=False, channel=kind, error=str(exc), seconds=time.monotonic() - t0)
         sys.exit(0)

@@ -192,3 +192,30 @@ def test_a_link_down_mid_update(members, cluster, down):
     last_push = members.events("trainer0", "push")[2]
     last_recv = members.events("inf0", "recv")[2]
     assert last_push["ok"] and last_recv["ok"] and last_recv["version"] == 3 and last_recv["exact"], members.report()
+
+
+PAIR_ADDRESS = ("import json, sys; from distload.errors import SyncError; from distload.live import rendezvous\n"
+                "out = {}\n"
+                "for a in sys.argv[1:]:\n"
+                "    try: out[a] = rendezvous.pair_address(a)\n"
+                "    except SyncError as exc: out[a] = 'error: ' + str(exc)\n"
+                "print(json.dumps(out))")
+
+
+def test_the_address_a_pair_listens_on(cluster):
+    """On a Debian-style host: towards a peer's address, eth0's; towards loopback, loopback; on a
+    wildcard rendezvous (the serving side of tcp://0.0.0.0:PORT), eth0's, not the 127.0.1.1 the
+    host's name resolves to; towards an address no route reaches, one line naming it and the fix."""
+    train, other = cluster["train"], cluster["infer-b"]
+    addresses = [f"tcp://{train.address}:1234", "tcp://127.0.0.1:1234", "tcp://0.0.0.0:1234",
+                 "tcp://192.0.2.7:1234"]
+    out = other.check([sys.executable, "-c", PAIR_ADDRESS, *addresses], timeout=60,
+                      env={"PYTHONPATH": str(TESTS.parent)})
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got[addresses[0]] == other.address
+    assert got[addresses[1]] == "127.0.0.1"
+    assert got[addresses[2]] == other.address
+    unreachable = got[addresses[3]]
+    assert unreachable.startswith("error: no route from this host to the sync rendezvous host 192.0.2.7")
+    assert "GLOO_SOCKET_IFNAME" in unreachable and "/etc/hosts" in unreachable and "\n" not in unreachable
