@@ -483,8 +483,8 @@ def _connect(host: str, port: int, secret: Secret | None, connect_s: float, wher
         try:
             hello = _read_magic(sock) + _read(sock, 1 + NONCE)
         except (socket.timeout, TimeoutError):
-            raise ConnectionError(f"something accepts connections at {where} but does not answer as a distload "
-                                  f"rendezvous (stopped, hung, or another program holds the port)") from None
+            # the caller names it (rendezvous.open_store): a stopped server or another program
+            raise TimeoutError(f"nothing answered the handshake at {where}") from None
         except ValueError:
             hello = b""
         if hello[:len(MAGIC)] != MAGIC:
