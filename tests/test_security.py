@@ -204,6 +204,39 @@ def test_the_store_admits_only_who_proves_the_secret_and_says_what_to_set():
         assert SECRET not in message and WRONG not in message
 
 
+def test_connections_that_never_prove_the_secret_are_bounded_and_dropped(monkeypatch):
+    """A stranger that opens connections and says nothing holds at most UNPROVEN of them (per
+    address), each for HANDSHAKE_S; past that they are closed, and a member gets in."""
+    from distload.live import store as store_module
+
+    monkeypatch.setattr(store_module, "HANDSHAKE_S", 1.0)
+    secret = Secret(SECRET.encode(), "test")
+    server = StoreServer("127.0.0.1", 0, secret, "the test rendezvous")
+    idle = []
+    try:
+        for _ in range(store_module.UNPROVEN + 4):
+            conn = socket.create_connection(("127.0.0.1", server.port))
+            conn.settimeout(5)
+            idle.append(conn)
+        extra_closed_at = []
+        for conn in idle[store_module.UNPROVEN:]:  # over the bound: closed at once, before any byte
+            start = time.monotonic()
+            assert conn.recv(64) == b""
+            extra_closed_at.append(time.monotonic() - start)
+        assert max(extra_closed_at) < 0.9
+        assert any(f"{store_module.UNPROVEN} of its connections" in r for r in server.refused)
+        for conn in idle[:store_module.UNPROVEN]:  # silent past HANDSHAKE_S: dropped
+            assert conn.recv(64) == b""
+        ok = _client(server.port, secret)
+        ok.set("k", b"v")
+        assert ok.get("k") == b"v"
+        ok.close()
+    finally:
+        for conn in idle:
+            conn.close()
+        server.close()
+
+
 def test_a_frame_altered_on_the_wire_ends_the_connection_before_it_is_decoded():
     """A man in the middle that flips one byte of a request after the handshake: the server
     drops the connection (the value is never stored) and the client's next call fails."""

@@ -44,6 +44,7 @@ MAGIC = b"DLSTORE1"
 NONCE = 32
 TAG = 16  # bytes of a frame's HMAC-SHA256 kept
 HANDSHAKE_S = 10.0  # a peer that has not proved the secret by then is dropped
+UNPROVEN = 16  # one address's connections at once still in their handshake: past it, closed at once
 MAX_FRAME = 1 << 30  # a frame's length is read only from an authenticated peer; this bounds mistakes
 _PUBLIC_KEY = b"distload store without a secret"  # an HMAC key anyone knows: proves nothing
 _NO_SECRET, _HAS_SECRET = 0, 1
@@ -197,6 +198,11 @@ class StoreServer:
         self._conns: set[_Framed] = set()
         self.refused: list[str] = []  # the addresses refused for not proving the secret (last few)
         self._warned: dict[str, float] = {}
+        # A stranger opening connections that never speak holds a thread each for HANDSHAKE_S:
+        # bounded per address, so that it can neither exhaust the process's threads nor crowd
+        # out the members (who connect from other addresses, or prove the secret at once).
+        self._unproven: dict[str, int] = {}
+        self._unproven_lock = threading.Lock()
         threading.Thread(target=self._accept, name="distload-store-accept", daemon=True).start()
 
     def close(self) -> None:
@@ -216,6 +222,14 @@ class StoreServer:
                 sock, peer = self._sock.accept()
             except OSError:
                 return
+            with self._unproven_lock:
+                pending = self._unproven.get(peer[0], 0)
+                if pending < UNPROVEN:
+                    self._unproven[peer[0]] = pending + 1
+            if pending >= UNPROVEN:
+                sock.close()
+                self._refuse(f"{peer[0]}:{peer[1]}", f"{UNPROVEN} of its connections were already in their handshake")
+                continue
             threading.Thread(target=self._serve, args=(sock, peer), name="distload-store-conn", daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: Any) -> None:
@@ -226,6 +240,11 @@ class StoreServer:
         except (OSError, ConnectionError, struct.error):
             sock.close()
             return
+        finally:
+            with self._unproven_lock:
+                self._unproven[peer[0]] -= 1
+                if not self._unproven[peer[0]]:
+                    del self._unproven[peer[0]]
         if conn is None:
             return
         self._conns.add(conn)
