@@ -10,7 +10,8 @@ off; any name that starts with "delta" has them on), ``host`` (the side serving 
 (hidden, inter, layers, vocab, heads, kv_heads, head_dim: a Llama's bf16 shapes), ``change`` (the
 fraction of elements a step changes, by one ulp each: what an RL step at lr 1e-6 does to bf16
 weights), ``steps``: ``push:CHANNEL:VERSION``, ``recv:CHANNEL``, ``mark:NAME``, ``gate:NAME``,
-``sleep:S``, ``close`` (``gate``: comma-separated names, all waited for).
+``sleep:S``, ``close`` (``gate``: comma-separated names, all waited for); ``settle``: after each
+push wait for the delta base's commit (outside the push's time, logged as ``settle``).
 
 Every step's outcome is one JSON line in ``OUT/NAME<rank>.jsonl`` with a wall-clock stamp; an
 inference rank checks every received tensor bit for bit against the version it says it holds
@@ -154,7 +155,14 @@ for step in cfg["steps"]:
         t0 = time.monotonic()
         try:
             stats = channels[which].push(mine, version)
-            log("push", ok=True, channel=which, version=version, seconds=time.monotonic() - t0,
+            seconds = time.monotonic() - t0
+            # A delta channel commits its base copy on a thread after push returns (delta.py): let
+            # it end here, so that it does not run under the next push (as bench_sync.py does).
+            base = getattr(channels[which], "_base", None)
+            t1 = time.monotonic()
+            if cfg.get("settle") and base is not None:
+                base.settle()
+            log("push", ok=True, channel=which, version=version, seconds=seconds, settle=time.monotonic() - t1,
                 stats_seconds=stats.seconds, nbytes=stats.nbytes, wire=stats.wire_bytes, delta=stats.delta,
                 verified=stats.verified)
         except SyncError as exc:
