@@ -27,6 +27,7 @@ from distload.errors import (
     ReloadError,
     ShardLayoutError,
     SyncError,
+    UpdateRefused,
 )
 from distload.workers.group import WorkerGroup
 from distload.live.reload import Destination, ReloadReport, reload_into
@@ -66,4 +67,5 @@ __all__ = [
     # errors
     "DistloadError", "ConfigError", "CheckpointError", "ShardLayoutError", "ObjectStoreError",
     "BackendUnavailableError", "GroupError", "RankFailedError", "ReloadError", "SyncError",
+    "UpdateRefused",
 ]

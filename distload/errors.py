@@ -53,6 +53,13 @@ class SyncError(DistloadError):
     """A weight-sync update was refused or failed; the receiver's version did not advance."""
 
 
+class UpdateRefused(SyncError):
+    """A weight-sync update every member refused before any byte moved (a receiver's tensors do
+    not fit what it keeps, or the trainer ranks disagree): every version is unchanged and the
+    channel's session stays, so the next push needs no reconnect. The message names each rank's
+    problems and what to do."""
+
+
 class BackendUnavailableError(DistloadError):
     """A backend cannot run on this machine (missing package, no CUDA, ...)."""
 

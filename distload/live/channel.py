@@ -57,19 +57,19 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from distload.errors import ConfigError, DistloadError, SyncError
+from distload.errors import ConfigError, DistloadError, SyncError, UpdateRefused
 from distload.workers.group import DEFAULT_TIMEOUT_S
 from distload.workers.launch import detect_launch, resolve_device
 from distload.live import delta as deltas
 from distload.live import handoff, pairing, rendezvous, verdicts
 from distload.live.rendezvous import ROLES, BoundedStore, StoreLost, describe
+from distload.live.secret import job_secret
 from distload.live.session import Session, gpu_identity, join, leave
 from distload.live.targets import model_tensors
-from distload.live.transfer import (BucketKey, Cuts, SyncTensor, BucketLayout, TPPlace, check_pieces, checksum, first_mismatch,
-                                    group_entries, layouts, pack, run_bytes, unpack)
+from distload.live.transfer import (BucketKey, BucketLayout, Cuts, KeptSlice, SyncTensor, TPPlace, check_pieces,
+                                    checksum, first_mismatch, group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.buckets import ALIGN, flat_bytes, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
-from distload.live.secret import job_secret
 from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
 
 log = logging.getLogger("distload")
@@ -82,10 +82,6 @@ _SHOWN = 4  # mismatches listed per rank in a refusal; the rest are counted
 
 class _Unkept(Exception):
     """Why this rank cannot take an update's tensors as sent (its refusal, posted as ready)."""
-
-
-class _Refused(SyncError):
-    """An update every member refused before any byte moved: the session stays usable."""
 
 
 @dataclass
@@ -271,7 +267,9 @@ class SyncChannel:
     def _info(self) -> dict[str, Any]:
         spec = self.place.spec
         return {"tp_size": self.place.size, "spec": None if spec is None else spec.to_json(),
-                "device": self.device.type, "gpu": gpu_identity(self.device), "verify": self.verify or self._secret is not None,
+                "device": self.device.type, "gpu": gpu_identity(self.device),
+                # with a job secret every update is checked: the tags prove who sent the bytes
+                "verify": self.verify or self._secret is not None,
                 "pid": os.getpid(), "cuts": self._keeps is not None,
                 # Only a member that posts its host may hand off to a same-host peer (handoff.py).
                 "host": handoff.host_identity() if self.transport == "auto" else None}
@@ -333,7 +331,7 @@ class SyncChannel:
                 metas = {self.rank: meta}
                 verdict = verdicts.await_verdict(session, deadline)
             if verdict.refused:
-                raise _Refused(verdict.refused)
+                raise UpdateRefused(verdict.refused)
             if not session.leader and dtensors:  # the leader's order of gathering them
                 metas[0] = rendezvous.get(session.store, session.key("meta", 0))
             routes = self._routes(session, entries, groups, verify, verdict.takes)
@@ -341,7 +339,7 @@ class SyncChannel:
             sent = session.supervise(lambda cancelled: self._send(session, peers, routes, tensors, dtensors, metas,
                                                                   groups, changes, cancelled, deadline), deadline)
             session.finish(deadline, self._serving)
-        except _Refused:
+        except UpdateRefused:
             raise
         except BaseException:
             self._drop_session()
@@ -653,27 +651,29 @@ class SyncChannel:
                     metas = {t: m for t, m in metas.items() if pairing.carries(m["entries"], place)}
                 plans = {t: layouts(m["entries"], m["groups"], place, m["verify"]) for t, m in metas.items()}
             except (ConfigError, _Unkept) as exc:
-                plans, problems = {}, [str(exc)]
+                plans, problems, advice = {}, [str(exc)], None
             else:
                 wanted = {m["entries"][piece.entry].name: (DTYPES[m["entries"][piece.entry].dtype], piece.shape)
                           for t, m in metas.items() for layout in plans[t] for piece, _ in layout.items}
                 targets = targets_for(wanted)
                 problems = self._settled(min(self.timeout_s, SETTLE_S))
+                advice = None
                 for t, meta in metas.items():
                     pieces = [piece for layout in plans[t] for piece, _ in layout.items]
                     problems += check_pieces(meta["entries"], pieces, targets)
+                    advice = advice or self._whole_targets(meta["entries"], pieces, targets)
             takes = [] if problems else self._takes(metas, plans, targets)
-            session.put("ready", verdicts.ready(problems, takes))
+            session.put("ready", verdicts.ready(problems, takes, advice if problems else None))
             verdict = verdicts.await_verdict(session, deadline)  # the leader's, from every member's ready
             if verdict.refused:
-                raise _Refused(verdict.refused)
+                raise UpdateRefused(verdict.refused)
             # the deltas it takes as the verdict says: where its relay chain's others cannot take a
             # trainer rank's delta, it takes every byte from that rank with them (chained_takes)
             takes = list(verdict.takes.get(session.me, ()))
             # per sender: where its messages come from, whom this rank passes them on to (relays)
             where = pairing.places(session.record)
             relays = {t: pairing.links(session.record, session.me, t, verdict.takes, where) for t in metas}
-        except _Refused:
+        except UpdateRefused:
             raise
         except BaseException:
             self._drop_session()
@@ -970,6 +970,21 @@ class SyncChannel:
                 f"tensors (its trainer stopped mid-update and has not resumed or died); not receiving over them"]
 
     # -- shared ------------------------------------------------------------------------------------
+    def _whole_targets(self, entries: Sequence[SyncTensor], pieces: Sequence[KeptSlice],
+                       targets: Mapping[str, torch.Tensor]) -> str | None:
+        """What to do where this rank keeps TP slices but its target holds whole tensors (a
+        plain Hugging Face model at ``tensor_parallel_size`` > 1); None otherwise."""
+        whole = [entries[p.entry] for p in pieces if p.action is not None and p.shape != entries[p.entry].shape
+                 and entries[p.entry].name in targets
+                 and tuple(targets[entries[p.entry].name].shape) == entries[p.entry].shape]
+        if not whole:
+            return None
+        size, rank = self.place.size, self.place.rank
+        return (f"this rank keeps TP rank {rank} of {size}'s slices (tensor_parallel_size={size}) but its target "
+                f"holds whole tensors ({len(whole)}, e.g. {whole[0].name} {list(whole[0].shape)}): receive into "
+                f"tensors of the slices' shapes, such as distload.load(CHECKPOINT, tensor_parallel_size={size}) "
+                f"or a model built for TP {size}, or keep whole tensors with tensor_parallel_size=1")
+
     def _bucket_key(self, session: Session, trainer: int) -> BucketKey:
         """The key that tags trainer rank ``trainer``'s buckets in this update (transfer.BucketKey)."""
         return BucketKey(self._secret, session.record.id, session.seq, trainer)

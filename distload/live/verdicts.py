@@ -43,9 +43,10 @@ class Verdict:
     # take, less what its relay chain cannot (pairing.chained_takes)
 
 
-def ready(problems: Sequence[str], takes: Sequence[int]) -> list:
-    """An inference rank's answer: what stops it, and the trainer ranks whose delta it takes."""
-    return [list(problems), list(takes)]
+def ready(problems: Sequence[str], takes: Sequence[int], advice: str | None = None) -> list:
+    """An inference rank's answer: what stops it, the trainer ranks whose delta it takes, and
+    what to do about its problems where one thing explains them all (said once, after them)."""
+    return [list(problems), list(takes), advice]
 
 
 def post_route(session: Any, meta: Mapping[str, Any], version: int, deadline: float) -> dict[int, Mapping[str, Any]]:
@@ -88,14 +89,15 @@ def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: 
     receivers = range(record.trainer_size, record.world_size)
     refusals = []
     takes = {}
-    for rank, (problems, took) in zip(receivers, session.collect("ready", deadline, receivers)):
+    for rank, (problems, took, advice) in zip(receivers, session.collect("ready", deadline, receivers)):
         if took:
             takes[rank] = took
         if problems:
             shown = "; ".join(problems[:SHOWN])
             more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
             what = "tensor does not fit" if len(problems) == 1 else "tensors do not fit"
-            refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}")
+            refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}"
+                            + (f"; {advice}" if advice else ""))
     refusals += sender_conflicts([metas[t] for t in sorted(metas)])
     refused = None
     if refusals:
