@@ -165,6 +165,7 @@ class LocalBytes:
 
     task_bytes = CHUNK_BYTES  # several reads in flight for the disk's queue, as in a plain read
     keeps_received = False  # local files have the page cache
+    where = None  # a local disk: a round that times out has lost a rank, not a link
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}

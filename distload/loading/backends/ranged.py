@@ -224,6 +224,7 @@ class StoreBytes:
     def __init__(self, bytes_of: ObjectBytes):
         self.bytes_of = bytes_of
         self.keeps_received = bytes_of.cache is not None  # into this node's cache
+        self.where = _where(bytes_of)
 
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None:
@@ -245,6 +246,17 @@ class StoreBytes:
 
     def close(self) -> None:
         pass  # the cache closes once the tensors are all out (_counted)
+
+
+def _where(bytes_of: ObjectBytes) -> str | None:
+    """The store's endpoint the reads go to (and the setting that named it), for messages."""
+    from distload.loading.stores import store_for
+
+    try:
+        store, _ = store_for(next(iter(bytes_of.files)))
+        return f"the {store.product} endpoint {store.endpoint().describe()}"
+    except Exception:  # a message's detail only: never a reason to fail a load
+        return None
 
 
 class _Assembly:

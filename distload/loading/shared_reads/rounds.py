@@ -18,6 +18,7 @@ Every rank of the group runs the same number of rounds, so the exchanges pair up
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from distload.errors import DistloadError, GroupError, RankFailedError
@@ -71,11 +72,18 @@ def _mark_reported(exc: BaseException) -> None:
 
 def run_rounds(group: "WorkerGroup", rounds: int, what: str, start: Callable[[int], None],
                prepare: Callable[[int], T], ahead: int = READ_AHEAD_ROUNDS,
-               describe: Callable[[BaseException], str] = describe_failure) -> Iterator[T]:
+               describe: Callable[[BaseException], str] = describe_failure,
+               source: str | None = None) -> Iterator[T]:
     """Rounds ``0 .. rounds - 1`` (the same count on every rank of ``group``): ``start(r)``
     starts this rank's reads of round r (once each, ``ahead`` rounds early), ``prepare(r)`` makes
     round r ready to move, and every rank agrees on it (``what`` names the step in the error)
-    before it is yielded: the caller then moves the round's data and consumes it."""
+    before it is yielded: the caller then moves the round's data and consumes it.
+
+    ``source``: where the reads go (an object store's endpoint, say). A rank whose reads there
+    are slow or stalled, though its connection stays alive, holds up every other rank at the
+    round's agreement until the group's timeout; the error that ends them then names the source
+    and how long this rank's own reads of the round took, so that a slow link to the store is
+    told from a lost rank."""
     started = 0
     for r in range(rounds):
         prepared: list[T] = []
@@ -88,6 +96,15 @@ def run_rounds(group: "WorkerGroup", rounds: int, what: str, start: Callable[[in
                 start(started)
                 started += 1
             prepared.append(prepare(r))
+            took.append(time.monotonic() - began)
 
-        agree(group, step, what, describe)
+        began, took = time.monotonic(), []
+        try:
+            agree(group, step, what, describe)
+        except GroupError as exc:
+            if source is None or not took or isinstance(exc, RankFailedError):
+                raise  # this rank's own step failed, or a rank said why it failed: nothing to add
+            raise GroupError(f"{exc}; round {r + 1} of {rounds} waited for every rank's reads from {source} "
+                             f"(this rank's took {took[0]:.1f} s): a rank whose reads from there "
+                             f"are slow or stalled holds up the others until the timeout") from exc
         yield prepared[0]

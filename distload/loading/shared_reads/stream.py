@@ -78,6 +78,7 @@ class ByteReader(Protocol):
 
     task_bytes: int
     keeps_received: bool
+    where: str | None  # where the reads go, for a round's timeout (an object store's endpoint)
 
     def read(self, info: TensorInfo, extents: Sequence[Extent], view: memoryview) -> None: ...
 
@@ -343,7 +344,8 @@ def shared_stream(request: ReadRequest, run: BackendRun, reader: ByteReader, con
                         reads[b] = _start_read(pool, _Bucket(b, plan, me, tensors), plan, reader)
 
             yield from tensors.ready()  # leading empty tensors
-            for this_round in run_rounds(group, rounds, "reading its share", start, prepare):
+            for this_round in run_rounds(group, rounds, "reading its share", start, prepare,
+                                         source=getattr(reader, "where", None)):
                 _send(group, members, me, this_round, broadcast)
                 for bucket in this_round:
                     if bucket.reader == me:
