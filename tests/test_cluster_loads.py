@@ -111,6 +111,32 @@ def load_args(ckpt, report: Path, *extra: str) -> list[str]:
     return ["-m", "distload", "load", ckpt.uri, "--no-progress", "--report-json", str(report), *extra]
 
 
+# -- pure: the words of a round that times out ------------------------------------------------------
+
+def test_a_round_that_times_out_names_where_the_reads_go_and_how_long_this_ranks_took():
+    """A peer that is alive but slow to read its share from the store holds this rank up at the
+    round's agreement until the timeout: the error names the source and this rank's own time."""
+    from types import SimpleNamespace
+
+    from distload.errors import GroupError
+    from distload.loading.shared_reads.rounds import run_rounds
+
+    def exchange(value, explain=True):
+        raise GroupError("rank 1: lost contact with the other ranks while exchanging state (timeout 4s): "
+                         "Timed out waiting 4000ms for recv operation to complete")
+
+    group = SimpleNamespace(world_size=2, exchange=exchange)
+    where = "the S3 endpoint http://10.0.0.3:9000 (from AWS_ENDPOINT_URL)"
+    with pytest.raises(GroupError) as caught:
+        list(run_rounds(group, 3, "reading its share", lambda r: None, lambda r: r, source=where))
+    text = str(caught.value)
+    assert text.startswith("rank 1: lost contact with the other ranks")
+    assert f"round 1 of 3 waited for every rank's reads from {where} (this rank's took 0.0 s)" in text
+    with pytest.raises(GroupError) as plain:  # no source (a local disk, pull): the message as it was
+        list(run_rounds(group, 3, "reading its share", lambda r: None, lambda r: r))
+    assert "waited for" not in str(plain.value)
+
+
 # -- loads that work -------------------------------------------------------------------------------
 
 def test_a_two_host_load_takes_each_byte_from_the_store_once(cluster, ckpt, tmp_path):
