@@ -127,6 +127,33 @@ def delta_vs_full(run: Run, repeats: int) -> dict:
             "wire_ratio": rows[0]["delta_wire"] / rows[0]["full_wire"]}
 
 
+def tags(run: Run, repeats: int) -> dict:
+    """Full verified pushes, trainer host -> one inference host, the buckets checked with the keyed
+    tags (the code's) and with the unkeyed sums they replaced (bench_sync._unkeyed_sums), both
+    sides switching alike before each push, alternating which goes first."""
+    run.case("tags_" + str(run.port))
+    channels = {"full": run.address()}
+    order = [("keyed", 1), ("unkeyed", 2)]  # warm-ups
+    for v in range(3, 2 * repeats + 3, 2):
+        pair = [("keyed", v), ("unkeyed", v + 1)] if v % 4 == 3 else [("unkeyed", v), ("keyed", v + 1)]
+        order += pair
+    trainer = [s for k, (sums, v) in enumerate(order) for s in (f"gate:inf0-{k}", f"sums:{sums}", f"push:full:{v}")]
+    receiver = [s for k, (sums, _) in enumerate(order) for s in (f"sums:{sums}", f"mark:inf0-{k}", "recv:full")]
+    run.start("train", "trainer", "trainer", 0, 1, channels, trainer)
+    run.start("inf0", "inf", "inference", 0, 1, channels, receiver)
+    run.finish(run.timeout * (len(order) + 2))
+    pushes = run.events("trainer0", "push")[2:]
+    recvs = run.events("inf0", "recv")[2:]
+    assert all(p["ok"] and p["verified"] for p in pushes) and all(r["ok"] and r["exact"] for r in recvs), \
+        (pushes, recvs)
+    kind = dict((v, sums) for sums, v in order)
+    keyed = [p["seconds"] for p in pushes if kind[p["version"]] == "keyed"]
+    unkeyed = [p["seconds"] for p in pushes if kind[p["version"]] == "unkeyed"]
+    return {"keyed_s": keyed, "unkeyed_s": unkeyed, "keyed_s_median": statistics.median(keyed),
+            "unkeyed_s_median": statistics.median(unkeyed),
+            "cost": statistics.median(keyed) / statistics.median(unkeyed) - 1}
+
+
 def relays(run: Run, repeats: int, hosts: int) -> dict:
     run.case(f"relays_{run.port}")
     one, many = run.address(), run.address()
@@ -221,6 +248,10 @@ def main() -> None:
             print("10g", json.dumps({k: v for k, v in result["delta_10g"].items() if k != "rows"}), flush=True)
             for host in cluster:
                 host.set_rate(1e9)
+        if "tags" in cases:  # the keyed bucket tags' cost where a 1 Gbit/s link carries the bytes
+            result["link_1g_measured_bits_per_s"] = link(cluster, "train", "inf0")
+            result["tags_1g"] = loaded(tags, run, args.repeats)
+            print("tags", json.dumps(result["tags_1g"]), flush=True)
         if "relays" in cases:
             run.bucket = args.relay_bucket_mib << 20
             result["relay_bucket_bytes"] = run.bucket
@@ -287,6 +318,17 @@ def markdown(r: dict) -> str:
         lines += ["", f"Median {d['hosts']} hosts / 1 host: **{d['ratio_median']:.3f}x** ({d['many_s_median']:.3f} s / "
                       f"{d['one_s_median']:.3f} s). The {d['hosts']}-host job's pairs (session ranks, per receiver): "
                       f"{d['pairs']}. Load average {d['load'][0]:.2f} before, {d['load'][1]:.2f} after.", ""]
+    if "tags_1g" in r:
+        d = r["tags_1g"]
+        lines += ["### Keyed bucket tags / the unkeyed sums they replaced, trainer host -> 1 inference host, 1 Gbit/s",
+                  "", "Full verified pushes, both sides switching the check alike before each push, alternating which "
+                  "goes first (docs/security.md).", "", "| check | push seconds | median |", "|---|---|---|",
+                  f"| keyed tags (NH + HMAC-SHA256) | {' '.join(f'{x:.3f}' for x in d['keyed_s'])} | "
+                  f"{d['keyed_s_median']:.3f} |",
+                  f"| unkeyed sums (before) | {' '.join(f'{x:.3f}' for x in d['unkeyed_s'])} | "
+                  f"{d['unkeyed_s_median']:.3f} |", "",
+                  f"The keyed tags cost **{d['cost'] * 100:+.1f}%** of a push here. Load average {d['load'][0]:.2f} "
+                  f"before, {d['load'][1]:.2f} after.", ""]
     return "\n".join(lines)
 
 
