@@ -56,11 +56,12 @@ def state(version):
 def say(**fields):
     print(json.dumps(fields), flush=True)
 
+start = time.monotonic()
 try:
     ch = SyncChannel(cfg["address"], cfg["role"], rank=0, size=1, device="cpu", host=cfg.get("host", "trainer"),
                      timeout_s=cfg["timeout"])
 except SyncError as exc:
-    say(event="refused", error=str(exc))
+    say(event="refused", error=str(exc), seconds=time.monotonic() - start)
     sys.exit(3)
 say(event="joined")
 if cfg["role"] == "trainer":
@@ -70,11 +71,12 @@ if cfg["role"] == "trainer":
             BucketKey.__init__ = lambda self, secret, *a: real(self, Secret(b"not-the-job-secret-at-all", "forger"), *a)
         else:
             BucketKey.__init__ = real
+        begun = time.monotonic()
         try:
             stats = ch.push(state(version), version)
             say(event="pushed", version=version, delta=stats.delta)
         except SyncError as exc:
-            say(event="failed", version=version, error=str(exc))
+            say(event="failed", version=version, error=str(exc), seconds=time.monotonic() - begun)
 else:
     target = {n: torch.zeros_like(t) for n, t in state(0).items()}
     for _ in range(cfg["receives"]):
@@ -359,14 +361,13 @@ def test_strangers_cannot_write_into_join_or_take_from_a_trainer(tmp_path):
     _wait_listening(address)
     stranger = _stranger_with_torch_only(address)
     assert "WROTE" not in stranger.stdout, stranger.stdout
-    start = time.monotonic()
     for secret, words in ((None, "requires the job secret and this process has none"),
                           (WRONG, "refused this process's job secret")):
         events, out = _events(_member(tmp_path, {"address": address, "role": "inference", "receives": 1,
                                                   "timeout": TIMEOUT_S}, secret))
         assert events and events[0]["event"] == "refused" and words in events[0]["error"], out
+        assert events[0]["seconds"] < TIMEOUT_S / 3, out  # at once, not at the timeout
         assert SECRET not in out and WRONG not in out
-    assert time.monotonic() - start < TIMEOUT_S  # at once, not at the timeout
     events, out = _events(_member(tmp_path, {"address": address, "role": "inference", "receives": 2,
                                               "timeout": 40}, SECRET))
     assert [(e["version"], e["exact"], e["verified"]) for e in events if e["event"] == "received"] == \
@@ -398,17 +399,17 @@ def test_a_wrong_secret_is_one_line_on_both_sides_within_the_timeout(tmp_path):
     """Trainer and inference started with different secrets: the inference side is refused at
     once; the trainer's push fails within its timeout naming the refused peer."""
     address = _address()
-    trainer = _member(tmp_path, {"address": address, "role": "trainer", "versions": [1], "timeout": 8}, SECRET)
+    # The trainer's timeout leaves room for the other process to start on a loaded machine.
+    trainer = _member(tmp_path, {"address": address, "role": "trainer", "versions": [1], "timeout": 25}, SECRET)
     _wait_listening(address)
     events, out = _events(_member(tmp_path, {"address": address, "role": "inference", "receives": 1,
                                               "timeout": 8}, WRONG))
     assert events[0]["event"] == "refused" and "\n" not in events[0]["error"], out
-    start = time.monotonic()
     events, out = _events(trainer)
     failed = [e for e in events if e["event"] == "failed"]
     assert failed and "did not join the sync channel" in failed[0]["error"], out
     assert "refused meanwhile: 127.0.0.1 (it did not prove the job secret)" in failed[0]["error"], out
-    assert "\n" not in failed[0]["error"] and time.monotonic() - start < 30
+    assert "\n" not in failed[0]["error"] and failed[0]["seconds"] < 25 + 5, out  # within its timeout
     assert SECRET not in out and WRONG not in out
 
 
