@@ -144,8 +144,8 @@ def pytest_terminal_summary(terminalreporter, config):
 # that none is left running alone at the end. Without pytest-xdist the suite runs serially.
 LONGEST_MODULES_FIRST = (  # measured (serial, 2 cores): about 8 minutes (vLLM's engines) to 1
     "test_vllm_engine.py", "test_object_stores.py", "test_cluster_loads.py", "test_dist_failures.py",
-    "test_dist_equivalence.py", "test_shared_reads.py", "test_sync_failures.py", "test_pull.py", "test_gpu_check.py", "test_launch_slurm.py",
-    "test_node_cache.py", "test_sync_jobs.py", "test_verl_engine.py",
+    "test_dist_equivalence.py", "test_shared_reads.py", "test_sync_failures.py", "test_pull.py", "test_gpu_check.py",
+    "test_launch_slurm.py", "test_node_cache.py", "test_sync_jobs.py", "test_verl_engine.py",
 )
 
 
