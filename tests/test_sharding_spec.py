@@ -351,15 +351,21 @@ def test_an_fp4_split_refusal_quotes_the_files_shape_not_torchs():
         shard_shape(up, (30, 8), spec.action(up, (30, 8), packing=2), 4)
 
 
-def test_a_block_scale_beside_a_split_weight_is_refused():
-    from distload.tp.spec import check_scales
+def test_a_block_scale_beside_a_split_weight_goes_with_it_and_other_scales_are_refused():
+    """FP8 ``weight_scale_inv`` is split with its weight (tests/test_fp8_tp.py); a quantization
+    tensor distload cannot cut with its weight (a zero point) is refused, naming both."""
+    from distload.tp.spec import carry_block_scales, check_scales
 
     spec = load_spec("decoder", LLAMA_CONFIG)
     w, s = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"
     tensors = [(w, (H, INTER), spec.action(w, (H, INTER))), (s, (H // 8, INTER // 8), spec.action(s, (2, 16)))]
+    carried = carry_block_scales(tensors)[s]
+    assert carried.dim == 1 and carried.scales.block == 8 and carried.scales.weight == w
+    z = "model.layers.0.mlp.down_proj.weight_zero_point"
+    tensors = [(w, (H, INTER), spec.action(w, (H, INTER))), (z, (H // 8, INTER // 8), spec.action(z, (2, 16)))]
     with pytest.raises(ConfigError) as err:
         check_scales(tensors)
-    assert repr(s) in str(err.value) and repr(w) in str(err.value) and "without tensor parallelism" in str(err.value)
+    assert repr(z) in str(err.value) and repr(w) in str(err.value) and "without tensor parallelism" in str(err.value)
     per_tensor = [(w, (H, INTER), spec.action(w, (H, INTER))), (s, (), spec.action(s, ()))]
     check_scales(per_tensor)  # one value: fine replicated
 

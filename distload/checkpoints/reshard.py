@@ -31,7 +31,7 @@ from distload.checkpoints.output import (
     split_into_parts,
 )
 from distload.checkpoints.writer import HeaderEntry
-from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
+from distload.tp.spec import ShardingSpec, carry_block_scales, spec_with_config
 from distload.tp.vllm_names import EngineTensor, vllm_state
 from distload.tp.slices import shard_shape, take_shard
 from distload.tensor_io import host_view
@@ -123,7 +123,8 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     actions = {}
     for info in index.tensors:
         actions[info.name] = spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))
-    check_scales([(info.name, info.shape, actions[info.name]) for info in index.tensors])
+    # A split weight's FP8 block scales go with it, cut on its blocks (refused off them).
+    actions = carry_block_scales([(info.name, info.shape, actions[info.name]) for info in index.tensors], config)
     outputs = _output_tensors(index, spec, config, source)
     tensors = {info.name: info for info in index.tensors}
     entries = [_entry(out, tensors, actions, world_size) for out in outputs]

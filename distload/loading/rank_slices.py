@@ -16,7 +16,7 @@ import torch
 from distload.errors import ConfigError
 from distload.loading.index import PACKED, CheckpointIndex
 from distload.tp.place import TPPlace
-from distload.tp.spec import ShardingSpec, check_scales, spec_with_config
+from distload.tp.spec import ShardingSpec, carry_block_scales, spec_with_config
 from distload.tp.slices import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a DTensor's local shard
@@ -122,7 +122,9 @@ def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], M
     actions: dict[str, Action] = {}
     slices: dict[str, SliceBytes] = {}
     every = [(info, spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))) for info in index.tensors]
-    check_scales([(info.name, info.shape, action) for info, action in every])
+    # A split weight's FP8 block scales go with it, cut on its blocks (refused off them).
+    carried = carry_block_scales([(info.name, info.shape, action) for info, action in every], read_config)
+    every = [(info, carried[info.name]) for info, _ in every]
     for info, action in every:
         if action.replicated:
             continue

@@ -57,6 +57,9 @@ class Action:
     # The ranges of ``dim`` one receiver said it keeps (distload/live/transfer.py's Cuts: a vLLM
     # worker's, from the weight map): the same on every rank asked, as a rule's split is not.
     ranges: tuple[tuple[int, int], ...] | None = None
+    # This tensor holds the block scales of a split weight (FP8 ``X.weight_scale_inv``): its ranges
+    # are the weight's, on block boundaries, divided by the block size (distload/tp/spec.py).
+    scales: "BlockScales | None" = None
 
     def __post_init__(self) -> None:
         if self.parts is not None:  # sizes may be given as plain ints: equal-footing plain parts
@@ -70,6 +73,18 @@ class Action:
     @property
     def part_sizes(self) -> tuple[int, ...] | None:
         return None if self.parts is None else tuple(p.size for p in self.parts)
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """What a block-scale tensor is cut by: its weight (name, torch shape, action) and how many of
+    the weight's rows (or columns) along the split dimension one scale entry covers."""
+
+    weight: str
+    weight_shape: tuple[int, ...]
+    weight_action: Action
+    block: int
+    source: str = "inferred from the shapes"  # where ``block`` came from, for messages
 
 
 @dataclass(frozen=True)
@@ -101,6 +116,8 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
     length = int(shape[dim])
     if action.ranges is not None:
         return Slice(action.ranges)
+    if action.scales is not None:
+        return _scale_slice(name, shape, action, action.scales, rank, world_size)
     if action.pad_to is not None:
         return _padded_slice(name, shape, action, length, rank, world_size)
     if world_size == 1:
@@ -114,6 +131,54 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
         ranges.append(_part_range(name, shape, action, part, offset, rank, world_size))
         offset += part.size
     return Slice(tuple(ranges))
+
+
+def _scale_slice(name: str, shape: Sequence[int], action: Action, scales: BlockScales, rank: int,
+                 world_size: int) -> Slice:
+    """Rank ``rank``'s scale rows: its weight's ranges ``[a, b)`` as ``[a / block, b / block)``,
+    refused unless every rank's ranges fall on block boundaries (the weight's last, ragged block
+    aside)."""
+    piece = rank_slice(scales.weight, scales.weight_shape, scales.weight_action, rank, world_size)
+    assert piece is not None and action.dim is not None
+    bad = _off_blocks(piece, scales)
+    if bad is not None:
+        dim, block = action.dim, scales.block
+        rows = "rows" if dim == 0 else "columns" if dim == 1 else f"indices of dim {dim}"
+        working = [t for t in range(1, 129) if _on_blocks(scales, t)]
+        shown = ", ".join(str(t) for t in working[:12]) + (", ..." if len(working) > 12 else "")
+        raise ConfigError(
+            f"tensor {scales.weight!r} with shape {list(scales.weight_shape)} cannot be split over "
+            f"{world_size} ranks with its block scales {name!r} (shape {list(shape)}): rank {rank} would "
+            f"hold its {rows} [{bad[0]}, {bad[1]}) of dim {dim}, which do not fall on the FP8 blocks of {block} "
+            f"{rows} ({scales.source}), so a rank would share a block's scale with another rank. "
+            f"Tensor-parallel sizes that cut {scales.weight!r} on block boundaries: {shown or 'none'} "
+            f"(rule {scales.weight_action.rule!r})"
+        )
+    ranges = tuple((start // scales.block, -(-stop // scales.block)) for start, stop in piece.ranges)
+    return Slice(ranges, piece.padding // scales.block)
+
+
+def _off_blocks(piece: Slice, scales: BlockScales) -> tuple[int, int] | None:
+    """The first range of ``piece`` that is not on block boundaries (None: all are)."""
+    dim = scales.weight_action.dim
+    assert dim is not None
+    length, block = int(scales.weight_shape[dim]), scales.block
+    for start, stop in piece.ranges:
+        if start % block or (stop % block and stop != length):
+            return start, stop
+    if piece.padding % block:  # a padded vocabulary's zero rows: whole blocks of zero scales
+        return length, length + piece.padding
+    return None
+
+
+def _on_blocks(scales: BlockScales, world_size: int) -> bool:
+    """Whether every rank's slice of the weight at ``world_size`` can be made and is on blocks."""
+    try:
+        pieces = [rank_slice(scales.weight, scales.weight_shape, scales.weight_action, r, world_size)
+                  for r in range(world_size)]
+    except ConfigError:
+        return False
+    return all(p is not None and _off_blocks(p, scales) is None for p in pieces)
 
 
 def file_shape(shape: Sequence[int], packing: int) -> list[int]:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from distload.errors import ConfigError
-from distload.tp.slices import Action, Part, file_shape
+from distload.tp.slices import Action, BlockScales, Part, file_shape
 
 
 HEAD_KINDS = ("attention", "kv", "none")  # what a "heads" rule counts; "none": split evenly, ignore heads
@@ -413,13 +413,32 @@ def _rule_from_json(item: Any, where: str) -> Rule:
 # one entry per block of the weight and would have to be split with it.
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".weight_zero_point",
                    ".weight_global_scale", ".weight_packed_scale", ".scales", ".qzeros")
+# The ones a split weight carries with it, cut on its blocks: FP8 block-wise scales as DeepSeek-V3
+# and Qwen3-FP8 name them (``X.weight`` float8_e4m3fn, ``X.weight_scale_inv`` float32 beside it,
+# one per block of ``quantization_config.weight_block_size``).
+BLOCK_SCALE_SUFFIXES = (".weight_scale_inv",)
+_COMMON_BLOCK = 128  # DeepSeek-V3's and Qwen3-FP8's weight_block_size, preferred where shapes allow
 
 
-def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
-    """Refuse a split weight whose block scale stays whole (a rank would get half a weight and all
-    its scales): the built-in specs do not split quantization scales. Per-tensor scales (one
-    value) are fine replicated."""
+def carry_block_scales(tensors: Sequence[tuple[str, Sequence[int], Action]],
+                       config: "Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None" = None
+                       ) -> dict[str, Action]:
+    """Every tensor's action, with the block scales of a split weight split with it.
+
+    ``tensors``: (name, torch shape, the spec's action) of a whole checkpoint. A weight ``X.weight``
+    that the spec splits carries ``X.weight_scale_inv`` (one scale per block) along the same
+    dimension, cut on block boundaries: weight rows ``[a, b)`` -> scale rows ``[a / B, b / B)``;
+    whether every rank's rows fall on them is checked once the TP size is known (rank_slice).
+    The block size ``B`` is config.json's ``quantization_config.weight_block_size`` where given,
+    else inferred from the two shapes. A scale beside a replicated weight stays replicated; a scale
+    a rule of the spec matches keeps that rule. Other block-wise quantization tensors beside a
+    split weight (zero points, NVFP4's scales) are refused, as a rank would get all of them.
+
+    ``config``: the model's config.json, or a function that reads it (called only if needed).
+    """
     actions = {name: action for name, _, action in tensors}
+    shapes = {name: tuple(int(n) for n in shape) for name, shape, _ in tensors}
+    read: list[Mapping[str, Any]] = []
     for name, shape, action in tensors:
         if not action.replicated or action.rule is not None:
             continue  # a rule chose what happens to it
@@ -428,10 +447,75 @@ def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
             continue
         weight = name[: -len(suffix)] + ".weight"
         split = actions.get(weight)
-        if split is not None and not split.replicated:
+        if split is None or split.replicated:
+            continue
+        if suffix not in BLOCK_SCALE_SUFFIXES or split.ranges is not None:
             raise ConfigError(
                 f"tensor {name!r} (shape {list(shape)}) holds the quantization scales of {weight!r}, which "
-                f"the sharding spec splits along dim {split.dim}; the built-in specs do not split block "
-                f"scales, and a rank would get half a weight with all of its scales. Load this checkpoint "
-                f"without tensor parallelism, or give a rule for the scales in a sharding spec file"
+                f"the sharding spec splits along dim {split.dim}; distload splits FP8 block scales named "
+                f"'X.weight_scale_inv' (DeepSeek-V3, Qwen3-FP8) with their weight, not {suffix[1:]!r}, and a "
+                f"rank would get part of a weight with all of its scales. Load this checkpoint without tensor "
+                f"parallelism, or give a rule for the scales in a sharding spec file"
             )
+        if not read:
+            read.append(dict((config() if callable(config) else config) or {}))
+        block, source = block_size(name, shape, weight, shapes[weight], split.dim, read[0])
+        actions[name] = Action(split.dim, None, f"{split.rule} (block scales of {weight})",
+                               scales=BlockScales(weight, shapes[weight], split, block, source))
+    return actions
+
+
+def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
+    """Refuse quantization scales that cannot go with their split weight (carry_block_scales,
+    block sizes inferred from the shapes)."""
+    carry_block_scales(tensors)
+
+
+def block_size(name: str, shape: Sequence[int], weight: str, weight_shape: Sequence[int], dim: int,
+               config: Mapping[str, Any]) -> tuple[int, str]:
+    """The weight's rows (or columns) per scale entry along ``dim``, and where that came from."""
+    shape, weight_shape = list(shape), list(weight_shape)
+    if len(shape) != len(weight_shape):
+        raise ConfigError(
+            f"tensor {name!r} (shape {shape}) is not one scale per block of {weight!r} (shape {weight_shape}): "
+            f"they have different numbers of dimensions, so the scales cannot be split with the weight")
+    quant = config.get("quantization_config")
+    if not isinstance(quant, Mapping) and isinstance(config.get("text_config"), Mapping):
+        quant = config["text_config"].get("quantization_config")
+    given = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    if given is not None:
+        where = "config.json's quantization_config.weight_block_size"
+        if (not isinstance(given, list) or len(given) != len(shape)
+                or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in given)):
+            raise ConfigError(f"{where} is {given!r}: expected {len(shape)} whole numbers >= 1, one per "
+                              f"dimension of {weight!r}")
+        want = [-(-w // b) for w, b in zip(weight_shape, given)]
+        if want != shape:
+            raise ConfigError(
+                f"tensor {name!r} has shape {shape}, but {weight!r} (shape {weight_shape}) in blocks of {given} "
+                f"({where}) has {want}: the scales do not belong to blocks of that size")
+        return given[dim], f"{where} {given}"
+    inferred = _infer_block(weight_shape[dim], shape[dim])
+    if inferred is None:
+        raise ConfigError(
+            f"tensor {name!r} (shape {shape}) is not one scale per block of {weight!r} (shape {weight_shape}) "
+            f"along dim {dim}: no block size gives {shape[dim]} blocks of {weight_shape[dim]}. Give the block "
+            f"size in config.json as quantization_config.weight_block_size")
+    return inferred, f"inferred from the shapes {weight_shape} and {shape}; config.json gives no weight_block_size"
+
+
+def _infer_block(length: int, count: int) -> int | None:
+    """A block size B with ceil(length / B) == count: 128 where it fits (DeepSeek-V3, Qwen3-FP8),
+    else the exact tiling, else the largest power of two that fits, else the smallest that does."""
+    if count < 1 or count > max(length, 1):
+        return None
+    lo = -(-length // count)  # the smallest B that makes at most ``count`` blocks
+    hi = -(-length // (count - 1)) - 1 if count > 1 else max(length, _COMMON_BLOCK)
+    if lo > hi or -(-length // lo) != count:
+        return None
+    if lo <= _COMMON_BLOCK <= hi:
+        return _COMMON_BLOCK
+    if length % count == 0:
+        return length // count
+    powers = [1 << k for k in range(hi.bit_length() + 1) if lo <= 1 << k <= hi]
+    return powers[-1] if powers else lo
