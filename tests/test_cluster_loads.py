@@ -155,6 +155,7 @@ def test_a_two_host_load_takes_each_byte_from_the_store_once(cluster, ckpt, tmp_
     assert ckpt.nbytes <= sent <= STORE_SLACK * ckpt.nbytes, (sent, ckpt.nbytes)
 
 
+@pytest.mark.slow
 def test_pull_onto_two_hosts_each_gets_a_copy_and_the_store_serves_it_once(cluster, ckpt, tmp_path):
     dest = tmp_path / "pulled"
     command = distload_cmd("pull", ckpt.uri, f"{dest}/$(hostname)", "--chunk-mib", "4",
@@ -172,6 +173,7 @@ def test_pull_onto_two_hosts_each_gets_a_copy_and_the_store_serves_it_once(clust
     assert ckpt.nbytes <= sent <= STORE_SLACK * ckpt.nbytes, (sent, ckpt.nbytes)
 
 
+@pytest.mark.slow
 def test_the_node_cache_fills_on_two_hosts_and_the_next_job_leaves_the_store_alone(cluster, ckpt, tmp_path):
     """--cache-dir on each host (its own folder): the first job's ranks fetch their shares and keep
     what they receive from the other host; the next job (TP 2 this time) takes everything from the
@@ -199,6 +201,7 @@ def test_the_node_cache_fills_on_two_hosts_and_the_next_job_leaves_the_store_alo
     assert sent[1] < 0.02 * ckpt.nbytes, sent
 
 
+@pytest.mark.slow
 def test_serve_on_one_host_and_load_from_it_on_another(cluster, ckpt, tmp_path):
     """``distload serve`` on node0 reads the store once and listens on node0's address (with the
     job secret: beyond loopback it refuses to start without one); ``distload load tcp://`` on
