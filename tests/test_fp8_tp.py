@@ -170,6 +170,26 @@ def test_a_misaligned_split_names_tensor_block_and_working_sizes():
         rank_slice(ks, (1, 2), carry_block_scales(tensors, {**config(512), "head_dim": 64})[ks], 1, 2)
 
 
+def test_a_padded_vocabulary_pads_its_scales_with_whole_blocks_of_zeros():
+    """An FP8 lm_head of 200 rows, padded to 256 as vLLM pads a vocabulary: at TP 2 rank 1 holds
+    rows 128-199 and 56 zero rows, one block, whose scale is the whole tensor's second; the
+    reference pads the weight and its scale (zeros) first and chunks both."""
+    spec = load_spec("decoder", config(512))
+    w, s = "lm_head.weight", "lm_head.weight_scale_inv"
+    for length, tps, refused in ((200, (1, 2), 4), (300, (1,), 2)):
+        weight_shape, scale = (length, 256), torch.rand(-(-length // BLOCK), 2) + 1
+        tensors = [(w, weight_shape, spec.action(w, weight_shape)), (s, tuple(scale.shape), spec.action(s, (2, 2)))]
+        action = carry_block_scales(tensors, config(512))[s]
+        padded = -(-length // 64) * 64
+        reference = torch.zeros(-(-padded // BLOCK), 2)
+        reference[: scale.shape[0]] = scale
+        for tp in tps:
+            for rank in range(tp):
+                assert torch.equal(take_shard(scale, action, rank, tp, s), reference.chunk(tp)[rank]), (length, tp)
+        with pytest.raises(ConfigError, match=f"cannot be split over {refused} ranks with its block scales"):
+            rank_slice(s, tuple(scale.shape), action, 0, refused)
+
+
 def test_other_quantization_tensors_beside_a_split_weight_are_still_refused():
     spec = load_spec("plain")
     w, z = "m.layers.0.mlp.down_proj.weight", "m.layers.0.mlp.down_proj.weight_zero_point"

@@ -137,38 +137,49 @@ def _scale_slice(name: str, shape: Sequence[int], action: Action, scales: BlockS
                  world_size: int) -> Slice:
     """Rank ``rank``'s scale rows: its weight's ranges ``[a, b)`` as ``[a / block, b / block)``,
     refused unless every rank's ranges fall on block boundaries (the weight's last, ragged block
-    aside)."""
+    aside). A padded vocabulary's zero rows get zero scales, whole blocks of them."""
     piece = rank_slice(scales.weight, scales.weight_shape, scales.weight_action, rank, world_size)
     assert piece is not None and action.dim is not None
-    bad = _off_blocks(piece, scales)
-    if bad is not None:
-        dim, block = action.dim, scales.block
-        rows = "rows" if dim == 0 else "columns" if dim == 1 else f"indices of dim {dim}"
-        working = [t for t in range(1, 129) if _on_blocks(scales, t)]
-        shown = ", ".join(str(t) for t in working[:12]) + (", ..." if len(working) > 12 else "")
-        raise ConfigError(
-            f"tensor {scales.weight!r} with shape {list(scales.weight_shape)} cannot be split over "
-            f"{world_size} ranks with its block scales {name!r} (shape {list(shape)}): rank {rank} would "
-            f"hold its {rows} [{bad[0]}, {bad[1]}) of dim {dim}, which do not fall on the FP8 blocks of {block} "
-            f"{rows} ({scales.source}), so a rank would share a block's scale with another rank. "
-            f"Tensor-parallel sizes that cut {scales.weight!r} on block boundaries: {shown or 'none'} "
-            f"(rule {scales.weight_action.rule!r})"
-        )
-    ranges = tuple((start // scales.block, -(-stop // scales.block)) for start, stop in piece.ranges)
-    return Slice(ranges, piece.padding // scales.block)
+    out = _block_slice(piece, scales)
+    if isinstance(out, Slice):
+        return out
+    dim, block = action.dim, scales.block
+    rows = "rows" if dim == 0 else "columns" if dim == 1 else f"indices of dim {dim}"
+    working = [t for t in range(1, 129) if _on_blocks(scales, t)]
+    shown = ", ".join(str(t) for t in working[:12]) + (", ..." if len(working) > 12 else "")
+    raise ConfigError(
+        f"tensor {scales.weight!r} with shape {list(scales.weight_shape)} cannot be split over "
+        f"{world_size} ranks with its block scales {name!r} (shape {list(shape)}): rank {rank} would "
+        f"hold its {rows} [{out[0]}, {out[1]}) of dim {dim}, which do not fall on the FP8 blocks of {block} "
+        f"{rows} ({scales.source}), so a rank would share a block's scale with another rank. "
+        f"Tensor-parallel sizes that cut {scales.weight!r} on block boundaries: {shown or 'none'} "
+        f"(rule {scales.weight_action.rule!r})"
+    )
 
 
-def _off_blocks(piece: Slice, scales: BlockScales) -> tuple[int, int] | None:
-    """The first range of ``piece`` that is not on block boundaries (None: all are)."""
+def _block_slice(piece: Slice, scales: BlockScales) -> "Slice | tuple[int, int]":
+    """The scale's slice for the weight's ``piece``, or the weight's first range off the blocks."""
     dim = scales.weight_action.dim
     assert dim is not None
     length, block = int(scales.weight_shape[dim]), scales.block
+    ranges = []
     for start, stop in piece.ranges:
-        if start % block or (stop % block and stop != length):
+        if start == stop:  # nothing of it (a padded vocabulary's last ranks)
+            ranges.append((-(-start // block),) * 2)
+        elif start % block or (stop % block and stop != length):
             return start, stop
-    if piece.padding % block:  # a padded vocabulary's zero rows: whole blocks of zero scales
-        return length, length + piece.padding
-    return None
+        else:
+            ranges.append((start // block, -(-stop // block)))
+    if not piece.padding:
+        return Slice(tuple(ranges))
+    # Padding rows follow a single range (distload pads one dimension, then splits it evenly): the
+    # rank's rows of the padded dimension must be whole blocks; blocks of only padding scale zero.
+    pad_to = scales.weight_action.pad_to or 1
+    start = piece.ranges[0][0] if piece.ranges else length
+    end, padded = start + piece.length, -(-length // pad_to) * pad_to
+    if start % block and start != length or end % block and end != padded:
+        return start, end
+    return Slice(tuple(ranges), -(-end // block) - start // block - sum(b - a for a, b in ranges))
 
 
 def _on_blocks(scales: BlockScales, world_size: int) -> bool:
@@ -178,7 +189,7 @@ def _on_blocks(scales: BlockScales, world_size: int) -> bool:
                   for r in range(world_size)]
     except ConfigError:
         return False
-    return all(p is not None and _off_blocks(p, scales) is None for p in pieces)
+    return all(p is not None and isinstance(_block_slice(p, scales), Slice) for p in pieces)
 
 
 def file_shape(shape: Sequence[int], packing: int) -> list[int]:
