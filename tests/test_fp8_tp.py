@@ -170,6 +170,30 @@ def test_a_misaligned_split_names_tensor_block_and_working_sizes():
         rank_slice(ks, (1, 2), carry_block_scales(tensors, {**config(512), "head_dim": 64})[ks], 1, 2)
 
 
+def test_fused_and_expert_weights_carry_their_scales_part_by_part():
+    """A fused gate_up_proj (two parts, each split on its own) and a fused qkv_proj (q, k, v split
+    between heads): rank r's scale rows are each part's, as its weight rows are; DeepSeek-style
+    expert names follow the same rules."""
+    cfg = config(512)
+    spec = load_spec("decoder", cfg)
+    g = torch.Generator().manual_seed(1)
+    cases = {"model.layers.0.mlp.gate_up_proj": ((1024, 256), [512, 512]),
+             "model.layers.0.self_attn.qkv_proj": ((1024, 256), [512, 256, 256]),
+             "model.layers.3.mlp.experts.7.gate_proj": ((512, 256), [512]),
+             "model.layers.3.mlp.experts.7.down_proj": ((256, 512), None)}
+    for stem, (shape, parts) in cases.items():
+        w, s = f"{stem}.weight", f"{stem}.weight_scale_inv"
+        scale = torch.rand(shape[0] // BLOCK, shape[1] // BLOCK, generator=g)
+        tensors = [(w, shape, spec.action(w, shape)), (s, tuple(scale.shape), spec.action(s, tuple(scale.shape)))]
+        action = carry_block_scales(tensors, cfg)[s]
+        for rank in range(2):
+            if parts is None:  # row-parallel
+                want = scale.chunk(2, 1)[rank]
+            else:
+                want = torch.cat([p.chunk(2, 0)[rank] for p in scale.split([n // BLOCK for n in parts])])
+            assert torch.equal(take_shard(scale, action, rank, 2, s), want), (stem, rank)
+
+
 def test_a_padded_vocabulary_pads_its_scales_with_whole_blocks_of_zeros():
     """An FP8 lm_head of 200 rows, padded to 256 as vLLM pads a vocabulary: at TP 2 rank 1 holds
     rows 128-199 and 56 zero rows, one block, whose scale is the whole tensor's second; the
