@@ -496,7 +496,8 @@ def test_inference_rank_stopped_mid_update_is_named_within_dead_after(jobs):
     (dying,) = jobs.wait("stop1", "dying")
     failed = jobs.wait("train0", "push", 2, timeout=DEAD_AFTER_S + 30)[1]
     assert not failed["ok"], failed
-    assert "inference rank 1 stopped answering" in failed["error"], failed
+    # named with its host (all members share this one), which a pulled cable would have cut off
+    assert f"inference rank 1 on host {socket.gethostname()} stopped answering" in failed["error"], failed
     assert failed["t"] - dying["t"] < DEAD_AFTER_S + 5, (failed, dying)
     other = jobs.wait("inf0", "recv", 2)[1]
     assert not other["ok"] and other["version"] == 1 and "still at version 1" in other["error"], other
@@ -603,7 +604,9 @@ def test_trainer_stopped_between_updates_is_named_at_once_and_pushes_when_it_res
     jobs.start("inf", "inference", ["recv", "recv:40"])
     (stopped,) = jobs.wait("train0", "dying")
     (warning,) = jobs.wait("inf0", "warning")
-    assert "trainer rank 0, which serves it, is stopped (SIGSTOP) or hung" in warning["message"], warning
+    assert f"trainer rank 0 on host {socket.gethostname()}, which serves it, is unreachable" in warning["message"], \
+        warning
+    assert "stopped (SIGSTOP) or hung" in warning["message"], warning
     assert warning["t"] - stopped["t"] < ANSWER_S + 4, (warning, stopped)
     first = jobs.wait("inf0", "recv")[0]
     _assert_received(first, 1)
@@ -757,6 +760,44 @@ def test_a_member_that_left_the_channel_is_not_said_to_have_stopped_answering():
             reason = session._interruption()
             time.sleep(0.1)
         assert reason == "inference rank 0 left the channel (closed it) during the update", reason
+    finally:
+        beat.stop()
+        root.close()
+
+
+def test_a_silent_member_is_named_with_its_host():
+    """A member whose heartbeat stops is named with the host its hello posted (its hostname and
+    the address it reaches the rendezvous from), so that a host cut off the network is told from
+    a process stopped: one line. A loopback address is left out; a hello without a hostname (an
+    older member) names the member alone. One process, the record written by hand."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distload.live import rendezvous
+    from distload.live.session import Session, host_words
+    from distload.workers.heartbeat import Beat, PeerWatch
+
+    assert host_words({"hostname": "infer-b", "address": "127.0.0.1"}) == " on host infer-b"
+    assert host_words({"hostname": "infer-b", "address": None}) == " on host infer-b"
+    assert host_words({"pid": 1}) == ""
+    raw = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=5), wait_for_workers=False)
+    root = rendezvous.BoundedStore(raw, "tcp://127.0.0.1:0", "trainer rank 0")
+    infos = {"trainer/0": {"hostname": "train", "address": "10.77.3.1"},
+             "inference/0": {"hostname": "infer-b", "address": "10.77.3.2"}}
+    store = root.prefixed("s/s1/")
+    beat = Beat(store.raw, 0)
+    session = Session(rendezvous.SessionRecord("s1", 1, 1, {}, infos), store, {}, "gloo", 0, beat,
+                      PeerWatch(store, [1], 0.6), root.address, 5.0, rendezvous.describe)
+    try:
+        deadline = time.monotonic() + 10
+        reason = None
+        while reason is None and time.monotonic() < deadline:
+            reason = session._interruption()
+            time.sleep(0.1)
+        assert reason == (f"inference rank 0 on host infer-b (10.77.3.2) stopped answering (no heartbeat for "
+                          f"{DEAD_AFTER_S:g} s: its host unreachable, or it was killed, stopped or hung)"), reason
+        assert session.named(0) == "trainer rank 0 on host train (10.77.3.1)"
     finally:
         beat.stop()
         root.close()

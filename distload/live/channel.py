@@ -49,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -224,6 +225,8 @@ class SyncChannel:
         # How messages name the process that serves the store: it is the one whose loss they report.
         self._server = server or (describe(host, 0) if store is None else
                                   "the process serving the job's rendezvous store")
+        # the member serving it, if one does: its host, once a session says, goes in those messages
+        self._server_member = (host, 0) if store is None and server is None else None
         self._store: BoundedStore | None = (
             BoundedStore(store, self.address, self._server) if store is not None
             else rendezvous.open_store(self.address, self._serving, self.timeout_s, self._server, self._secret,
@@ -272,7 +275,16 @@ class SyncChannel:
                 "verify": self.verify or self._secret is not None,
                 "pid": os.getpid(), "cuts": self._keeps is not None,
                 # Only a member that posts its host may hand off to a same-host peer (handoff.py).
-                "host": handoff.host_identity() if self.transport == "auto" else None}
+                "host": handoff.host_identity() if self.transport == "auto" else None,
+                # for messages that name a member lost: its host, and the address it reaches the
+                # rendezvous from (a pulled cable is told from a dead process by whose host it names)
+                "hostname": socket.gethostname(), "address": self._reach_address()}
+
+    def _reach_address(self) -> str | None:
+        try:
+            return rendezvous.pair_address(self.address)
+        except Exception:  # noqa: BLE001 - only for messages: no route says nothing here
+            return None
 
     def _join(self, deadline: float) -> Session:
         if self._session is not None:
@@ -282,6 +294,9 @@ class SyncChannel:
         self._session = join(self._store, self.role, self.rank, self.size, self._info(), deadline,
                              address=self.address, timeout_s=self.timeout_s, name=self._name,
                              device=self.device, serving=self._serving)
+        if self._server_member is not None and self._server_member[0] in ROLES:
+            record = self._session.record
+            self._store.locate(self._session.where(record.channel_rank(*self._server_member)))
         return self._session
 
     def _drop_session(self) -> None:
@@ -408,7 +423,7 @@ class SyncChannel:
 
         def wait(works: list[tuple[int, Any]]) -> None:
             for dst, work in works:
-                session.wait(work, cancelled, lambda d=dst: f"sending to {session.who(d)}")
+                session.wait(work, cancelled, lambda d=dst: f"sending to {session.named(d)}")
 
         # Each slot's region in the segment sized once, for its biggest bucket (a delta's
         # messages may take a little more: that region then grows).
@@ -1028,7 +1043,8 @@ class _Relay:
         self.session, self.source, self.onward, self.cancelled = session, source, onward, cancelled
         self.passing: list[tuple[torch.Tensor, Any]] = []
         # how a failed receive names where it came from: the relay whose connection failed, if any
-        self.origin = sender if source < session.record.trainer_size else f"{sender} through {session.who(source)}"
+        self.origin = (sender + session.where(source) if source < session.record.trainer_size
+                       else f"{sender} through {session.named(source)}")
 
     def take(self, tensor: torch.Tensor) -> Any:
         """Start receiving the sender's next message into ``tensor``."""
@@ -1042,7 +1058,7 @@ class _Relay:
     def drain(self) -> None:
         """Wait until everything passed on has left."""
         for _, work in self.passing:
-            self.session.wait(work, self.cancelled, lambda: f"passing messages on to {self.session.who(self.onward)}")
+            self.session.wait(work, self.cancelled, lambda: f"passing messages on to {self.session.named(self.onward)}")
         self.passing = []
 
 

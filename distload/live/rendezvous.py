@@ -21,6 +21,7 @@ it waited for.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -86,6 +87,7 @@ class _Caller:
         self.stalled = False
         self.closed = False
         self.lost: BaseException | None = None  # the connection's failure, once its server is gone
+        self.where = ""  # where the process serving the store runs, once a session said (locate)
         threading.Thread(target=self._run, name="distload-store", daemon=True).start()
 
     def _run(self) -> None:
@@ -132,6 +134,16 @@ class BoundedStore:
         self._caller = caller or _Caller()
         self.served = served  # the StoreServer, where this process serves the store
 
+    def locate(self, where: str) -> None:
+        """Say where the process serving the store runs (" on host NAME (ADDRESS)", from its hello),
+        for the messages of this store and of every store over its connection."""
+        self._caller.where = where
+
+    @property
+    def serving(self) -> str:
+        """The process serving the store, as messages name it, with its host once known."""
+        return self.server + self._caller.where
+
     def prefixed(self, prefix: str) -> "BoundedStore":
         """This store's keys under ``prefix``, over the same connection."""
         return BoundedStore(dist.PrefixStore(prefix, self.raw), self.address, self.server, self._caller)
@@ -141,7 +153,8 @@ class BoundedStore:
             ok, value = self._caller.call(getattr(self.raw, name), args, ANSWER_S)
         except TimeoutError:
             raise StoreLost(f"the rendezvous store at {self.address} has not answered for {ANSWER_S:g} s: "
-                            f"{self.server}, which serves it, is stopped (SIGSTOP) or hung", True) from None
+                            f"{self.serving}, which serves it, is unreachable (its host or this one cut off "
+                            f"the network), stopped (SIGSTOP) or hung{cut_off(self.address)}", True) from None
         if not ok:
             if isinstance(value, dist.DistNetworkError):
                 # Its server is gone: the next calls fail here at once instead of each going to
@@ -600,6 +613,42 @@ def pair_hint(address: str | None) -> str:
     if where is None:
         return ""
     return f", or the hosts cannot reach each other: this member listened on {where}; {FIX}"
+
+
+@functools.lru_cache(maxsize=64)
+def _local_address(address: str | None) -> str | None:
+    """pair_address, looked up once per address: a failure's message must not wait on a name
+    lookup through a network that may be the thing gone."""
+    try:
+        return pair_address(address)
+    except SyncError:
+        return None
+
+
+def cut_off(address: str | None) -> str:
+    """For a message about peers or a store gone quiet: where the interface this host reaches the
+    rendezvous through has lost its link (no carrier: a pulled cable, its switch port down), a
+    clause saying this host is the one cut off; "" where its link is up, or that is not known
+    (no ``tcp://`` address, a loopback one, no such interface, not Linux)."""
+    import ipaddress
+
+    try:
+        local = _local_address(address)
+        if local is None or ipaddress.ip_address(local).is_loopback:
+            return ""
+        names = [n for _, n in socket.if_nameindex() if _interface_address(n) == local]
+    except Exception:  # noqa: BLE001 - only for a message: unknown says nothing
+        return ""
+    for name in names:
+        try:
+            with open(f"/sys/class/net/{name}/carrier", encoding="ascii") as f:
+                carrier = f.read().strip()
+        except OSError:  # an interface set down reads EINVAL: no link either
+            carrier = "0"
+        if carrier == "0":
+            return (f"; this host's own link is down ({name}, {local}: no carrier), so this host, "
+                    f"{socket.gethostname()}, is the one cut off the network")
+    return ""
 
 
 def pair_failure(exc: BaseException, address: str | None, local: str | None, interface: str | None) -> str:

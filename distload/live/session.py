@@ -37,6 +37,7 @@ supervisor. The update protocol (distload/live/channel.py) runs over it. On ever
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from dataclasses import dataclass, field
@@ -51,8 +52,33 @@ from distload.workers.heartbeat import Beat, PeerWatch
 from distload.live import handoff, rendezvous
 from distload.live.rendezvous import BoundedStore, SessionRecord, StoreLost, short
 
-DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung)
+DEAD_AFTER_S = 5.0  # a member whose heartbeat stood still this long stopped (killed, SIGSTOP, hung, its host cut off)
 LEADER = 0  # trainer rank 0's session rank: it forms sessions and posts each step's verdict
+
+
+def silence(names: str) -> str:
+    """The reason for members (``names``, with their hosts) whose heartbeat stood still."""
+    return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: its host unreachable, or it "
+            f"was killed, stopped or hung)")
+
+
+def host_words(info: Mapping[str, Any]) -> str:
+    """" on host NAME (ADDRESS)" from a member's hello info (channel.SyncChannel._info): its
+    hostname and the address it reaches the rendezvous from, left out where loopback; "" where
+    the hello did not say (an older member)."""
+    host, address = info.get("hostname"), info.get("address")
+    if not host:
+        return ""
+    if address and not _loopback(address):
+        return f" on host {host} ({address})"
+    return f" on host {host}"
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 class _GivenUp(SyncError):
@@ -84,6 +110,16 @@ class Session:
         """A member (by default this one) as messages name it."""
         return self.name(*self.record.member(self.me if member is None else member))
 
+    def where(self, member: int) -> str:
+        """Where ``member`` runs, as its hello said, for a message: " on host NAME (ADDRESS)", the
+        address it reaches the rendezvous from (left out where it is loopback); "" where unknown."""
+        return host_words(self.record.infos.get(rendezvous.member_key(*self.record.member(member)), {}))
+
+    def named(self, member: int) -> str:
+        """``member`` as a message about losing it names it: with its host ("inference rank 1 on
+        host infer-b (10.77.3.2)"), the one thing that tells a lost host from a lost process."""
+        return self.who(member) + self.where(member)
+
     def current(self, root: Any) -> bool:
         """Whether this member keeps the session for its next update (``root``: the channel's store)."""
         if self.record.member(self.me) == ("trainer", 0):
@@ -99,8 +135,7 @@ class Session:
             return ""
         silent = [r for r in self.watch.silent(time.monotonic()) if r < self.record.trainer_size]
         if silent:
-            return (f"{', '.join(self.who(r) for r in silent)} stopped answering (no heartbeat for "
-                    f"{DEAD_AFTER_S:g} s: killed, stopped or hung)")
+            return silence(", ".join(self.named(r) for r in silent)) + rendezvous.cut_off(self.address)
         return None
 
     # -- the steps of an update ----------------------------------------------------------------
@@ -125,7 +160,7 @@ class Session:
         while keys and not self._check(keys):
             reason = self._interruption()
             if reason is None and time.monotonic() > deadline:
-                late = [self.who(r) for r, k in zip(ranks, keys) if not self.store.check([k])]
+                late = [self.named(r) for r, k in zip(ranks, keys) if not self.store.check([k])]
                 reason = f"{', '.join(late)} did not reach the {what} step within {self.timeout_s:.0f} s"
             if reason is not None:
                 raise SyncError(self.fail(reason))
@@ -145,7 +180,7 @@ class Session:
             reason = self._interruption()
             if reason is None and time.monotonic() > deadline:
                 # The leader names what it waited for, if it waited: its reason, posted, wins.
-                reason = (f"{self.who(LEADER)} did not post the {what} step of the update within "
+                reason = (f"{self.named(LEADER)} did not post the {what} step of the update within "
                           f"{self.timeout_s:.0f} s")
             if reason is not None:
                 raise SyncError(self.fail(reason))
@@ -170,9 +205,7 @@ class Session:
         if left:  # its heartbeat stopped because it closed the channel: it did not die
             return f"{', '.join(self.who(r) for r in left)} left the channel (closed it) during the update"
         if silent:
-            names = ", ".join(self.who(r) for r in silent)
-            return (f"{names} stopped answering (no heartbeat for {DEAD_AFTER_S:g} s: killed, stopped "
-                    f"or hung)")
+            return silence(", ".join(self.named(r) for r in silent)) + rendezvous.cut_off(self.address)
         return None
 
     def finish(self, deadline: float, serving: bool) -> None:
@@ -256,7 +289,7 @@ class Session:
                 break
             reason = self._interruption()
             if reason is None and time.monotonic() > deadline:
-                reason = f"the data did not move within {self.timeout_s:.0f} s"
+                reason = f"the data did not move within {self.timeout_s:.0f} s{self._pending()}"
             if reason is not None:
                 cancelled.set()
                 # Its waits poll ``cancelled``: it ends within one copy, and after that nothing
@@ -272,6 +305,16 @@ class Session:
             del error
             raise SyncError(self.fail(text))
         return box["result"]
+
+    def _pending(self) -> str:
+        """For a data step past its deadline: the peers whose transfers with this member had not
+        ended, with their hosts (a slow or cut link between them), as a clause; "" where none."""
+        issued = list(self.issued.items())  # the transfer thread may be adding to it: a copy, at once
+        peers = [p for p, works in issued if any(not w.is_completed() for w in list(works))]
+        if not peers:
+            return ""
+        return (f" (bytes still moving between {self.named(self.me)} and "
+                f"{', '.join(self.named(p) for p in sorted(peers))}: a link between them slow or cut)")
 
     def post(self, peer: int, tensor: torch.Tensor, send: bool | None = None) -> Any:
         """Start moving ``tensor`` between this member and ``peer`` (a broadcast in their pair
@@ -293,7 +336,7 @@ class Session:
             work = self.pairs[peer].broadcast([tensor], options)
         except Exception as exc:  # noqa: BLE001 - a closed connection fails at once
             verb = "sending to" if send else "receiving from"
-            raise SyncError(f"{verb} {self.who(peer)} failed: {short(exc)}") from None
+            raise SyncError(f"{verb} {self.named(peer)} failed: {short(exc)}") from None
         self.issued.setdefault(peer, []).append(work)
         return work
 
@@ -315,8 +358,8 @@ class Session:
             pair = (min(self.me, peer), max(self.me, peer))
             self.pairs[peer] = _within_unless(
                 cancelled, deadline, f"connecting to {self.who(peer)}",
-                lambda: f"{self.who(peer)} did not connect within {self.timeout_s:.0f} s (stopped, or "
-                        f"{self.store.server}, which serves the store, stopped{rendezvous.pair_hint(self.address)})",
+                lambda: f"{self.named(peer)} did not connect within {self.timeout_s:.0f} s (stopped, or "
+                        f"{self.store.serving}, which serves the store, stopped{rendezvous.pair_hint(self.address)})",
                 rendezvous.process_group, dist.PrefixStore(f"pg/{pair[0]}-{pair[1]}/", self.store.raw),
                 int(self.me > peer), 2, self.backend, self.timeout_s, self.address)
 

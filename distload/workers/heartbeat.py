@@ -225,7 +225,7 @@ class Heartbeat:
             return f"; every other rank ({_ranks_text(others)}) still shows signs of life"
         word = "rank" if len(silent) == 1 else "ranks"
         return (f"; {word} {_ranks_text(silent)} stopped answering (no heartbeat for {WATCH_S:g} s: "
-                f"killed, stopped or hung)")
+                f"its host cut off the network, or killed, stopped or hung)")
 
 
 class PeerWatch:
