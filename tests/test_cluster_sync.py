@@ -54,9 +54,9 @@ class Members:
         self.channels = {"delta": f"tcp://{trainer.address}:{next_port()}"}
 
     def start(self, host: str, name: str, role: str, rank: int, size: int, steps: list[str], *, tp: int = 1,
-              model: dict = MODEL, channels: dict | None = None) -> None:
+              model: dict = MODEL, channels: dict | None = None, timeout: float = TIMEOUT_S) -> None:
         cfg = {"out": str(self.out), "name": name, "role": role, "rank": rank, "size": size, "tp": tp,
-               "channels": channels or self.channels, "timeout": TIMEOUT_S, "bucket": 1 << 20, "model": model,
+               "channels": channels or self.channels, "timeout": timeout, "bucket": 1 << 20, "model": model,
                "change": 0.04, "steps": steps}
         key = f"{name}{rank}"
         with open(self.out / f"{key}.stderr", "w") as err:
@@ -181,10 +181,17 @@ def test_a_link_down_mid_update(members, cluster, down):
     cluster[down].link_up()
     if push["ok"] and recv["ok"]:
         pytest.skip(f"version 2 crossed before the link went down ({push['seconds']:.2f} s)")
+    print(f"\n[{down} down] trainer: {push['error']}\n[{down} down] receiver: {recv['error']}")
     assert not push["ok"] and push["error"] and push["seconds"] < TIMEOUT_S + 5, members.report()
     assert not recv["ok"] and recv["error"], members.report()
-    # each side names the member it lost (the store's server, for the receiver)
-    assert "inference rank 0" in push["error"] and "trainer rank 0" in recv["error"], members.report()
+    # each side names the member it lost (the store's server, for the receiver) and its host
+    assert "inference rank 0 on host infer-b (" in push["error"], members.report()
+    assert "trainer rank 0 on host train (" in recv["error"], members.report()
+    assert "\n" not in push["error"] and "\n" not in recv["error"]
+    # the member on the host cut off says so: its own link has no carrier
+    cut, other = (push, recv) if down == "train" else (recv, push)
+    assert f"this host, {down}, is the one cut off" in cut["error"], members.report()
+    assert "is the one cut off" not in other["error"], members.report()
     assert recv["seconds"] < TIMEOUT_S + 5 and ended < TIMEOUT_S + 10
     assert recv["version"] == 1 and recv["holds_its_version"], members.report()
     (members.out / "go3").touch()
@@ -192,6 +199,106 @@ def test_a_link_down_mid_update(members, cluster, down):
     last_push = members.events("trainer0", "push")[2]
     last_recv = members.events("inf0", "recv")[2]
     assert last_push["ok"] and last_recv["ok"] and last_recv["version"] == 3 and last_recv["exact"], members.report()
+
+
+@pytest.mark.slow
+def test_a_relay_hosts_link_down_mid_update(members, cluster):
+    """An inference job of two whole-model ranks on two hosts, a relay chain: the trainer sends to
+    the chain's head, which passes every bucket on to the tail on the other host. The head's link
+    pulled mid-update: every member ends the update within its timeout with one line naming the
+    head's host (the trainer and the tail lost it; the head lost the store on the trainer's host,
+    and says so), both receivers hold version 1 exactly, and after the link returns version 3
+    arrives whole on both hosts."""
+    for host in cluster:
+        host.set_rate(1e8)  # 100 Mbit/s: a whole update takes 2 s, time to pull the link mid-way
+    steps = ["push:full:1", "gate:go2", "push:full:2", "gate:go3", "push:full:3"]
+    channels = {"full": f"tcp://{cluster['train'].address}:{next_port()}"}
+    hosts = {0: "infer-b", 1: "infer-c"}
+    members.start("train", "trainer", "trainer", 0, 1, steps, model=BIG, channels=channels)
+    for rank, host in hosts.items():
+        members.start(host, "inf", "inference", rank, 2, ["recv:full"] * 3, model=BIG, channels=channels)
+    first = {rank: members.wait(f"inf{rank}", "recv", 1, timeout=60)[0] for rank in hosts}
+    assert all(r["ok"] and r["exact"] for r in first.values()), members.report()
+    # the head pairs with the trainer (session rank 0) and the tail; the tail with the head only
+    (head,) = [rank for rank, r in first.items() if 0 in r["pairs"]]
+    tail = 1 - head
+    head_host, tail_host = hosts[head], hosts[tail]
+    (members.out / "go2").touch()
+    members.wait("trainer0", "pushing", 2, timeout=30)
+    time.sleep(0.5)
+    cluster[head_host].link_down()
+    pulled = time.monotonic()
+    push = members.wait("trainer0", "push", 2, timeout=TIMEOUT_S + 15)[1]
+    recv = {rank: members.wait(f"inf{rank}", "recv", 2, timeout=TIMEOUT_S + 15)[1] for rank in hosts}
+    ended = time.monotonic() - pulled
+    cluster[head_host].link_up()
+    if push["ok"] and all(r["ok"] for r in recv.values()):
+        pytest.skip(f"version 2 crossed before the link went down ({push['seconds']:.2f} s)")
+    print(f"\n[relay {head_host} down] trainer: {push['error']}")
+    for rank in hosts:
+        print(f"[relay {head_host} down] inference rank {rank} on {hosts[rank]}: {recv[rank]['error']}")
+    assert not push["ok"] and push["seconds"] < TIMEOUT_S + 5, members.report()
+    assert ended < TIMEOUT_S + 10, members.report()
+    lost = f"inference rank {head} on host {head_host} ("
+    assert lost in push["error"], members.report()  # the trainer lost the head
+    assert lost in recv[tail]["error"], members.report()  # so did the tail, behind it
+    # the head, cut off, lost the store on the trainer's host: it names that host, and its own
+    # link down (no carrier), which only it can see
+    assert "trainer rank 0 on host train (" in recv[head]["error"], members.report()
+    assert f"this host, {head_host}, is the one cut off" in recv[head]["error"], members.report()
+    assert "is the one cut off" not in push["error"] + recv[tail]["error"], members.report()
+    for rank, r in recv.items():
+        assert not r["ok"] and r["seconds"] < TIMEOUT_S + 5 and "\n" not in r["error"], members.report()
+        assert r["version"] == 1 and r["holds_its_version"], members.report()
+    (members.out / "go3").touch()
+    members.finish(timeout=2 * TIMEOUT_S + 30)
+    assert members.events("trainer0", "push")[2]["ok"], members.report()
+    for rank in hosts:
+        last = members.events(f"inf{rank}", "recv")[2]
+        assert last["ok"] and last["version"] == 3 and last["exact"], members.report()
+
+
+@pytest.mark.slow
+def test_a_link_slowed_10x_mid_update(members, cluster):
+    """The receiver's link slowed from 100 to 10 Mbit/s while a full update (about 2 s at the
+    normal rate) crosses it: the update either completes, bit for bit, or fails within the
+    timeout (10 s here: what is left of it needs about 18 s at the slow rate) in one line naming
+    the slow host, with the receiver at version 1 exactly; never a silent stall. At the normal
+    rate again, the next update arrives whole."""
+    timeout = 10.0
+    for host in cluster:
+        host.set_rate(1e8)
+    steps = ["push:full:1", "gate:go2", "push:full:2", "gate:go3", "push:full:3"]
+    channels = {"full": f"tcp://{cluster['train'].address}:{next_port()}"}
+    members.start("train", "trainer", "trainer", 0, 1, steps, model=BIG, channels=channels, timeout=timeout)
+    members.start("infer-b", "inf", "inference", 0, 1, ["recv:full"] * 3, model=BIG, channels=channels,
+                  timeout=timeout)
+    members.wait("inf0", "recv", 1, timeout=60)
+    (members.out / "go2").touch()
+    members.wait("trainer0", "pushing", 2, timeout=30)
+    time.sleep(0.5)
+    cluster["infer-b"].set_rate(1e7)
+    slowed = time.monotonic()
+    push = members.wait("trainer0", "push", 2, timeout=timeout + 15)[1]
+    recv = members.wait("inf0", "recv", 2, timeout=timeout + 15)[1]
+    ended = time.monotonic() - slowed
+    cluster["infer-b"].set_rate(1e8)
+    print(f"\n[infer-b slowed 10x] trainer: {push.get('error') or 'ok in %.1f s' % push['seconds']}"
+          f"\n[infer-b slowed 10x] receiver: {recv.get('error') or 'ok in %.1f s' % recv['seconds']}")
+    assert push["seconds"] < timeout + 5 and recv["seconds"] < timeout + 5, members.report()
+    assert ended < timeout + 10, members.report()
+    if push["ok"]:
+        assert recv["ok"] and recv["version"] == 2 and recv["exact"], members.report()
+    else:
+        assert not recv["ok"], members.report()
+        for error in (push["error"], recv["error"]):
+            assert "on host infer-b (" in error and "\n" not in error, members.report()
+        assert recv["version"] == 1 and recv["holds_its_version"], members.report()
+    (members.out / "go3").touch()
+    members.finish(timeout=2 * timeout + 30)
+    assert members.events("trainer0", "push")[2]["ok"], members.report()
+    last = members.events("inf0", "recv")[2]
+    assert last["ok"] and last["version"] == 3 and last["exact"], members.report()
 
 
 PAIR_ADDRESS = ("import json, sys; from distload.errors import SyncError; from distload.live import rendezvous\n"
