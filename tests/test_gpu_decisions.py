@@ -114,7 +114,7 @@ def test_pairs_time_out_after_the_channel_timeout_and_abort_only_their_communica
     record = rendezvous.SessionRecord("s1", 1, 1, {}, infos)
     monkeypatch.setattr(rendezvous, "post_hello", lambda *a: "n")
     monkeypatch.setattr(rendezvous, "await_session", lambda *a: record)
-    monkeypatch.setattr(rendezvous, "process_group", lambda store, rank, size, backend, timeout_s:
+    monkeypatch.setattr(rendezvous, "process_group", lambda store, rank, size, backend, timeout_s, address=None:
                         made.append((backend, timeout_s)) or object())
     store = rendezvous.BoundedStore(dist.HashStore(), "x", "trainer rank 0")  # the channel's bounded store
     s = session_mod.join(store, "inference", 0, 1, _info("cuda", "GPU-b"), time.monotonic() - 1, address="x",
