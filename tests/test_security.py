@@ -65,6 +65,8 @@ except SyncError as exc:
     sys.exit(3)
 say(event="joined")
 if cfg["role"] == "trainer":
+    while cfg.get("gate") and not __import__("os").path.exists(cfg["gate"]):  # the test says when to push
+        time.sleep(0.05)
     real = BucketKey.__init__
     for version in cfg["versions"]:
         if version >= cfg.get("forge", 10**9) and version < cfg.get("forge_until", 10**9):
@@ -399,17 +401,20 @@ def test_a_wrong_secret_is_one_line_on_both_sides_within_the_timeout(tmp_path):
     """Trainer and inference started with different secrets: the inference side is refused at
     once; the trainer's push fails within its timeout naming the refused peer."""
     address = _address()
-    # The trainer's timeout leaves room for the other process to start on a loaded machine.
-    trainer = _member(tmp_path, {"address": address, "role": "trainer", "versions": [1], "timeout": 25}, SECRET)
+    # The trainer pushes once the refused member has tried (its timeout counts from then).
+    gate = tmp_path / "push"
+    trainer = _member(tmp_path, {"address": address, "role": "trainer", "versions": [1], "timeout": 6,
+                                 "gate": str(gate)}, SECRET)
     _wait_listening(address)
     events, out = _events(_member(tmp_path, {"address": address, "role": "inference", "receives": 1,
                                               "timeout": 8}, WRONG))
     assert events[0]["event"] == "refused" and "\n" not in events[0]["error"], out
+    gate.touch()
     events, out = _events(trainer)
     failed = [e for e in events if e["event"] == "failed"]
     assert failed and "did not join the sync channel" in failed[0]["error"], out
     assert "refused meanwhile: 127.0.0.1 (it did not prove the job secret)" in failed[0]["error"], out
-    assert "\n" not in failed[0]["error"] and failed[0]["seconds"] < 25 + 5, out  # within its timeout
+    assert "\n" not in failed[0]["error"] and failed[0]["seconds"] < 6 + 5, out  # within its timeout
     assert SECRET not in out and WRONG not in out
 
 
