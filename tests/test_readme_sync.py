@@ -47,9 +47,10 @@ class Model:  # the trainer's model: the checkpoint, one step moved
         return self.weights
 
 model, step = Model(), 1
-{code}
 from safetensors.torch import save_file
-save_file(model.state_dict(), sys.argv[2])  # what it pushed, for the check
+save_file(model.state_dict(), sys.argv[2] + ".tmp")  # what it pushes, for the check: there before the push
+__import__("os").replace(sys.argv[2] + ".tmp", sys.argv[2])
+{code}
 channel.close()
 '''
 

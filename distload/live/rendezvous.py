@@ -245,21 +245,31 @@ def open_store(address: str, serve: bool, timeout_s: float, server: str, secret:
             raise
         return BoundedStore(raw, address, server, served=served)
     deadline = time.monotonic() + timeout_s
-    _await_listener(host, port, deadline, address, timeout_s)
-    # The handshake runs on a thread of its own: a listener that accepts and never answers (a
-    # stopped server, another program) must not hold this process past its timeout.
-    wait_s = max(1.0, deadline - time.monotonic())
-    try:
-        raw = within(wait_s, StoreClient, host, port, secret, timeout, wait_s, address)
-    except TimeoutError:
-        raise SyncError(f"something accepts connections at {address} but does not answer as a sync rendezvous "
-                        f"store (waited {timeout_s:.0f} s): {server}, which serves it, is stopped (SIGSTOP) or "
-                        f"hung, or another program holds the port; check the address") from None
-    except (AuthError, NotAStore) as exc:
-        raise SyncError(str(exc)) from None
-    except (OSError, ConnectionError) as exc:
-        raise SyncError(f"the sync rendezvous at {address} accepted a connection but did not answer as a "
-                        f"distload store within {timeout_s:.0f} s: {exc}") from None
+    while True:
+        _await_listener(host, port, deadline, address, timeout_s)
+        # The handshake runs on a thread of its own: a listener that accepts and never answers (a
+        # stopped server, another program) must not hold this process past its timeout.
+        wait_s = max(1.0, deadline - time.monotonic())
+        try:
+            raw = within(wait_s, StoreClient, host, port, secret, timeout, wait_s, address)
+            break
+        except (ConnectionRefusedError, ConnectionResetError):
+            # What accepted the probe is gone again: a server restarting, or the probe's own
+            # connection to itself (a port in the ephemeral range can self-connect while nothing
+            # listens). Wait for a listener again, within the same deadline.
+            if time.monotonic() + 0.1 > deadline:
+                raise SyncError(f"nobody serves the sync rendezvous at {address} (waited {timeout_s:.0f} s): start "
+                                f"the side that hosts it (its rank 0), or check the address and port") from None
+            time.sleep(0.1)
+        except TimeoutError:
+            raise SyncError(f"something accepts connections at {address} but does not answer as a sync "
+                            f"rendezvous store (waited {timeout_s:.0f} s): {server}, which serves it, is stopped "
+                            f"(SIGSTOP) or hung, or another program holds the port; check the address") from None
+        except (AuthError, NotAStore) as exc:
+            raise SyncError(str(exc)) from None
+        except (OSError, ConnectionError) as exc:
+            raise SyncError(f"the sync rendezvous at {address} accepted a connection but did not answer as a "
+                            f"distload store within {timeout_s:.0f} s: {exc}") from None
     return BoundedStore(raw, address, server)
 
 
