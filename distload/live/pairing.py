@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from distload.errors import DistloadError
 from distload.live.rendezvous import SessionRecord, member_key
-from distload.live.transfer import SyncTensor, kept_slice
+from distload.live.transfer import SyncTensor, carried_scales, kept_slice
 from distload.tp.place import TPPlace
 from distload.tp.spec import spec_from_json
 
@@ -33,9 +33,13 @@ def carries(entries: Sequence[SyncTensor], place: TPPlace) -> bool:
     """Whether a receiver at ``place`` keeps any byte of ``entries`` (a trainer rank's): then,
     and only then, the two form a pair and bytes move between them. A tensor the place's spec
     cannot cut counts as carried: the receiver must see it to refuse the update, naming it."""
+    try:
+        carried = carried_scales(entries, place)
+    except DistloadError:
+        return True
     for index, entry in enumerate(entries):
         try:
-            if kept_slice(place, index, entry).nbytes:
+            if kept_slice(place, index, entry, carried.get(index)).nbytes:
                 return True
         except DistloadError:
             return True

@@ -31,7 +31,7 @@ from distload.live.secret import Secret
 from distload.loading.buckets import ALIGN, flat_bytes, group_in_order, offsets
 from distload.loading.index import DTYPES
 from distload.tp.place import TPPlace
-from distload.tp.spec import ShardingSpec
+from distload.tp.spec import BLOCK_SCALE_SUFFIXES, ShardingSpec, carry_block_scales
 from distload.tp.slices import Action, rank_slice, shard_shape
 from distload.tensor_io import host_view
 
@@ -112,12 +112,15 @@ class Cuts:
         return Cuts({name: (dim, ranges) for name, (dim, ranges) in raw.items()})
 
 
-def kept_slice(place: TPPlace, index: int, entry: SyncTensor) -> KeptSlice:
+def kept_slice(place: TPPlace, index: int, entry: SyncTensor, carried: Action | None = None) -> KeptSlice:
     """What a receiver at ``place`` keeps of ``entry``: the whole tensor, or its TP slice (or
-    the cut it posted)."""
+    the cut it posted). ``carried``: its action as :func:`carried_scales` gives it, where it is
+    the block scales of a split weight."""
     whole = KeptSlice(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
     spec = place.spec
-    if isinstance(spec, Cuts):
+    if carried is not None:
+        action = carried
+    elif isinstance(spec, Cuts):
         action = spec.action(entry.name, entry.shape)
     elif spec is None or place.size == 1:
         return whole
@@ -134,6 +137,26 @@ def kept_slice(place: TPPlace, index: int, entry: SyncTensor) -> KeptSlice:
         row = entry.nbytes // max(1, entry.shape[0])
         run = (cut.ranges[0][0] * row, cut.ranges[0][1] * row)
     return KeptSlice(index, shape, nbytes, action, run)
+
+
+def carried_scales(entries: Sequence[SyncTensor], place: TPPlace) -> dict[int, Action]:
+    """The FP8 block scales (``X.weight_scale_inv``) among ``entries`` that go with a weight the
+    place's spec splits, by entry index: cut on the weight's blocks, as loads cut them
+    (tp/spec.carry_block_scales; a slice off the blocks is refused when it is cut, naming the
+    tensor, the block size and the TP sizes that work). A scale without its weight in ``entries``
+    stays as the spec says."""
+    spec = place.spec
+    if not isinstance(spec, ShardingSpec) or place.size == 1:
+        return {}
+    scales = {e.name for e in entries if e.name.endswith(BLOCK_SCALE_SUFFIXES)}
+    if not scales:
+        return {}
+    weights = {name[:-len("_scale_inv")] for name in scales}
+    involved = [(e.name, e.shape, spec.action(e.name, e.shape)) for e in entries
+                if e.name in scales or e.name in weights]
+    actions = carry_block_scales(involved, spec.config)
+    return {i: actions[e.name] for i, e in enumerate(entries)
+            if e.name in scales and actions[e.name].scales is not None}
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -155,8 +178,9 @@ def layouts(entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]], plac
     """Every bucket as a receiver at ``place`` sees it (one whose pieces are all empty has size 0: nothing of it
     travels, on either side)."""
     out = []
+    carried = carried_scales(entries, place)
     for group in groups:
-        pieces = [kept_slice(place, index, entries[index]) for index in group]
+        pieces = [kept_slice(place, index, entries[index], carried.get(index)) for index in group]
         at, size = offsets([piece.nbytes for piece in pieces], ALIGN)  # so a piece can be viewed as its dtype
         items = list(zip(pieces, at))
         direct = (len(group) == 1 and entries[group[0]].nbytes >= DIRECT_BYTES and items[0][0].run is not None

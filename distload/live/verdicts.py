@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from distload.live import pairing, rendezvous
+from distload.live import refit as refits
 
 SHOWN = 4  # problems listed per rank in a refusal; the rest are counted
 
@@ -41,12 +42,16 @@ class Verdict:
     takes: Mapping[int, Sequence[int]] = field(default_factory=dict)  # inference session rank -> the
     # trainer ranks whose delta it takes (one that takes none is left out): what it said it can
     # take, less what its relay chain cannot (pairing.chained_takes)
+    refit: Mapping[int, Sequence[int]] = field(default_factory=dict)  # trainer rank -> the indices of
+    # its entries its receivers hold as FP8: it quantizes them before they move (refit.py)
 
 
-def ready(problems: Sequence[str], takes: Sequence[int], advice: str | None = None) -> list:
-    """An inference rank's answer: what stops it, the trainer ranks whose delta it takes, and
-    what to do about its problems where one thing explains them all (said once, after them)."""
-    return [list(problems), list(takes), advice]
+def ready(problems: Sequence[str], takes: Sequence[int], advice: str | None = None,
+          refit: Mapping[int, Sequence[int]] | None = None) -> list:
+    """An inference rank's answer: what stops it, the trainer ranks whose delta it takes, what
+    to do about its problems where one thing explains them all (said once, after them), and per
+    trainer rank whose metadata it read the entries its target holds as FP8 (refit.claims)."""
+    return [list(problems), list(takes), advice, {t: list(i) for t, i in (refit or {}).items()}]
 
 
 def post_route(session: Any, meta: Mapping[str, Any], version: int, deadline: float) -> dict[int, Mapping[str, Any]]:
@@ -89,9 +94,11 @@ def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: 
     receivers = range(record.trainer_size, record.world_size)
     refusals = []
     takes = {}
-    for rank, (problems, took, advice) in zip(receivers, session.collect("ready", deadline, receivers)):
+    claimed = {}
+    for rank, (problems, took, advice, claims) in zip(receivers, session.collect("ready", deadline, receivers)):
         if took:
             takes[rank] = took
+        claimed[rank] = claims
         if problems:
             shown = "; ".join(problems[:SHOWN])
             more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
@@ -99,23 +106,26 @@ def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: 
             refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}"
                             + (f"; {advice}" if advice else ""))
     refusals += sender_conflicts([metas[t] for t in sorted(metas)])
+    refit, mixed = refits.conflicts(claimed, metas, session.who)
+    refusals += mixed
     refused = None
     if refusals:
         refused = (f"update to version {version} refused, nothing was sent (receivers still at their old "
                    f"version): " + " | ".join(refusals))
     takes = pairing.chained_takes(record, takes)  # one kind of message along each relay chain
-    session.announce("verdict", [refused, takes])
+    session.announce("verdict", [refused, takes, refit])
     if refused is not None:
         session.seq += 1
-    return Verdict(refused, takes)
+    return Verdict(refused, takes, refit)
 
 
 def await_verdict(session: Any, deadline: float) -> Verdict:
     """Every other member's: the leader's verdict (see :func:`post_verdict`)."""
-    refused, takes = session.await_posted("verdict", deadline)
+    refused, takes, refit = session.await_posted("verdict", deadline)
     if refused is not None:
         session.seq += 1
-    return Verdict(refused, {int(rank): took for rank, took in takes.items()})
+    return Verdict(refused, {int(rank): took for rank, took in takes.items()},
+                   {int(t): indices for t, indices in refit.items()})
 
 
 def sender_conflicts(metas: Sequence[Mapping[str, Any]]) -> list[str]:

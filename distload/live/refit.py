@@ -1,0 +1,192 @@
+"""BF16 -> FP8 refit: a trainer that holds BF16 weights updates an engine that serves FP8.
+
+Why here, in the sync path: users project their BF16 weights to the engine's FP8 by hand after
+each step, often wrongly and with no check (vllm 28425, 14266; verl 7136). A receiver whose
+target holds ``X.weight`` as float8_e4m3fn with ``X.weight_scale_inv`` (float32, one per 128x128
+block, DeepSeek-V3's and Qwen3-FP8's recipe) beside it says so in its answer to an update
+(verdicts.ready); the trainer then quantizes ``X.weight`` before the bytes move, so the wire
+carries FP8 plus scales (about half of BF16's bytes), and everything after that (TP slices and
+their block scales, deltas of the FP8 bytes, the buckets' checks) treats the two tensors as if
+the trainer had pushed them. Only that recipe is taken: any other FP8 target (e5m2, per-tensor
+``weight_scale``, other block sizes) is refused by name, never quantized some other way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from distload.live.transfer import SyncTensor, group_entries
+
+BLOCK = 128  # rows and columns of weight per scale: DeepSeek-V3's and Qwen3-FP8's weight_block_size
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
+RECIPE = "float8_e4m3fn weights with a float32 weight_scale_inv per 128x128 block"
+_SOURCES = ("BF16", "F16", "F32")  # what the trainer may push into an FP8 target
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+             if hasattr(torch, n))
+_ROWS_AT_ONCE = 16  # rows of blocks quantized at once: the float32 copy stays a bounded slab
+
+
+def scale_name(weight: str) -> str:
+    return weight + SCALE_SUFFIX
+
+
+def scale_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """One scale per 128x128 block, the edge blocks ragged (ceil-div, as DeepSeek's)."""
+    return -(-int(shape[0]) // BLOCK), -(-int(shape[1]) // BLOCK)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (2-d, any float dtype) as float8_e4m3fn and its float32 scales, block by block:
+    ``s = |B|.amax().clamp(min=1e-12) / 448``, ``q = (B / s).clamp(-448, 448)``; ``q.float() * s``
+    dequantizes. Where the weight lives (a GPU's never comes down whole)."""
+    rows, cols = weight.shape
+    brows, bcols = scale_shape(weight.shape)
+    q = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=weight.device)
+    s = torch.empty((brows, bcols), dtype=torch.float32, device=weight.device)
+    source = weight.detach()
+    for first in range(0, brows, _ROWS_AT_ONCE):
+        last = min(brows, first + _ROWS_AT_ONCE)
+        top, bottom = first * BLOCK, min(rows, last * BLOCK)
+        # Zero padding to whole blocks: |0| never raises a block's amax, so the ragged edge blocks
+        # get the scale of their own elements.
+        slab = torch.zeros(((last - first) * BLOCK, bcols * BLOCK), dtype=torch.float32, device=weight.device)
+        slab[:bottom - top, :cols] = source[top:bottom]
+        blocks = slab.view(last - first, BLOCK, bcols, BLOCK)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        s[first:last] = scale
+        blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
+        q[top:bottom] = slab[:bottom - top, :cols].to(torch.float8_e4m3fn)
+    return q, s
+
+
+# -- the receiver's side ----------------------------------------------------------------------------
+
+def claims(metas: Mapping[int, Mapping[str, Any]], targets: Mapping[str, torch.Tensor], cuts: bool
+           ) -> tuple[dict[int, list[int]], dict[str, str]]:
+    """What this receiver's ``targets`` ask of the update (``metas``: by trainer rank): per trainer
+    rank, the indices of the entries it pushes in a float dtype into a target that holds FP8 (to
+    be quantized by it, every trainer rank listed), and what stops that, one line per tensor name:
+    a recipe other than RECIPE, named. ``cuts``: a receiver that says what it keeps (``keeps=``) whose cuts
+    name the entries as sent, before the scales exist: refit is refused there."""
+    out: dict[int, list[int]] = {}
+    problems: dict[str, str] = {}
+    for trainer, meta in metas.items():
+        out[trainer] = []
+        entries = meta["entries"]
+        sent = {entry.name for entry in entries}
+        for index, entry in enumerate(entries):
+            dst = targets.get(entry.name)
+            if dst is None or dst.dtype not in _FP8 or entry.dtype not in _SOURCES:
+                continue  # not a refit (check_pieces says what else does not fit)
+            problem = _unsupported(entry, dst, targets, sent, meta.get("gathered", ()), cuts)
+            if problem is None:
+                out[trainer].append(index)
+            else:
+                problems[entry.name] = (f"{entry.name}: pushed {entry.dtype}, here {_dtype(dst)} "
+                                        f"{list(dst.shape)}: {problem}")
+    return out, problems
+
+
+def _unsupported(entry: SyncTensor, dst: torch.Tensor, targets: Mapping[str, torch.Tensor], sent: set[str],
+                 gathered: Sequence[str], cuts: bool) -> str | None:
+    """Why ``entry`` cannot be refit into ``dst`` (None: it can), naming the recipe found."""
+    supported = f"BF16 -> FP8 refit takes {RECIPE} only"
+    if dst.dtype != torch.float8_e4m3fn:
+        return f"{_dtype(dst)} is not supported ({supported})"
+    if not entry.name.endswith(".weight") or len(entry.shape) != 2:
+        return f"refit quantizes 2-d X.weight matrices ({supported})"
+    scale = scale_name(entry.name)
+    if scale not in targets:
+        if entry.name + "_scale" in targets:
+            held = targets[entry.name + "_scale"]
+            return (f"its scales here are {entry.name}_scale {list(held.shape)} (a per-tensor or per-channel "
+                    f"weight_scale recipe), which is not supported ({supported})")
+        return f"no {scale} beside it here ({supported})"
+    held = targets[scale]
+    if held.dtype != torch.float32:
+        return f"{scale} is {_dtype(held)} here, not float32 ({supported})"
+    want = scale_shape(dst.shape)
+    if len(held.shape) != 2 or tuple(held.shape) != want:
+        blocks = ("x".join(str(-(-n // max(1, b))) for n, b in zip(dst.shape, held.shape))
+                  if len(held.shape) == 2 else f"{held.dim()}-d scales")
+        return (f"{scale} here is {list(held.shape)}, blocks of {blocks} (128x128 blocks would be "
+                f"{list(want)}), which is not supported ({supported})")
+    if scale in sent:
+        return f"the trainer pushes {scale} as well: push the BF16 weight alone, and the trainer quantizes it"
+    if entry.name in gathered:
+        return "a DTensor, which refit does not quantize: push its full_tensor() from the rank that holds it"
+    if cuts:
+        return ("a receiver that says what it keeps (keeps=) takes FP8 as sent, not refit: quantize on the "
+                "trainer, or receive with tensor_parallel_size/sharding")
+    return None
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def conflicts(claimed: Mapping[int, Mapping[int, Sequence[int]]], metas: Mapping[int, Mapping[str, Any]],
+              who: Any) -> tuple[dict[int, list[int]], list[str]]:
+    """The leader's: every receiver's claims (session rank -> trainer rank -> indices) as one refit
+    per trainer rank, and a line for each tensor that receivers of one trainer rank want in
+    different dtypes (a trainer rank sends each tensor once, in one dtype). ``who``: names a
+    session rank."""
+    refit: dict[int, list[int]] = {}
+    problems = []
+    by_trainer: dict[int, dict[tuple[int, ...], int]] = {}
+    for rank, per in sorted(claimed.items()):
+        for trainer, indices in per.items():
+            by_trainer.setdefault(int(trainer), {}).setdefault(tuple(sorted(indices)), rank)
+    for trainer, kinds in sorted(by_trainer.items()):
+        if len(kinds) == 1:
+            (indices,) = kinds
+            if indices:
+                refit[trainer] = list(indices)
+            continue
+        (a, ra), (b, rb) = list(kinds.items())[:2]
+        index = min(set(a) ^ set(b))
+        fp8, plain = (ra, rb) if index in a else (rb, ra)
+        entry = metas[trainer]["entries"][index]
+        problems.append(f"{entry.name}: {who(fp8)} holds it as float8_e4m3fn (BF16 -> FP8 refit), {who(plain)} "
+                        f"as sent ({entry.dtype}); a trainer rank sends a tensor in one dtype to all its receivers")
+    return refit, problems
+
+
+# -- both sides -------------------------------------------------------------------------------------
+
+def converted(meta: Mapping[str, Any], indices: Sequence[int]) -> dict[str, Any]:
+    """A trainer rank's metadata as its update travels once ``indices`` are refit: each of those
+    entries as float8_e4m3fn with its scales right after it, regrouped into buckets as the trainer
+    groups them. Sender and receivers compute it alike from the same data (no layout travels)."""
+    refit = set(indices)
+    entries: list[SyncTensor] = []
+    for index, entry in enumerate(meta["entries"]):
+        if index not in refit:
+            entries.append(entry)
+            continue
+        numel = int(entry.shape[0]) * int(entry.shape[1])
+        shape = scale_shape(entry.shape)
+        entries.append(SyncTensor(entry.name, "F8_E4M3", tuple(entry.shape), numel))
+        entries.append(SyncTensor(scale_name(entry.name), "F32", shape, shape[0] * shape[1] * 4))
+    return {**meta, "entries": entries, "groups": group_entries(entries, meta["bucket_bytes"])}
+
+
+def quantized(tensors: Mapping[int, torch.Tensor], entries: Sequence[SyncTensor], indices: Sequence[int]
+              ) -> dict[int, torch.Tensor]:
+    """The trainer's tensors by index of :func:`converted`'s entries: each refit one quantized
+    (its FP8 bytes, then its scales), the others as they are."""
+    refit = set(indices)
+    out: dict[int, torch.Tensor] = {}
+    at = 0
+    for index in range(len(entries)):
+        if index in refit:
+            out[at], out[at + 1] = quantize(tensors[index])
+            at += 2
+        else:
+            if index in tensors:
+                out[at] = tensors[index]
+            at += 1
+    return out
