@@ -45,16 +45,20 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-@pytest.mark.parametrize("shape", [(300, 200), (128, 128), (1, 1), (257, 129), (2100, 130)])
-def test_the_quantizer_is_the_block_formula_bit_for_bit(shape):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(300, 200), (128, 128), (1, 1), (257, 129), (2100, 130), (2304, 256)])
+def test_the_quantizer_is_the_block_formula_bit_for_bit(shape, dtype):
     """Ragged edge blocks, an all-zero block (the clamp), values past FP8's range after scaling,
-    and more rows of blocks than are quantized at once (2100 rows: 17 rows of blocks)."""
+    and more rows of blocks than are quantized at once (2100 and 2304 rows: 17 and 18 rows of
+    blocks, ragged and whole); the caller's weight is left as it was (a float32 one too)."""
     gen = torch.Generator().manual_seed(sum(shape))
-    weight = (torch.randn(shape, generator=gen) * 3).to(torch.bfloat16)
+    weight = (torch.randn(shape, generator=gen) * 3).to(dtype)
     weight[:min(128, shape[0]), :min(128, shape[1])] = 0  # a block of zeros: s = 1e-12 / 448
     if shape[0] > 200:
         weight[200, -1] = 3e4  # one huge value: its block's others round to zero
+    kept = weight.clone()
     q, s = refit.quantize(weight)
+    assert torch.equal(weight, kept)
     want_q, want_s = reference(weight)
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == want_s.shape
     assert torch.equal(bits(q), bits(want_q)) and torch.equal(s.view(torch.int32), want_s.view(torch.int32))

@@ -24,8 +24,6 @@ FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 SCALE_SUFFIX = "_scale_inv"  # X.weight -> X.weight_scale_inv
 RECIPE = "float8_e4m3fn weights with a float32 weight_scale_inv per 128x128 block"
 _SOURCES = ("BF16", "F16", "F32")  # what the trainer may push into an FP8 target
-_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-             if hasattr(torch, n))
 _ROWS_AT_ONCE = 16  # rows of blocks quantized at once: the float32 copy stays a bounded slab
 
 
@@ -50,12 +48,18 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for first in range(0, brows, _ROWS_AT_ONCE):
         last = min(brows, first + _ROWS_AT_ONCE)
         top, bottom = first * BLOCK, min(rows, last * BLOCK)
-        # Zero padding to whole blocks: |0| never raises a block's amax, so the ragged edge blocks
-        # get the scale of their own elements.
-        slab = torch.zeros(((last - first) * BLOCK, bcols * BLOCK), dtype=torch.float32, device=weight.device)
-        slab[:bottom - top, :cols] = source[top:bottom]
+        if bottom - top == (last - first) * BLOCK and cols == bcols * BLOCK:  # whole blocks: one copy
+            slab = source[top:bottom].to(torch.float32, copy=True)
+        else:
+            # Zero padding to whole blocks: |0| never raises a block's amax, so the ragged edge
+            # blocks get the scale of their own elements.
+            slab = torch.zeros(((last - first) * BLOCK, bcols * BLOCK), dtype=torch.float32, device=weight.device)
+            slab[:bottom - top, :cols] = source[top:bottom]
         blocks = slab.view(last - first, BLOCK, bcols, BLOCK)
-        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+        # max |x| as max(max x, -min x): the same value (negation is exact), without a copy for abs
+        # (about 30% of the quantizer's time on a CPU)
+        amax = torch.maximum(blocks.amax(dim=(1, 3)), blocks.amin(dim=(1, 3)).neg())
+        scale = amax.clamp(min=1e-12) / FP8_MAX
         s[first:last] = scale
         blocks.div_(scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX)
         q[top:bottom] = slab[:bottom - top, :cols].to(torch.float8_e4m3fn)
@@ -79,7 +83,7 @@ def claims(metas: Mapping[int, Mapping[str, Any]], targets: Mapping[str, torch.T
         sent = {entry.name for entry in entries}
         for index, entry in enumerate(entries):
             dst = targets.get(entry.name)
-            if dst is None or dst.dtype not in _FP8 or entry.dtype not in _SOURCES:
+            if dst is None or not _fp8(dst) or entry.dtype not in _SOURCES:
                 continue  # not a refit (check_pieces says what else does not fit)
             problem = _unsupported(entry, dst, targets, sent, meta.get("gathered", ()), cuts)
             if problem is None:
@@ -122,6 +126,11 @@ def _unsupported(entry: SyncTensor, dst: torch.Tensor, targets: Mapping[str, tor
         return ("a receiver that says what it keeps (keeps=) takes FP8 as sent, not refit: quantize on the "
                 "trainer, or receive with tensor_parallel_size/sharding")
     return None
+
+
+def _fp8(tensor: torch.Tensor) -> bool:
+    """An 8-bit float of any kind (e4m3fn, e5m2, the fnuz ones, e8m0)."""
+    return tensor.dtype.is_floating_point and tensor.dtype.itemsize == 1
 
 
 def _dtype(tensor: torch.Tensor) -> str:
