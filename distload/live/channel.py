@@ -349,7 +349,7 @@ class SyncChannel:
             if verdict.refused:
                 raise UpdateRefused(verdict.refused)
             if verdict.refit.get(self.rank):  # its receivers hold these as FP8: quantized here (refit.py)
-                entries, groups, tensors, meta = _refit(entries, tensors, meta, verdict.refit[self.rank])
+                entries, groups, tensors, meta = refits.for_push(entries, tensors, meta, verdict.refit[self.rank])
                 metas[self.rank] = meta
             if not session.leader and dtensors:  # the leader's order of gathering them
                 metas[0] = rendezvous.get(session.store, session.key("meta", 0))
@@ -680,7 +680,7 @@ class SyncChannel:
                 claimed, unfit = refits.claims(metas, targets, cuts=self._keeps is not None)
                 problems += unfit.values()
                 if any(claimed.values()):
-                    metas, plans = _refit_plans(metas, claimed, place, problems)
+                    metas, plans = refits.plans(metas, claimed, place, problems)
                 advice = None
                 for t, meta in metas.items():
                     pieces = [piece for layout in plans[t] for piece, _ in layout.items
@@ -1117,29 +1117,6 @@ def _config(model_config: Mapping[str, Any] | str) -> dict[str, Any]:
             return json.load(f)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model_config {model_config!r}: cannot read a config.json there ({exc})") from None
-
-
-def _refit(entries: Sequence[SyncTensor], tensors: Mapping[int, torch.Tensor], meta: Mapping[str, Any],
-           indices: Sequence[int]) -> tuple[list[SyncTensor], list[tuple[int, ...]], dict[int, torch.Tensor], dict]:
-    """A trainer rank's update once ``indices`` are refit to FP8 (refit.py): its entries, groups,
-    tensors (quantized before any byte moves) and metadata, as its receivers derive them."""
-    meta = refits.converted(meta, indices)
-    return meta["entries"], meta["groups"], refits.quantized(tensors, entries, indices), meta
-
-
-def _refit_plans(metas: Mapping[int, Mapping[str, Any]], claimed: Mapping[int, Sequence[int]], place: TPPlace,
-                 problems: list[str]) -> tuple[dict[int, Mapping[str, Any]], dict[int, list[BucketLayout]]]:
-    """A receiver's metadata and plans as the update will travel once its trainer ranks quantize
-    what it claimed (refit.py); a TP slice whose block scales cannot be cut goes into ``problems``."""
-    metas = {t: refits.converted(m, claimed[t]) if claimed.get(t) else m for t, m in metas.items()}
-    plans = {}
-    for t, m in metas.items():
-        try:
-            plans[t] = layouts(m["entries"], m["groups"], place, m["verify"])
-        except ConfigError as exc:
-            problems.append(str(exc))
-            plans[t] = []
-    return metas, plans
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

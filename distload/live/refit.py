@@ -17,7 +17,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from distload.live.transfer import SyncTensor, group_entries
+from distload.errors import ConfigError
+from distload.live.transfer import BucketLayout, SyncTensor, group_entries, layouts
+from distload.tp.place import TPPlace
 
 BLOCK = 128  # rows and columns of weight per scale: DeepSeek-V3's and Qwen3-FP8's weight_block_size
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -181,6 +183,31 @@ def converted(meta: Mapping[str, Any], indices: Sequence[int]) -> dict[str, Any]
         entries.append(SyncTensor(entry.name, "F8_E4M3", tuple(entry.shape), numel))
         entries.append(SyncTensor(scale_name(entry.name), "F32", shape, shape[0] * shape[1] * 4))
     return {**meta, "entries": entries, "groups": group_entries(entries, meta["bucket_bytes"])}
+
+
+def for_push(entries: Sequence[SyncTensor], tensors: Mapping[int, torch.Tensor], meta: Mapping[str, Any],
+             indices: Sequence[int]) -> tuple[list[SyncTensor], list[tuple[int, ...]], dict[int, torch.Tensor], dict]:
+    """A trainer rank's update once ``indices`` are refit: its entries, groups, tensors (quantized
+    here, before any byte moves; held for the push: half the BF16 bytes of what is refit) and
+    metadata, as its receivers derive them (:func:`plans`)."""
+    meta = converted(meta, indices)
+    return meta["entries"], meta["groups"], quantized(tensors, entries, indices), meta
+
+
+def plans(metas: Mapping[int, Mapping[str, Any]], claimed: Mapping[int, Sequence[int]], place: TPPlace,
+          problems: list[str]) -> tuple[dict[int, Mapping[str, Any]], dict[int, list[BucketLayout]]]:
+    """A receiver's metadata and bucket layouts as the update will travel once its trainer ranks
+    quantize what it claimed; a TP slice whose block scales cannot be cut on the blocks goes into
+    ``problems`` (its refusal, naming the tensor, the block size and the TP sizes that work)."""
+    metas = {t: converted(m, claimed[t]) if claimed.get(t) else m for t, m in metas.items()}
+    out = {}
+    for t, m in metas.items():
+        try:
+            out[t] = layouts(m["entries"], m["groups"], place, m["verify"])
+        except ConfigError as exc:
+            problems.append(str(exc))
+            out[t] = []
+    return metas, out
 
 
 def quantized(tensors: Mapping[int, torch.Tensor], entries: Sequence[SyncTensor], indices: Sequence[int]
