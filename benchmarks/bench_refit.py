@@ -116,7 +116,8 @@ def orchestrate(args: argparse.Namespace) -> None:
         f"BF16 -> FP8 refit against the same BF16 push into BF16 tensors (benchmarks/bench_refit.py): 1 trainer "
         f"process -> 1 inference process, socket path, {nbytes / 1024**2:.0f} MiB of BF16 "
         f"({len(_state(args))} x [{args.hidden}, {args.hidden}]), full pushes, verified; cases alternating, "
-        f"{args.repeats} of each after one warm-up each, medians. Every receive checked bit for bit. Machine: {machine}.",
+        f"{args.repeats} of each after one warm-up each, medians. Every receive checked bit for bit. "
+        f"Machine: {machine}.",
         "",
         "| case | push s (median) | wire bytes | trainer's quantize s (median) |",
         "|---|---|---|---|",

@@ -150,9 +150,11 @@ def _expected(version: int, trainers: int, rank: int, tp: int) -> dict[str, torc
         gate, down, norm = driver.names(layer)
         rows, cols = driver.GATE[0] // tp, driver.DOWN[1] // tp
         q, s = reference(state[gate])
-        out[gate], out[gate + "_scale_inv"] = q[rank * rows:(rank + 1) * rows], s[rank * rows // B:(rank + 1) * rows // B]
+        out[gate] = q[rank * rows:(rank + 1) * rows]
+        out[gate + "_scale_inv"] = s[rank * rows // B:(rank + 1) * rows // B]
         q, s = reference(state[down])
-        out[down], out[down + "_scale_inv"] = q[:, rank * cols:(rank + 1) * cols], s[:, rank * cols // B:(rank + 1) * cols // B]
+        out[down] = q[:, rank * cols:(rank + 1) * cols]
+        out[down + "_scale_inv"] = s[:, rank * cols // B:(rank + 1) * cols // B]
         out[norm] = state[norm]
     return out
 

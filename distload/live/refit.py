@@ -75,8 +75,8 @@ def claims(metas: Mapping[int, Mapping[str, Any]], targets: Mapping[str, torch.T
     """What this receiver's ``targets`` ask of the update (``metas``: by trainer rank): per trainer
     rank, the indices of the entries it pushes in a float dtype into a target that holds FP8 (to
     be quantized by it, every trainer rank listed), and what stops that, one line per tensor name:
-    a recipe other than RECIPE, named. ``cuts``: a receiver that says what it keeps (``keeps=``) whose cuts
-    name the entries as sent, before the scales exist: refit is refused there."""
+    a recipe other than RECIPE, named. ``cuts``: a receiver that says what it keeps (``keeps=``),
+    whose cuts name the entries as sent, before the scales exist: refit is refused there."""
     out: dict[int, list[int]] = {}
     problems: dict[str, str] = {}
     for trainer, meta in metas.items():
