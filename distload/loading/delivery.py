@@ -48,6 +48,8 @@ class Delivery:
         # A split tensor arrives in its slice's shape: a reader that delivered the whole tensor
         # (or another rank's slice shape) would be a silently wrong load.
         self.sliced_shapes = {name: piece.shape for name, piece in plan.slices.slices.items()} if plan.slices else {}
+        # Other EP ranks' experts: checked as arriving (empty), not counted, not handed out.
+        self.dropped = plan.slices.dropped if plan.slices else frozenset()
         self.received: set[str] = set()
         self.nbytes = 0
         self._alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
@@ -69,6 +71,8 @@ class Delivery:
             raise CheckpointError(f"{self.backend} returned tensor {name!r} with shape {list(tensor.shape)}, "
                                   f"but this rank's slice is {list(want)}")
         self.received.add(name)
+        if name in self.dropped:
+            return
         size = tensor.numel() * tensor.element_size()
         self.nbytes += size
         self.progress.update(size)
