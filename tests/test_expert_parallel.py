@@ -169,6 +169,40 @@ def test_round_robin_and_a_whole_tensor_reader(moe, model):
         same(load_as(moe[model], rank, 1, 2, fmt="safetensors").state, reference(state, rank, 1, 2))
 
 
+def stacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-expert tensors as vLLM's fused stacks: ``w13`` = [gate; up] per expert, ``w2`` = down,
+    stacked along dim 0 (their FP8 scales alike); the rest as it is."""
+    out = {n: t for n, t in state.items() if ".experts." not in n}
+    layers = sorted({n.split(".experts.")[0] for n in state if ".experts." in n})
+    for layer in layers:
+        for suffix in ("weight", "weight_scale_inv"):
+            if f"{layer}.experts.0.gate_proj.{suffix}" not in state:
+                continue
+            per = [state[f"{layer}.experts.{e}.{{}}.{suffix}".format(p)] for e in range(NUM_EXPERTS)
+                   for p in ("gate_proj", "up_proj", "down_proj")]
+            out[f"{layer}.experts.w13_{suffix}"] = torch.stack([torch.cat(per[3 * e: 3 * e + 2]) for e in range(NUM_EXPERTS)])
+            out[f"{layer}.experts.w2_{suffix}"] = torch.stack([per[3 * e + 2] for e in range(NUM_EXPERTS)])
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,placement", [(1, 2, "linear"), (2, 2, "round_robin")])
+def test_stacked_experts_load_as_their_rows(moe, tmp_path, tp, ep, placement):
+    """Fused stacks [E, 2I, H] / [E, H, I] and their scales: each rank reads its experts' rows only
+    (whole experts: the built-in specs split no stacked tensor, so its TP ranks hold the same rows)."""
+    state = stacked(whole(moe["qwen3moe-fp8"]))
+    folder = str(tmp_path / "stacked")
+    write_whole(folder, state, 2)
+    with open(os.path.join(moe["qwen3moe-fp8"], "config.json")) as f, open(os.path.join(folder, "config.json"), "w") as g:
+        g.write(f.read())
+    for rank in range(tp * ep):
+        mine = sorted(experts_of((rank // tp) % ep, ep, placement))
+        want = {n: t[mine] if ".experts.w" in n else t for n, t in reference(state, rank, tp, ep).items()}
+        assert want["model.layers.0.mlp.experts.w13_weight"].shape == (2, 512, 256)
+        result = load_as(folder, rank, tp, ep, placement=placement)
+        same(result.state, want)
+        assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want)
+
+
 def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_as(moe["qwen3moe-fp8"], 0, 1, 3)

@@ -34,8 +34,9 @@ from distload.tp.slices import Action
 
 PLACEMENTS = ("linear", "round_robin")  # vLLM's ExpertPlacementStrategy, its default first
 # vLLM's ep_weight_filter: a per-expert tensor names its expert; a stacked one has no number there.
-_EXPERT_ID = re.compile(r"\.experts\.(\d+)\.")
-_STACKED = re.compile(r"\.experts\.[A-Za-z_][^.]*$")
+# (Pattern strings: re caches them compiled.)
+_EXPERT_ID = r"\.experts\.(\d+)\."
+_STACKED = r"\.experts\.[A-Za-z_][^.]*$"
 # Where config.json gives the number of routed experts, in vLLM's order (get_num_experts): Qwen-MoE
 # and Jamba, Dbrx, DeepSeek, Mixtral (and transformers 5's Qwen3-MoE).
 EXPERT_COUNT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
@@ -77,13 +78,13 @@ def local_experts(num_experts: int, size: int, rank: int, placement: str = "line
 
 def expert_id(name: str) -> int | None:
     """The routed expert a per-expert tensor belongs to (None: not a per-expert tensor)."""
-    found = _EXPERT_ID.search(name)
+    found = re.search(_EXPERT_ID, name)
     return int(found.group(1)) if found else None
 
 
 def is_stacked(name: str, shape: Sequence[int], num_experts: int) -> bool:
     """A tensor of every expert stacked along dim 0 (``experts.w13_weight`` [E, 2I, H])."""
-    return bool(_STACKED.search(name)) and len(shape) >= 1 and int(shape[0]) == num_experts
+    return bool(re.search(_STACKED, name)) and len(shape) >= 1 and int(shape[0]) == num_experts
 
 
 def config_experts(config: Mapping[str, Any]) -> tuple[int, str] | None:
@@ -111,7 +112,7 @@ def num_experts(tensors: Sequence[tuple[str, Sequence[int]]], config: Mapping[st
     elif ids:
         count, where = max(ids) + 1, "the tensor names (config.json gives no expert count)"
     else:  # stacked tensors alone: their rows, where they agree
-        rows = {int(shape[0]) for name, shape in tensors if _STACKED.search(name) and len(shape) >= 1}
+        rows = {int(shape[0]) for name, shape in tensors if re.search(_STACKED, name) and len(shape) >= 1}
         count, where = (rows.pop(), "the stacked tensors' rows (config.json gives no expert count)") \
             if len(rows) == 1 else (0, "")
     if not ids and not any(is_stacked(name, shape, count) for name, shape in tensors if count):
