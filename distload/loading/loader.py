@@ -353,7 +353,8 @@ def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str
 def iter_tensors(source: str, load_format: str = "auto",
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup | None = None,
                  device: str = "auto", progress: bool = False, tensor_parallel_size: int | None = None,
-                 sharding: "str | ShardingSpec | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 sharding: "str | ShardingSpec | None" = None, expert_parallel_size: int | None = None,
+                 expert_placement_strategy: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` on this rank's device without holding them all.
 
     Args:
@@ -366,19 +367,25 @@ def iter_tensors(source: str, load_format: str = "auto",
         progress: as for :func:`load`.
         tensor_parallel_size: as for :func:`load`.
         sharding: as for :func:`load`.
+        expert_parallel_size: as for :func:`load`.
+        expert_placement_strategy: as for :func:`load`.
 
     Returns:
         An iterator of ``(name, tensor)`` pairs; each tensor is the caller's once handed out.
     """
     config = make_load_config(load_format, extra_config)  # a bad argument fails here, not at first next()
-    return _iter_tensors(source, config, group, device, progress, tensor_parallel_size, sharding)
+    return _iter_tensors(source, config, group, device, progress, tensor_parallel_size, sharding,
+                         expert_parallel_size, expert_placement_strategy)
 
 
 def _iter_tensors(source: str, config, group: WorkerGroup | None, device: str, progress: bool,
-                  tensor_parallel_size: int | None, sharding) -> Iterator[tuple[str, torch.Tensor]]:
+                  tensor_parallel_size: int | None, sharding, expert_parallel_size: int | None,
+                  expert_placement_strategy: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     with WorkerGroup.for_call(group, device=device) as g:
         stream = Loader(source, config.load_format, config.extra, group=g, progress=progress,
-                        tensor_parallel_size=tensor_parallel_size, sharding=sharding).stream()
+                        tensor_parallel_size=tensor_parallel_size, sharding=sharding,
+                        expert_parallel_size=expert_parallel_size,
+                        expert_placement_strategy=expert_placement_strategy).stream()
         try:
             yield from stream
         finally:
