@@ -153,7 +153,7 @@ def test_each_rank_equals_slicing_a_whole_read_and_reads_only_its_bytes(moe, mod
         result = load_as(moe[model], rank, tp, ep)
         want = reference(state, rank, tp, ep)
         same(result.state, want)
-        assert result.rank_report.nbytes == kept_bytes(want)
+        assert result.rank_report.nbytes == kept_bytes(want) and result.rank_report.num_tensors == len(want)
         assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want), (rank, result.rank_report)
 
 
@@ -261,6 +261,7 @@ def test_torchrun_tp2_x_ep2_on_4_ranks(moe, tmp_path):
         assert (r["tensor_parallel"], r["expert_parallel"]) == ([r["rank"] % 2, 2], [r["rank"] // 2, 2])
         assert r["digest"] == state_digest(want), r["rank"]
         assert r["nbytes"] == kept_bytes(want) and r["requested_bytes"] <= 1.05 * kept_bytes(want), r
+        assert r["num_tensors"] == len(want), r
 
 
 EVERY_LOAD = """
@@ -276,6 +277,10 @@ with WorkerGroup(device="cpu") as group:
             r = distload.Loader(folder, group=group, tensor_parallel_size=tp,
                                 expert_parallel_size=None if ep == 1 else ep).load(digest=True).rank_report
             results[f"{folder} {tp} {ep}"] = [r.digest, r.nbytes, r.requested_bytes]
+    # A shared read: each byte read once per job, each rank receiving the bytes of its experts.
+    r = distload.Loader(folders[0], extra_config={"distributed": True}, group=group, tensor_parallel_size=2,
+                        expert_parallel_size=2).load(digest=True).rank_report
+    results["shared"] = [r.digest, r.nbytes, r.path]
     with open(f"{out}/rank{group.rank}.json", "w") as f:
         json.dump(results, f)
 """
@@ -285,13 +290,16 @@ with WorkerGroup(device="cpu") as group:
 @pytest.mark.dist
 def test_torchrun_every_model_at_tp2_ep2_and_tp2_x_ep2(moe, tmp_path):
     """Both models, BF16 and FP8, at TP 2, EP 2 and TP 2 x EP 2, one 4-rank job (TP 2 and EP 2 as
-    two replicas each): every rank equal to slicing a whole read, reading only its bytes."""
+    two replicas each): every rank equal to slicing a whole read, reading only its bytes; and a
+    shared read at TP 2 x EP 2 (distributed: true) gives the same."""
     script = write_script(tmp_path, "every_load.py", EVERY_LOAD)
     result = run_script(script, [str(tmp_path), *(moe[m] for m in MODELS)], nproc=4, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     for rank in range(4):
         with open(tmp_path / f"rank{rank}.json") as f:
             got = json.load(f)
+        want = reference(whole(moe[MODELS[0]]), rank, 2, 2)
+        assert got["shared"] == [state_digest(want), kept_bytes(want), "pread-shared"], rank
         for model in MODELS:
             state = whole(moe[model])
             for tp, ep in SIZES:

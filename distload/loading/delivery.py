@@ -57,7 +57,7 @@ class Delivery:
 
     @property
     def num_tensors(self) -> int:
-        return len(self.received)
+        return len(self.received - self.dropped)
 
     def accept(self, name: str, tensor: torch.Tensor) -> None:
         """One tensor from the backend: named by a header, and the first time."""
