@@ -240,6 +240,12 @@ def test_reshard_writes_ep_shards_that_sharded_state_loads_bit_exact(moe, tmp_pa
                                           rf"\({placement} placement, {tp * ep} ranks; see distload.json\), but the "
                                           rf"load asks for {tp} x 4"):
         load_as(out, 0, tp, 4, "sharded_state")
+    if tp == 1:  # shards saved without expert parallelism, loaded with it
+        plain = str(tmp_path / "tp2")
+        distload.reshard(folder, plain, 2)
+        with pytest.raises(ConfigError, match=r"^--expert-parallel-size 2: .* was saved per rank without expert "
+                                              r"parallelism \(for 2 ranks, see distload.json\)"):
+            load_as(plain, 0, 1, 2, "sharded_state")
 
 
 # -- under torchrun ----------------------------------------------------------------------------------
