@@ -21,6 +21,7 @@ import distload
 from distload.errors import ConfigError
 from distload.loading.report import state_digest
 from distload.tp.experts import ExpertPlace, cut_experts, local_experts
+from distload.tp.place import TPPlace
 from distload.tp.spec import carry_block_scales, load_spec
 from distload.workers.group import WorkerGroup
 
@@ -118,6 +119,22 @@ def test_placements_are_vllms():
     assert ExpertPlace(4, 3, "linear").experts(256) == tuple(range(192, 256))
     with pytest.raises(ConfigError, match="--expert-placement-strategy 'packed' is not one of linear, round_robin"):
         ExpertPlace(2, 0, "packed").check()
+
+
+def test_ranks_are_tp_then_ep_then_replicas():
+    """Rank r of T x P x k ranks: TP rank r % T, EP rank (r // T) % P; its shard of a T x P save."""
+    class Group:  # what TPPlace.of asks of a group
+        def __init__(self, rank, world_size):
+            self.rank, self.world_size = rank, world_size
+
+    places = [TPPlace.of(Group(r, 8), 2, expert_parallel_size=2) for r in range(8)]
+    assert [(p.rank, p.experts.rank, p.shard_rank) for p in places] == [
+        (0, 0, 0), (1, 0, 1), (0, 1, 2), (1, 1, 3)] * 2
+    assert {p.shard_count for p in places} == {4}
+    assert [TPPlace.of(Group(r, 4), None, expert_parallel_size=4).experts.rank for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 x --expert-parallel-size 2 \(4\) does not "
+                                          r"divide the group's 6 ranks"):
+        TPPlace.of(Group(0, 6), 2, expert_parallel_size=2)
 
 
 def test_stacked_experts_keep_their_rows_and_a_tp_rule_on_them_is_refused():
