@@ -243,8 +243,15 @@ def test_reshard_writes_ep_shards_that_sharded_state_loads_bit_exact(moe, tmp_pa
     folder = moe["deepseek-fp8"]
     state = whole(folder)
     out = str(tmp_path / "ep")
-    report = distload.reshard(folder, out, tp, expert_parallel_size=ep, expert_placement_strategy=placement)
-    assert report.world_size == tp * ep and f"{placement} placement of 4 experts" in "\n".join(report.summary_lines())
+    if tp == 1:  # the command line, whose -tp is 1 by default with -ep
+        made = run_distload(["reshard", folder, out, "-ep", str(ep), "--expert-placement-strategy", placement])
+        assert made.returncode == 0, made.stderr[-3000:]
+        summary = made.stdout
+    else:
+        report = distload.reshard(folder, out, tp, expert_parallel_size=ep, expert_placement_strategy=placement)
+        assert report.world_size == tp * ep
+        summary = "\n".join(report.summary_lines())
+    assert f"{ep} EP ranks x {tp} TP ranks, {placement} placement of 4 experts" in summary, summary
     with open(os.path.join(out, "distload.json")) as f:
         assert json.load(f)["expert_parallel"] == {"size": ep, "tensor_parallel_size": tp, "placement": placement,
                                                   "num_experts": 4}

@@ -92,7 +92,8 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         source: a local whole checkpoint: a file or a folder (``model.safetensors.index.json``
             honoured).
         output: a new or empty folder.
-        tensor_parallel_size: how many TP ranks to write shards for (required).
+        tensor_parallel_size: how many TP ranks to write shards for (required; 1 by default with
+            ``expert_parallel_size``).
         pattern: the shard file names, with ``{rank}`` and ``{part}``.
         max_file_size: start a new part past this many tensor bytes (default 5 GiB).
         sharding: the sharding spec: ``vllm`` (vLLM's engine names; the default where they are
@@ -113,6 +114,8 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         warnings.warn("reshard(world_size=...) is the old name of tensor_parallel_size", DeprecationWarning,
                       stacklevel=2)
         tensor_parallel_size = world_size
+    if tensor_parallel_size is None and expert_parallel_size is not None:
+        tensor_parallel_size = 1  # experts whole on each EP rank, the rest whole on every rank
     if tensor_parallel_size is None:
         raise ConfigError("reshard: tensor_parallel_size (the number of TP ranks to write shards for) is required")
     tp_size = tensor_parallel_size

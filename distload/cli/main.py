@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"offline (Python: distload.reshard; '{OLD_RESHARD}' is its old name)")
     save.add_argument("source", help="a whole safetensors checkpoint: a file or a folder (index.json honoured)")
     save.add_argument("output", help="a new or empty folder")
-    save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N",
-                      help="the number of tensor-parallel ranks to write shards for (required)")
+    save.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                      help="the number of tensor-parallel ranks to write shards for (required, unless "
+                           "--expert-parallel-size is given: then 1 by default)")
     save.add_argument("--file-pattern", default=DEFAULT_SHARD_PATTERN, metavar="P",
                       help=f"the shard file names, with {{rank}} and {{part}} (default {DEFAULT_SHARD_PATTERN!r})")
     save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
@@ -448,6 +449,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                               f"({args.source}) reads none; the server was given them (`distload serve`)")
     if args.command == "load" and args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
+    if args.command in ("reshard", OLD_RESHARD) and args.tensor_parallel_size is None \
+            and args.expert_parallel_size is None:
+        raise ConfigError("reshard: --tensor-parallel-size N (the number of tensor-parallel ranks to write shards "
+                          "for) is required, or --expert-parallel-size P")
     if args.command in ("load", "reshard", OLD_RESHARD):
         if args.expert_parallel_size is not None and args.expert_parallel_size < 1:
             raise ConfigError(f"--expert-parallel-size must be a whole number >= 1, got {args.expert_parallel_size}")
