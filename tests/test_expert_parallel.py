@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import distload
+from distload.checkpoints.inspection import summary_lines
 from distload.errors import ConfigError
 from distload.loading.report import state_digest
 from distload.tp.experts import ExpertPlace, cut_experts, local_experts
@@ -252,6 +253,9 @@ def test_reshard_writes_ep_shards_that_sharded_state_loads_bit_exact(moe, tmp_pa
         assert report.world_size == tp * ep
         summary = "\n".join(report.summary_lines())
     assert f"{ep} EP ranks x {tp} TP ranks, {placement} placement of 4 experts" in summary, summary
+    inspected = summary_lines(distload.inspect(out), tensors=False)[0]  # what `distload inspect` says first
+    assert inspected.endswith(f"tensor-parallel size {tp} x expert-parallel size {ep} ({placement} placement of "
+                              f"4 experts)"), inspected
     with open(os.path.join(out, "distload.json")) as f:
         assert json.load(f)["expert_parallel"] == {"size": ep, "tensor_parallel_size": tp, "placement": placement,
                                                   "num_experts": 4}
