@@ -232,6 +232,7 @@ def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tm
     with pytest.raises(ConfigError, match=r"^--expert-parallel-size 2: this checkpoint has no routed experts .*: a "
                                           r"dense model. Load it without --expert-parallel-size"):
         load_as(dense, 0, 1, 2)
+    assert sorted(load_as(dense, 0, 1, 1).state) == ["lm_head.weight", "model.layers.0.mlp.up_proj.weight"]
     with WorkerGroup(device="cpu") as group, pytest.raises(ConfigError, match=r"^--expert-placement-strategy places "
                                                                                r"experts over --expert-parallel-size"):
         distload.Loader(dense, group=group, expert_placement_strategy="round_robin")

@@ -127,6 +127,8 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
                               "give --expert-parallel-size too")
         experts = ExpertPlace(expert_parallel_size, 0, expert_placement_strategy or "linear")
         experts.check()
+        if experts.size == 1:  # every expert in every shard: no expert parallelism to record
+            experts = None
     # The saved checkpoint's ranks, as its manifest counts them: shard s is TP rank s % T of EP rank s // T.
     world_size = tp_size * (experts.size if experts is not None else 1)
     start = time.perf_counter()

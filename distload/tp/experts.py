@@ -152,6 +152,8 @@ def cut_experts(tensors: Sequence[tuple[str, Sequence[int], Action]], place: Exp
     refused if the sharding spec also splits it (one cut per tensor).
     """
     place.check()
+    if place.size == 1:  # every expert on every rank: nothing to place, a dense model included
+        return ExpertCut({name: action for name, _, action in tensors}, frozenset(), (), 0)
     count = num_experts([(name, shape) for name, shape, _ in tensors], config, place.size)
     mine = place.experts(count)
     owned = frozenset(mine)

@@ -56,6 +56,8 @@ class TPPlace:
             experts.check()
             if size is None:
                 size = 1  # experts whole on each EP rank, everything else whole on every rank
+            if experts.size == 1:  # every expert on every rank: no expert parallelism
+                experts = None
         if size is None:
             size = group.world_size
         if not is_int(size) or size < 1:
