@@ -233,6 +233,9 @@ def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tm
                                           r"dense model. Load it without --expert-parallel-size"):
         load_as(dense, 0, 1, 2)
     assert sorted(load_as(dense, 0, 1, 1).state) == ["lm_head.weight", "model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ConfigError, match=r"^reshard --expert-parallel-size writes the checkpoint's own names"):
+        distload.reshard(moe["qwen3moe-bf16"], str(tmp_path / "vllm-ep"), 1, expert_parallel_size=2, sharding="vllm")
+    assert not os.path.exists(tmp_path / "vllm-ep")
     with WorkerGroup(device="cpu") as group, pytest.raises(ConfigError, match=r"^--expert-placement-strategy places "
                                                                                r"experts over --expert-parallel-size"):
         distload.Loader(dense, group=group, expert_placement_strategy="round_robin")
