@@ -138,6 +138,23 @@ def test_ranks_are_tp_then_ep_then_replicas():
         TPPlace.of(Group(0, 6), 2, expert_parallel_size=2)
 
 
+def test_mixtral_names_drop_other_ranks_experts_and_keep_the_tp_rules():
+    """Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``: a rank's experts keep the spec's split
+    (w1/w3 rows, w2 columns), the others become empty cuts, the router stays whole."""
+    spec = load_spec("decoder")
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(8) for w in ("w1", "w2", "w3")]
+    names.append("model.layers.0.block_sparse_moe.gate.weight")
+    tensors = [(n, (256, 256), spec.action(n, (256, 256))) for n in names]
+    cut = cut_experts(tensors, ExpertPlace(4, 1, "round_robin"), {"num_local_experts": 8})
+    assert cut.experts == (1, 5)
+    kept = sorted(n for n in names if n not in cut.dropped)
+    assert kept == [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 5) for w in ("w1", "w2", "w3")] \
+        + ["model.layers.0.block_sparse_moe.gate.weight"]
+    assert {cut.actions[n].dim for n in kept if ".w2." in n} == {1} and {cut.actions[n].dim for n in kept if ".w1." in n} == {0}
+    assert all(cut.actions[n].ranges == () for n in cut.dropped) and len(cut.dropped) == 18
+    assert cut.actions["model.layers.0.block_sparse_moe.gate.weight"].replicated
+
+
 def test_stacked_experts_keep_their_rows_and_a_tp_rule_on_them_is_refused():
     """vLLM's fused stacks ([E, 2I, H], [E, H, I], their scales [E, ...]) are cut on dim 0 by expert."""
     shapes = {"model.layers.0.mlp.experts.w13_weight": (4, 512, 256),
