@@ -128,7 +128,7 @@ def test_to_json_keys():
     for entry in data["ranks"]:
         assert RANK_KEYS <= set(entry)
         assert set(entry) - RANK_KEYS <= {"hostname", "read_bytes", "peak_rss_bytes", "huge_page_marked_bytes",
-                                          "requested_bytes", "tensor_parallel", "prefaulted_bytes",
+                                          "requested_bytes", "tensor_parallel", "expert_parallel", "prefaulted_bytes",
                                           "reader_bytes", "received_bytes", "cache_bytes", "store_bytes",
                                           "corrupt_blocks", "cache_received_bytes", "server_bytes"}
     assert data["ranks"][0]["digest"] == "ab" * 32

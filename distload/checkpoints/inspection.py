@@ -32,7 +32,8 @@ def inspect_source(source: "str | os.PathLike[str]", pattern: str | None = None)
         infos = src.read_headers([src.path(name) for name in names])
         ranks = sorted({f.rank for f in manifest.files}) if manifest else layout.shards.ranks
         kind = {"layout": "sharded", "saved_world_size": layout.saved_world_size,
-                "ranks_found": ranks, "pattern": layout.pattern, "manifest": manifest is not None}
+                "ranks_found": ranks, "pattern": layout.pattern, "manifest": manifest is not None,
+                "expert_parallel": manifest.expert_parallel if manifest else None}
         tensors = [t for info in infos for t in info.tensors]
     else:
         files, _ = whole_checkpoint(src)
@@ -65,6 +66,10 @@ def summary_lines(info: dict[str, Any], tensors: bool = True) -> list[str]:
     if info["layout"] == "sharded":
         layout = (f"pre-sharded for {info['saved_world_size']} rank(s) (pattern {info['pattern']!r}, "
                   f"{'with' if info['manifest'] else 'without'} a distload manifest)")
+        experts = info.get("expert_parallel")
+        if experts:  # rank r = ep_rank * T + tp_rank: say so, as a load must match it
+            layout += (f", tensor-parallel size {experts['tensor_parallel_size']} x expert-parallel size "
+                       f"{experts['size']} ({experts['placement']} placement of {experts['num_experts']} experts)")
     else:
         layout = "whole (every rank needs every tensor)"
     lines = [f"{info['source']}: {layout}",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -31,6 +31,7 @@ from distload.checkpoints.output import (
     split_into_parts,
 )
 from distload.checkpoints.writer import HeaderEntry
+from distload.tp.experts import ExpertCut, ExpertPlace, cut_experts
 from distload.tp.spec import ShardingSpec, carry_block_scales, spec_with_config
 from distload.tp.vllm_names import EngineTensor, vllm_state
 from distload.tp.slices import shard_shape, take_shard
@@ -49,6 +50,7 @@ class ReshardReport:
     split: dict[str, int] = field(default_factory=dict)  # tensor -> dim
     spec: str = ""
     engine_note: str = ""  # whose names the files hold, and who can load them
+    experts_note: str = ""  # an expert-parallel save: its sizes and placement
 
     def summary_lines(self) -> list[str]:
         written = sum(f.size for f in self.files)
@@ -59,6 +61,8 @@ class ReshardReport:
         ]
         if self.spec:
             lines.append(f"  sharding spec {self.spec}: {self.engine_note}")
+        if self.experts_note:
+            lines.append(f"  expert parallelism: {self.experts_note}")
         if self.replicated_unmatched:
             shown = ", ".join(self.replicated_unmatched[:20])
             more = f" and {len(self.replicated_unmatched) - 20} more" if len(self.replicated_unmatched) > 20 else ""
@@ -76,9 +80,10 @@ def _read_tensor(f, info: TensorInfo, buffer: torch.Tensor) -> torch.Tensor:
 
 def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *,
             pattern: str = DEFAULT_SHARD_PATTERN, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
-            sharding: str | ShardingSpec | None = None, world_size: int | None = None) -> ReshardReport:
+            sharding: str | ShardingSpec | None = None, world_size: int | None = None,
+            expert_parallel_size: int | None = None, expert_placement_strategy: str | None = None) -> ReshardReport:
     """Turn a whole safetensors checkpoint into one shard per TP rank (``tensor_parallel_size``
-    of them), streaming; ``distload reshard`` on the command line.
+    of them; T x P with ``expert_parallel_size`` P), streaming; ``distload reshard`` on the command line.
 
     Every tensor's action and shard shape is decided from the headers before a byte is written,
     so a sharding spec that does not fit the model (an indivisible dimension) fails with nothing written.
@@ -87,13 +92,18 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         source: a local whole checkpoint: a file or a folder (``model.safetensors.index.json``
             honoured).
         output: a new or empty folder.
-        tensor_parallel_size: how many TP ranks to write shards for (required).
+        tensor_parallel_size: how many TP ranks to write shards for (required; 1 by default with
+            ``expert_parallel_size``).
         pattern: the shard file names, with ``{rank}`` and ``{part}``.
         max_file_size: start a new part past this many tensor bytes (default 5 GiB).
         sharding: the sharding spec: ``vllm`` (vLLM's engine names; the default where they are
             known), ``decoder`` (the same slices under the checkpoint's names; what a TP load
             holds), ``plain``, ``replicate``, a JSON spec file or a ShardingSpec.
         world_size: the old name of ``tensor_parallel_size``.
+        expert_parallel_size: P: shard ``ep_rank * T + tp_rank`` holds EP rank ``ep_rank``'s routed
+            experts (TP-sliced) and TP rank ``tp_rank``'s slices of the rest (distload/tp/place.py);
+            the manifest records P, T and the placement, and a load of the folder checks them.
+        expert_placement_strategy: ``linear`` (default) or ``round_robin``, as vLLM names them.
 
     Returns:
         What was written: files, split tensors, copied files, bytes and seconds.
@@ -104,11 +114,24 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         warnings.warn("reshard(world_size=...) is the old name of tensor_parallel_size", DeprecationWarning,
                       stacklevel=2)
         tensor_parallel_size = world_size
+    if tensor_parallel_size is None and expert_parallel_size is not None:
+        tensor_parallel_size = 1  # experts whole on each EP rank, the rest whole on every rank
     if tensor_parallel_size is None:
         raise ConfigError("reshard: tensor_parallel_size (the number of TP ranks to write shards for) is required")
-    world_size = tensor_parallel_size  # the saved checkpoint's ranks, as its manifest counts them
+    tp_size = tensor_parallel_size
+    check_save_args(output, pattern, max_file_size, tp_size)
+    experts = None
+    if expert_parallel_size is not None or expert_placement_strategy is not None:
+        if expert_parallel_size is None:
+            raise ConfigError("--expert-placement-strategy places experts over --expert-parallel-size ranks; "
+                              "give --expert-parallel-size too")
+        experts = ExpertPlace(expert_parallel_size, 0, expert_placement_strategy or "linear")
+        experts.check()
+        if experts.size == 1:  # every expert in every shard: no expert parallelism to record
+            experts = None
+    # The saved checkpoint's ranks, as its manifest counts them: shard s is TP rank s % T of EP rank s // T.
+    world_size = tp_size * (experts.size if experts is not None else 1)
     start = time.perf_counter()
-    check_save_args(output, pattern, max_file_size, world_size)
     path, folder = check_reshard_source(source)
     if os.path.abspath(folder) == os.path.abspath(output):
         raise ConfigError(f"output {output} must differ from the source folder")
@@ -127,8 +150,17 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     actions = carry_block_scales([(info.name, info.shape, actions[info.name]) for info in index.tensors], config)
     outputs = _output_tensors(index, spec, config, source)
     tensors = {info.name: info for info in index.tensors}
-    entries = [_entry(out, tensors, actions, world_size) for out in outputs]
-    parts = split_into_parts(entries, max_file_size)  # identical shapes, so identical parts per rank
+    # Each EP rank's actions (its experts' rows, other experts dropped); one for all without EP.
+    cuts = [ExpertCut(actions, frozenset(), (), 0)]
+    if experts is not None:
+        if spec.engine is not None:
+            raise ConfigError(f"--sharding {spec.name} with --expert-parallel-size: expert-parallel shards hold "
+                              f"the checkpoint's own names; use --sharding decoder (the default with it)")
+        shapes = [(info.name, info.shape, actions[info.name]) for info in index.tensors]
+        cuts = [cut_experts(shapes, replace(experts, rank=ep), config) for ep in range(experts.size)]
+    # Identical shapes within an EP rank, so identical parts for its T ranks.
+    parts_of = [split_into_parts([_entry(out, tensors, cut.actions, tp_size) for out in outputs
+                                  if out.name not in cut.dropped], max_file_size) for cut in cuts]
 
     prepare_output(output, pattern)
     writers: list[RankWriter] = []
@@ -139,7 +171,7 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     buffers = [torch.empty(biggest, dtype=torch.uint8) for _ in range(widest)]
     handles: dict[str, Any] = {}
     try:
-        writers = [RankWriter(output, pattern, rank, parts) for rank in range(world_size)]
+        writers = [RankWriter(output, pattern, rank, parts_of[rank // tp_size]) for rank in range(world_size)]
         for out in outputs:  # in the files' order, so reads mostly move forward
             if out.constant is not None:
                 for writer in writers:
@@ -153,7 +185,10 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
                 read.append(_read_tensor(handles[info.file], info, buffer))
                 nbytes_read += info.nbytes
             for rank, writer in enumerate(writers):
-                shards = [take_shard(t, actions[n], rank, world_size, n) for n, t in zip(out.parts, read)]
+                cut = cuts[rank // tp_size]
+                if out.name in cut.dropped:
+                    continue
+                shards = [take_shard(t, cut.actions[n], rank % tp_size, tp_size, n) for n, t in zip(out.parts, read)]
                 writer.write(out.name, shards[0] if len(shards) == 1 else torch.cat(shards, dim=0))
             del read
     except BaseException:
@@ -169,12 +204,19 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     write_manifest(output, Manifest(
         world_size=world_size, pattern=pattern, files=all_files, sharding=spec.to_json(),
         replicated_unmatched=unmatched, source=source_string(source), created_by="distload reshard",
+        expert_parallel=None if experts is None else {
+            "size": experts.size, "tensor_parallel_size": tp_size, "placement": experts.placement,
+            "num_experts": cuts[0].num_experts},
     ))
     return ReshardReport(
         output=output, world_size=world_size, files=all_files, replicated_unmatched=unmatched,
         copied=copied, nbytes_read=nbytes_read, seconds=time.perf_counter() - start,
-        split={name: a.dim for name, a in actions.items() if a.dim is not None},
+        split={name: a.dim for name, a in cuts[0].actions.items() if a.dim is not None and name not in cuts[0].dropped},
         spec=spec.name, engine_note=_engine_note(spec, default_reason),
+        experts_note="" if experts is None else (
+            f"{experts.size} EP ranks x {tp_size} TP ranks, {experts.placement} placement of "
+            f"{cuts[0].num_experts} experts; shard s holds EP rank s // {tp_size}'s experts "
+            f"({', '.join(f'{ep}: {list(cut.experts)}' for ep, cut in enumerate(cuts))})"),
     )
 
 

@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--sharding", default=None, metavar="SPEC",
                       help="the sharding spec for --tensor-parallel-size: decoder (vLLM's layout, default; "
                            "alias llama/mistral/qwen2/qwen3), plain, replicate, or a JSON spec file")
+    _expert_options(load, "each rank r holds the routed experts of EP rank (r // T) %% P (of a mixture-of-experts "
+                          "checkpoint), reading only their bytes; the job's ranks are T x P x k. A checkpoint "
+                          "resharded at T x P: each rank reads its shard")
     load.add_argument("--report-json", default=None, metavar="PATH",
                       help="rank 0 writes the load report here")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -146,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"offline (Python: distload.reshard; '{OLD_RESHARD}' is its old name)")
     save.add_argument("source", help="a whole safetensors checkpoint: a file or a folder (index.json honoured)")
     save.add_argument("output", help="a new or empty folder")
-    save.add_argument("--tensor-parallel-size", "-tp", type=int, required=True, metavar="N",
-                      help="the number of tensor-parallel ranks to write shards for (required)")
+    save.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, metavar="N",
+                      help="the number of tensor-parallel ranks to write shards for (required, unless "
+                           "--expert-parallel-size is given: then 1 by default)")
     save.add_argument("--file-pattern", default=DEFAULT_SHARD_PATTERN, metavar="P",
                       help=f"the shard file names, with {{rank}} and {{part}} (default {DEFAULT_SHARD_PATTERN!r})")
     save.add_argument("--max-file-size", type=int, default=DEFAULT_MAX_FILE_SIZE, metavar="BYTES",
@@ -157,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "sharded_state loaders read; decoder, alias llama/mistral/qwen2/qwen3: the same slices "
                            "under the checkpoint's names; plain; replicate) or a JSON spec file (default vllm "
                            "where the engine's names are known, else decoder); --plan is its old name")
+
+    _expert_options(save, "write T x P shards: shard ep_rank * T + tp_rank holds its EP rank's experts (each "
+                          "TP-sliced) and the TP slices of everything else; the manifest records P and the placement")
 
     verify = sub.add_parser("verify", help="check a pre-sharded checkpoint's files against its manifest")
     verify.add_argument("folder", help="a pre-sharded checkpoint saved by distload (a folder or an object-store prefix)")
@@ -238,6 +245,13 @@ def log_level(given: str | None, environ: "os._Environ[str] | dict[str, str]" = 
     return getattr(logging, given.upper())
 
 
+def _expert_options(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--expert-parallel-size", "-ep", type=int, default=None, metavar="P", help=what)
+    parser.add_argument("--expert-placement-strategy", default=None, choices=("linear", "round_robin"),
+                        help="vLLM's expert placement: linear (default: EP rank r holds a contiguous run of "
+                             "experts) or round_robin (experts r, r + P, r + 2P, ...)")
+
+
 def _setup_logging(rank: int | str, level: int) -> None:
     # Rank 0 speaks for the job; the other ranks say only what went wrong on them, unless debug
     # was asked for: then every rank's steps matter.
@@ -256,13 +270,18 @@ def run_load(args: argparse.Namespace) -> int:
     extra = _with_cache_flags(args)
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
         if is_server_address(args.source):
+            if args.expert_parallel_size is not None:
+                raise ConfigError(f"--expert-parallel-size: a load from a running job ({args.source}) does not "
+                                  f"place experts yet; load the checkpoint from storage with it")
             report = load_from_server(args.source, group=group, tensor_parallel_size=args.tensor_parallel_size,
                                       sharding=args.sharding, digest=not args.no_digest,
                                       secret_file=args.secret_file).report
         else:
             loader = Loader(args.source, args.load_format, extra,
                             group=group, progress=not args.no_progress,
-                            tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding)
+                            tensor_parallel_size=args.tensor_parallel_size, sharding=args.sharding,
+                            expert_parallel_size=args.expert_parallel_size,
+                            expert_placement_strategy=args.expert_placement_strategy)
             report = loader.load(gather=True, digest=not args.no_digest).report
         assert report is not None
         if group.rank == 0:
@@ -339,7 +358,9 @@ def run_reshard(args: argparse.Namespace) -> int:
                          f"use 'distload reshard'\n")
 
     report = reshard(args.source, args.output, args.tensor_parallel_size, pattern=args.file_pattern,
-                     max_file_size=args.max_file_size, sharding=args.sharding)
+                     max_file_size=args.max_file_size, sharding=args.sharding,
+                     expert_parallel_size=args.expert_parallel_size,
+                     expert_placement_strategy=args.expert_placement_strategy)
     for line in report.summary_lines():
         print(line, flush=True)
     return 0
@@ -428,6 +449,16 @@ def check_arguments(args: argparse.Namespace) -> None:
                               f"({args.source}) reads none; the server was given them (`distload serve`)")
     if args.command == "load" and args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
+    if args.command in ("reshard", OLD_RESHARD) and args.tensor_parallel_size is None \
+            and args.expert_parallel_size is None:
+        raise ConfigError("reshard: --tensor-parallel-size N (the number of tensor-parallel ranks to write shards "
+                          "for) is required, or --expert-parallel-size P")
+    if args.command in ("load", "reshard", OLD_RESHARD):
+        if args.expert_parallel_size is not None and args.expert_parallel_size < 1:
+            raise ConfigError(f"--expert-parallel-size must be a whole number >= 1, got {args.expert_parallel_size}")
+        if args.expert_placement_strategy is not None and args.expert_parallel_size is None:
+            raise ConfigError("--expert-placement-strategy places experts over --expert-parallel-size ranks; "
+                              "give --expert-parallel-size too")
     if args.command == "pull" and args.chunk_mib <= 0:
         raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
     if args.command == "inspect" and args.pattern is not None:

@@ -48,6 +48,8 @@ class Delivery:
         # A split tensor arrives in its slice's shape: a reader that delivered the whole tensor
         # (or another rank's slice shape) would be a silently wrong load.
         self.sliced_shapes = {name: piece.shape for name, piece in plan.slices.slices.items()} if plan.slices else {}
+        # Other EP ranks' experts: checked as arriving (empty), not counted, not handed out.
+        self.dropped = plan.slices.dropped if plan.slices else frozenset()
         self.received: set[str] = set()
         self.nbytes = 0
         self._alias_targets: dict[str, torch.Tensor | None] = {target: None for target in plan.aliases.values()}
@@ -55,7 +57,7 @@ class Delivery:
 
     @property
     def num_tensors(self) -> int:
-        return len(self.received)
+        return len(self.received - self.dropped)
 
     def accept(self, name: str, tensor: torch.Tensor) -> None:
         """One tensor from the backend: named by a header, and the first time."""
@@ -69,6 +71,8 @@ class Delivery:
             raise CheckpointError(f"{self.backend} returned tensor {name!r} with shape {list(tensor.shape)}, "
                                   f"but this rank's slice is {list(want)}")
         self.received.add(name)
+        if name in self.dropped:
+            return
         size = tensor.numel() * tensor.element_size()
         self.nbytes += size
         self.progress.update(size)

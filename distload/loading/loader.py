@@ -123,6 +123,10 @@ class Loader:
         sharding: as for :func:`load`.
         tensor_parallel_rank: this rank's TP rank where its TP group is not consecutive ranks
             (default ``rank % tensor_parallel_size``).
+        expert_parallel_size: as for :func:`load`.
+        expert_placement_strategy: as for :func:`load`.
+        expert_parallel_rank: this rank's EP rank where it is not the default
+            ``(rank // tensor_parallel_size) % expert_parallel_size``.
         blocks: DTensor targets: tensor name -> the block of it this rank reads (used by
             :func:`load_dtensors` and ``reload_into``).
     """
@@ -131,13 +135,16 @@ class Loader:
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup,
                  progress: bool = False, tensor_parallel_size: int | None = None,
                  sharding: "str | ShardingSpec | None" = None, tensor_parallel_rank: int | None = None,
-                 blocks: Blocks | None = None):
+                 blocks: Blocks | None = None, expert_parallel_size: int | None = None,
+                 expert_placement_strategy: str | None = None, expert_parallel_rank: int | None = None):
         self.config = make_load_config(load_format, extra_config)
         self.source = source_string(source)  # a pathlib.Path or S3:// works as it does in vLLM
         self.group = group
         self.progress = progress
         # With a size: rank r keeps TP rank r % size's slices (or, pre-sharded, its files).
-        self.tensor_parallel = TPPlace.of(group, tensor_parallel_size, sharding, tensor_parallel_rank)
+        # With an EP size too: the ranks are T x P x k, rank r EP rank (r // T) % P (distload/tp/place.py).
+        self.tensor_parallel = TPPlace.of(group, tensor_parallel_size, sharding, tensor_parallel_rank,
+                                          expert_parallel_size, expert_placement_strategy, expert_parallel_rank)
         # DTensor targets: tensor name -> (offsets, sizes) of its local shard, or a function of the
         # checkpoint's index giving them; only those bytes are read. None (or none): no DTensors.
         self._blocks = blocks if callable(blocks) or blocks else None
@@ -205,6 +212,7 @@ class Loader:
         backend = BACKENDS[plan.choice.backend]
         # A reader of whole tensors: the loader keeps this rank's piece.
         cut = plan.slices if plan.slices is not None and not backend.reads_slices else None
+        dropped = plan.slices.dropped if plan.slices is not None else frozenset()
         tp = plan.tensor_parallel
         try:
             request = self._request(plan, destinations)
@@ -213,7 +221,8 @@ class Loader:
                 if cut is not None:
                     tensor = cut.cut(name, tensor, tp)
                 delivery.accept(name, tensor)
-                yield name, tensor
+                if name not in dropped:  # another EP rank's expert: read as nothing, not handed out
+                    yield name, tensor
             yield from delivery.finish()
             # After the last byte: a file changed meanwhile fails here. Not the objects read through
             # the node cache: its entries are keyed by the version planned with and its fetches
@@ -268,6 +277,7 @@ class Loader:
             read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
             requested_bytes=plan.index.nbytes if run.requested_bytes is None else run.requested_bytes,
             tensor_parallel=None if tp is None else [tp.rank, tp.size],
+            expert_parallel=None if tp is None or tp.experts is None else [tp.experts.rank, tp.experts.size],
             peak_rss_bytes=peak_rss_bytes(),
             huge_page_marked_bytes=host_memory.marked_bytes,
             prefaulted_bytes=host_memory.prefaulted_bytes,
@@ -295,6 +305,7 @@ def _drain(run: BackendRun) -> bool:
 def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str, Any] | None = None,
          *, group: WorkerGroup | None = None, device: str = "auto", progress: bool = False,
          tensor_parallel_size: int | None = None, sharding: "str | ShardingSpec | None" = None,
+         expert_parallel_size: int | None = None, expert_placement_strategy: str | None = None,
          ) -> dict[str, torch.Tensor]:
     """Load ``source`` into a dict of tensors on this rank's device.
 
@@ -316,6 +327,13 @@ def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str
             each data-parallel replica its TP rank's files.
         sharding: the sharding spec for ``tensor_parallel_size`` (a built-in name, a JSON spec
             file or a ShardingSpec; default ``decoder``).
+        expert_parallel_size: P: the routed experts of a mixture-of-experts checkpoint are placed
+            over P expert-parallel ranks; the job's ranks are T x P x k, rank r holds the experts
+            of EP rank ``(r // T) % P`` (each TP-sliced between its T ranks) and none of the
+            others, reading only their bytes. A checkpoint saved per rank at T x P: each
+            rank reads its shard's files. See docs/expert-parallel.md.
+        expert_placement_strategy: vLLM's names: ``linear`` (default: contiguous runs of
+            experts) or ``round_robin`` (EP rank r holds experts r, r + P, ...).
 
     Returns:
         This rank's tensors by checkpoint name, on its device.
@@ -327,13 +345,16 @@ def load(source: str, load_format: str = "auto", extra_config: str | Mapping[str
     """
     with WorkerGroup.for_call(group, device=device) as g:
         return Loader(source, load_format, extra_config, group=g, progress=progress,
-                      tensor_parallel_size=tensor_parallel_size, sharding=sharding).load().state
+                      tensor_parallel_size=tensor_parallel_size, sharding=sharding,
+                      expert_parallel_size=expert_parallel_size,
+                      expert_placement_strategy=expert_placement_strategy).load().state
 
 
 def iter_tensors(source: str, load_format: str = "auto",
                  extra_config: str | Mapping[str, Any] | None = None, *, group: WorkerGroup | None = None,
                  device: str = "auto", progress: bool = False, tensor_parallel_size: int | None = None,
-                 sharding: "str | ShardingSpec | None" = None) -> Iterator[tuple[str, torch.Tensor]]:
+                 sharding: "str | ShardingSpec | None" = None, expert_parallel_size: int | None = None,
+                 expert_placement_strategy: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` on this rank's device without holding them all.
 
     Args:
@@ -346,19 +367,25 @@ def iter_tensors(source: str, load_format: str = "auto",
         progress: as for :func:`load`.
         tensor_parallel_size: as for :func:`load`.
         sharding: as for :func:`load`.
+        expert_parallel_size: as for :func:`load`.
+        expert_placement_strategy: as for :func:`load`.
 
     Returns:
         An iterator of ``(name, tensor)`` pairs; each tensor is the caller's once handed out.
     """
     config = make_load_config(load_format, extra_config)  # a bad argument fails here, not at first next()
-    return _iter_tensors(source, config, group, device, progress, tensor_parallel_size, sharding)
+    return _iter_tensors(source, config, group, device, progress, tensor_parallel_size, sharding,
+                         expert_parallel_size, expert_placement_strategy)
 
 
 def _iter_tensors(source: str, config, group: WorkerGroup | None, device: str, progress: bool,
-                  tensor_parallel_size: int | None, sharding) -> Iterator[tuple[str, torch.Tensor]]:
+                  tensor_parallel_size: int | None, sharding, expert_parallel_size: int | None,
+                  expert_placement_strategy: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     with WorkerGroup.for_call(group, device=device) as g:
         stream = Loader(source, config.load_format, config.extra, group=g, progress=progress,
-                        tensor_parallel_size=tensor_parallel_size, sharding=sharding).stream()
+                        tensor_parallel_size=tensor_parallel_size, sharding=sharding,
+                        expert_parallel_size=expert_parallel_size,
+                        expert_placement_strategy=expert_placement_strategy).stream()
         try:
             yield from stream
         finally:

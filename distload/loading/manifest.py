@@ -15,7 +15,7 @@ from typing import Any
 
 from distload.fileio import write_json_atomic
 from distload.loading.index import DTYPES
-from distload.errors import CheckpointError, ShardLayoutError
+from distload.errors import CheckpointError, ConfigError, ShardLayoutError
 from distload.loading.sources import Source, open_source
 
 MANIFEST_NAME = "distload.json"
@@ -59,6 +59,9 @@ class Manifest:
     # rank -> {name: where it lies in a saved tensor}
     views: dict[int, dict[str, Subtensor]] = field(default_factory=dict)
     replicated_unmatched: list[str] = field(default_factory=list)
+    # An expert-parallel reshard's layout: {"size": P, "tensor_parallel_size": T, "placement":
+    # "linear" | "round_robin", "num_experts": E}; shard ``ep_rank * T + tp_rank``. None: none.
+    expert_parallel: dict[str, Any] | None = None
     source: str | None = None
     format: str = MANIFEST_FORMAT
     version: int = MANIFEST_VERSION
@@ -92,6 +95,44 @@ def _view_from_json(name: str, raw: Any) -> Subtensor:
             or len(raw["shape"]) != len(raw["stride"]) or raw.get("dtype") not in DTYPES):
         raise ValueError(f"view {name!r} is malformed: {raw!r}")
     return Subtensor(raw["of"], offset, tuple(raw["shape"]), tuple(raw["stride"]), raw["dtype"])
+
+
+def _experts_from_json(raw: Any, world_size: int) -> dict[str, Any] | None:
+    """The expert-parallel record, checked: a damaged one is a corrupt manifest."""
+    if raw is None:
+        return None
+    sizes = [raw.get(key) if isinstance(raw, dict) else None for key in ("size", "tensor_parallel_size", "num_experts")]
+    if (not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes)
+            or raw.get("placement") not in ("linear", "round_robin") or sizes[0] * sizes[1] != world_size):
+        raise ValueError(f"expert_parallel is malformed: {raw!r}")
+    return dict(raw)
+
+
+def check_saved_experts(manifest: Manifest, place: Any, source: str) -> None:
+    """Refuse a load whose expert parallelism (``place``: a TPPlace or None) is not the saved one.
+
+    Without sizes, rank r reads shard r: the saved layout as it is (the job's ranks are checked
+    against the saved count with the files)."""
+    saved = manifest.expert_parallel
+    experts = getattr(place, "experts", None)
+    if saved is None:
+        if experts is not None:
+            raise ConfigError(
+                f"--expert-parallel-size {experts.size}: {source} was saved per rank without expert parallelism "
+                f"(for {manifest.world_size} ranks, see {MANIFEST_NAME}); load it without --expert-parallel-size, "
+                f"or reshard the whole checkpoint with --expert-parallel-size {experts.size}")
+        return
+    if place is None:
+        return
+    tp, ep, placement = saved["tensor_parallel_size"], saved["size"], saved["placement"]
+    given = (place.size, experts.size if experts else 1, experts.placement if experts else placement)
+    if given != (tp, ep, placement):
+        raise ConfigError(
+            f"{source} was saved per rank at tensor-parallel size {tp} x expert-parallel size {ep} ({placement} "
+            f"placement, {tp * ep} ranks; see {MANIFEST_NAME}), but the load asks for {given[0]} x {given[1]} "
+            f"({given[2]}); load it with --tensor-parallel-size {tp} --expert-parallel-size {ep} "
+            f"--expert-placement-strategy {placement}, or without them on {tp * ep} ranks, or reshard the whole "
+            f"checkpoint for the sizes you want")
 
 
 def write_manifest(folder: str, manifest: Manifest) -> None:
@@ -133,6 +174,7 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
             views={int(rank): {name: _view_from_json(name, v) for name, v in views.items()}
                    for rank, views in raw.get("views", {}).items()},
             replicated_unmatched=list(raw.get("replicated_unmatched", [])),
+            expert_parallel=_experts_from_json(raw.get("expert_parallel"), int(raw["world_size"])),
             source=raw.get("source"), created_by=raw.get("created_by", ""),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:

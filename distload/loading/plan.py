@@ -46,7 +46,7 @@ class RankPlan:
         if self.slices is None:
             return self.index.nbytes
         return sum(self.slices.slices[t.name].nbytes if t.name in self.slices.slices else t.nbytes
-                   for t in self.index.tensors)
+                   for t in self.index.tensors if t.name not in self.slices.dropped)
 
     def shape_of(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape tensor ``name`` (``shape`` in the checkpoint) has on this rank."""
@@ -60,7 +60,7 @@ class RankPlan:
         that those ranks hold identical file lists."""
         if self.choice.sharded:
             tp = self.tensor_parallel
-            return ("files of TP rank", tp.rank, tp.size) if tp is not None else ("files", tuple(self.index.signature()))
+            return ("files of TP rank", tp.shard_rank, tp.shard_count) if tp is not None else ("files", tuple(self.index.signature()))
         return ("whole",)
 
     def slice_runs(self) -> dict[int, tuple]:

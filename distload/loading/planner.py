@@ -22,6 +22,7 @@ from distload.loading.formats import FORMATS
 from distload.loading.headers import read_headers
 from distload.loading.index import FileInfo, build_index
 from distload.loading.layout import CheckpointLayout, detect_layout
+from distload.loading.manifest import check_saved_experts
 from distload.loading.plan import RankPlan
 from distload.loading.rank_slices import Blocks, TPPlace, plan_blocks, plan_slices
 from distload.loading.stores.cache import CACHE_DIR_VARIABLE, CacheSettings, cache_settings
@@ -98,7 +99,7 @@ def survey_source(source: str, config: LoadConfig, group: "WorkerGroup", tensor_
         remote=src.remote,
         sliced=(tp is not None or blocks is not None) and not layout.sharded,
         # Ranks that load the same shard files of a pre-sharded checkpoint (data-parallel replicas).
-        replicas=group.world_size // tp.size if tp is not None else 1,
+        replicas=group.world_size // tp.shard_count if tp is not None else 1,
         device_data=group.wire_device == group.device,
         cached=cache is not None,
     ))
@@ -122,7 +123,9 @@ def survey_source(source: str, config: LoadConfig, group: "WorkerGroup", tensor_
         return Survey(source, layout, choice, cache, tp, paths, paths, weight_map, hint)
     if src.is_file:
         raise CheckpointError(f"{source}: a pre-sharded load format needs a folder of per-rank files, got a file")
-    rank, world_size = (tp.rank, tp.size) if tp is not None else (group.rank, group.world_size)
+    if layout.manifest is not None:
+        check_saved_experts(layout.manifest, tp, source)
+    rank, world_size = (tp.shard_rank, tp.shard_count) if tp is not None else (group.rank, group.world_size)
     paths = layout.rank_paths(rank, world_size)
     job = set(paths)
     for other in range(world_size):
@@ -149,7 +152,7 @@ def finish_plan(survey: Survey, group: "WorkerGroup", blocks: Blocks | None = No
         elif blocks is not None:
             plan = replace(plan, slices=plan_blocks(plan.index, blocks(plan.index) if callable(blocks) else blocks))
     else:
-        rank = tp.rank if tp is not None else group.rank
+        rank = tp.shard_rank if tp is not None else group.rank
         manifest = layout.manifest
         plan = RankPlan(source, choice, index,
                         frozenset(manifest.keys_for_rank(rank)) if manifest else None,

@@ -1,9 +1,10 @@
 """A tensor-parallel rank's slices of a whole checkpoint: which bytes of which tensor it reads.
 
-A rank's place (distload/tp/place.py) says which TP rank it is; the sharding
+A rank's place (distload/tp/place.py) says which TP rank (and EP rank) it is; the sharding
 spec (distload/tp/spec.py) decides each tensor's action, distload/tp/slices.py the rank's rows;
 here they become the byte ranges a reader asks the source for, so that a rank reads its own
-slices only.
+slices only. With expert parallelism (distload/tp/experts.py) a rank reads its experts' bytes only:
+other ranks' per-expert tensors are empty slices (nothing read) and are dropped from its state.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from distload.errors import ConfigError
 from distload.loading.index import PACKED, CheckpointIndex
 from distload.tp.place import TPPlace
+from distload.tp.experts import cut_experts
 from distload.tp.spec import ShardingSpec, carry_block_scales, spec_with_config
 from distload.tp.slices import Action, SliceBytes, block_bytes, shard_shape, slice_bytes, take_shard
 
@@ -48,6 +50,9 @@ class RankSlices:
     actions: Mapping[str, Action] = field(default_factory=dict)
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
     blocks: Mapping[str, "Block | Rows"] = field(default_factory=dict)
+    # Expert parallelism: other ranks' experts' tensors, read as empty slices and left out of
+    # this rank's state.
+    dropped: frozenset[str] = frozenset()
 
     def cut(self, name: str, tensor: torch.Tensor, tp: TPPlace | None) -> torch.Tensor:
         """This rank's piece of a whole tensor a library reader delivered (the rest is dropped)."""
@@ -124,6 +129,11 @@ def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], M
     every = [(info, spec.action(info.name, info.shape, PACKED.get(info.dtype, 1))) for info in index.tensors]
     # A split weight's FP8 block scales go with it, cut on its blocks (refused off them).
     carried = carry_block_scales([(info.name, info.shape, action) for info, action in every], read_config)
+    dropped: frozenset[str] = frozenset()
+    if tp.experts is not None:  # a rank's experts' rows of stacked tensors; other experts' tensors dropped
+        cut = cut_experts([(info.name, info.shape, carried[info.name]) for info, _ in every], tp.experts,
+                          read_config())
+        carried, dropped = dict(cut.actions), cut.dropped
     every = [(info, carried[info.name]) for info, _ in every]
     for info, action in every:
         if action.replicated:
@@ -133,7 +143,7 @@ def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], M
         assert piece is not None
         actions[info.name] = action
         slices[info.name] = piece
-    if tp.size > 1 and every and all(action.rule is None for _, action in every):
+    if tp.size > 1 and tp.experts is None and every and all(action.rule is None for _, action in every):
         # Else every rank would hold every tensor whole and the load would look like a TP load.
         # (A spec whose rules replicate a tensor, as "replicate" does, says so on purpose.)
         names = ", ".join(repr(info.name) for info, _ in every[:3])
@@ -141,4 +151,4 @@ def plan_slices(index: CheckpointIndex, tp: TPPlace, read_config: Callable[[], M
                           f"checkpoint's {len(every)} tensors (it knows none of their names, such as {names}), so "
                           f"every rank would hold them all whole. Give a sharding spec for these names (--sharding "
                           f"with a JSON spec), or load without --tensor-parallel-size")
-    return RankSlices(spec, actions, slices)
+    return RankSlices(spec, actions, slices, dropped=dropped)

@@ -77,6 +77,7 @@ class RankReport:
     # Bytes other ranks read and sent to this one (distload's shared reads); None: not counted.
     received_bytes: int | None = None
     tensor_parallel: list[int] | None = None  # [TP rank, TP size] of a tensor-parallel load
+    expert_parallel: list[int] | None = None  # [EP rank, EP size] of an expert-parallel load
     # Through a node cache (--cache-dir): bytes from it, bytes fetched from the store into it (whole
     # blocks), blocks found corrupt there and fetched again; None: no cache.
     cache_bytes: int | None = None
@@ -138,6 +139,8 @@ class LoadReport:
         for r in self.ranks:
             digest = r.digest[:16] if r.digest else "-"
             tp = f", TP rank {r.tensor_parallel[0]} of {r.tensor_parallel[1]}" if r.tensor_parallel else ""
+            if r.expert_parallel:
+                tp += f", EP rank {r.expert_parallel[0]} of {r.expert_parallel[1]}"
             rate = f" = {r.gib_per_s:.2f} GiB/s" if rates else ""
             fields = ""
             if show_requested:

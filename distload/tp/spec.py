@@ -129,7 +129,8 @@ class ShardingSpec:
         if rule.heads in ("attention", "kv"):
             dims = self._dims(rule, name)
             heads = dims.heads if rule.heads == "attention" else dims.kv_heads
-            parts: tuple[Part, ...] = (_heads_part(heads, dims.head_dim, rule.heads),)
+            head_dim = mla_head_dim(self.config, name) or dims.head_dim
+            parts: tuple[Part, ...] = (_heads_part(heads, head_dim, rule.heads),)
         elif rule.fused is None:
             return None
         elif isinstance(rule.fused, int):
@@ -240,6 +241,22 @@ def attention_dims(config: Mapping[str, Any]) -> AttentionDims | None:
     return AttentionDims(heads, kv_heads, head_dim)
 
 
+def mla_head_dim(config: Mapping[str, Any], name: str) -> int | None:
+    """The rows one attention head has in a multi-head latent attention (DeepSeek-V2/V3, Kimi-K2)
+    projection, as vLLM splits them: q (``q_proj``, ``q_b_proj``) qk_nope + qk_rope, ``kv_b_proj``
+    qk_nope + v_head_dim, ``o_proj`` v_head_dim. None: not MLA (config.json has no kv_lora_rank)."""
+    if "kv_lora_rank" not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    try:
+        if not config.get("kv_lora_rank"):
+            return None
+        nope, rope, v = (_positive(config[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    layer = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+    return {"q_proj": nope + rope, "q_b_proj": nope + rope, "kv_b_proj": nope + v, "o_proj": v}.get(layer)
+
+
 def _config_problem(config: Mapping[str, Any]) -> str:
     """Why attention_dims found no sizes in ``config``, for a message."""
     if not config:
@@ -275,6 +292,9 @@ def _decoder_rules() -> tuple[Rule, ...]:
                   Rule(f"*.k_proj.{suffix}", 0, heads="kv"), Rule(f"*.v_proj.{suffix}", 0, heads="kv"),
                   Rule(f"*.qkv_proj.{suffix}", 0, "qkv")]
         rules += [Rule(f"*.{proj}.{suffix}", 0) for proj in _COLUMN]
+    # Multi-head latent attention (DeepSeek-V3): the up-projections split between heads, as vLLM's
+    # ColumnParallelLinear; the low-rank q_a_proj and kv_a_proj_with_mqa stay whole (ReplicatedLinear).
+    rules += [Rule("*.q_b_proj.weight", 0, heads="attention"), Rule("*.kv_b_proj.weight", 0, heads="attention")]
     rules += [Rule("*.gate_up_proj.weight", 0, 2), Rule("*.o_proj.weight", 1, heads="attention")]
     rules += [Rule(f"*.{proj}.weight", 1) for proj in _ROW]
     rules += _whole_rules()
@@ -287,7 +307,8 @@ def _plain_rules() -> tuple[Rule, ...]:
     rules = [Rule("*embed_tokens.weight", 0), Rule("lm_head.weight", 0), Rule("*.lm_head.weight", 0)]
     rules += [Rule(f"*.{proj}.{suffix}", 0) for suffix in ("weight", "bias") for proj in column]
     rules += [Rule("*.qkv_proj.weight", 0, "qkv", heads="none"), Rule("*.qkv_proj.bias", 0, "qkv", heads="none"),
-              Rule("*.gate_up_proj.weight", 0, 2), Rule("*.o_proj.weight", 1)]
+              Rule("*.gate_up_proj.weight", 0, 2), Rule("*.o_proj.weight", 1),
+              Rule("*.q_b_proj.weight", 0), Rule("*.kv_b_proj.weight", 0)]
     rules += [Rule(f"*.{proj}.weight", 1) for proj in _ROW]
     rules += _whole_rules()
     return tuple(rules)

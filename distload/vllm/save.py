@@ -46,7 +46,8 @@ def vllm_installed() -> bool:
 
 def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *,
             pattern: str = DEFAULT_SHARD_PATTERN, max_file_size: int = DEFAULT_MAX_FILE_SIZE,
-            sharding: str | ShardingSpec | None = None, world_size: int | None = None) -> ReshardReport:
+            sharding: str | ShardingSpec | None = None, world_size: int | None = None,
+            expert_parallel_size: int | None = None, expert_placement_strategy: str | None = None) -> ReshardReport:
     """Turn a whole safetensors checkpoint into one shard per TP rank; ``distload reshard``.
 
     With the ``vllm`` spec (named, or the default for a checkpoint it fits) and vLLM installed, the
@@ -54,6 +55,16 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     vLLM can build here. Otherwise it streams the checkpoint through the spec's slices
     (distload.checkpoints.reshard.reshard, whose arguments these are).
     """
+    if expert_parallel_size is not None or expert_placement_strategy is not None:
+        # vLLM's engine saves no expert-parallel shards: the spec's slices under the checkpoint's names.
+        if _named_vllm(sharding):
+            raise ConfigError("reshard --expert-parallel-size writes the checkpoint's own names (--sharding decoder, "
+                              "the default with it); --sharding vllm saves vLLM's engine parameters, which distload "
+                              "does not place by expert yet")
+        return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
+                               sharding=sharding or "decoder", world_size=world_size,
+                               expert_parallel_size=expert_parallel_size,
+                               expert_placement_strategy=expert_placement_strategy)
     if _wants_vllm(source, sharding) and vllm_installed():
         size = tensor_parallel_size if world_size is None else world_size
         if tensor_parallel_size is not None and world_size is not None:
@@ -68,6 +79,12 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         return save_with_engine(source, output, size, pattern=pattern, max_file_size=max_file_size)
     return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
                            sharding=sharding, world_size=world_size)
+
+
+def _named_vllm(sharding: str | ShardingSpec | None) -> bool:
+    if isinstance(sharding, ShardingSpec):
+        return sharding.engine == "vllm"
+    return isinstance(sharding, str) and sharding.strip().lower() == "vllm"
 
 
 def _wants_vllm(source: str, sharding: str | ShardingSpec | None) -> bool:

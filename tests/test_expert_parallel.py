@@ -1,0 +1,393 @@
+"""Expert parallelism in loads and reshard (issue 46, item 1), on tiny real MoE checkpoints.
+
+The checkpoints are made by transformers (tests/moe_checkpoints.py, in vLLM's environment): a
+DeepSeek-V3 (MLA, a dense layer, four routed experts, a shared expert, the router) and a
+Qwen3-MoE, each in BF16 and in DeepSeek's FP8 block-scaled form. The reference for every rank
+is independent of distload's specs: read the whole checkpoint, keep the rank's experts (vLLM's
+placements written out by hand), ``chunk`` the TP-split projections and their scales.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+import distload
+from distload.checkpoints.inspection import summary_lines
+from distload.errors import ConfigError
+from distload.loading.report import state_digest
+from distload.tp.experts import ExpertPlace, cut_experts, local_experts
+from distload.tp.place import TPPlace
+from distload.tp.spec import carry_block_scales, load_spec
+from distload.workers.group import WorkerGroup
+
+from conftest import in_ci, plain_read, read_report, run_distload, write_whole
+from dist_helpers import run_script, write_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAKER = os.path.join(ROOT, "tests", "moe_checkpoints.py")
+NUM_EXPERTS = 4
+MODELS = ("deepseek-bf16", "deepseek-fp8", "qwen3moe-bf16", "qwen3moe-fp8")
+COLUMN = ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj", "gate_proj", "up_proj")  # chunked on dim 0
+ROW = ("o_proj", "down_proj")  # chunked on dim 1
+SIZES = [(2, 1), (1, 2), (2, 2)]  # (TP, EP): TP 2, EP 2, TP 2 x EP 2
+
+
+def transformers_python() -> str:
+    """vLLM's environment, which has transformers (the project's own does not)."""
+    path = os.environ.get("DISTLOAD_VLLM_PYTHON") or os.path.join(ROOT, ".vllm-venv", "bin", "python")
+    if not os.path.exists(path):
+        message = f"no environment with transformers at {path}; bash .ci/run makes it (or set DISTLOAD_VLLM_PYTHON)"
+        if in_ci():
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> dict[str, str]:
+    """The four checkpoints, made once for the module: name -> folder."""
+    root = tmp_path_factory.mktemp("moe")
+    made = subprocess.run([transformers_python(), MAKER, str(root)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout[-2000:] + made.stderr[-4000:]
+    return {name: str(root / name) for name in MODELS}
+
+
+def whole(folder: str) -> dict[str, torch.Tensor]:
+    return plain_read(sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors")))
+
+
+def experts_of(ep_rank: int, ep: int, placement: str = "linear") -> set[int]:
+    """vLLM's placements by hand: contiguous runs, or every ep-th expert."""
+    if placement == "linear":
+        per = NUM_EXPERTS // ep
+        return set(range(ep_rank * per, (ep_rank + 1) * per))
+    return set(range(ep_rank, NUM_EXPERTS, ep))
+
+
+def reference(state: dict[str, torch.Tensor], rank: int, tp: int, ep: int,
+              placement: str = "linear") -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors by slicing a whole read: TP rank r % tp, EP rank (r // tp) % ep."""
+    tp_rank, ep_rank = rank % tp, (rank // tp) % ep
+    mine = experts_of(ep_rank, ep, placement)
+    out = {}
+    for name, t in state.items():
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        if expert and int(expert.group(1)) not in mine:
+            continue
+        layer = name.split(".")[-2]
+        if layer in COLUMN or name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            t = t.chunk(tp, 0)[tp_rank]
+        elif layer in ROW:
+            t = t.chunk(tp, 1)[tp_rank]
+        out[name] = t.contiguous()
+    return out
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def load_as(folder: str, rank: int, tp: int, ep: int, fmt: str = "auto", placement: str | None = None):
+    """Rank ``rank`` of a T x P job, loaded in this process (its ranks given, not a group's)."""
+    with WorkerGroup(device="cpu") as group:
+        return distload.Loader(folder, fmt, group=group, tensor_parallel_size=tp, tensor_parallel_rank=rank % tp,
+                               expert_parallel_size=ep, expert_parallel_rank=(rank // tp) % ep,
+                               expert_placement_strategy=placement).load(digest=True)
+
+
+def kept_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# -- pure: vLLM's placements -------------------------------------------------------------------------
+
+def test_placements_are_vllms():
+    """vLLM's ParallelConfig docs: 4 experts on 2 ranks, linear [0, 1] / [2, 3], round robin [0, 2] /
+    [1, 3]; an uneven count gives the first ranks one more (determine_expert_map)."""
+    assert [local_experts(4, 2, r) for r in range(2)] == [(0, 1), (2, 3)]
+    assert [local_experts(4, 2, r, "round_robin") for r in range(2)] == [(0, 2), (1, 3)]
+    assert [local_experts(5, 2, r) for r in range(2)] == [(0, 1, 2), (3, 4)]
+    assert [local_experts(5, 2, r, "round_robin") for r in range(2)] == [(0, 2, 4), (1, 3)]
+    assert ExpertPlace(4, 3, "linear").experts(256) == tuple(range(192, 256))
+    with pytest.raises(ConfigError, match="--expert-placement-strategy 'packed' is not one of linear, round_robin"):
+        ExpertPlace(2, 0, "packed").check()
+
+
+def test_ranks_are_tp_then_ep_then_replicas():
+    """Rank r of T x P x k ranks: TP rank r % T, EP rank (r // T) % P; its shard of a T x P save."""
+    class Group:  # what TPPlace.of asks of a group
+        def __init__(self, rank, world_size):
+            self.rank, self.world_size = rank, world_size
+
+    places = [TPPlace.of(Group(r, 8), 2, expert_parallel_size=2) for r in range(8)]
+    assert [(p.rank, p.experts.rank, p.shard_rank) for p in places] == [
+        (0, 0, 0), (1, 0, 1), (0, 1, 2), (1, 1, 3)] * 2
+    assert {p.shard_count for p in places} == {4}
+    assert [TPPlace.of(Group(r, 4), None, expert_parallel_size=4).experts.rank for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 x --expert-parallel-size 2 \(4\) does not "
+                                          r"divide the group's 6 ranks"):
+        TPPlace.of(Group(0, 6), 2, expert_parallel_size=2)
+
+
+def test_mixtral_names_drop_other_ranks_experts_and_keep_the_tp_rules():
+    """Mixtral's ``block_sparse_moe.experts.E.w1/w2/w3``: a rank's experts keep the spec's split
+    (w1/w3 rows, w2 columns), the others become empty cuts, the router stays whole."""
+    spec = load_spec("decoder")
+    names = [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(8) for w in ("w1", "w2", "w3")]
+    names.append("model.layers.0.block_sparse_moe.gate.weight")
+    tensors = [(n, (256, 256), spec.action(n, (256, 256))) for n in names]
+    cut = cut_experts(tensors, ExpertPlace(4, 1, "round_robin"), {"num_local_experts": 8})
+    assert cut.experts == (1, 5)
+    kept = sorted(n for n in names if n not in cut.dropped)
+    assert kept == [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in (1, 5) for w in ("w1", "w2", "w3")] \
+        + ["model.layers.0.block_sparse_moe.gate.weight"]
+    assert {cut.actions[n].dim for n in kept if ".w2." in n} == {1} and {cut.actions[n].dim for n in kept if ".w1." in n} == {0}
+    assert all(cut.actions[n].ranges == () for n in cut.dropped) and len(cut.dropped) == 18
+    assert cut.actions["model.layers.0.block_sparse_moe.gate.weight"].replicated
+
+
+def test_stacked_experts_keep_their_rows_and_a_tp_rule_on_them_is_refused():
+    """vLLM's fused stacks ([E, 2I, H], [E, H, I], their scales [E, ...]) are cut on dim 0 by expert."""
+    shapes = {"model.layers.0.mlp.experts.w13_weight": (4, 512, 256),
+              "model.layers.0.mlp.experts.w2_weight": (4, 256, 256),
+              "model.layers.0.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
+              "model.layers.0.mlp.gate.weight": (4, 256)}
+    spec = load_spec("decoder")
+    tensors = [(n, s, spec.action(n, s)) for n, s in shapes.items()]
+    tensors = [(n, s, a) for (n, s, _), a in zip(tensors, carry_block_scales(tensors).values())]
+    rr = cut_experts(tensors, ExpertPlace(2, 1, "round_robin"), {"num_experts": 4})
+    assert rr.experts == (1, 3) and not rr.dropped
+    for name in list(shapes)[:3]:
+        assert rr.actions[name].ranges == ((1, 2), (3, 4)), name
+    assert rr.actions["model.layers.0.mlp.gate.weight"].replicated  # the router stays whole
+    linear = cut_experts(tensors, ExpertPlace(2, 1), {})  # no config.json: stacked rows still count
+    assert linear.actions["model.layers.0.mlp.experts.w2_weight"].ranges == ((2, 4),)
+    split = load_spec("plain")  # a rule that also splits a stack: refused, naming it
+    bad = [("m.layers.0.mlp.experts.w2_weight", (4, 8, 8), split.action("x.down_proj.weight", (4, 8, 8)))]
+    with pytest.raises(ConfigError, match=r"'m.layers.0.mlp.experts.w2_weight' \(shape \[4, 8, 8\]\) stacks all 4 "
+                                          r"experts along dim 0.*splits it along dim 1"):
+        cut_experts(bad, ExpertPlace(2, 0), {"num_experts": 4})
+
+
+# -- loads, each rank in this process in turn -----------------------------------------------------------
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("tp,ep", SIZES)
+def test_each_rank_equals_slicing_a_whole_read_and_reads_only_its_bytes(moe, model, tp, ep):
+    state = whole(moe[model])
+    for rank in range(tp * ep):
+        result = load_as(moe[model], rank, tp, ep)
+        want = reference(state, rank, tp, ep)
+        same(result.state, want)
+        assert result.rank_report.nbytes == kept_bytes(want) and result.rank_report.num_tensors == len(want)
+        assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want), (rank, result.rank_report)
+
+
+@pytest.mark.parametrize("model", ["deepseek-fp8", "qwen3moe-bf16"])
+def test_round_robin_and_a_whole_tensor_reader(moe, model):
+    """Round robin places experts 0, 2 / 1, 3; the safetensors library reads whole tensors, which
+    the loader cuts: the same state (its requested bytes are the whole tensors it read)."""
+    state = whole(moe[model])
+    for rank in range(4):
+        same(load_as(moe[model], rank, 2, 2, placement="round_robin").state,
+             reference(state, rank, 2, 2, "round_robin"))
+    for rank in range(2):
+        same(load_as(moe[model], rank, 1, 2, fmt="safetensors").state, reference(state, rank, 1, 2))
+
+
+def stacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The per-expert tensors as vLLM's fused stacks: ``w13`` = [gate; up] per expert, ``w2`` = down,
+    stacked along dim 0 (their FP8 scales alike); the rest as it is."""
+    out = {n: t for n, t in state.items() if ".experts." not in n}
+    layers = sorted({n.split(".experts.")[0] for n in state if ".experts." in n})
+    for layer in layers:
+        for suffix in ("weight", "weight_scale_inv"):
+            if f"{layer}.experts.0.gate_proj.{suffix}" not in state:
+                continue
+            per = [state[f"{layer}.experts.{e}.{{}}.{suffix}".format(p)] for e in range(NUM_EXPERTS)
+                   for p in ("gate_proj", "up_proj", "down_proj")]
+            out[f"{layer}.experts.w13_{suffix}"] = torch.stack([torch.cat(per[3 * e: 3 * e + 2]) for e in range(NUM_EXPERTS)])
+            out[f"{layer}.experts.w2_{suffix}"] = torch.stack([per[3 * e + 2] for e in range(NUM_EXPERTS)])
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,placement", [(1, 2, "linear"), (2, 2, "round_robin")])
+def test_stacked_experts_load_as_their_rows(moe, tmp_path, tp, ep, placement):
+    """Fused stacks [E, 2I, H] / [E, H, I] and their scales: each rank reads its experts' rows only
+    (whole experts: the built-in specs split no stacked tensor, so its TP ranks hold the same rows)."""
+    state = stacked(whole(moe["qwen3moe-fp8"]))
+    folder = str(tmp_path / "stacked")
+    write_whole(folder, state, 2)
+    with open(os.path.join(moe["qwen3moe-fp8"], "config.json")) as f, open(os.path.join(folder, "config.json"), "w") as g:
+        g.write(f.read())
+    for rank in range(tp * ep):
+        mine = sorted(experts_of((rank // tp) % ep, ep, placement))
+        want = {n: t[mine] if ".experts.w" in n else t for n, t in reference(state, rank, tp, ep).items()}
+        assert want["model.layers.0.mlp.experts.w13_weight"].shape == (2, 512, 256)
+        result = load_as(folder, rank, tp, ep, placement=placement)
+        same(result.state, want)
+        assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want)
+
+
+def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_as(moe["qwen3moe-fp8"], 0, 1, 3)
+    assert str(err.value) == ("--expert-parallel-size 3 does not divide the model's 4 routed experts (config.json's "
+                              "num_local_experts), so ranks would hold different numbers of experts; expert-parallel sizes "
+                              "that divide them: 1, 2, 4")
+    dense = str(tmp_path / "dense")
+    write_whole(dense, {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4), "lm_head.weight": torch.ones(4, 4)}, 1)
+    with pytest.raises(ConfigError, match=r"^--expert-parallel-size 2: this checkpoint has no routed experts .*: a "
+                                          r"dense model. Load it without --expert-parallel-size"):
+        load_as(dense, 0, 1, 2)
+    assert sorted(load_as(dense, 0, 1, 1).state) == ["lm_head.weight", "model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(ConfigError, match=r"^reshard --expert-parallel-size writes the checkpoint's own names"):
+        distload.reshard(moe["qwen3moe-bf16"], str(tmp_path / "vllm-ep"), 1, expert_parallel_size=2, sharding="vllm")
+    assert not os.path.exists(tmp_path / "vllm-ep")
+    with WorkerGroup(device="cpu") as group, pytest.raises(ConfigError, match=r"^--expert-placement-strategy places "
+                                                                               r"experts over --expert-parallel-size"):
+        distload.Loader(dense, group=group, expert_placement_strategy="round_robin")
+
+
+# -- reshard at EP 2, then sharded_state -------------------------------------------------------------
+
+@pytest.mark.parametrize("tp,ep,placement", [(1, 2, "linear"), (2, 2, "round_robin")])
+def test_reshard_writes_ep_shards_that_sharded_state_loads_bit_exact(moe, tmp_path, tp, ep, placement):
+    folder = moe["deepseek-fp8"]
+    state = whole(folder)
+    out = str(tmp_path / "ep")
+    if tp == 1:  # the command line, whose -tp is 1 by default with -ep
+        made = run_distload(["reshard", folder, out, "-ep", str(ep), "--expert-placement-strategy", placement])
+        assert made.returncode == 0, made.stderr[-3000:]
+        summary = made.stdout
+    else:
+        report = distload.reshard(folder, out, tp, expert_parallel_size=ep, expert_placement_strategy=placement)
+        assert report.world_size == tp * ep
+        summary = "\n".join(report.summary_lines())
+    assert f"{ep} EP ranks x {tp} TP ranks, {placement} placement of 4 experts" in summary, summary
+    inspected = summary_lines(distload.inspect(out), tensors=False)[0]  # what `distload inspect` says first
+    assert inspected.endswith(f"tensor-parallel size {tp} x expert-parallel size {ep} ({placement} placement of "
+                              f"4 experts)"), inspected
+    with open(os.path.join(out, "distload.json")) as f:
+        assert json.load(f)["expert_parallel"] == {"size": ep, "tensor_parallel_size": tp, "placement": placement,
+                                                  "num_experts": 4}
+    for rank in range(tp * ep):
+        want = reference(state, rank, tp, ep, placement)
+        names = sorted(n for n in os.listdir(out) if n.startswith(f"model-rank-{rank}-part-"))
+        same(plain_read([os.path.join(out, n) for n in names]), want)
+        same(load_as(out, rank, tp, ep, "sharded_state", placement).state, want)
+    with pytest.raises(ConfigError, match=rf"saved per rank at tensor-parallel size {tp} x expert-parallel size {ep} "
+                                          rf"\({placement} placement, {tp * ep} ranks; see distload.json\), but the "
+                                          rf"load asks for {tp} x 4"):
+        load_as(out, 0, tp, 4, "sharded_state")
+    if tp == 1:  # shards saved without expert parallelism, loaded with it
+        plain = str(tmp_path / "tp2")
+        distload.reshard(folder, plain, 2)
+        with pytest.raises(ConfigError, match=r"^--expert-parallel-size 2: .* was saved per rank without expert "
+                                              r"parallelism \(for 2 ranks, see distload.json\)"):
+            load_as(plain, 0, 1, 2, "sharded_state")
+
+
+# -- under torchrun ----------------------------------------------------------------------------------
+
+@pytest.mark.dist
+def test_torchrun_tp2_x_ep2_on_4_ranks(moe, tmp_path):
+    """``load --tensor-parallel-size 2 --expert-parallel-size 2`` on 4 ranks, FP8 DeepSeek-V3."""
+    folder = moe["deepseek-fp8"]
+    report_path = str(tmp_path / "report.json")
+    result = run_distload(["load", folder, "--tensor-parallel-size", "2", "--expert-parallel-size", "2",
+                           "--report-json", report_path, "--no-progress"], nproc=4, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "TP rank 1 of 2, EP rank 1 of 2" in result.stdout, result.stdout[-2000:]
+    state = whole(folder)
+    ranks = read_report(report_path)["ranks"]
+    assert len(ranks) == 4
+    for r in ranks:
+        want = reference(state, r["rank"], 2, 2)
+        assert (r["tensor_parallel"], r["expert_parallel"]) == ([r["rank"] % 2, 2], [r["rank"] // 2, 2])
+        assert r["digest"] == state_digest(want), r["rank"]
+        assert r["nbytes"] == kept_bytes(want) and r["requested_bytes"] <= 1.05 * kept_bytes(want), r
+        assert r["num_tensors"] == len(want), r
+
+
+EVERY_LOAD = """
+import json, sys
+import distload
+from distload.workers.group import WorkerGroup
+
+out, folders = sys.argv[1], sys.argv[2:]
+results = {}
+with WorkerGroup(device="cpu") as group:
+    for folder in folders:
+        for tp, ep in ((2, 1), (1, 2), (2, 2)):
+            r = distload.Loader(folder, group=group, tensor_parallel_size=tp,
+                                expert_parallel_size=None if ep == 1 else ep).load(digest=True).rank_report
+            results[f"{folder} {tp} {ep}"] = [r.digest, r.nbytes, r.requested_bytes]
+    # A shared read: each byte read once per job, each rank receiving the bytes of its experts.
+    r = distload.Loader(folders[0], extra_config={"distributed": True}, group=group, tensor_parallel_size=2,
+                        expert_parallel_size=2).load(digest=True).rank_report
+    results["shared"] = [r.digest, r.nbytes, r.path]
+    with open(f"{out}/rank{group.rank}.json", "w") as f:
+        json.dump(results, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_torchrun_every_model_at_tp2_ep2_and_tp2_x_ep2(moe, tmp_path):
+    """Both models, BF16 and FP8, at TP 2, EP 2 and TP 2 x EP 2, one 4-rank job (TP 2 and EP 2 as
+    two replicas each): every rank equal to slicing a whole read, reading only its bytes; and a
+    shared read at TP 2 x EP 2 (distributed: true) gives the same."""
+    script = write_script(tmp_path, "every_load.py", EVERY_LOAD)
+    result = run_script(script, [str(tmp_path), *(moe[m] for m in MODELS)], nproc=4, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for rank in range(4):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            got = json.load(f)
+        want = reference(whole(moe[MODELS[0]]), rank, 2, 2)
+        assert got["shared"] == [state_digest(want), kept_bytes(want), "pread-shared"], rank
+        for model in MODELS:
+            state = whole(moe[model])
+            for tp, ep in SIZES:
+                want = reference(state, rank, tp, ep)
+                digest, nbytes, requested = got[f"{moe[model]} {tp} {ep}"]
+                assert digest == state_digest(want), (model, tp, ep, rank)
+                assert nbytes == kept_bytes(want) and requested <= 1.05 * nbytes, (model, tp, ep, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_torchrun_ep_on_a_dense_model_is_refused_on_every_rank(tmp_path):
+    dense = str(tmp_path / "dense")
+    write_whole(dense, {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4), "lm_head.weight": torch.ones(4, 4)}, 1)
+    result = run_distload(["load", dense, "--expert-parallel-size", "2", "--no-progress"], nproc=2, timeout=240)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert "--expert-parallel-size 2: this checkpoint has no routed experts" in out, out[-3000:]
+    assert "error on ranks 0, 1 (every rank)" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_torchrun_sharded_state_of_an_ep_reshard(moe, tmp_path):
+    """The EP 2 shards of FP8 Qwen3-MoE, loaded by 2 ranks with sharded_state and no sizes: rank r
+    reads shard r, bit for bit its experts."""
+    folder = moe["qwen3moe-fp8"]
+    out = str(tmp_path / "ep2")
+    distload.reshard(folder, out, 1, expert_parallel_size=2)
+    report_path = str(tmp_path / "report.json")
+    result = run_distload(["load", out, "--load-format", "sharded_state", "--report-json", report_path,
+                           "--no-progress"], nproc=2, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    state = whole(folder)
+    for r in read_report(report_path)["ranks"]:
+        assert r["digest"] == state_digest(reference(state, r["rank"], 1, 2)), r["rank"]
