@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distload.config import is_int
-from distload.errors import ConfigError
+from distload.errors import ConfigError, on_every_rank
 from distload.tp.spec import ShardingSpec
 
 if TYPE_CHECKING:
@@ -42,9 +42,9 @@ class TPPlace:
             raise ConfigError(f"tensor_parallel_size must be a whole number >= 1, got {size!r}")
         if rank is None:
             if group.world_size % size:
-                raise ConfigError(
+                raise on_every_rank(ConfigError(
                     f"--tensor-parallel-size {size} does not divide the group's {group.world_size} ranks: "
-                    f"a job holds whole tensor-parallel groups (N = k x T ranks, k data-parallel replicas)")
+                    f"a job holds whole tensor-parallel groups (N = k x T ranks, k data-parallel replicas)"))
             rank = group.rank % size
         # An explicit rank is checked by check(), inside the planning step: it may differ by rank,
         # and a rank failing alone before any collective would leave the others waiting.
