@@ -249,6 +249,8 @@ SHARED_REFUSALS = [
                  id="pull-from-nothing", marks=pytest.mark.slow),
     pytest.param(["load", "{whole}"], {"DISTLOAD_LOG_LEVEL": "loud"}, "DISTLOAD_LOG_LEVEL='loud' is not a log level",
                  id="log-level-environment", marks=pytest.mark.slow),
+    pytest.param(["sync-demo", "--role", "trainer"], {}, "sync-demo --role trainer needs --rendezvous tcp://HOST:PORT",
+                 id="sync-demo-role-without-rendezvous", marks=pytest.mark.slow),
 ]
 
 

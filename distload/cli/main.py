@@ -430,6 +430,14 @@ def check_arguments(args: argparse.Namespace) -> None:
                               f"({args.source}) reads none; the server was given them (`distload serve`)")
     if args.command == "load" and args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be a whole number >= 1, got {args.tensor_parallel_size}")
+    if args.command == "sync-demo":
+        if args.role is not None and args.rendezvous is None:
+            raise ConfigError(f"sync-demo --role {args.role} needs --rendezvous tcp://HOST:PORT (the same on both "
+                              f"jobs; without --role, one job's rank 0 is the trainer)")
+        for flag, value in (("--versions", args.versions), ("--bucket-mib", args.bucket_mib),
+                            ("--size-mib", args.size_mib), ("--tensor-parallel-size", args.tensor_parallel_size)):
+            if value < 1:
+                raise ConfigError(f"sync-demo {flag} must be a whole number >= 1, got {value}")
     if args.command == "pull" and args.chunk_mib <= 0:
         raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
     if args.command == "inspect" and args.pattern is not None:
