@@ -155,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--sharding", "--plan", dest="sharding", default=None, metavar="SPEC",
                       help="the sharding spec: a built-in one (vllm: vLLM's engine names, which its "
                            "sharded_state loaders read; decoder, alias llama/mistral/qwen2/qwen3: the same slices "
-                           "under the checkpoint's names; plain; replicate) or a JSON spec file (default vllm "
-                           "where the engine's names are known, else decoder); --plan is its old name")
+                           "under the checkpoint's names; plain; replicate) or a JSON spec file (default: vllm "
+                           "where vLLM is installed and builds the model, by its engine, or where distload's table "
+                           "knows the model; else decoder, which vLLM's sharded_state does not read, as the summary "
+                           "says); --plan is its old name")
 
     verify = sub.add_parser("verify", help="check a pre-sharded checkpoint's files against its manifest")
     verify.add_argument("folder", help="a pre-sharded checkpoint saved by distload (a folder or an object-store prefix)")
