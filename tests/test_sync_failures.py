@@ -893,14 +893,6 @@ def test_sync_demo_inference_prints_one_line_not_torch_backtraces_when_the_train
         assert noise not in err and noise not in out, err
 
 
-STORE_SERVER = """
-import datetime, sys, time
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
-print(store.port, flush=True)
-time.sleep(120)
-"""
-
 # A user's own process: torch and torch.distributed imported before distload, a torch store (a
 # job's, as WeightSync uses) reached through distload's bounded wrapper.
 STORE_USER = """
@@ -923,27 +915,29 @@ except distload.DistloadError as exc:
 
 
 def test_a_users_process_that_loaded_torch_first_shows_no_torch_backtrace_when_the_store_dies(tmp_path):
-    """In a user's process (torch imported before distload), the process serving a torch store
-    dies under a store call: distload's one line naming it, and none of torch's C++ warning with
+    """In a user's process (torch imported before distload), the server of a torch store goes
+    away under a store call: distload's one line naming it, and none of torch's C++ warning with
     its backtrace ("TCPStore.cpp ... recvValue failed"; main printed it)."""
-    server_py = write_script(tmp_path, "server.py", STORE_SERVER)
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     user_py = write_script(tmp_path, "user.py", STORE_USER)
     env = clean_env(drop_prefixes=(CPP_LEVEL, "TORCH_DISTRIBUTED_DEBUG"))
-    server = subprocess.Popen([sys.executable, server_py], stdout=subprocess.PIPE, text=True, env=env)
-    user = None
+    # The store is served here; dropping it closes the server and its connections, as a death would.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    user = subprocess.Popen([sys.executable, user_py, str(server.port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        port = server.stdout.readline().strip()
-        user = subprocess.Popen([sys.executable, user_py, port], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
         assert user.stdout.readline().strip() == "connected"
-        server.kill()
-        server.wait()
+        del server
+        gc.collect()
         out, err = user.communicate("go\n", timeout=60)
     finally:
-        for proc in (server, user):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        if user.poll() is None:
+            user.kill()
+            user.wait()
     assert user.returncode == 1, err
     assert "error: lost the rendezvous store at tcp://127.0.0.1:" in err and "trainer rank 0" in err, err
     for noise in ("TCPStore.cpp", "frame #0", "c10::Error"):
