@@ -11,9 +11,9 @@ subgroup, or a wrapped ``torch.distributed`` group), or None for a group made fr
 environment for that call.
 """
 
-from distload.runtime import quiet_torch_warnings_in_the_cli as _quiet_torch_warnings
+from distload.runtime import quiet_torch_cpp_warnings as _quiet_torch_cpp_warnings
 
-_quiet_torch_warnings()  # before torch loads: it reads its log level only then
+_quiet_torch_cpp_warnings()  # first: before torch loads, if it has not, it reads its log level only then
 
 from distload.config import LoadConfig
 from distload.errors import (

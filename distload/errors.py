@@ -103,3 +103,19 @@ def failure_lines(failures: "dict[int, str]") -> list[str]:
     for rank, message in sorted(failures.items()):
         by_message.setdefault(message, []).append(rank)
     return [f"{rank_list(ranks)}: {message}" for message, ranks in by_message.items()]
+
+
+# How far an error raised outside any agreement step is known to reach: "job" where every rank
+# raises it alike (it depends only on what every rank was given: the command line, the group's
+# size), "node" where every rank of one node does (its environment, its devices). The command
+# line prints such an error once, by rank 0, where that covers the whole job; an error agreed
+# between the ranks (WorkerGroup.agree) carries what each rank said instead (``job_failures``).
+EVERY_RANK_ATTRIBUTE = "raised_on_every_rank"
+
+
+def on_every_rank(exc: BaseException, scope: str = "job") -> BaseException:
+    """Mark ``exc`` as raised alike on every rank of the job (``scope`` "job") or of its node
+    ("node"); returns it, to be raised."""
+    assert scope in ("job", "node"), scope
+    setattr(exc, EVERY_RANK_ATTRIBUTE, scope)
+    return exc

@@ -35,24 +35,36 @@ from distload import quiet_exit
 
 
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+_C10_ERROR = 2  # c10's levels: 0 info, 1 warning, 2 error, 3 fatal
 
 
-def quiet_torch_warnings_in_the_cli() -> None:
-    """In distload's own command line (``python -m distload``, the ``distload`` script, under
-    torchrun too), before torch loads: torch's C++ warnings stay off the screen
-    (TORCH_CPP_LOG_LEVEL=ERROR). When the process serving a weight-sync store dies, every store
-    call in flight prints one with a C++ backtrace (TCPStore.cpp "recvValue failed", ~20 lines),
-    and then distload names what was lost in one line. A level the user set (TORCH_CPP_LOG_LEVEL,
-    or TORCH_DISTRIBUTED_DEBUG) is kept. In a library user's process torch is loaded already
-    (torch reads the level only as it loads), and its settings are the user's to make."""
+def quiet_torch_cpp_warnings() -> None:
+    """From the moment distload is imported, torch's C++ warnings stay off the screen, as
+    TORCH_CPP_LOG_LEVEL=ERROR would keep them: when the process serving a torch store dies (a
+    job's TCPStore under WeightSync, torchrun's), every store call in flight prints one with a C++
+    backtrace (TCPStore.cpp "recvValue failed", ~20 lines), and then distload names what was lost
+    in one line. A level the user set (TORCH_CPP_LOG_LEVEL, or TORCH_DISTRIBUTED_DEBUG) is kept.
+
+    torch reads the variable only as it loads: before that, setting it is enough (and the
+    processes this one starts inherit it); once torch is loaded, c10's level itself
+    (``FLAGS_caffe2_log_level`` in libc10, which torch's Python API does not expose) is raised to
+    error, the value the variable would have given it."""
     import sys
 
-    argv = list(getattr(sys, "orig_argv", []))
-    by_module = "-m" in argv[:-1] and argv[argv.index("-m") + 1] == "distload"
-    by_script = len(argv) > 1 and os.path.basename(argv[1]) == "distload"
-    asked = CPP_LOG_LEVEL in os.environ or os.environ.get("TORCH_DISTRIBUTED_DEBUG")
-    if (by_module or by_script) and not asked and "torch" not in sys.modules:
+    if CPP_LOG_LEVEL in os.environ or os.environ.get("TORCH_DISTRIBUTED_DEBUG"):
+        return
+    torch = sys.modules.get("torch")
+    if torch is None:
         os.environ[CPP_LOG_LEVEL] = "ERROR"
+        return
+    names = {"linux": "libc10.so", "darwin": "libc10.dylib", "win32": "c10.dll"}
+    try:
+        library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                           names.get(sys.platform, "libc10.so")))
+        level = ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return  # another build of torch: docs/troubleshooting.md names the variable to set
+    level.value = max(level.value, _C10_ERROR)
 
 
 class Runtime:

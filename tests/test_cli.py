@@ -125,26 +125,30 @@ def test_device_cuda_without_cuda_fails_clearly(ckpt, nproc):
         output = r.stdout + r.stderr
         assert r.returncode == 1, output[-6000:]
         assert "Traceback" not in output
+        if r.rank > 0:  # every rank of the node sees the same devices: rank 0 speaks for them
+            assert "distload: error" not in output, output
+            continue
         message = rank_error(output, r.rank)
         assert "--device cuda was asked for, but no CUDA device is visible" in message
         assert "use --device cpu or auto" in message
+        if nproc == 2:
+            assert "distload: error on ranks 0, 1 (every rank): " in output
 
 
 @pytest.mark.slow
 def test_demo(tmp_path):
-    result = run_distload(["demo", "--size-mib", "4", "--dir", str(tmp_path / "demo")], timeout=300)
+    """The README's first command: every format loads bit-identical, nothing is timed (too small a
+    checkpoint), and the folder every printed command loads is kept, named at the end with how to
+    remove it (no --dir: a new folder under the temporary directory)."""
+    result = run_distload(["demo", "--size-mib", "4"], timeout=300, env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    rows, speeds = {}, {}
+    rows = {}
     for line in result.stdout.splitlines():
-        match = re.match(r"(\S+(?: distributed)?|plain safetensors \(no distload\))\s+(whole|sharded)\s+(\S+)"
-                         r"\s+\S+\s+(\S+)\s+(.+)$", line)
+        match = re.match(r"(\S+(?: distributed)?)\s+(whole|sharded)\s+(\S+)\s+(.+)$", line)
         if match:
-            rows[(match[1], match[2])] = (match[3], match[5].strip())
-            speeds[(match[1], match[2])] = match[4]
-    # The speed row: plain safetensors on every rank, the baseline every format is compared with.
-    for kind in ("whole", "sharded"):
-        assert rows[("plain safetensors (no distload)", kind)] == ("load_file", "baseline")
-    assert re.fullmatch(r"\d+\.\d\dx", speeds[("safetensors", "whole")]), speeds
+            rows[(match[1], match[2])] = (match[3], match[4].strip())
+    assert "vs plain" not in result.stdout and "benchmarks/results/load.md" in result.stdout
+    assert "(--dir DIR writes it there instead)" in result.stdout
     # Every format's equivalent command is shown, with the summary distload load prints.
     assert "$ torchrun --nproc-per-node 2 -m distload load " in result.stdout
     assert result.stdout.count("distload: auto from ") == 3
@@ -158,6 +162,11 @@ def test_demo(tmp_path):
     assert rows[("auto distributed", "whole")][0] == "pread-shared"
     assert rows[("dummy", "whole")][1] == "dummy (random)"
     assert "every real read matched a plain safetensors read bit for bit" in result.stdout
+    root = re.search(r"remove them with: rm -rf (\S+)\n", result.stdout)[1]
+    assert os.path.dirname(root) == str(tmp_path)
+    for folder in re.findall(r"-m distload load (\S+) ", result.stdout):  # every command loads a kept folder
+        assert folder.startswith(root + os.sep) and os.listdir(folder), folder
+    assert sorted(os.listdir(root)) == ["demo-cases.json", "demo-results.json", "sharded", "whole"]
 
 
 def test_version():
@@ -219,3 +228,44 @@ def test_torchrun_summary_shows_distloads_message_once(tmp_path):
     root_cause = result.stderr[result.stderr.index("Root Cause"):]
     assert "distload: error on ranks 0, 1 (every rank): " in root_cause and missing in root_cause
     assert "To enable traceback" not in result.stderr
+
+
+# -- a failure every rank shares: one line, by rank 0 -----------------------------------------------
+
+# (arguments, environment, what the line says); "{whole}" is the module's whole checkpoint. Each
+# of these printed one line per rank before (no agreement step told the ranks they all failed alike).
+SHARED_REFUSALS = [
+    pytest.param(["load", "{whole}", "--tensor-parallel-size", "3"], {},
+                 "--tensor-parallel-size 3 does not divide the group's 2 ranks", id="tp-size-not-dividing"),
+    pytest.param(["load", "{whole}", "--load-format", "sharded_state"], {},
+                 "Could not find checkpoint files '{whole}/model-rank-*-part-*.safetensors' for any rank",
+                 id="sharded-state-on-a-whole-checkpoint"),
+    pytest.param(["load", "{whole}", "--device", "tpu"], {}, "--device must be auto, cpu, cuda or cuda:N, got 'tpu'",
+                 id="device-misspelt", marks=pytest.mark.slow),
+    pytest.param(["load", "{whole}", "--device", "cuda"], {}, "--device cuda was asked for, but no CUDA device",
+                 id="device-cuda-without-cuda", marks=[pytest.mark.slow, pytest.mark.skipif(
+                     torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")]),
+    pytest.param(["pull", "{whole}-missing", "{whole}-copy"], {}, "{whole}-missing: no such file or directory",
+                 id="pull-from-nothing", marks=pytest.mark.slow),
+    pytest.param(["load", "{whole}"], {"DISTLOAD_LOG_LEVEL": "loud"}, "DISTLOAD_LOG_LEVEL='loud' is not a log level",
+                 id="log-level-environment", marks=pytest.mark.slow),
+    pytest.param(["sync-demo", "--role", "trainer"], {}, "sync-demo --role trainer needs --rendezvous tcp://HOST:PORT",
+                 id="sync-demo-role-without-rendezvous", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("args, env, says", SHARED_REFUSALS)
+def test_a_refusal_every_rank_shares_is_one_line_from_rank_0(ckpt, args, env, says):
+    """torchrun --nproc-per-node 2 -m distload ...: a refusal that every rank meets alike is one
+    line for the job (``distload: error on ranks 0, 1 (every rank): ...``), printed by rank 0; the
+    ranks exit 1, without a traceback of their own."""
+    folder, _ = ckpt
+    args = [a.replace("{whole}", folder) for a in args]
+    args += ["--no-progress"] if args[0] == "load" else []
+    result = run_distload(args, nproc=2, env={**FAILURE_ENV, **env}, timeout=120)
+    assert result.returncode == 1, result.stderr[-6000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("distload: error")]
+    assert len(lines) == 1, result.stderr[-6000:]
+    assert lines[0].startswith("distload: error on ranks 0, 1 (every rank): "), lines[0]
+    assert says.replace("{whole}", folder) in lines[0], lines[0]
+    assert result.stderr.count("Traceback (most recent call last)") == 1  # torchrun's ChildFailedError only

@@ -259,7 +259,9 @@ def test_sharded_wrong_pattern_is_named(custom_pattern_ckpt):
     folder = custom_pattern_ckpt
     result = run_distload(load_args(folder, "sharded_state"), nproc=2, env=FAILURE_ENV)
     messages = assert_failed_cleanly(result)
-    for rank in (0, 1):  # both ranks fail on their own, each names the pattern and what is there
+    assert messages[0] == messages[1]  # every rank fails alike: one line for the job
+    assert result.stderr.count("Could not find checkpoint files") == 1 + 2  # the line, torchrun's summary
+    for rank in (0, 1):  # the message names the pattern and what is there
         assert messages[rank].startswith("Could not find checkpoint files")
         assert "matches the pattern 'model-rank-{rank}-part-{part}.safetensors'" in messages[rank]
         assert "weights-r0-p0.safetensors" in messages[rank]

@@ -137,7 +137,8 @@ def test_no_file_matches_the_pattern():
     with pytest.raises(ShardLayoutError) as info:
         shard_files_for_rank(layout, "/ckpt", 0, 2, "it holds: config.json, model.safetensors")
     message = str(info.value)
-    assert "Could not find checkpoint files '/ckpt/model-rank-0-part-*.safetensors'" in message
+    # No rank's files: the same message on every rank (the command line prints it once).
+    assert "Could not find checkpoint files '/ckpt/model-rank-*-part-*.safetensors' for any rank" in message
     assert f"No file in /ckpt matches the pattern {P!r}" in message
     assert "it holds: config.json, model.safetensors" in message
     assert "'pattern'" in message and "--load-format safetensors" in message

@@ -893,6 +893,84 @@ def test_sync_demo_inference_prints_one_line_not_torch_backtraces_when_the_train
         assert noise not in err and noise not in out, err
 
 
+# A user's own process: torch and torch.distributed imported before distload, a torch store (a
+# job's, as WeightSync uses) reached through distload's bounded wrapper.
+STORE_USER = """
+import datetime, sys
+import torch, torch.distributed as dist
+import distload
+from distload.live.rendezvous import BoundedStore
+port = int(sys.argv[1])
+raw = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
+store = BoundedStore(raw, f"tcp://127.0.0.1:{port}", "trainer rank 0")
+store.set("ready", b"1")
+print("connected", flush=True)
+sys.stdin.readline()  # the test kills the server meanwhile
+try:
+    store.get("never-set")
+except distload.DistloadError as exc:
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(1)
+"""
+
+
+def test_a_users_process_that_loaded_torch_first_shows_no_torch_backtrace_when_the_store_dies(tmp_path):
+    """In a user's process (torch imported before distload), the server of a torch store goes
+    away under a store call: distload's one line naming it, and none of torch's C++ warning with
+    its backtrace ("TCPStore.cpp ... recvValue failed"; main printed it)."""
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    user_py = write_script(tmp_path, "user.py", STORE_USER)
+    env = clean_env(drop_prefixes=(CPP_LEVEL, "TORCH_DISTRIBUTED_DEBUG"))
+    # The store is served here; dropping it closes the server and its connections, as a death would.
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=10), wait_for_workers=False)
+    user = subprocess.Popen([sys.executable, user_py, str(server.port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert user.stdout.readline().strip() == "connected"
+        del server
+        gc.collect()
+        out, err = user.communicate("go\n", timeout=60)
+    finally:
+        if user.poll() is None:
+            user.kill()
+            user.wait()
+    assert user.returncode == 1, err
+    assert "error: lost the rendezvous store at tcp://127.0.0.1:" in err and "trainer rank 0" in err, err
+    for noise in ("TCPStore.cpp", "frame #0", "c10::Error"):
+        assert noise not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+CPP_LEVEL = "TORCH_CPP_LOG_LEVEL"
+
+
+def test_torchs_cpp_level_is_raised_once_torch_is_loaded_unless_the_user_set_one(monkeypatch):
+    """torch is loaded in this process: distload raises c10's level itself (what
+    TORCH_CPP_LOG_LEVEL=ERROR gives), and leaves it alone where the user set the variable."""
+    import ctypes
+
+    from distload.runtime import quiet_torch_cpp_warnings
+
+    level = ctypes.c_int.in_dll(ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")),
+                                "FLAGS_caffe2_log_level")
+    before = level.value
+    try:
+        level.value = 1  # warning, torch's default
+        monkeypatch.setenv(CPP_LEVEL, "WARNING")
+        quiet_torch_cpp_warnings()
+        assert level.value == 1
+        monkeypatch.delenv(CPP_LEVEL)
+        monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+        quiet_torch_cpp_warnings()
+        assert level.value == 2 and CPP_LEVEL not in os.environ  # torch was loaded: its flag, not the variable
+    finally:
+        level.value = before
+
+
 # -- 14. relays: receivers at one place pass the trainer's messages on down a chain ---------------------
 
 @pytest.mark.dist

@@ -24,7 +24,7 @@ import distload
 
 from conftest import in_ci
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1300)]  # the first test waits for every engine
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1600)]  # the first test waits for every engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tests", "vllm_driver.py")
@@ -211,20 +211,38 @@ def architecture_cases(p: dict, address: str) -> list[dict]:
     for bit, before vLLM's post-processing (the engine fails to start on any difference).
     Identical parameters there give identical tokens: the reference engines of --load-format
     safetensors are left out to keep the suite's time (one engine start per architecture, ~25 s
-    each here). Phi-3 (no table knows it) is also saved for vLLM by its engine (save_sharded),
-    then served from that save by vLLM's own sharded_state loader; that engine then takes two
-    pushes by slices from a trainer at ``address`` (other weights, then Phi-3's own again)."""
+    each here). Phi-3 (no table knows it) is also saved for vLLM by ``distload reshard`` with
+    no --sharding, beside vLLM (phi3_resharded), then served from that save by vLLM's own
+    sharded_state loader; that engine then takes two pushes by slices from a trainer at
+    ``address`` (other weights, then Phi-3's own again)."""
     root = p["root"]
     cases = [{"name": a, "model": f"{root}/{a}", "format": "distload", "extra": {"check_weight_map": True}}
              for a in ARCHITECTURES]
-    cases[ARCHITECTURES.index("phi3")]["extra"]["save_sharded"] = f"{root}/phi3-tp2"
-    cases.append({"name": "phi3 saved", "model": f"{root}/phi3-tp2", "format": "sharded_state",
+    cases.append({"name": "phi3 saved", "model": p["phi3-tp2"], "format": "sharded_state",
                   "push": {"address": address, "receives": 4}})
     return [dict(case, tp=2, name=f"arch {case['name']}") for case in cases]
 
 
+def reshard_beside_vllm(python: str, source: str, output: str) -> subprocess.CompletedProcess:
+    """``python -m distload reshard SOURCE OUTPUT --tensor-parallel-size 2`` in vLLM's environment,
+    no --sharding: what a user of vLLM runs."""
+    from dist_helpers import clean_env
+
+    return subprocess.run([python, "-m", "distload", "reshard", source, output, "--tensor-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=600, env=clean_env())
+
+
 @pytest.fixture(scope="module")
-def engines(checkpoints, tmp_path_factory):
+def phi3_resharded(checkpoints):
+    """Phi-3 (no table of distload's knows its names) resharded for TP 2 by reshard's default
+    beside vLLM; the ``phi3 saved`` engine serves the output. The command's result."""
+    python, p = checkpoints
+    p["phi3-tp2"] = os.path.join(p["root"], "phi3-tp2")
+    return reshard_beside_vllm(python, os.path.join(p["root"], "phi3"), p["phi3-tp2"])
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints, phi3_resharded, tmp_path_factory):
     """Every engine of this module, one after the other in one driver process (vLLM imported
     once): TP 1, TP 2, then the architectures at TP 2. tensor-parallel size (or "arch") -> case
     name -> its result; "_output" is the driver's output (vLLM logs its workers' lines there)."""
@@ -435,13 +453,55 @@ def test_any_architecture_loads_through_the_recorded_weight_map_bit_for_bit(arch
 
 
 @pytest.mark.slow
+def test_reshards_default_beside_vllm_is_the_engines_layout_for_an_architecture_no_table_knows(phi3_resharded,
+                                                                                              checkpoints):
+    """Beside vLLM, ``reshard`` without --sharding saves Phi-3 (not in distload's table) through
+    vLLM's engine, and says so: vLLM's names (its attention scales, which no checkpoint holds) in
+    every rank's files, the summary naming vLLM's version and its sharded_state loader."""
+    from safetensors import safe_open
+
+    result = phi3_resharded
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sharding spec vllm: vLLM 0.32" in result.stdout and "loads with vLLM's sharded_state" in result.stdout
+    assert "without vLLM installed" not in result.stdout + result.stderr
+    folder = checkpoints[1]["phi3-tp2"]
+    for rank in (0, 1):
+        with safe_open(os.path.join(folder, f"model-rank-{rank}-part-0.safetensors"), "pt") as f:
+            assert "model.layers.0.self_attn.attn._k_scale" in set(f.keys()), rank
+
+
+@pytest.mark.slow
 def test_the_engine_saves_an_architecture_no_table_knows_for_vllms_sharded_state_loader(architectures):
-    """Phi-3's TP 2 engine (no table knows its names) saves its parameters (save_sharded, what
-    reshard --sharding vllm runs in vLLM's engine); vLLM's own sharded_state loader serves that save
-    token for token as distload's load of the checkpoint (equal to vLLM's own, checked above)."""
+    """Phi-3's save by reshard's default beside vLLM (its engine's parameters, above): vLLM's own
+    sharded_state loader serves it token for token as distload's load of the checkpoint (equal to
+    vLLM's own, checked above). main wrote the decoder layout there, which vLLM did not start on."""
     saved = architectures["phi3 saved"]
     assert "tokens" in saved, saved
     assert saved["tokens"] == architectures["phi3"]["tokens"]
+
+
+@pytest.mark.slow
+def test_reshards_default_beside_vllm_falls_back_to_decoder_for_an_architecture_vllm_does_not_build(checkpoints,
+                                                                                                  tmp_path):
+    """An architecture vLLM's registry does not have (Phi-3's weights under a made-up name): the
+    engine's child refuses it before any engine starts, and the save is the decoder layout, its
+    summary saying vLLM's sharded_state does not read it and why (not "without vLLM installed")."""
+    import shutil
+
+    python, p = checkpoints
+    source = str(tmp_path / "made-up")
+    shutil.copytree(os.path.join(p["root"], "phi3"), source)
+    with open(os.path.join(source, "config.json")) as f:
+        config = json.load(f)
+    config["architectures"] = ["MadeUpForCausalLM"]
+    with open(os.path.join(source, "config.json"), "w") as f:
+        json.dump(config, f)
+    result = reshard_beside_vllm(python, source, str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("sharding spec decoder: the checkpoint's own names: distload's loaders read this save, vLLM's "
+            "sharded_state loader does not (not the vllm layout, the default where vLLM is installed, because "
+            "vLLM 0.32.0's registry has no MadeUpForCausalLM)") in result.stdout, result.stdout
+    assert "without vLLM installed" not in result.stdout + result.stderr
 
 
 @pytest.mark.slow

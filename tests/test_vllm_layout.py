@@ -115,7 +115,7 @@ def test_unknown_architecture_saves_with_the_checkpoints_names_and_says_so(tmp_p
     assert report.spec == "decoder"
     assert "vLLM's sharded_state loader does not" in report.engine_note and "GPTNeoXForCausalLM" in report.engine_note
     assert sorted(rank_files(str(tmp_path / "out"), 0)) == sorted(state)
-    with pytest.raises(ConfigError, match="not of GPTNeoXForCausalLM"):
+    with pytest.raises(ConfigError, match="only, not GPTNeoXForCausalLM"):
         distload.reshard(whole, str(tmp_path / "out2"), 2, sharding="vllm")
 
 

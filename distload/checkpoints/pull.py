@@ -245,7 +245,8 @@ def pull(source: str, dest: str, *, group: WorkerGroup | None = None,
 def _pull(source: str, dest: str, g: WorkerGroup, chunk_bytes: int) -> PullReport:
     start_time = time.perf_counter()
     writes = g.local_rank == 0
-    src = open_source(source)
+    # Agreed, as the listing: a source that is not there fails every rank, in one line for the job.
+    src = g.agree("opening the source", lambda: open_source(source))
     listing = g.agree("listing the source", lambda: list_source(src))
     prints = g.agree("comparing the source's content", lambda: _fingerprints(src, listing))
     listings = g.exchange([(f.name, f.size, f.sha256, fp) for f, fp in zip(listing, prints)])

@@ -23,9 +23,9 @@ import sys
 import time
 from typing import Iterator
 
-from distload.errors import ConfigError, DistloadError, rank_list
+from distload.errors import EVERY_RANK_ATTRIBUTE, ConfigError, DistloadError, on_every_rank, rank_list
 from distload.workers.group import DEFAULT_TIMEOUT_S, WorkerGroup
-from distload.workers.launch import detect_launch
+from distload.workers.launch import LaunchInfo, check_device, detect_launch
 from distload.loading.formats import LOAD_FORMATS, make_load_config
 from distload.loading.layout import DEFAULT_SHARD_PATTERN, check_pattern
 from distload.checkpoints.output import DEFAULT_MAX_FILE_SIZE
@@ -159,8 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     save.add_argument("--sharding", "--plan", dest="sharding", default=None, metavar="SPEC",
                       help="the sharding spec: a built-in one (vllm: vLLM's engine names, which its "
                            "sharded_state loaders read; decoder, alias llama/mistral/qwen2/qwen3: the same slices "
-                           "under the checkpoint's names; plain; replicate) or a JSON spec file (default vllm "
-                           "where the engine's names are known, else decoder); --plan is its old name")
+                           "under the checkpoint's names; plain; replicate) or a JSON spec file (default: vllm "
+                           "where vLLM is installed and builds the model, by its engine, or where distload's table "
+                           "knows the model; else decoder, which vLLM's sharded_state does not read, as the summary "
+                           "says); --plan is its old name")
 
     _expert_options(save, "write T x P shards: shard ep_rank * T + tp_rank holds its EP rank's experts (each "
                           "TP-sliced) and the TP slices of everything else; the manifest records P and the placement")
@@ -428,6 +430,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     launchers run it once before they start any rank (:func:`precheck`)."""
     if args.command in ("load", "serve"):
         make_load_config(args.load_format, _with_cache_flags(args))
+    if args.command in ("load", "serve", "sync-demo"):
+        check_device(args.device)
     if args.command == "serve":
         from distload.live.rendezvous import check_listen, parse_address
         from distload.live.secret import job_secret
@@ -459,6 +463,14 @@ def check_arguments(args: argparse.Namespace) -> None:
         if args.expert_placement_strategy is not None and args.expert_parallel_size is None:
             raise ConfigError("--expert-placement-strategy places experts over --expert-parallel-size ranks; "
                               "give --expert-parallel-size too")
+    if args.command == "sync-demo":
+        if args.role is not None and args.rendezvous is None:
+            raise ConfigError(f"sync-demo --role {args.role} needs --rendezvous tcp://HOST:PORT (the same on both "
+                              f"jobs; without --role, one job's rank 0 is the trainer)")
+        for flag, value in (("--versions", args.versions), ("--bucket-mib", args.bucket_mib),
+                            ("--size-mib", args.size_mib), ("--tensor-parallel-size", args.tensor_parallel_size)):
+            if value < 1:
+                raise ConfigError(f"sync-demo {flag} must be a whole number >= 1, got {value}")
     if args.command == "pull" and args.chunk_mib <= 0:
         raise ConfigError(f"--chunk-mib must be positive, got {args.chunk_mib}")
     if args.command == "inspect" and args.pattern is not None:
@@ -520,9 +532,14 @@ def report_error(exc: BaseException, command: str, rank: int | str, world_size: 
     sys.stderr.flush()
 
 
-def shared_failure(exc: BaseException, world_size: int) -> dict[int, str] | None:
+def shared_failure(exc: BaseException, launch: LaunchInfo) -> dict[int, str] | None:
     """Every rank's failure where all ranks of the job failed with this exception's message (the
-    agreement step leaves what each rank said on the exception), else None."""
+    agreement step leaves what each rank said on the exception, and an error that every rank
+    raises alike says so: errors.on_every_rank), else None."""
+    world_size = launch.world_size
+    scope = getattr(exc, EVERY_RANK_ATTRIBUTE, None)
+    if scope == "job" or (scope == "node" and launch.local_world_size == world_size):
+        return {rank: str(exc) for rank in range(world_size)}
     failures = getattr(exc, "job_failures", None)
     if not failures or len(failures) != world_size or set(failures.values()) != {str(exc)}:
         return None
@@ -537,7 +554,13 @@ def reported_here(args: argparse.Namespace, group: WorkerGroup) -> Iterator[None
     try:
         yield
     except DistloadError as exc:
-        report_error(exc, args.command, group.rank, group.world_size, shared_failure(exc, group.world_size))
+        shared = shared_failure(exc, group.launch)
+        if shared is not None and getattr(exc, "job_failures", None) is None:
+            # Raised alike on every rank, outside any agreement step: agree on it now (every rank
+            # is here), so that rank 0 prints it while the others wait for it, not after torchrun
+            # stopped it because another rank had already exited.
+            group.report_failure(args.command, exc)
+        report_error(exc, args.command, group.rank, group.world_size, shared)
         raise _Reported() from exc
 
 
@@ -574,11 +597,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rank: int | str = "?"
     world_size = 1
+    launch = LaunchInfo("single", 0, 1, 0, 1, None)
     try:
         try:
             launch = detect_launch()
             rank, world_size = launch.rank, launch.world_size
-            _setup_logging(rank, log_level(args.log_level))
+            try:
+                level = log_level(args.log_level)
+            except ConfigError as exc:
+                raise on_every_rank(exc, "node")  # the node's environment, which its ranks share
+            _setup_logging(rank, level)
             try:
                 check_arguments(args)
             except ConfigError as exc:
@@ -589,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         except _Reported:
             return 1
         except DistloadError as exc:
-            report_error(exc, args.command, rank, world_size, shared_failure(exc, world_size))
+            report_error(exc, args.command, rank, world_size, shared_failure(exc, launch))
             return 1
         except KeyboardInterrupt:
             print(f"distload: interrupted on rank {rank}", file=sys.stderr, flush=True)

@@ -85,9 +85,7 @@ def _rate(nbytes: int, seconds: float) -> str:
 def run_sync_demo(args: argparse.Namespace) -> int:
     if args.role is None:
         return _one_job(args)
-    if args.rendezvous is None:
-        print("sync-demo --role needs --rendezvous tcp://HOST:PORT (the same on both jobs)")
-        return 2
+    assert args.rendezvous is not None  # main.check_arguments refused --role without it, on every rank alike
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group:  # this job's own ranks
         tp_size = args.tensor_parallel_size if args.role == "inference" else 1
         channel = SyncChannel(args.rendezvous, args.role, rank=group.rank, size=group.world_size,

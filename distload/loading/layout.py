@@ -67,8 +67,9 @@ def pattern_regex(pattern: str, any_depth: bool = False) -> re.Pattern[str]:
     return re.compile(regex + r"\Z")
 
 
-def rank_glob(pattern: str, rank: int) -> str:
-    """The glob a rank uses to find its own files, e.g. ``model-rank-3-part-*.safetensors``."""
+def rank_glob(pattern: str, rank: int | str) -> str:
+    """The glob a rank uses to find its own files, e.g. ``model-rank-3-part-*.safetensors``
+    (``rank`` "*": every rank's)."""
     return pattern.format(rank=rank, part="*")
 
 
@@ -127,8 +128,10 @@ def shard_files_for_rank(layout: ShardLayout, folder: str, rank: int, world_size
     """The names of this rank's shard files, or a ShardLayoutError that says what is there."""
     wanted = f"{folder}/{rank_glob(layout.pattern, rank)}"
     if not layout.parts_by_rank:
+        # No rank's files: every rank says the same, so the job's one line names them all.
         raise ShardLayoutError(
-            f"Could not find checkpoint files '{wanted}', only pre-sharded checkpoints are "
+            f"Could not find checkpoint files '{folder}/{rank_glob(layout.pattern, '*')}' for any rank, "
+            f"only pre-sharded checkpoints are "
             f"currently supported! No file in {folder} matches the pattern {layout.pattern!r}; "
             f"{listing_hint}. Pass the pattern the checkpoint was saved with "
             f"(extra config 'pattern'), or load a whole checkpoint with --load-format safetensors."

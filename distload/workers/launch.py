@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from distload.errors import ConfigError
+from distload.errors import ConfigError, on_every_rank
 
 
 @dataclass(frozen=True)
@@ -113,27 +113,35 @@ def detect_launch(environ: Mapping[str, str] = os.environ) -> LaunchInfo:
     return LaunchInfo("single", 0, 1, 0, 1, None)
 
 
+def check_device(device: str | None) -> str:
+    """The device setting's spelling (auto, cpu, cuda or cuda:N), lower-cased; what the machine
+    has is :func:`resolve_device`'s to check. The command line checks it before any rank starts."""
+    choice = (device or "auto").strip().lower()
+    if choice in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", choice):
+        return choice
+    raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
 def resolve_device(device: str, local_rank: int) -> torch.device:
     """``auto`` -> ``cuda:<local_rank>`` when CUDA is there, else ``cpu``; explicit values checked."""
-    choice = (device or "auto").strip().lower()
+    choice = check_device(device)
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     if choice == "cpu":
         return torch.device("cpu")
-    if choice == "cuda" or choice.startswith("cuda:"):
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"--device {device} was asked for, but no CUDA device is visible to this process "
-                f"(torch.cuda.is_available() is False); use --device cpu or auto"
-            )
-        index = local_rank if choice == "cuda" else int(choice.split(":", 1)[1])
-        if choice == "cuda" and torch.cuda.device_count() == 1:
-            # One GPU visible per task (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank).
-            index = 0
-        if index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"device cuda:{index} does not exist: this node has {torch.cuda.device_count()} "
-                f"visible GPU(s); start at most that many ranks per node"
-            )
-        return torch.device("cuda", index)
-    raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if not torch.cuda.is_available():
+        # Every rank of a node sees the same devices (torchrun and srun start them alike).
+        raise on_every_rank(ConfigError(
+            f"--device {device} was asked for, but no CUDA device is visible to this process "
+            f"(torch.cuda.is_available() is False); use --device cpu or auto"
+        ), "node")
+    index = local_rank if choice == "cuda" else int(choice.split(":", 1)[1])
+    if choice == "cuda" and torch.cuda.device_count() == 1:
+        # One GPU visible per task (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per rank).
+        index = 0
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"device cuda:{index} does not exist: this node has {torch.cuda.device_count()} "
+            f"visible GPU(s); start at most that many ranks per node"
+        )
+    return torch.device("cuda", index)
