@@ -64,7 +64,6 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     vLLM can build here. Otherwise it streams the checkpoint through the spec's slices
     (distload.checkpoints.reshard.reshard, whose arguments these are).
     """
-<<<<<<< HEAD
     if expert_parallel_size is not None or expert_placement_strategy is not None:
         # vLLM's engine saves no expert-parallel shards: the spec's slices under the checkpoint's names.
         if _named_vllm(sharding):
@@ -75,11 +74,8 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
                                sharding=sharding or "decoder", world_size=world_size,
                                expert_parallel_size=expert_parallel_size,
                                expert_placement_strategy=expert_placement_strategy)
-    if _wants_vllm(source, sharding) and vllm_installed():
-=======
     by_default = sharding is None and vllm_installed() and _names_architectures(source)
     if by_default or (_wants_vllm(source, sharding) and vllm_installed()):
->>>>>>> wt-cli
         size = tensor_parallel_size if world_size is None else world_size
         if tensor_parallel_size is not None and world_size is not None:
             raise ConfigError("reshard: pass tensor_parallel_size only (world_size is its old name)")
