@@ -32,6 +32,10 @@ class ShardFile:
     size: int
     sha256: str
     tensors: list[str]
+    # Tensor name -> the CRC-32C of each crc32c_chunk_bytes chunk of its data, checked by every
+    # load (distload/loading/checksums.py). None: saved before distload recorded them.
+    crc32c: dict[str, list[int]] | None = None
+    crc32c_chunk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,19 @@ def _view_from_json(name: str, raw: Any) -> Subtensor:
     return Subtensor(raw["of"], offset, tuple(raw["shape"]), tuple(raw["stride"]), raw["dtype"])
 
 
+def _file_from_json(raw: Any) -> ShardFile:
+    """A file entry, its checksums checked: a damaged list is a corrupt manifest, not a false alarm."""
+    entry = ShardFile(**raw)
+    if entry.crc32c is not None:
+        chunk = entry.crc32c_chunk_bytes
+        if (not isinstance(entry.crc32c, dict) or isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0
+                or not all(isinstance(crcs, list) and all(isinstance(c, int) and not isinstance(c, bool)
+                                                          and 0 <= c < 2**32 for c in crcs)
+                           for crcs in entry.crc32c.values())):
+            raise ValueError(f"the CRC-32C entries of {entry.name!r} are malformed")
+    return entry
+
+
 def write_manifest(folder: str, manifest: Manifest) -> None:
     """Write the manifest atomically, then remove the saving marker: the commit point of a save."""
     write_json_atomic(os.path.join(folder, MANIFEST_NAME), manifest.to_json())
@@ -125,7 +142,7 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
         if raw.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {raw.get('version')!r} is not supported (this distload reads "
                              f"version {MANIFEST_VERSION})")
-        files = [ShardFile(**entry) for entry in raw["files"]]
+        files = [_file_from_json(entry) for entry in raw["files"]]
         return Manifest(
             world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
             sharding=raw.get("sharding", raw.get("plan")),  # "plan" in manifests before 2026-12
