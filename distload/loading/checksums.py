@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 import torch
 
 from distload.errors import CheckpointError
+from distload.loading.sources import open_source
 from distload.loading.stores.crc import PIECE_BYTES, crc32c
 from distload.tensor_io import host_view
 
@@ -105,8 +106,7 @@ class ChecksumCheck:
 
     @property
     def src(self) -> "Source":
-        if self._src is None:
-            from distload.loading.sources import open_source  # sources imports this module's users
+        if self._src is None:  # opened only for a slice's other bytes
             self._src = open_source(self.source)
         return self._src
 
