@@ -137,6 +137,7 @@ def test_a_damaged_checksum_list_is_a_corrupt_manifest(saved, tmp_path):
         distload.load(out, "auto")
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("fmt", ["auto", pytest.param("sharded_state", marks=pytest.mark.slow)])
 def test_every_rank_fails_with_the_corrupt_file_named(saved, tmp_path, fmt):
     """torchrun, 2 ranks: rank 1's file is corrupt; both ranks end, naming it, within the timeout."""
@@ -156,6 +157,7 @@ def test_every_rank_fails_with_the_corrupt_file_named(saved, tmp_path, fmt):
 
 
 @pytest.mark.slow
+@pytest.mark.dist
 def test_replicas_sharing_a_read_fail_together(saved, tmp_path):
     """Two data-parallel replicas of TP rank 0 share the read of its files (distributed): a
     corrupt tensor fails both ranks, the one that read it and the one it was sent to."""
