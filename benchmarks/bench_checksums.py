@@ -78,6 +78,7 @@ def without_checksums(folder: str, copy: str) -> None:
     path = os.path.join(copy, MANIFEST_NAME)
     with open(path) as f:
         manifest = json.load(f)
+    manifest["version"] = 1
     for entry in manifest["files"]:
         del entry["crc32c"], entry["crc32c_chunk_bytes"]
     with open(path, "w") as f:

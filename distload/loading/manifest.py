@@ -21,7 +21,10 @@ from distload.loading.sources import Source, open_source
 MANIFEST_NAME = "distload.json"
 SAVING_MARKER = "distload.saving"
 MANIFEST_FORMAT = "distload-sharded"
-MANIFEST_VERSION = 1
+# 2: each file's tensors' CRC-32Cs (crc32c, crc32c_chunk_bytes). A distload that reads version 1
+# only says "not supported" of them, rather than calling the manifest corrupt.
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -139,9 +142,9 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
         raw = json.loads(src.read_bytes(MANIFEST_NAME).decode("utf-8"))
         if raw.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {raw.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        if raw.get("version") != MANIFEST_VERSION:
+        if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"version {raw.get('version')!r} is not supported (this distload reads "
-                             f"version {MANIFEST_VERSION})")
+                             f"versions {', '.join(map(str, READABLE_VERSIONS))}; a newer distload wrote it?)")
         files = [_file_from_json(entry) for entry in raw["files"]]
         return Manifest(
             world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
