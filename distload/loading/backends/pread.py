@@ -134,7 +134,7 @@ class PreadBackend(Backend):
                     info, tensor, futures, nbytes = pending.popleft()
                     for future in futures:
                         future.result()
-                    if info.name in request.checksums and request.slices.get(info.name) is None:
+                    if _checks_as_it_reads(request.checksums.get(info.name), request.slices.get(info.name)):
                         run.checked.add(info.name)  # its units checked each chunk as they read it
                     window -= nbytes
                     yield info.name, tensor if request.device.type == "cpu" else tensor.to(request.device)
@@ -163,7 +163,7 @@ class PreadBackend(Backend):
         # of 2 GiB of backed memory took 0.21 s with it against 0.17 without).
         new = request.destinations.get(info.name) is not tensor
         want = request.checksums.get(info.name)
-        if piece is None and want is not None and PREFAULT_UNIT_BYTES % want.chunk_bytes == 0:
+        if _checks_as_it_reads(want, piece):
             # Whole, with checksums: each unit (whole chunks: units start at multiples of the
             # chunk) is read and checked a piece at a time, while the piece is in the core's cache.
             futures = [pool.submit(_read_checked, request.host_memory, tensor.data_ptr(),
@@ -260,6 +260,13 @@ def _prefault_and_read(host_memory, address: int, opened: _OpenFile, view: memor
     host_memory.prefault(address + start, end - start)
     for batch in batch_extents(unit, chunk_bytes):
         _read_extents(opened, address, view, begin, batch, name)
+
+
+def _checks_as_it_reads(want: TensorChecksums | None, piece) -> bool:
+    """Whether a tensor's CRC-32Cs are checked by the reader threads: a whole tensor with
+    checksums whose chunks each lie in one unit (units start at multiples of PREFAULT_UNIT_BYTES).
+    The loader checks the others (a slice: the chunks it touches, the rest read from the file)."""
+    return piece is None and want is not None and PREFAULT_UNIT_BYTES % want.chunk_bytes == 0
 
 
 def _read_checked(host_memory, address: int, prefault: bool, opened: _OpenFile, view: memoryview,
