@@ -200,7 +200,7 @@ def test_reshard_manifest_matches_files_on_disk(resharded, source, n):
     out = resharded[0][n]
     m = read_manifest_json(out)
     assert list(m)[:2] == ["format", "version"]
-    assert m["format"] == "distload-sharded" and m["version"] == 1
+    assert m["format"] == "distload-sharded" and m["version"] == 2
     assert m["world_size"] == n and m["pattern"] == PATTERN
     assert m["sharding"] == load_spec("decoder", CONFIG).to_json()
     assert m["sharding"]["config"] == {"num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HEAD_DIM}

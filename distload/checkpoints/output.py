@@ -102,7 +102,7 @@ class RankWriter:
         size, sha = self.writer.commit()
         entries = self.parts[self.part]
         self.files.append(ShardFile(os.path.basename(self.writer.path), self.rank, self.part, size, sha,
-                                    [e.name for e in entries]))
+                                    [e.name for e in entries], self.writer.crc32c, self.writer.crc32c_chunk_bytes))
         self.writer = None
         if self.part + 1 < len(self.parts):
             self._open_next()

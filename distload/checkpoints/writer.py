@@ -2,7 +2,8 @@
 a time, so a save never holds more than the tensor being written.
 
 The file is written under a temporary name and renamed into place by :meth:`commit`, with its
-size and SHA-256 (hashed while writing: no second pass over the bytes). The header is padded to a
+size and SHA-256 (hashed while writing: no second pass over the bytes) and each tensor's CRC-32C
+per chunk, which every load checks (``distload/loading/checksums.py``). The header is padded to a
 multiple of 8 bytes as safetensors itself does, so every tensor starts 8-byte aligned.
 """
 
@@ -18,6 +19,7 @@ import torch
 
 from distload.errors import CheckpointError
 from distload.fileio import temporary_name, write_failed
+from distload.loading.checksums import CHUNK_BYTES, chunk_crcs
 from distload.loading.index import DTYPES, header_shape, nbytes_of
 from distload.tensor_io import tensor_bytes
 
@@ -54,6 +56,8 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-(8 + len(raw)) % 8)
         self._hash = hashlib.sha256()
+        self.crc32c: dict[str, list[int]] = {}  # tensor name -> CRC-32C per CHUNK_BYTES of its data
+        self.crc32c_chunk_bytes = CHUNK_BYTES
         self._size = 0
         self._total = 8 + len(raw) + offset  # the file's size once written
         self._tmp = temporary_name(path)
@@ -81,7 +85,9 @@ class SafetensorsWriter:
                 f"{self.path}: expected tensor {entry.name!r} {entry.dtype} {list(entry.shape)}, "
                 f"got {name!r} {tensor.dtype} {list(tensor.shape)}"
             )
-        self._write(tensor_bytes(tensor))
+        data = tensor_bytes(tensor)
+        self._write(data)
+        self.crc32c[name] = chunk_crcs(data, self.crc32c_chunk_bytes)
         self._next += 1
 
     @property

@@ -12,7 +12,9 @@ gloo control group, with the group's timeout):
    ranks that will share a read must hold the identical list, or every rank stops naming
    the ranks that differ.
 3. The backend streams ``(name, tensor)`` pairs onto the rank's device; each is checked against
-   the rank plan on its way out (:mod:`distload.loading.delivery`).
+   the manifest's CRC-32Cs where it records them (:mod:`distload.loading.checksums`), and
+   against the rank plan on its way out (:mod:`distload.loading.delivery`). A corrupt tensor
+   fails this rank, and step 4 names it on every rank.
 4. ``check_all_ok("loading")``: each rank says whether its read completed (every tensor of its
    index arrived); a failed rank is named on all of them.
 5. ``exchange(report)`` (``load(gather=True)`` only): the rank reports, for the job's report.
@@ -32,6 +34,7 @@ from distload.errors import DistloadError
 from distload.workers.group import WorkerGroup
 from distload.loading.agreement import agree_on_read
 from distload.loading.backends import BACKENDS, BackendRun, ReadRequest
+from distload.loading.checksums import ChecksumCheck
 from distload.loading.delivery import Delivery
 from distload.loading.formats import make_load_config
 from distload.loading.host_memory import HostMemory
@@ -214,10 +217,13 @@ class Loader:
         cut = plan.slices if plan.slices is not None and not backend.reads_slices else None
         dropped = plan.slices.dropped if plan.slices is not None else frozenset()
         tp = plan.tensor_parallel
+        checksums = ChecksumCheck(plan.checksums, plan.source, plan.index) if plan.checksums else None
         try:
             request = self._request(plan, destinations)
             run = backend.read(request)
             for name, tensor in run.tensors():
+                if checksums is not None and name not in run.checked:  # the bytes as read: a slice, or whole
+                    checksums.check(name, tensor, request.slices.get(name))
                 if cut is not None:
                     tensor = cut.cut(name, tensor, tp)
                 delivery.accept(name, tensor)
@@ -263,7 +269,8 @@ class Loader:
         slices = plan.slices.slices if plan.slices is not None and backend.reads_slices else {}
         return ReadRequest(index=plan.index, device=self.group.device, group=self.group,
                            shared=plan.choice.shared, destinations=destinations,
-                           host_memory=host_memory, slices=slices, options=backend.options(self.config.extra, plan))
+                           host_memory=host_memory, slices=slices, options=backend.options(self.config.extra, plan),
+                           checksums=plan.checksums)
 
     def _rank_report(self, plan: RankPlan, run: BackendRun, delivery: Delivery, seconds: float,
                      read_before: int | None, host_memory: HostMemory) -> RankReport:

@@ -21,7 +21,10 @@ from distload.loading.sources import Source, open_source
 MANIFEST_NAME = "distload.json"
 SAVING_MARKER = "distload.saving"
 MANIFEST_FORMAT = "distload-sharded"
-MANIFEST_VERSION = 1
+# 2: each file's tensors' CRC-32Cs (crc32c, crc32c_chunk_bytes). A distload that reads version 1
+# only says "not supported" of them, rather than calling the manifest corrupt.
+MANIFEST_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,10 @@ class ShardFile:
     size: int
     sha256: str
     tensors: list[str]
+    # Tensor name -> the CRC-32C of each crc32c_chunk_bytes chunk of its data, checked by every
+    # load (distload/loading/checksums.py). None: saved before distload recorded them.
+    crc32c: dict[str, list[int]] | None = None
+    crc32c_chunk_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,19 @@ def check_saved_experts(manifest: Manifest, place: Any, source: str) -> None:
             f"checkpoint for the sizes you want")
 
 
+def _file_from_json(raw: Any) -> ShardFile:
+    """A file entry, its checksums checked: a damaged list is a corrupt manifest, not a false alarm."""
+    entry = ShardFile(**raw)
+    if entry.crc32c is not None:
+        chunk = entry.crc32c_chunk_bytes
+        if (not isinstance(entry.crc32c, dict) or isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0
+                or not all(isinstance(crcs, list) and all(isinstance(c, int) and not isinstance(c, bool)
+                                                          and 0 <= c < 2**32 for c in crcs)
+                           for crcs in entry.crc32c.values())):
+            raise ValueError(f"the CRC-32C entries of {entry.name!r} are malformed")
+    return entry
+
+
 def write_manifest(folder: str, manifest: Manifest) -> None:
     """Write the manifest atomically, then remove the saving marker: the commit point of a save."""
     write_json_atomic(os.path.join(folder, MANIFEST_NAME), manifest.to_json())
@@ -163,10 +183,10 @@ def read_manifest(folder: "str | Source") -> Manifest | None:
         raw = json.loads(src.read_bytes(MANIFEST_NAME).decode("utf-8"))
         if raw.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"format is {raw.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-        if raw.get("version") != MANIFEST_VERSION:
+        if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"version {raw.get('version')!r} is not supported (this distload reads "
-                             f"version {MANIFEST_VERSION})")
-        files = [ShardFile(**entry) for entry in raw["files"]]
+                             f"versions {', '.join(map(str, READABLE_VERSIONS))}; a newer distload wrote it?)")
+        files = [_file_from_json(entry) for entry in raw["files"]]
         return Manifest(
             world_size=int(raw["world_size"]), pattern=raw["pattern"], files=files,
             sharding=raw.get("sharding", raw.get("plan")),  # "plan" in manifests before 2026-12

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from distload.loading.shared_reads.plan import compact
+from distload.loading.checksums import TensorChecksums
 from distload.loading.choice import ReadChoice
 from distload.loading.index import CheckpointIndex
 from distload.loading.manifest import Subtensor
@@ -39,6 +40,8 @@ class RankPlan:
     needs: tuple[Mapping[str, tuple], ...] = ()
     # An object-store load's node cache (--cache-dir), for the backend that reads through it.
     cache: CacheSettings | None = None
+    # From a distload manifest that records them: each tensor's CRC-32Cs, checked as it arrives.
+    checksums: Mapping[str, TensorChecksums] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:

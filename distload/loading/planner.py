@@ -5,7 +5,7 @@ I/O on the source only, no collective: the loader runs it inside the group's agr
 a fault on one rank stops every rank before any data moves. In two halves, so that a load's
 ranks can share the header reads between them (distload/loading/headers.py): ``survey_source``
 (the listing, the layout, the choice, the files whose headers are needed), then ``finish_plan``
-(the index from the headers, this rank's slices, the backend's preflight); ``plan_rank`` runs
+(the index from the headers, this rank's slices, the manifest's checksums, the backend's preflight); ``plan_rank`` runs
 both on one rank, reading every header it needs.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Mapping
 from distload.config import LoadConfig
 from distload.errors import CheckpointError, ConfigError, DistloadError
 from distload.loading.backends import BACKENDS
+from distload.loading.checksums import plan_checksums
 from distload.loading.choice import ReadChoice, ReadFacts
 from distload.loading.formats import FORMATS
 from distload.loading.headers import read_headers
@@ -162,6 +163,8 @@ def finish_plan(survey: Survey, group: "WorkerGroup", blocks: Blocks | None = No
                         tensor_parallel=tp)
     if survey.cache is not None and choice.backend == "ranged":
         plan = replace(plan, cache=survey.cache)
+    # Whatever the format: a whole-checkpoint read of a manifest's files is checked too.
+    plan = replace(plan, checksums=plan_checksums(layout.manifest, src, index))
     BACKENDS[choice.backend].preflight(plan, group)
     return plan
 

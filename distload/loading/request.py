@@ -11,6 +11,7 @@ from typing import Any, Iterator, Mapping, TypeVar
 
 import torch
 
+from distload.loading.checksums import TensorChecksums
 from distload.loading.host_memory import HostMemory
 from distload.loading.index import CheckpointIndex
 from distload.tp.slices import SliceBytes
@@ -53,6 +54,9 @@ class ReadRequest:
     # backend that ``reads_slices``; it yields those tensors in their slice's shape.
     slices: Mapping[str, SliceBytes] = field(default_factory=dict)
     options: ReadOptions | None = None
+    # The manifest's CRC-32Cs by tensor name: a reader that checks a tensor's bytes as they
+    # arrive adds its name to ``BackendRun.checked``; the loader checks the others.
+    checksums: Mapping[str, TensorChecksums] = field(default_factory=dict)
 
     def tensor_for(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Where a reader puts tensor ``name`` (or this rank's piece of it, of ``shape``): the
@@ -98,6 +102,9 @@ class BackendRun:
         self.corrupt_blocks: int | None = None
         # Bytes received from other ranks (a shared read) and kept in this node's cache.
         self.cache_received_bytes: int | None = None
+        # Tensors whose CRC-32Cs the reader checked itself as their bytes arrived (read-ahead
+        # threads, on bytes still in the core's cache); the loader checks every other one.
+        self.checked: set[str] = set()
         self._tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def start(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> "BackendRun":
