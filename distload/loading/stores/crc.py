@@ -28,14 +28,14 @@ def _extend():
         from google_crc32c import _crc32c  # the C extension (the package falls back to Python without it)
     except ImportError:
         raise BackendUnavailableError(
-            "the node cache checks every block with CRC-32C: pip install google-crc32c with its C extension "
-            "(distload's s3, gcs and azure extras install it; its pure-Python fallback is far too slow)") from None
+            "distload checks a saved checkpoint's bytes and the node cache's blocks with CRC-32C: pip install "
+            "google-crc32c with its C extension (distload installs it; its pure-Python fallback is far too slow)") from None
     try:
         function = ctypes.CDLL(_crc32c.__file__).crc32c_extend  # in the library the extension links
     except (OSError, AttributeError) as exc:
         raise BackendUnavailableError(
-            f"google-crc32c's C extension ({_crc32c.__file__}) does not expose crc32c_extend ({exc}); the node "
-            f"cache needs it to check blocks without copying them: install google-crc32c's wheel") from None
+            f"google-crc32c's C extension ({_crc32c.__file__}) does not expose crc32c_extend ({exc}); distload "
+            f"needs it to check bytes without copying them: install google-crc32c's wheel") from None
     function.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
     function.restype = ctypes.c_uint32
     return function
