@@ -128,12 +128,18 @@ __all__ = [
 
 def __getattr__(name: str):
     """A public name's object, imported on first use and kept as a module attribute after."""
-    try:
-        module, attribute = _WHERE[name]
-    except KeyError:
-        raise AttributeError(f"module 'distload' has no attribute {name!r}") from None
     from importlib import import_module
 
+    if name not in _WHERE:
+        # A submodule (distload.errors, distload.live, ...): bound here once imported, as the
+        # eager package bound them all; ``distload.errors.ConfigError`` keeps working.
+        try:
+            return import_module(f"distload.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"distload.{name}":
+                raise
+            raise AttributeError(f"module 'distload' has no attribute {name!r}") from None
+    module, attribute = _WHERE[name]
     value = getattr(import_module(module), attribute)
     globals()[name] = value
     return value

@@ -82,6 +82,7 @@ def test_every_public_name_comes_from_the_module_the_docs_name():
     assert set(distload.__all__) <= set(dir(distload))
     with pytest.raises(AttributeError, match="module 'distload' has no attribute 'no_such_name'"):
         distload.no_such_name
-    _, out = new_modules("from distload import load, ConfigError, WorkerGroup\n"
-                         "out['names'] = [load.__module__, ConfigError.__module__, WorkerGroup.__name__]")
-    assert out["names"] == ["distload.loading.loader", "distload.errors", "WorkerGroup"]
+    _, out = new_modules("import distload\nfrom distload import load, ConfigError, WorkerGroup\n"
+                         "out['names'] = [load.__module__, ConfigError.__module__, WorkerGroup.__name__,\n"
+                         "                distload.errors.SyncError.__name__]")  # a submodule, as before
+    assert out["names"] == ["distload.loading.loader", "distload.errors", "WorkerGroup", "SyncError"]
