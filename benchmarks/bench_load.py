@@ -1,7 +1,8 @@
 """Load throughput of every CPU format against the limit of this machine and the naive way.
 
-    python benchmarks/bench_load.py                      # 2 GiB, 1 and 2 ranks, warm and cold, 3 repeats
+    python benchmarks/bench_load.py                      # 2 GiB, 1 and 2 ranks, warm and cold, first call, 3 repeats
     python benchmarks/bench_load.py --size-mib 512 --repeats 1 --ranks 2 --cases warm
+    python benchmarks/bench_load.py --cases first-call --repeats 5 --first-call-baseline /tmp/main  # the first call only
 
 Writes a Llama-shaped bf16 checkpoint (whole, and pre-sharded for each rank count) with
 ``distload.cli.demo``, then, in ONE run, for 1 and 2 ranks, warm page cache and cold (every file
@@ -25,6 +26,17 @@ evicted with posix_fadvise(DONTNEED) before each repetition; no root needed):
   ``runai_streamer_sharded``; its defaults, and its distributed mode where there are 2 ranks).
   ``vs best peer`` is the fastest peer's seconds over the row's, in the same cell (ranks, cache,
   layout): above 1.0 the row is ahead of every peer.
+
+**First call** (``--cases first-call``, results in load_first_call.json and .md): what a user's
+one-process script pays, from ``import distload`` to the state dict, against ``load_file`` of
+each file plus a ``clone`` of every tensor (safetensors' import inside its timing too): a fresh
+process per run (torch imported before the clock, as a user's script has it), warm page cache,
+the two interleaved, median of ``--repeats``; a 2 GiB checkpoint in 4 files and a 64 MiB one in
+one file (``--first-call-sizes``). Bytecode is cached (an installed package has it: the children
+drop PYTHONDONTWRITEBYTECODE and write theirs under the run's folder), one untimed run of each
+first. Printed beside it: the kernel's transparent-huge-page mode and defrag setting, whether a
+balloon reports free pages to the host (distload's host memory decides on both), and the load
+average (the machine may be shared).
 
 Also the cost of asking the kernel what is cached (``distload/loading/residency.py``): mincore
 over a map of each file against one ``preadv2(RWF_NOWAIT)`` probe per page, warm and cold.
@@ -425,6 +437,132 @@ def run_cases(args: argparse.Namespace, root: str) -> list[dict]:
     return rows
 
 
+# -- the first call: a fresh process, the import inside the timing -----------------------------
+
+_FIRST_CALL = r"""
+import glob, json, os, resource, sys, time
+import torch  # a user's script has it already
+case, folder = sys.argv[1], sys.argv[2]
+before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+if case != "plain":  # distload, or the baseline's distload (another PYTHONPATH)
+    import distload
+    state = distload.load(folder, "auto", device="cpu")
+else:
+    from safetensors.torch import load_file
+    state = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        state.update({name: tensor.clone() for name, tensor in load_file(path).items()})
+seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"seconds": seconds, "cpu_seconds": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                  "nbytes": sum(t.numel() * t.element_size() for t in state.values())}))
+"""
+FIRST_CALL_CASES = {"distload": "distload.load (auto)", "plain": "load_file + clone"}
+
+
+def write_first_call_checkpoint(folder: str, size_mib: int, hidden: int) -> int:
+    """A Llama-shaped bf16 checkpoint of about ``size_mib`` in 4 files (1 from under 1 GiB)."""
+    from safetensors.torch import save_file
+
+    from distload.cli.demo import llama_layers, llama_shapes
+
+    vocab = 8192
+    if size_mib < 256:
+        hidden = min(hidden, 1024)  # a 64 MiB Llama at hidden 2048 would be 230 MiB (two layers at least)
+    shapes = llama_shapes(hidden, llama_layers(size_mib, hidden, vocab), vocab)
+    names, files = list(shapes), 4 if size_mib >= 1024 else 1
+    generator = torch.Generator().manual_seed(0)
+    os.makedirs(folder, exist_ok=True)
+    for i in range(files):
+        part = names[i * len(names) // files:(i + 1) * len(names) // files]
+        save_file({n: (torch.randn(shapes[n][0], generator=generator) * 0.02).to(torch.bfloat16) for n in part},
+                  os.path.join(folder, f"model-{i + 1:05d}-of-{files:05d}.safetensors"))
+    return files
+
+
+def host_memory_state() -> dict:
+    """What distload's host memory decides on, as this machine says it (distload/loading/host_memory.py)."""
+    from distload.loading.host_memory import free_huge_page_bytes, free_page_reporting, thp_mode
+
+    defrag = thp_mode("/sys/kernel/mm/transparent_hugepage/defrag")
+    return {"thp_enabled": thp_mode(), "thp_defrag": defrag, "free_page_reporting": free_page_reporting() or "none",
+            "free_huge_page_gib": round(free_huge_page_bytes() / GIB, 1)}
+
+
+def run_first_call(args: argparse.Namespace, root: str) -> dict:
+    script = os.path.join(root, "first_call.py")
+    with open(script, "w") as f:
+        f.write(_FIRST_CALL)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "RANK", "WORLD_SIZE",
+                                                           "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPYCACHEPREFIX"] = os.path.join(root, "pycache")  # bytecode cached, as installed
+    env["PYTHONPATH"] = os.path.dirname(HERE)  # this checkout's distload
+    rows, load = [], [os.getloadavg()[0]]
+    cases = dict(FIRST_CALL_CASES)
+    if args.first_call_baseline:
+        cases["baseline"] = "distload.load (auto), baseline"
+    for size in args.first_call_sizes:
+        folder = os.path.join(root, f"first{size}")
+        files = write_first_call_checkpoint(folder, size, args.hidden)
+
+        def once(case: str) -> dict:
+            for path in safetensors_files(folder):  # warm: every byte cached
+                with open(path, "rb") as f:
+                    while f.read(64 * 2**20):
+                        pass
+            out = subprocess.run([sys.executable, script, case, folder], capture_output=True, text=True, timeout=600,
+                                 env={**env, "PYTHONPATH": args.first_call_baseline} if case == "baseline" else env)
+            if out.returncode != 0:
+                raise SystemExit(f"first-call {case} failed:\n{out.stderr[-3000:]}")
+            return json.loads(out.stdout.strip().splitlines()[-1])
+
+        for case in cases:
+            once(case)  # untimed: bytecode written, the same memory state for each
+        runs = {case: [] for case in cases}
+        for _ in range(args.repeats):
+            for case in cases:  # interleaved: the same load on the machine for each
+                runs[case].append(once(case))
+        plain = statistics.median(r["seconds"] for r in runs["plain"])
+        for case, label in cases.items():
+            seconds = statistics.median(r["seconds"] for r in runs[case])
+            rows.append({"size_mib": size, "files": files, "method": label, "seconds": round(seconds, 4),
+                         "seconds_all": [round(r["seconds"], 4) for r in runs[case]],
+                         "cpu_seconds": round(statistics.median(r["cpu_seconds"] for r in runs[case]), 4),
+                         "gib_per_s": round(runs[case][0]["nbytes"] / GIB / seconds, 3),
+                         "vs_plain": round(plain / seconds, 2)})
+            print(json.dumps(rows[-1]), flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    load.append(os.getloadavg()[0])
+    return {"machine": machine(), "host_memory": host_memory_state(), "load_average": load,
+            "baseline": args.first_call_baseline,
+            "repeats": args.repeats, "hidden": args.hidden, "rows": rows}
+
+
+def write_first_call(out_dir: str, result: dict) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "load_first_call.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    m, h = result["machine"], result["host_memory"]
+    lines = [f"A user's first call, one process: `import distload` + `distload.load(folder, \"auto\")` against "
+             f"`load_file` + `clone` of every tensor (the import inside the timing for both, torch before it), "
+             f"fresh process per run, warm page cache, interleaved, median of {result['repeats']}; "
+             f"{m['cpus']} CPUs, {m['memory_gib']} GiB, {m['platform']}, torch {m['torch']}, "
+             f"safetensors {m['safetensors']}.", "",
+             f"Host memory: transparent huge pages `{h['thp_enabled']}`, defrag `{h['thp_defrag']}`, free page "
+             f"reporting `{h['free_page_reporting']}`, {h['free_huge_page_gib']} GiB in free 2 MiB blocks. "
+             f"Load average {result['load_average'][0]:.1f} at the start, {result['load_average'][1]:.1f} at the "
+             f"end (a shared machine: seconds vary with it; CPU seconds less)."
+             + (f" The baseline rows run the distload in `{result['baseline']}`." if result.get("baseline") else ""), "",
+             "| checkpoint | method | s (median) | each run s | CPU s (median) | GiB/s | vs load_file + clone |",
+             "|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['size_mib']} MiB, {row['files']} file(s) | {row['method']} | {row['seconds']} "
+                     f"| {', '.join(str(s) for s in row['seconds_all'])} | {row['cpu_seconds']} | {row['gib_per_s']} "
+                     f"| {row['vs_plain']} |")
+    with open(os.path.join(out_dir, "load_first_call.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=2048)
@@ -432,13 +570,25 @@ def main() -> int:
                         help="hidden size of the synthetic model: 2048 gives 8-32 MiB tensors, as real models have")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--cases", nargs="+", default=["warm", "cold"], choices=["warm", "cold"])
+    parser.add_argument("--cases", nargs="+", default=["warm", "cold", "first-call"],
+                        choices=["warm", "cold", "first-call"])
+    parser.add_argument("--first-call-sizes", type=int, nargs="+", default=[2048, 64],
+                        help="MiB of each first-call checkpoint (4 files from 1 GiB up, else 1)")
+    parser.add_argument("--first-call-baseline", default=None,
+                        help="a folder holding another distload (e.g. `git archive main distload`): its "
+                             "first call runs as a third case, interleaved with the others")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp folder on disk)")
     args = parser.parse_args()
 
     root = args.dir or tempfile.mkdtemp(prefix="distload-bench-", dir="/var/tmp")
+    table_cases = [case for case in args.cases if case != "first-call"]
     try:
+        if "first-call" in args.cases:
+            write_first_call(args.out, run_first_call(args, root))
+        if not table_cases:
+            return 0
+        args.cases = table_cases
         rows = run_cases(args, root)
         probe_cost = measure_probe(os.path.join(root, f"ws{args.ranks[0]}", "whole"))
     finally:

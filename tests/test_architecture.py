@@ -148,7 +148,7 @@ CONSTANT_TABLES = {"BACKENDS", "FORMATS", "STORES", "RUNTIME", "LOAD_FORMATS", "
                    "BUILTIN_SPECS", "SPEC_ALIASES", "SECRET_VARIABLES", "_SECRET_PATTERNS", "_PATTERN",
                    "__all__", "IO_BACKENDS", "WEIGHT_SUFFIXES", "WEIGHT_INDEXES", "OBJECT_STORE_SCHEMES",
                    "SCHEMES", "_DENIED_CODES", "_LAYER_TENSORS", "log", "T", "DTYPE_NAMES", "PACKED",
-                   "UNSUPPORTED_DTYPES", "ENGINES", "_QUANTIZATION"}
+                   "UNSUPPORTED_DTYPES", "ENGINES", "_QUANTIZATION", "_WHERE"}
 
 
 def test_no_module_level_mutable_state_outside_the_runtime():

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 import distload
 import distload.cli.main
 import distload.checkpoints.save
+import distload.loading.planner
 from distload.loading.backends import BACKENDS, ReadRequest
 from distload.loading.index import CheckpointIndex
 from distload.errors import BackendUnavailableError, CheckpointError, ObjectStoreError, ShardLayoutError
@@ -633,6 +634,7 @@ sys.path.insert(0, {os.path.dirname(__file__)!r})
 import distload
 import distload.cli.main
 import distload.checkpoints.save
+import distload.loading.planner
 from distload.loading.backends import BACKENDS, ReadRequest
 from object_store_servers import StoreServer
 server = StoreServer({store.name!r}, {store.scheme!r}, {store.bucket!r}, {store.port}, {store.workdir!r}, None, {store.extra!r})

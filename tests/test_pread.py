@@ -104,11 +104,35 @@ def test_auto_concurrency_sets_the_reader_threads(tmp_path, group, monkeypatch):
             super().__init__(max_workers=max_workers, **kwargs)
 
     monkeypatch.setattr(pread, "ThreadPoolExecutor", Recording)
+    monkeypatch.setattr(pread, "PREFAULT_UNIT_BYTES", 64)  # more units of work than threads
     paths = write_whole(str(tmp_path / "ck"), every_dtype_state(), num_files=2)
     got = distload.load(str(tmp_path / "ck"), "auto", {"concurrency": 3}, group=group)
     want = plain_read(paths)
     assert workers == [3]
     assert set(got) == set(want) and all(same_bytes(got[n], want[n]) for n in want)
+
+
+def test_a_small_load_starts_no_more_threads_than_units_of_work(tmp_path, group, monkeypatch):
+    """Each reader thread costs its start: a checkpoint smaller than one unit (32 MiB) is read
+    by one thread, one of three units by three, not by the default eight."""
+    workers = []
+
+    class Recording(pread.ThreadPoolExecutor):
+        def __init__(self, max_workers=None, **kwargs):
+            workers.append(max_workers)
+            super().__init__(max_workers=max_workers, **kwargs)
+
+    monkeypatch.setattr(pread, "ThreadPoolExecutor", Recording)
+    paths = write_whole(str(tmp_path / "small"), every_dtype_state(), num_files=2)
+    got = distload.load(str(tmp_path / "small"), "auto", group=group)
+    want = plain_read(paths)
+    assert set(got) == set(want) and all(same_bytes(got[n], want[n]) for n in want)
+    state = {f"w{i}": torch.randn(256, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+    paths = write_whole(str(tmp_path / "three"), state, num_files=1)  # 3 KiB: three units of 1 KiB
+    monkeypatch.setattr(pread, "PREFAULT_UNIT_BYTES", 1024)
+    got = distload.load(str(tmp_path / "three"), "auto", group=group)
+    assert workers == [1, 3]
+    assert all(same_bytes(got[n], state[n]) for n in state) and set(got) == set(state)
 
 
 def test_many_small_ranges_are_copied_out_of_the_map_exactly_and_a_truncated_file_is_named(tmp_path):

@@ -115,8 +115,12 @@ class PreadBackend(Backend):
         pending: deque[tuple[TensorInfo, torch.Tensor, list[Future], int]] = deque()
         window = 0  # bytes submitted but not yet handed out
         submitted = 0
+        # No more threads than units of work: each costs its start (a load of 64 MiB spent more
+        # starting 8 threads than reading), and a small load has fewer units than threads.
+        units = -(-sum(t.nbytes for t in tensors) // PREFAULT_UNIT_BYTES)
         try:
-            with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="distload-pread") as pool:
+            with ThreadPoolExecutor(max_workers=max(1, min(concurrency, units)),
+                                    thread_name_prefix="distload-pread") as pool:
                 while submitted < len(tensors) or pending:
                     # Read ahead until the window is full (always at least one tensor).
                     while submitted < len(tensors) and (not pending or window < self.read_ahead_bytes):
