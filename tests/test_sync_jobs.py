@@ -167,6 +167,44 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
 # -- 1b. deltas -----------------------------------------------------------------------------------
 
 @pytest.mark.dist
+@pytest.mark.parametrize("transport", ["auto", pytest.param("socket", marks=pytest.mark.slow)])
+def test_a_delta_update_sends_what_would_not_pay_whole_and_checks_it(tmp_path, transport):
+    """sync_jobs_driver.CHOICE_STEPS through the default (delta) channel, handed off through
+    shared memory (auto, on one host) or on the socket. A tensor with every element changed goes
+    whole beside another's patch in one bucket, and lands bit for bit; an update where every
+    element of every tensor changed sends no more than a full push (its header and checks aside),
+    and the trainer's compare gave up before it took the changes out (its scratch stays small: it
+    never held a patch of every element); a corrupted whole piece of a mixed update fails its
+    check, and the receiver is back at its version exactly. A tensor whose compare gave up rests
+    (sent whole, not compared) a push, then its copy is refreshed (whole once more), and it is
+    compared again: a patch."""
+    results = run_driver(tmp_path, "choice", 1, 1, transport)
+    (trainer,), (receiver,) = results.trainer, results.inference
+    pushes, receives = trainer["pushes"], receiver["receives"]
+    state_bytes = pushes[0]["state_bytes"]
+    one = state_bytes // 3 + 1  # a tensor's bytes (the two big ones), and "norm"'s within it
+    assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, True], pushes
+    for stats in (pushes[1], receives[1], pushes[6], receives[6]):  # mixed: dense whole, sparse a patch
+        assert stats["sent_whole"] == ["dense"] and stats["whole_bytes"] == 512 * 512 * 2, stats
+    assert pushes[5]["sent_whole"] == receives[5]["sent_whole"] == ["dense", "norm", "sparse"], pushes[5]
+    assert pushes[1]["wire_bytes"] < 512 * 512 * 2 + 0.01 * one, pushes[1]  # the patch: 0.1% of sparse
+    assert pushes[2]["sent_whole"] == receives[2]["sent_whole"] == ["dense", "norm", "sparse"], pushes[2]
+    assert pushes[2]["whole_bytes"] == state_bytes, pushes[2]
+    assert pushes[2]["wire_bytes"] <= pushes[0]["wire_bytes"] + 1024, (pushes[0], pushes[2])  # as a full push
+    # the compare gave up in its first block of every tensor, before extracting a change of it
+    assert all(p["scratch_bytes"] < 64 * 1024 for p in pushes), [p["scratch_bytes"] for p in pushes]
+    assert pushes[3]["error"].startswith("inference rank 0: ") and "failed its checksum" in pushes[3]["error"], pushes[3]
+    assert receives[3]["error"].startswith("version 4 did not arrive whole; still at version 3"), receives[3]
+    assert receives[3]["unchanged"] and receives[3]["consistent"] and receives[3]["channel_version"] == 3, receives[3]
+    for i, row in enumerate(receives):
+        assert row["exact"] and row["consistent"], (i, row)
+        if i != 3:
+            assert row["version"] == row["channel_version"] == driver.CHOICE_STEPS[i][0], (i, row)
+            assert row["delta"] == pushes[i]["delta"], (i, row, pushes[i])
+    results.assert_exited_cleanly()
+
+
+@pytest.mark.dist
 def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     """sync_jobs_driver.DELTA_STEPS: AdamW steps of a Llama's fp32 weights, cast to bf16, pushed to
     TP 2 inference ranks. After the first (full) update each is a delta of a fraction of the
