@@ -12,9 +12,11 @@ zstd on real optimizer steps: benchmarks/bench_sync.py --deltas):
     [int32 count of changes per 64 Ki elements] [uint16 position within its chunk, each change]
     [pad to 8 bytes] [flips: new value XOR base value, each change, in the tensor's own bits]
 
-4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would be as large
-as the piece itself travels *raw* (its bytes, as a full push sends them); one with no change
-sends nothing. Values are compared and flipped as integers of the element's size, so a bf16 NaN
+4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would not be at
+most 1/WORTH of the piece itself travels *raw* (its bytes, as a full push sends them), in the same
+update; one with no change sends nothing. The trainer's compare gives up on a tensor as soon as
+its patch clearly cannot pay (:func:`gives_up`), and such a tensor then rests (whole, not compared:
+Base.resting) a few pushes before it is compared again. Values are compared and flipped as integers of the element's size, so a bf16 NaN
 or a -0.0 is a change like any other and the receiver ends with the trainer's exact bits.
 
 Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
@@ -128,11 +130,13 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
             differ = np.not_equal(x64, y64, out=mask[:x64.size])
             # each differing word holds a change at least: a count that alone says the patch
             # cannot pay stops the compare before the changes are looked into (their extraction
-            # is the costly part: every element changed, it was most of a 4.4 s push)
-            if limit is not None and gives_up(out.size + int(np.count_nonzero(differ)), start + x.size, a.size,
-                                              limit):
-                out.drop()
-                return None
+            # is the costly part: every element changed, it was most of a 4.4 s push); in the
+            # first block, so does the rate of changes that many differing words tell
+            if limit is not None:
+                words = int(np.count_nonzero(differ))
+                if gives_up(out.size + words, start + x.size, a.size, limit, _rate_of_words(words, x64.size, per)):
+                    out.drop()
+                    return None
             words = np.flatnonzero(differ)
             new_words = x64[words]
             flip_words = y64[words]
@@ -168,16 +172,29 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
     return out.done()
 
 
-def gives_up(found: int, scanned: int, numel: int, limit: int) -> bool:
+def gives_up(found: int, scanned: int, numel: int, limit: int, rate: float | None = None) -> bool:
     """Whether a compare that found ``found`` changes (or at least that many) in the first
     ``scanned`` of ``numel`` elements stops: past ``limit`` (the patch cannot pay), or, in its
     first block, at more than twice the rate that pays (every element changed, a high learning
     rate: one block of 128 Ki elements tells, where each further block would cost an extraction
-    of its changes). A tensor whose changes crowd into its first block is misjudged only towards
-    sending it whole: what a full push sends."""
+    of its changes); ``rate``: the fraction of elements changed as its differing words tell it,
+    where that is all it looked at yet. A tensor whose changes crowd into its first block is
+    misjudged only towards sending it whole: what a full push sends."""
     if found > limit:
         return True
-    return scanned <= _SCAN and found * numel > 2 * limit * scanned
+    if scanned > _SCAN:
+        return False
+    return max(found / scanned, rate or 0.0) * numel > 2 * limit
+
+
+def _rate_of_words(words: int, of: int, per: int) -> float:
+    """The fraction of elements changed that ``words`` differing 8-byte words of ``of`` tell, were
+    the changes independent (a word of ``per`` elements differs with probability 1 - (1 - p)^per):
+    at every element changed, or half, it is near 1 or 0.5, where the words' count alone (a change
+    a word at least) says only 1/per or 1/(2 per)."""
+    if not of or words >= of:
+        return 1.0 if of else 0.0
+    return 1.0 - (1.0 - words / of) ** (1.0 / per)
 
 
 class PatchScratch:
