@@ -590,8 +590,8 @@ def choice(role, address, result, args):
     """The default (delta) channel, on ``args[0]``'s transport: v2 changes every element of one
     tensor and a few of another (one whole, one a patch, in one bucket); v3 every element of all
     of them; v4's whole piece is corrupted as it lands on the receiver (the update fails, rolled
-    back), then pushed again; v5: the copies of sparse and norm, resting since their compares
-    gave up at v3, refreshed (all whole); v6 mixed again."""
+    back), then pushed again (every byte); v5 and v6 mixed again: dense gave up again at v4, rests
+    at v5 and is refreshed at v6, sparse gave up at v3, was refreshed at v4 and is a patch again."""
     import distload.live.delta as delta_module
 
     transport = args[0]

@@ -62,9 +62,10 @@ RAW = -1  # a piece's count in a bucket's header: sent whole (its patch would no
 WORTH = 4
 AUDIT_ROUNDS = 64  # every receiver byte is audited once every this many delta updates
 # A tensor whose compare gave up rests (travels whole, neither compared nor copied into the base)
-# 1, 2, 4, then at most this many pushes, while its compares keep giving up; then its copy is
-# refreshed (one copy) and it is compared again the push after: the cost of measuring a tensor
-# that changes everywhere every push, a copy and a glance, spread over this many pushes.
+# 0 pushes, then 1, 2, 4 and at most this many while its compares keep giving up; then its copy
+# is refreshed (one copy, the push goes whole) and it is compared again the push after: the cost
+# of measuring a tensor that changes everywhere every push, a copy and a glance, spread over up
+# to this many pushes, while one that gave up once (a warm-up's step) is compared again 2 pushes on.
 MAX_REST = 8
 _SCAN = 1 << 17  # elements compared per block: the block, its mask and temporaries stay in L2 (measured)
 _APPLY = 8192  # changes a receiver applies per block (_apply_on_host; measured)
@@ -710,8 +711,8 @@ class Base:
         only). ``later``: the patches are written by a thread (numpy releases the GIL while it
         scatters), so that the push that made them returns without waiting; :meth:`settle` waits
         for it, and every use of the copy comes after a settle. ``whole``: the names the push sent
-        whole for the copy's sake, each as "gave up" (its compare did: it rests, twice as long as
-        the last time in a row, up to MAX_REST pushes), "rested" (one push less to rest) or
+        whole for the copy's sake, each as "gave up" (its compare did: it rests 0 pushes, then,
+        while its compares keep giving up, 1, 2, 4, up to MAX_REST), "rested" (one push less to rest) or
         "refreshed" (:meth:`refresh`: compared again from now on)."""
         self.settle()
         self.tensors.update(copies)
@@ -722,7 +723,7 @@ class Base:
         for name, what in (whole or {}).items():
             if what == "gave up":
                 times = self.gave_up[name] = self.gave_up.get(name, 0) + 1
-                self.resting[name] = min(1 << (times - 1), MAX_REST)
+                self.resting[name] = min((1 << (times - 1)) >> 1, MAX_REST)
             elif what == "rested":
                 self.resting[name] -= 1
             else:
