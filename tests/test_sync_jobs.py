@@ -216,19 +216,19 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     (trainer,) = results.trainer
     pushes = trainer["pushes"]
     assert [p["version"] for p in pushes] == [v for v, _, _ in driver.DELTA_STEPS]
-    failed = {3: "inference rank 1", 6: "inference rank 0", 8: "inference rank 1"}
+    failed = {4: "inference rank 1", 7: "inference rank 0", 9: "inference rank 1"}
     for i, push in enumerate(pushes):
         assert ("error" in push) == (i in failed), (i, push)
         if i in failed:
             assert push["error"].startswith(f"{failed[i]}: "), push["error"]
-    assert "were not the base's here" in pushes[3]["error"]  # drift at changed positions: the patch sums
-    assert "not the version 3 it received" in pushes[3]["error"]
-    assert "injected: this receiver fails in its third bucket" in pushes[6]["error"]
-    assert "differ from trainer rank 0's after the update" in pushes[8]["error"]  # drift elsewhere: the audit
+    assert "were not the base's here" in pushes[4]["error"]  # drift at changed positions: the patch sums
+    assert "not the version 4 it received" in pushes[4]["error"]
+    assert "injected: this receiver fails in its third bucket" in pushes[7]["error"]
+    assert "differ from trainer rank 0's after the update" in pushes[9]["error"]  # drift elsewhere: the audit
     # ... and after the restart (a new trainer: no base) one full update, then deltas again; a
     # tensor rewritten by a torch op is seen before the update: that receiver takes every byte
-    assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, None, False, None, False,
-                                                False, True, True]
+    assert [p.get("delta") for p in pushes] == [False, True, True, True, None, False, True, None, False, None,
+                                                False, False, True, True]
     assert all(p["verified"] for p in pushes if "error" not in p), pushes
     full, step = pushes[0]["wire_bytes"], pushes[1]["wire_bytes"]
     assert full >= pushes[0]["state_bytes"] and step < 0.15 * full, (full, step)  # lr 1e-6: about 4% of the elements changed
@@ -236,12 +236,12 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     assert pushes[-1]["base_bytes"] == pushes[-1]["state_bytes"]  # the trainer's host copy: 1x the state
 
     # (version held after each receive, whether it took a delta) on each rank; None: it failed
-    took = {0: [True, True, None, False, False, None, False, None, False, False, True, False],
-            1: [True, True, None, False, True, None, False, None, False, False, True, True]}
+    took = {0: [True, True, True, None, False, False, None, False, None, False, False, True, False],
+            1: [True, True, True, None, False, True, None, False, None, False, False, True, True]}
     for rank in results.inference:
         r = rank["rank"]
         receives = rank["receives"]
-        assert [x["channel_version"] for x in receives] == [1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 9, 10], (r, receives)
+        assert [x["channel_version"] for x in receives] == [1, 2, 3, 4, 4, 5, 6, 6, 7, 7, 8, 9, 10, 11], (r, receives)
         assert [x.get("delta") for x in receives[1:]] == took[r], (r, receives)
         for i, x in enumerate(receives):
             assert x["consistent"], (r, i, x)
@@ -249,12 +249,12 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
                 assert x["error"].startswith(f"version {x['version']} did not arrive whole; still at version "
                                              f"{x['channel_version']} (every change undone)"), x["error"]
                 assert x["unchanged"], (r, i)  # exactly its previous tensors, drift included
-                assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 6), (r, i)
+                assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 7), (r, i)
             else:
                 assert x["exact"] and x["verified"] and x["transport"] == "shm", (r, i, x)
         assert receives[1]["wire_bytes"] < 0.15 * receives[0]["wire_bytes"], receives[1]
         assert receives[0]["own_bytes"] <= receives[0]["wire_bytes"] <= 1.05 * receives[0]["own_bytes"]
-    assert results.inference[0]["receives"][6]["calls"] == 3
+    assert results.inference[0]["receives"][7]["calls"] == 3
     results.assert_exited_cleanly()
 
 
