@@ -29,6 +29,12 @@ broadcasts the slowest rank's, median of ``--repeats`` after one warm-up. Bytes 
 inference rank's received bytes. Results: benchmarks/results/sync.{json,md}. These are full
 pushes (``delta=False``; ``verify`` as each case says).
 
+    python benchmarks/bench_sync.py --choice --size-mib 256 --hidden 512   # delta channel vs full, by change
+
+pushes sync-demo's state with every element, half, 4% and 0.1% of them changed through the
+default (delta) channel and a full one, alternating: the delta channel's time and bytes against
+the full push's (benchmarks/results/sync_choice.{json,md}).
+
     python benchmarks/bench_sync.py --deltas             # delta updates of real optimizer steps
 
 measures delta updates (distload/live/delta.py) on a transformers Llama's AdamW steps: the
@@ -782,6 +788,162 @@ def orchestrate_deltas(args: argparse.Namespace) -> None:
     print("\n".join(lines), flush=True)
 
 
+# -- the delta channel's choice (--choice): never slower than a full push ------------------------
+# sync-demo's state (--size-mib, hidden 512 by default: what its user measured) with a fraction
+# of its elements changed between two versions, pushed back and forth by two channels of one
+# trainer job to the same 2 inference ranks: the default (delta) channel and a full one
+# (``delta=False``), alternating push by push, so that both see the machine alike. Every
+# element changed, half, 4% (an AdamW step cast to bf16: sync_delta.md), 0.1%. Results:
+# benchmarks/results/sync_choice.{json,md}.
+
+CHANGED = (1.0, 0.5, 0.04, 0.001)  # the table's rows; measured from the last to the first: a
+# tensor whose compare gave up rests some pushes (delta.MAX_REST), which would carry over into a
+# row that follows with fewer changes (a fresh channel's rows would not: the steady state of each)
+
+
+def choice_states(args: argparse.Namespace, fraction: float) -> tuple[dict, dict]:
+    """Two versions of sync-demo's state: the second with the lowest bit of ``fraction`` of the
+    elements flipped (1.0: every element), seeded, so every process makes the same two."""
+    from distload.cli.sync_demo import demo_state
+
+    first = demo_state(args.size_mib, 1, torch.device("cpu"), args.hidden)
+    second = {}
+    gen = torch.Generator().manual_seed(7)
+    for name, tensor in first.items():
+        bits = tensor.clone().view(torch.int16).reshape(-1)
+        if fraction >= 1.0:
+            bits ^= 1
+        else:
+            bits[torch.rand(bits.numel(), generator=gen) < fraction] ^= 1
+        second[name] = bits.view(torch.bfloat16).reshape(tensor.shape)
+    return first, second
+
+
+def choice_trainer(args: argparse.Namespace) -> None:
+    from distload.live.channel import SyncChannel
+
+    delta_address, full_address = args.rendezvous.split(",")
+    options = {"rank": 0, "size": 1, "device": "cpu", "timeout_s": 600, "bucket_bytes": args.bucket_mib * 2**20}
+    rows = []
+    number = 0
+    with SyncChannel(delta_address, "trainer", **options) as delta, \
+            SyncChannel(full_address, "trainer", delta=False, **options) as full:
+        for fraction in reversed(CHANGED):
+            states = choice_states(args, fraction)
+            for k in range(2 * args.repeats + 2):  # two unmeasured: the first whole, then a warm-up
+                state = states[k % 2]
+                _ready(args, number)
+                first, second = (full, delta) if k % 2 else (delta, full)  # who goes first alternates
+                got = {}
+                for channel in (first, second):
+                    stats = channel.push(state, number)
+                    channel._base.settle()  # its commit (written after push returns) not under the other
+                    got["delta" if channel is delta else "full"] = stats
+                rows.append({"fraction": fraction, "measured": k >= 2, "number": number,
+                             "delta": [got["delta"].seconds, got["delta"].wire_bytes, got["delta"].delta,
+                                       got["delta"].whole_bytes],
+                             "full": [got["full"].seconds, got["full"].wire_bytes],
+                             "state_bytes": sum(t.numel() * t.element_size() for t in state.values())})
+                number += 1
+    _write_part(args, "choice-trainer", {"rows": rows})
+
+
+def choice_inference(args: argparse.Namespace) -> None:
+    from distload.live.channel import SyncChannel
+    from distload.workers.group import WorkerGroup
+
+    delta_address, full_address = args.rendezvous.split(",")
+    with WorkerGroup(device="cpu") as group:
+        options = {"rank": group.rank, "size": group.world_size, "device": "cpu", "timeout_s": 600}
+        rows = []
+        number = 0
+        with SyncChannel(delta_address, "inference", **options) as delta, \
+                SyncChannel(full_address, "inference", **options) as full:
+            into_delta = into_full = None
+            for fraction in reversed(CHANGED):
+                states = choice_states(args, fraction)
+                if into_delta is None:
+                    into_delta = {n: torch.zeros_like(t) for n, t in states[0].items()}
+                    into_full = {n: torch.zeros_like(t) for n, t in states[0].items()}
+                for k in range(2 * args.repeats + 2):
+                    _ready(args, number, group.rank)
+                    first, second = (full, delta) if k % 2 else (delta, full)
+                    for channel in (first, second):
+                        channel.receive(into_delta if channel is delta else into_full)
+                    want = states[k % 2]
+                    rows.append({"number": number, "identical": all(
+                        torch.equal(into_delta[n].view(torch.int16), want[n].view(torch.int16))
+                        and torch.equal(into_full[n].view(torch.int16), want[n].view(torch.int16)) for n in want)})
+                    number += 1
+        every = group.exchange(rows)
+        if group.rank == 0:
+            _write_part(args, "choice-inference", {"ranks": every})
+
+
+def orchestrate_choice(args: argparse.Namespace) -> None:
+    os.makedirs(args.scratch, exist_ok=True)
+    for stale in os.listdir(args.scratch):
+        if stale.startswith("ready-"):
+            os.remove(os.path.join(args.scratch, stale))
+    args.case = "choice"
+    load_before = os.getloadavg()
+    addresses = f"tcp://127.0.0.1:{_free_port()},tcp://127.0.0.1:{_free_port()}"
+    base = _common(args) + ["--rendezvous", addresses, "--case", "choice"]
+    jobs = [subprocess.Popen(_torchrun(2, "--part", "choice-inference", *base)),
+            subprocess.Popen(_torchrun(1, "--part", "choice-trainer", *base))]
+    for job in jobs:
+        if job.wait(timeout=3600) != 0:
+            raise SystemExit(f"choice: a job failed ({job.args})")
+    load = [round(x, 2) for x in load_before + os.getloadavg()]
+    sent = json.load(open(os.path.join(args.scratch, "choice-trainer.json")))["rows"]
+    got = json.load(open(os.path.join(args.scratch, "choice-inference.json")))["ranks"]
+    assert all(row["identical"] for rank in got for row in rank), "a receiver's tensors are not the version pushed"
+    table = {}
+    for fraction in CHANGED:
+        rows = [r for r in sent if r["fraction"] == fraction and r["measured"]]
+        delta_s = statistics.median(r["delta"][0] for r in rows)
+        full_s = statistics.median(r["full"][0] for r in rows)
+        ratios = [r["delta"][0] / r["full"][0] for r in rows]
+        table[fraction] = {
+            "full_seconds": round(full_s, 4), "delta_seconds": round(delta_s, 4),
+            "delta_vs_full_seconds": round(delta_s / full_s, 3),
+            "delta_vs_full_seconds_mean": round(sum(r["delta"][0] for r in rows) / sum(r["full"][0] for r in rows), 3),
+            "delta_vs_full_seconds_each": [round(x, 3) for x in ratios],
+            "full_bytes": rows[-1]["full"][1], "delta_bytes": rows[-1]["delta"][1],
+            "delta_vs_full_bytes": round(rows[-1]["delta"][1] / rows[-1]["full"][1], 4),
+            "sent_whole_fraction": round(rows[-1]["delta"][3] / rows[-1]["state_bytes"], 4),
+            "a_delta_update": rows[-1]["delta"][2], "pushes": len(rows)}
+    state_bytes = sent[0]["state_bytes"]
+    out = {"machine": {"cpus": os.cpu_count(), "nproc": os.cpu_count(), "kernel": platform.release(),
+                       "platform": platform.platform(), "torch": torch.__version__,
+                       "load_average_before_after": load},
+           "state_bytes": state_bytes, "size_mib": args.size_mib, "hidden": args.hidden,
+           "bucket_mib": args.bucket_mib, "repeats": args.repeats, "backend": "gloo", "rows": table}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "sync_choice.json"), "w") as f:
+        json.dump(out, f, indent=2)
+    lines = [f"The delta channel's choice: sync-demo's state ({state_bytes / 2**30:.3f} GiB of bf16, hidden "
+             f"{args.hidden}), versions that differ in a fraction of the elements (the lowest bit flipped), pushed "
+             f"by one trainer rank to 2 inference ranks of another job on this host (gloo; same-host hand-off, the "
+             f"default), through the default channel (deltas) and a full one (`delta=False`), both verified (the "
+             f"default), pushes alternating between them and which goes first; median of {args.repeats * 2} "
+             f"pushes a row after one whole push and a warm-up. Machine: 2-core VM shared with other work "
+             f"(`nproc` {os.cpu_count()}, `uname -r` {platform.release()}), load average {load[0]} before, "
+             f"{load[3]} after (1-minute): every figure is noisy, the ratios are of pushes interleaved in the same "
+             f"jobs. torch {torch.__version__}. Every receive bit-identical to the version pushed.", "",
+             "| elements changed | full s | delta channel s | delta/full time (median) | (total) | full bytes | "
+             "delta channel bytes | delta/full bytes | sent whole (of the state) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for fraction, r in table.items():
+        lines.append(f"| {fraction * 100:g}% | {r['full_seconds']} | {r['delta_seconds']} | "
+                     f"{r['delta_vs_full_seconds']} | {r['delta_vs_full_seconds_mean']} | {r['full_bytes'] / 2**20:.1f} MiB | "
+                     f"{r['delta_bytes'] / 2**20:.1f} MiB | {r['delta_vs_full_bytes']} | "
+                     f"{r['sent_whole_fraction'] * 100:.0f}% |")
+    with open(os.path.join(args.out, "sync_choice.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=560, help="approximate state size (560: just over 512 MiB at hidden 2048)")
@@ -791,10 +953,14 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--scratch", default=f"/tmp/distload-bench-sync-{os.getpid()}")
-    parser.add_argument("--part", choices=("one-job", "trainer", "inference", "delta-trainer", "delta-inference"),
+    parser.add_argument("--part", choices=("one-job", "trainer", "inference", "delta-trainer", "delta-inference",
+                                           "choice-trainer", "choice-inference"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--deltas", action="store_true",
                         help="delta updates of a real model's optimizer steps: encodings, then full vs delta pushes")
+    parser.add_argument("--choice", action="store_true",
+                        help="the delta channel against a full one at 100%%, 50%%, 4%%, 0.1%% of the elements "
+                             "changed (sync_choice.md; --size-mib 256 --hidden 512: sync-demo's state)")
     parser.add_argument("--rendezvous", help=argparse.SUPPRESS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=argparse.SUPPRESS)
@@ -807,9 +973,11 @@ def main() -> int:
                         help="run only the verified and plain two-job pushes, interleaved (the verify cost)")
     args = parser.parse_args()
     parts = {"one-job": one_job, "trainer": trainer, "inference": inference, "delta-trainer": delta_trainer,
-             "delta-inference": delta_inference}
+             "delta-inference": delta_inference, "choice-trainer": choice_trainer, "choice-inference": choice_inference}
     if args.part:
         parts[args.part](args)
+    elif args.choice:
+        orchestrate_choice(args)
     elif args.deltas:
         orchestrate_deltas(args)
     else:

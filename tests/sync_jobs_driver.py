@@ -420,9 +420,11 @@ def bf16_state(params) -> dict[str, torch.Tensor]:
 
 # The delta scenario, as (version, learning rate of the step before it or None: the same state
 # pushed again, what an inference rank does to its tensors before receiving it).
-DELTA_STEPS = [(1, None, None), (2, 1e-6, None), (3, 1e-2, None), (4, 1e-6, "drift-1"), (4, None, None),
-               (5, 1e-6, "move-0"), (6, 1e-6, "fail-0"), (6, None, None), (7, None, "flip-1"), (7, None, None),
-               (8, 1e-6, "restart"), (9, 1e-6, None), (10, 1e-6, "rewrite-0")]
+# (After lr 1e-2 most tensors' compares give up: they go whole once more at version 4, their
+# copies refreshed, and are patched again from version 5 on.)
+DELTA_STEPS = [(1, None, None), (2, 1e-6, None), (3, 1e-2, None), (4, 1e-6, None), (5, 1e-6, "drift-1"),
+               (5, None, None), (6, 1e-6, "move-0"), (7, 1e-6, "fail-0"), (7, None, None), (8, None, "flip-1"),
+               (8, None, None), (9, 1e-6, "restart"), (10, 1e-6, None), (11, 1e-6, "rewrite-0")]
 
 
 def delta(role, address, result, args):
@@ -563,7 +565,82 @@ def cuts(role, address, result, args):
     result["seen"] = seen
 
 
-SCENARIOS = {"cuts": cuts, "delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
+# -- choice: a delta update that sends some tensors whole -----------------------------------------
+
+CHOICE_SHAPES = {"dense": (512, 512), "sparse": (512, 512), "norm": (512,)}  # bf16; 2 compare blocks each
+# (version, what changes from the version before, in each tensor: "all" (every element), a
+# stride (one element in that many), or nothing)
+CHOICE_STEPS = [(1, {}), (2, {"dense": "all", "sparse": 1000}), (3, {"dense": "all", "sparse": "all", "norm": "all"}),
+                (4, {"dense": "all", "sparse": 997}), (4, {}), (5, {"dense": "all", "sparse": 991}),
+                (6, {"dense": "all", "sparse": 983})]
+
+
+def choice_state(version: int) -> dict[str, torch.Tensor]:
+    """CHOICE_STEPS' version ``version``: each change flips the lowest bit of the elements it names."""
+    gen = torch.Generator().manual_seed(11)
+    state = {n: (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16) for n, shape in CHOICE_SHAPES.items()}
+    for v, changes in CHOICE_STEPS[1:]:
+        if v > version:
+            break
+        for name, how in changes.items():
+            bits = state[name].view(torch.int16).reshape(-1)
+            bits[::1 if how == "all" else how] ^= 1
+    return state
+
+
+def choice(role, address, result, args):
+    """The default (delta) channel, on ``args[0]``'s transport: v2 changes every element of one
+    tensor and a few of another (one whole, one a patch, in one bucket); v3 every element of all
+    of them; v4's whole piece is corrupted as it lands on the receiver (the update fails, rolled
+    back), then pushed again (every byte); v5 and v6 mixed again: dense gave up again at v4, rests
+    at v5 and is refreshed at v6, sparse gave up at v3, was refreshed at v4 and is a patch again."""
+    import distload.live.delta as delta_module
+
+    transport = args[0]
+    if role == "trainer":
+        with open_channel(role, address, transport=transport) as ch:
+            for version, _ in CHOICE_STEPS:
+                state = choice_state(version)
+                try:
+                    stats = ch.push(state, version)
+                    row = {**stats_row(stats), "sent_whole": list(stats.sent_whole), "whole_bytes": stats.whole_bytes}
+                except SyncError as exc:
+                    row = {"version": version, "error": str(exc)}
+                ch._base.settle()
+                row["scratch_bytes"] = sum(a.nbytes for lanes in ch._base.scratch.arrays.values() for a in lanes)
+                row["state_bytes"] = nbytes(state)
+                result.setdefault("pushes", []).append(row)
+        return
+    real_receive = delta_module.receive_bucket
+
+    def corrupting(data, counts, layout, entries, *rest, **kw):
+        """The first piece sent whole: one byte of it flipped as it lands (a copy: a same-host
+        trainer's segment is its memory, not this rank's)."""
+        whole = [k for k, count in enumerate(counts) if count == delta_module.RAW]
+        if whole and data is not None:
+            at, _ = delta_module.offsets(delta_module.data_sizes(layout, entries, counts), delta_module.ALIGN)
+            data = data.clone()
+            data[at[whole[0]] + 5] ^= 1
+        return real_receive(data, counts, layout, entries, *rest, **kw)
+
+    with open_channel(role, address, transport=transport) as ch:
+        target = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in CHOICE_SHAPES.items()}
+        for number, (version, _) in enumerate(CHOICE_STEPS):
+            before = {n: t.clone() for n, t in target.items()}
+            delta_module.receive_bucket = corrupting if number == 3 else real_receive
+            try:
+                stats = ch.receive(target)
+                row = {**stats_row(stats), "sent_whole": list(stats.sent_whole), "whole_bytes": stats.whole_bytes}
+            except SyncError as exc:
+                row = {"version": version, "error": str(exc)}
+            finally:
+                delta_module.receive_bucket = real_receive
+            row.update(channel_version=ch.version, consistent=ch.consistent, unchanged=exact(target, before),
+                       exact=ch.version is not None and exact(target, choice_state(ch.version)))
+            result.setdefault("receives", []).append(row)
+
+
+SCENARIOS = {"choice": choice, "cuts": cuts, "delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
              "sleep": sleep}
 
 

@@ -161,11 +161,80 @@ def test_a_corrupted_patch_is_refused_before_it_writes():
         deltas.decode(data, 4000, count, torch.float32)
 
 
-def test_a_patch_pays_only_when_smaller_than_the_piece():
+def test_a_patch_pays_only_at_a_quarter_of_the_piece_or_less():
     assert deltas.pays(1 << 20, 1000, 2)
     assert not deltas.pays(1 << 20, 1 << 19, 2)  # half the elements: 4 bytes a change, 2 a piece's element
+    # an eighth of a bf16 piece's elements is a patch of a quarter of its bytes (and the chunk counts)
+    assert deltas.pays(1 << 20, (1 << 17) - 16, 2) and not deltas.pays(1 << 20, (1 << 17) + 16, 2)
     assert not deltas.pays(3, 1, 4)  # the chunk count alone costs as much
     assert deltas.encoded_size(1 << 20, 0, 2) == 0
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
+@pytest.mark.parametrize("numel", [1, 100, (1 << 16) + 1, 1 << 20, 3 * (1 << 16) + 77])
+def test_the_compares_limit_never_gives_up_on_a_patch_that_pays(numel, itemsize):
+    """most_changes bounds the changes of a patch that pays from above: a compare that gives up
+    past it only ever sends whole a piece whose patch would not have paid."""
+    most = deltas.most_changes(numel, itemsize)
+    assert not deltas.pays(numel, most + 1, itemsize)
+    assert all(not deltas.pays(numel, count, itemsize) for count in range(most + 1, min(numel, most + 50) + 1))
+    assert most == 0 or deltas.pays(numel, max(1, most - 8), itemsize)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8])
+def test_a_compare_gives_up_before_it_takes_out_the_changes(dtype):
+    """Every element changed (or half): the compare of a tensor of 4 blocks gives up in its first
+    block, from the count of its differing 8-byte words, before it has taken out a change (its
+    scratch never grows for them); the device compare gives up likewise. Under the limit (a few percent changed) it finds exactly the patch it finds
+    without one."""
+    numel = 4 * deltas._SCAN + 3
+    limit = deltas.most_changes(numel, torch.empty(0, dtype=dtype).element_size())
+    for fraction in (1.0, 0.5):
+        old, new = _changed((numel,), dtype, fraction)
+        scratch = deltas.PatchScratch()
+        scratch.reset()
+        calls = []
+        real = deltas._Found.next
+        deltas._Found.next = lambda self, *a: calls.append(a) or real(self, *a)
+        try:
+            assert deltas.diff(new, old, scratch, limit) is None
+        finally:
+            deltas._Found.next = real
+        scratch.reset()
+        # none of its changes taken out: its first block's differing 8-byte words tell
+        assert scratch.arrays == {} and calls == [], (fraction, calls)
+        assert deltas.diff_on_device(new, old, limit) is None
+    old, new = _changed((numel,), dtype, 0.04)
+    got, want = deltas.diff(new, old, limit=limit), deltas.diff(new, old)
+    assert got is not None and torch.equal(got.positions, want.positions) and torch.equal(got.flips, want.flips)
+    on_device = deltas.diff_on_device(new, old, limit)
+    assert on_device is not None and torch.equal(on_device.positions, want.positions)
+
+
+def test_a_tensor_whose_compare_gave_up_rests_longer_each_time_until_a_patch():
+    """The base's rests: a give-up rests 0 pushes (its copy refreshed the push after), then 1, 2,
+    4 and at most MAX_REST while its compares keep giving up; a patch puts it back to 0."""
+    base = deltas.Base(None)
+    base.commit({}, {"w": torch.zeros(8, dtype=torch.bfloat16)}, "x:1")
+    assert base.held("w", torch.zeros(8, dtype=torch.bfloat16)) is not None
+    rests, n = [], 1
+    for _ in range(6):
+        n += 1
+        base.commit({}, {}, f"x:{n}", whole={"w": "gave up"})
+        rests.append(base.rests("w"))
+        assert base.held("w", torch.zeros(8, dtype=torch.bfloat16)) is None  # not compared while it rests
+        while base.rests("w"):
+            n += 1
+            base.commit({}, {}, f"x:{n}", whole={"w": "rested"})
+        new = torch.ones(8, dtype=torch.bfloat16)
+        base.refresh("w", new)
+        n += 1
+        base.commit({}, {}, f"x:{n}", whole={"w": "refreshed"})
+        assert base.rests("w") is None and torch.equal(base.tensors["w"], new)
+    assert rests == [0, 1, 2, 4, deltas.MAX_REST, deltas.MAX_REST]
+    base.commit({"w": deltas.diff(torch.full((8,), 2.0, dtype=torch.bfloat16), base.tensors["w"])}, {}, "x:99")
+    base.commit({}, {}, "x:100", whole={"w": "gave up"})
+    assert base.rests("w") == 0
 
 
 def test_undo_at_any_strides_restores_exactly():
@@ -476,16 +545,19 @@ def test_a_commit_written_later_is_waited_for_and_a_failed_one_drops_the_base():
     assert base.id is None and not base.tensors
 
 
+@pytest.mark.parametrize("stride", [29, 5])
 @pytest.mark.parametrize("whole_rank", [1, 0])
 def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure_rolls_back_exactly(
-        monkeypatch, whole_rank):
+        monkeypatch, whole_rank, stride):
     """Trainer rank 0 pushes the embedding, rank 1 the LM head: one tensor on the receiver (tied).
     One rank sends deltas, the other (``delta=False``) whole bytes; senders are taken in rank order.
     Whole second: the delta patches that memory, then the whole bytes land over it (their old bytes
     set aside after the patch). Whole first: the delta after it reads that memory back rather than
     flipping over the new bytes. Version 3 fails after every byte landed, and the receiver is back
     at version 2 exactly: the whole write's old bytes are put back before the delta's undo (the
-    other order leaves version 3's patched values)."""
+    other order leaves version 3's patched values). ``stride`` 5: two in five elements change, too
+    many to patch: the delta update sends the tensor whole, and a whole piece over the full
+    sender's bytes keeps no undo of them (it would put version 3 back after the rollback)."""
     import threading
 
     import torch.distributed as dist
@@ -498,7 +570,7 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
 
     def weight(version):
         w = (torch.randn(64, 16, generator=torch.Generator().manual_seed(1)) * 4).to(torch.bfloat16)
-        deltas.flat_ints(w)[version::13] ^= 1
+        deltas.flat_ints(w)[version::stride] ^= 1
         return w
 
     class Tied(torch.nn.Module):
@@ -538,6 +610,7 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
                 try:
                     stats = ch.receive(model)
                     results[f"v{version}"] = (stats.delta, torch.equal(model.embed.weight, weight(version)))
+                    results[f"whole v{version}"] = stats.sent_whole
                 except SyncError as exc:
                     results[f"v{version}"] = (str(exc), torch.equal(model.embed.weight, weight(2)), ch.consistent)
 
@@ -550,3 +623,5 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
     error, at_version_2, consistent = results["v3"]
     assert "injected" in error and at_version_2 and consistent, results
     assert results[f"trainer {1 - whole_rank} v2"] is True and results[f"trainer {whole_rank} v2"] is False, results
+    assert results["whole v2"] == (() if stride == 29 else ("head.weight" if whole_rank == 0 else "embed.weight",)), \
+        results

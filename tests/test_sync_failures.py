@@ -393,7 +393,7 @@ def test_trainer_killed_mid_delta_update_leaves_every_receiver_exactly_at_its_ve
     (consistent True, its tensors unchanged), and a restarted trainer's first update (it holds
     no base: every byte) arrives exact."""
     inference = jobs.start("inf", "inference", ["recv", "recv", "recv:60"], host="inference", nproc=2, delta=True)
-    jobs.start("trainA", "trainer", ["push:1", f"arm:delta.send_bucket,6,{int(signal.SIGKILL)}", "push:2"],
+    jobs.start("trainA", "trainer", ["push:1", f"arm:delta.plan_bucket,6,{int(signal.SIGKILL)}", "push:2"],
                host="inference", nproc=1, delta=True)
     failures = [jobs.wait(f"inf{r}", "recv", 2)[1] for r in (0, 1)]
     jobs.wait("trainA0", "dying")

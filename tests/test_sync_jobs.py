@@ -167,6 +167,42 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
 # -- 1b. deltas -----------------------------------------------------------------------------------
 
 @pytest.mark.dist
+@pytest.mark.parametrize("transport", ["auto", pytest.param("socket", marks=pytest.mark.slow)])
+def test_a_delta_update_sends_what_would_not_pay_whole_and_checks_it(tmp_path, transport):
+    """sync_jobs_driver.CHOICE_STEPS through the default (delta) channel, handed off through
+    shared memory (auto, on one host) or on the socket. A tensor with every element changed goes
+    whole beside another's patch in one bucket, and lands bit for bit; an update where every
+    element of every tensor changed sends no more than a full push (its header and checks aside),
+    and the trainer's compare gave up before it took the changes out (its scratch stays small: it
+    never held a patch of every element); a corrupted whole piece of a mixed update fails its
+    check, and the receiver is back at its version exactly. A tensor whose compare gave up goes
+    whole the push after too (its copy refreshed), and is compared again the next: a patch."""
+    results = run_driver(tmp_path, "choice", 1, 1, transport)
+    (trainer,), (receiver,) = results.trainer, results.inference
+    pushes, receives = trainer["pushes"], receiver["receives"]
+    state_bytes = pushes[0]["state_bytes"]
+    one = state_bytes // 3 + 1  # a tensor's bytes (the two big ones), and "norm"'s within it
+    assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, True], pushes
+    for stats in (pushes[1], receives[1], pushes[5], receives[5], pushes[6], receives[6]):  # mixed
+        assert stats["sent_whole"] == ["dense"] and stats["whole_bytes"] == 512 * 512 * 2, stats
+    assert pushes[1]["wire_bytes"] < 512 * 512 * 2 + 0.01 * one, pushes[1]  # the patch: 0.1% of sparse
+    assert pushes[2]["sent_whole"] == receives[2]["sent_whole"] == ["dense", "norm", "sparse"], pushes[2]
+    assert pushes[2]["whole_bytes"] == state_bytes, pushes[2]
+    assert pushes[2]["wire_bytes"] <= pushes[0]["wire_bytes"] + 1024, (pushes[0], pushes[2])  # as a full push
+    # the compare gave up in its first block of every tensor, before extracting a change of it
+    assert all(p["scratch_bytes"] < 64 * 1024 for p in pushes), [p["scratch_bytes"] for p in pushes]
+    assert pushes[3]["error"].startswith("inference rank 0: ") and "failed its checksum" in pushes[3]["error"], pushes[3]
+    assert receives[3]["error"].startswith("version 4 did not arrive whole; still at version 3"), receives[3]
+    assert receives[3]["unchanged"] and receives[3]["consistent"] and receives[3]["channel_version"] == 3, receives[3]
+    for i, row in enumerate(receives):
+        assert row["exact"] and row["consistent"], (i, row)
+        if i != 3:
+            assert row["version"] == row["channel_version"] == driver.CHOICE_STEPS[i][0], (i, row)
+            assert row["delta"] == pushes[i]["delta"], (i, row, pushes[i])
+    results.assert_exited_cleanly()
+
+
+@pytest.mark.dist
 def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     """sync_jobs_driver.DELTA_STEPS: AdamW steps of a Llama's fp32 weights, cast to bf16, pushed to
     TP 2 inference ranks. After the first (full) update each is a delta of a fraction of the
@@ -180,19 +216,19 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     (trainer,) = results.trainer
     pushes = trainer["pushes"]
     assert [p["version"] for p in pushes] == [v for v, _, _ in driver.DELTA_STEPS]
-    failed = {3: "inference rank 1", 6: "inference rank 0", 8: "inference rank 1"}
+    failed = {4: "inference rank 1", 7: "inference rank 0", 9: "inference rank 1"}
     for i, push in enumerate(pushes):
         assert ("error" in push) == (i in failed), (i, push)
         if i in failed:
             assert push["error"].startswith(f"{failed[i]}: "), push["error"]
-    assert "were not the base's here" in pushes[3]["error"]  # drift at changed positions: the patch sums
-    assert "not the version 3 it received" in pushes[3]["error"]
-    assert "injected: this receiver fails in its third bucket" in pushes[6]["error"]
-    assert "differ from trainer rank 0's after the update" in pushes[8]["error"]  # drift elsewhere: the audit
+    assert "were not the base's here" in pushes[4]["error"]  # drift at changed positions: the patch sums
+    assert "not the version 4 it received" in pushes[4]["error"]
+    assert "injected: this receiver fails in its third bucket" in pushes[7]["error"]
+    assert "differ from trainer rank 0's after the update" in pushes[9]["error"]  # drift elsewhere: the audit
     # ... and after the restart (a new trainer: no base) one full update, then deltas again; a
     # tensor rewritten by a torch op is seen before the update: that receiver takes every byte
-    assert [p.get("delta") for p in pushes] == [False, True, True, None, False, True, None, False, None, False,
-                                                False, True, True]
+    assert [p.get("delta") for p in pushes] == [False, True, True, True, None, False, True, None, False, None,
+                                                False, False, True, True]
     assert all(p["verified"] for p in pushes if "error" not in p), pushes
     full, step = pushes[0]["wire_bytes"], pushes[1]["wire_bytes"]
     assert full >= pushes[0]["state_bytes"] and step < 0.15 * full, (full, step)  # lr 1e-6: about 4% of the elements changed
@@ -200,12 +236,12 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     assert pushes[-1]["base_bytes"] == pushes[-1]["state_bytes"]  # the trainer's host copy: 1x the state
 
     # (version held after each receive, whether it took a delta) on each rank; None: it failed
-    took = {0: [True, True, None, False, False, None, False, None, False, False, True, False],
-            1: [True, True, None, False, True, None, False, None, False, False, True, True]}
+    took = {0: [True, True, True, None, False, False, None, False, None, False, False, True, False],
+            1: [True, True, True, None, False, True, None, False, None, False, False, True, True]}
     for rank in results.inference:
         r = rank["rank"]
         receives = rank["receives"]
-        assert [x["channel_version"] for x in receives] == [1, 2, 3, 3, 4, 5, 5, 6, 6, 7, 8, 9, 10], (r, receives)
+        assert [x["channel_version"] for x in receives] == [1, 2, 3, 4, 4, 5, 6, 6, 7, 7, 8, 9, 10, 11], (r, receives)
         assert [x.get("delta") for x in receives[1:]] == took[r], (r, receives)
         for i, x in enumerate(receives):
             assert x["consistent"], (r, i, x)
@@ -213,12 +249,12 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
                 assert x["error"].startswith(f"version {x['version']} did not arrive whole; still at version "
                                              f"{x['channel_version']} (every change undone)"), x["error"]
                 assert x["unchanged"], (r, i)  # exactly its previous tensors, drift included
-                assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 6), (r, i)
+                assert x["exact"] == (failed[i] != f"inference rank {r}" or i == 7), (r, i)
             else:
                 assert x["exact"] and x["verified"] and x["transport"] == "shm", (r, i, x)
         assert receives[1]["wire_bytes"] < 0.15 * receives[0]["wire_bytes"], receives[1]
         assert receives[0]["own_bytes"] <= receives[0]["wire_bytes"] <= 1.05 * receives[0]["own_bytes"]
-    assert results.inference[0]["receives"][6]["calls"] == 3
+    assert results.inference[0]["receives"][7]["calls"] == 3
     results.assert_exited_cleanly()
 
 

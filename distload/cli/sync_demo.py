@@ -76,6 +76,17 @@ def kept_slices(state: dict[str, torch.Tensor], tp_size: int, tp_rank: int,
             for name, t in state.items()}
 
 
+def _delta_note(stats, what: str) -> str:
+    """What a line adds about a delta update: ``what``, and the tensors it sent whole (a patch of
+    them would not have paid: every element changed, say)."""
+    if not stats.delta:
+        return ""
+    if not stats.sent_whole:
+        return f" ({what})"
+    return (f" ({what}; {len(stats.sent_whole)} of {stats.num_tensors} tensors, {gib_text(stats.whole_bytes)}, "
+            f"sent whole: too many of their elements changed for a patch to pay)")
+
+
 def _rate(nbytes: int, seconds: float) -> str:
     """`` = X GiB/s`` (the unit of every distload report), where the update was big and long
     enough for a rate to be a speed."""
@@ -122,7 +133,7 @@ def _train(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup) -
         stats = channel.push(mine, version)
         print(f"trainer rank {group.rank} pushed version {version}: {stats.num_tensors} tensors in "
               f"{stats.num_buckets} bucket(s), {gib_text(stats.wire_bytes)} sent in {stats.seconds:.3f} s"
-              f"{' (a delta: what changed since the version the receivers hold)' if stats.delta else ''}",
+              f"{_delta_note(stats, 'a delta: what changed since the version the receivers hold')}",
               flush=True)
         rows.append({"version": version, "bytes_sent": stats.wire_bytes, "seconds": round(stats.seconds, 4),
                      "delta": stats.delta})
@@ -142,7 +153,9 @@ def _infer(channel: SyncChannel, args: argparse.Namespace, group: WorkerGroup, t
         print(f"inference rank {group.rank} (TP rank {tp_rank} of {tp_size}) received version {stats.version}: "
               f"{gib_text(stats.wire_bytes)} in {stats.seconds:.3f} s, digest {digest[:16]} "
               f"({'matches' if digest == expected else 'DOES NOT match'} the version sent"
-              f"{', a delta' if stats.delta else ''}{', verified' if stats.verified else ''})", flush=True)
+              f"{', a delta' if stats.delta else ''}"
+              f"{f' ({len(stats.sent_whole)} tensors of it whole)' if stats.sent_whole else ''}"
+              f"{', verified' if stats.verified else ''})", flush=True)
         rows.append({"version": stats.version, "digest": digest, "matches": digest == expected,
                      "bytes_received": stats.wire_bytes, "tensor_bytes": stats.nbytes,
                      "seconds": round(stats.seconds, 4), "verified": stats.verified, "delta": stats.delta})
@@ -168,7 +181,7 @@ def _one_job(args: argparse.Namespace) -> int:
                 print(f"rank {group.rank} {'pushed' if group.rank == 0 else 'received'} version "
                       f"{stats.version}: {stats.num_tensors} tensors in {stats.num_buckets} bucket(s), "
                       f"{gib_text(stats.nbytes)} in {stats.seconds:.3f} s{_rate(stats.nbytes, stats.seconds)}, "
-                      f"{gib_text(stats.wire_bytes)} on the wire{' (a delta)' if stats.delta else ''}", flush=True)
+                      f"{gib_text(stats.wire_bytes)} on the wire{_delta_note(stats, 'a delta')}", flush=True)
             digests = group.exchange(state_digest(state))
         finally:
             sync.close()

@@ -98,6 +98,11 @@ class SyncStats:
     wire_bytes: int = 0  # bytes that crossed the transport (alignment and checksums included)
     verified: bool = False
     delta: bool = False  # a receiver: it took a delta update; a trainer: some receiver did
+    # Of a delta update, the tensors that went whole, each in its own (sorted): where a patch
+    # would not pay (delta.WORTH: too many changes) or there is no base for it; a trainer's, those
+    # any receiver took whole. whole_bytes: their bytes (this rank's pieces of them).
+    sent_whole: tuple[str, ...] = ()
+    whole_bytes: int = 0
     # How the bytes moved between this rank and its peers: "socket" (the pair's process group),
     # "shm" (same host: shared memory), "cuda-ipc" (same host, on GPUs); several joined by "+".
     transport: str = "socket"
@@ -126,6 +131,9 @@ class _Changes:
     copies: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors it does not yet hold
     pending: int = 0  # the copies' bytes
     names: dict[tuple, str] = field(default_factory=dict)  # the first name of each tensor's memory
+    # held, but sent whole for the base's sake: name -> "gave up", "rested" or "refreshed" (delta.Base.commit)
+    whole: dict[str, str] = field(default_factory=dict)
+    sent_whole: dict[str, int] = field(default_factory=dict)  # what a delta route sent whole: name -> bytes
 
 
 class SyncChannel:
@@ -209,6 +217,7 @@ class SyncChannel:
         self._held: dict[int, str] = {}
         self._marks: dict[str, tuple] = {}
         self._scratch = deltas.PatchScratch(lanes=4)  # a receiver's per-change arrays, kept between updates
+        self._whole_aside: dict[tuple, torch.Tensor] = {}  # a receiver's undo of whole pieces of deltas (Undo.space)
         self.place = self._place(tensor_parallel_size, sharding, model_config)
         if keeps is not None and (role != "inference" or self.place.size != 1):
             raise ConfigError("keeps= says what an inference rank keeps, instead of tensor_parallel_size and "
@@ -367,11 +376,12 @@ class SyncChannel:
         self._pushes += 1
         if self.delta:  # every receiver now holds this version: so does the base (written while
             # the trainer goes on: the next push waits for it)
-            self._base.commit(changes.patches, changes.copies, following, later=True)
+            self._base.commit(changes.patches, changes.copies, following, later=True, whole=changes.whole)
         any_delta = any(route.delta for route in routes)
         return SyncStats(version, sum(e.nbytes for e in entries), len(entries), len(groups),
                          time.perf_counter() - start, sent, verify or (any_delta and all(r.delta for r in routes)),
-                         any_delta, session.transport(peers))
+                         any_delta, tuple(sorted(changes.sent_whole)), sum(changes.sent_whole.values()),
+                         session.transport(peers))
 
     def _routes(self, session: Session, entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]],
                 verify: bool, takes_of: Mapping[int, Sequence[int]]) -> list[_Route]:
@@ -456,11 +466,19 @@ class SyncChannel:
                     wait(in_flight.pop(slot, []))  # two messages in flight; a slot's buffer is free again
                     held.pop(slot, None)
                     (kept, found), gathered[v] = gathered[v], ({}, {})
-                    messages, row = deltas.send_bucket(merged[v][i], entries, kept, found, route.place, device, key)
-                    messages = self._staged(session, route.ranks, ("send",) + slot, messages)
-                    sums[v].append(row)
+                    layout = merged[v][i]
+                    out = deltas.plan_bucket(layout, entries, found, route.place)
+                    messages = self._delta_messages(session, route.ranks, ("send",) + slot, out)
+                    data = messages[1] if out.size else torch.empty(0, dtype=torch.uint8)
+                    deltas.write_bucket(out, data, layout, entries, kept, route.place)
+                    for piece, count in zip((piece for piece, _ in layout.items), out.counts):
+                        if count == deltas.RAW:
+                            name = entries[piece.entry].name
+                            changes.sent_whole[name] = max(changes.sent_whole.get(name, 0), piece.nbytes)
                     held[slot] = messages
                     in_flight[slot] = [(dst, session.post(dst, m)) for dst in route.ranks for m in messages]
+                    # tagged while the transport moves it (as a full bucket is): the sends never wait for it
+                    sums[v].append(deltas.bucket_row(out, data, key))
                     wire += sum(m.numel() * m.element_size() for m in messages) * len(route.ranks)
                     continue
                 slot = (v, i % 2)
@@ -491,6 +509,25 @@ class SyncChannel:
                 if route.delta:
                     wire += table.numel() * table.element_size() * len(route.ranks)
         return wire
+
+    def _delta_messages(self, session: Session, ranks: Sequence[int], key: tuple, out: "deltas.Outgoing"
+                        ) -> list[torch.Tensor]:
+        """A delta bucket's messages, its header written and its data (``out.size`` bytes, if
+        any) to be written: in this trainer's segment (region ``key``) where any of ``ranks`` is a
+        same-host receiver, else in a buffer kept for ``key`` from update to update. Written
+        where they are sent from: no copy after, and no new memory (and its page faults) each time."""
+        header = torch.tensor(out.counts, dtype=torch.int64)
+        if not self._hands_off(session, ranks):
+            messages = [header.to(self._transport_device())]
+            if out.size:
+                messages.append(self._buffer(key, out.size))
+            return messages
+        sizes = [header.numel() * 8] + ([out.size] if out.size else [])
+        spots, size = offsets(sizes, ALIGN)
+        region = session.staging(key, size)
+        messages = [region[at:at + nbytes] for at, nbytes in zip(spots, sizes)]
+        messages[0].copy_(flat_bytes(header))
+        return messages
 
     @staticmethod
     def _hands_off(session: Session, ranks: Sequence[int]) -> bool:
@@ -530,12 +567,32 @@ class SyncChannel:
                 if first in changes.patches and held is not None and held is self._base.tensors.get(first):
                     out[index] = changes.patches[name] = changes.patches[first]  # one base, one patch
                     continue
+                if first in changes.whole and held is not None and held is self._base.tensors.get(first):
+                    changes.whole[name] = changes.whole[first]  # whole, as its other name
+                    continue
                 # tied now but not in the base (a name new to it, or kept apart): on its own below
+            rests = self._base.rests(name)
+            if rests is not None and self._base.tensors[name].shape == tensor.shape \
+                    and self._base.tensors[name].dtype == tensor.dtype:
+                # Its last compare gave up (every element changed, say): whole, and not compared
+                # again until its rest is over; then its copy takes these bytes (refreshed).
+                if rests:
+                    changes.whole[name] = "rested"
+                else:
+                    self._base.refresh(name, tensor)
+                    changes.whole[name] = "refreshed"
+                continue
             base = self._base.held(name, tensor)
             if base is not None:  # compared where the tensor lives: a GPU's state never comes down whole
-                out[index] = changes.patches[name] = (
-                    deltas.diff(tensor.contiguous(), base, self._base.scratch) if tensor.device.type == "cpu"
-                    else deltas.diff_on_device(tensor, base))
+                # given up as soon as the patch clearly would not pay (delta.gives_up): then it
+                # goes whole, its copy left as it is (resting: delta.MAX_REST)
+                limit = deltas.most_changes(tensor.numel(), tensor.element_size())
+                patch = (deltas.diff(tensor.contiguous(), base, self._base.scratch, limit)
+                         if tensor.device.type == "cpu" else deltas.diff_on_device(tensor, base, limit))
+                if patch is not None:
+                    out[index] = changes.patches[name] = patch
+                else:
+                    changes.whole[name] = "gave up"
             elif self._base.room_for(name, entries[index].nbytes, changes.pending):
                 # a copy of its own: the caller's tensor may change after push() returns
                 changes.copies[name] = tensor.to("cpu", copy=True).contiguous()
@@ -706,7 +763,7 @@ class SyncChannel:
             raise
         self.consistent = False  # from here on, a failure may leave a mix of two versions
         undo: dict[str, torch.Tensor] | None = {} if rollback else None
-        landing = _Landing()
+        landing = _Landing(deltas.Undo(space=self._whole_aside))
         self._scratch.reset()  # the last update's undo is done with: its deltas' memory is free
         try:
             wire = session.supervise(lambda cancelled: self._receive_all(session, metas, plans, targets, takes,
@@ -734,9 +791,12 @@ class SyncChannel:
         self._marks = {name: _mark(targets[name]) for name in _names(metas, plans)}
         nbytes = sum(piece.nbytes for plan in plans.values() for layout in plan for piece, _ in layout.items)
         verified = all(m["verify"] or t in takes for t, m in metas.items())
+        # the undo of whole pieces kept for the tensors this rank still has (not for memory it let go)
+        here = {deltas.alias_key(t) for t in targets.values()}
+        self._whole_aside = {k: v for k, v in self._whole_aside.items() if k in here}
         return SyncStats(version, nbytes, sum(len(m["entries"]) for m in metas.values()),
                          sum(len(p) for p in plans.values()), time.perf_counter() - start, wire, verified, bool(takes),
-                         session.transport(metas))
+                         tuple(sorted(landing.whole)), sum(landing.whole.values()), session.transport(metas))
 
     def _update_place(self, session: Session, metas: Mapping[int, Mapping[str, Any]]) -> TPPlace:
         """Where this rank sits for this update: its TP place, or the cuts its ``keeps`` makes of
@@ -785,14 +845,17 @@ class SyncChannel:
             meta, plan = metas[sender], plans[sender]
             relay = _Relay(session, *relays[sender], cancelled, self._name("trainer", sender))
             if sender in takes:
-                wire += self._receive_delta(session, sender, meta, plan, targets, landing.undo, relay)
+                wire += self._receive_delta(session, sender, meta, plan, targets, landing, relay)
                 relay.drain()
                 continue
             landing.full = True
             # What this sender writes whole: a later sender's delta of the same memory (a tied
-            # weight pushed by two trainer ranks) reads it back rather than flipping over it.
-            landing.undo.touched.update(deltas.alias_key(targets[meta["entries"][piece.entry].name])
-                                        for layout in plan for piece, _ in layout.items if piece.nbytes)
+            # weight pushed by two trainer ranks) reads it back rather than flipping over it, and
+            # a whole piece of it keeps no undo of its own (this write's old bytes are the rollback's).
+            written = {deltas.alias_key(targets[meta["entries"][piece.entry].name])
+                       for layout in plan for piece, _ in layout.items if piece.nbytes}
+            landing.undo.touched.update(written)
+            landing.undo.full_writes.update(written)
             posted: dict[int, tuple[torch.Tensor, Any]] = {}  # bucket -> (where it lands, its transfer)
             sums: list[torch.Tensor] = []  # the checksum of every verified bucket that arrived, in order
             key = self._bucket_key(session, sender)
@@ -865,7 +928,7 @@ class SyncChannel:
         undo.clear()
 
     def _receive_delta(self, session: Session, sender: int, meta: Mapping[str, Any], plan: Sequence[BucketLayout],
-                       targets: Mapping[str, torch.Tensor], undo: deltas.Undo, relay: "_Relay") -> int:
+                       targets: Mapping[str, torch.Tensor], landing: "_Landing", relay: "_Relay") -> int:
         """Take ``sender``'s delta (delta.py: a header and the data, bucket by bucket, the buckets
         merged as delta.merged says), applying each bucket in place as it lands, then check it: the
         trainer's rows against this rank's."""
@@ -894,9 +957,18 @@ class SyncChannel:
                 if not deltas.RAW <= count <= piece.nbytes:
                     raise SyncError(f"bucket {i} from {trainer}: its header is not the header sent ({count} changes "
                                     f"to {entries[piece.entry].name})")
+                if count == deltas.RAW:
+                    landing.whole[entries[piece.entry].name] = piece.nbytes
             size = offsets(deltas.data_sizes(layout, entries, counts), ALIGN)[1]
-            data = None
-            if size:
+            data, taken = None, None
+            if size and session.transport([relay.source]) == "shm":
+                # From a same-host trainer's segment: read where it lies (as a full update's
+                # buckets are), released once applied; a copy into a buffer first would cost a
+                # whole piece its bytes once more
+                taken = session.take(sender, size)
+                session.wait(taken, cancelled, lambda i=i: f"receiving bucket {i} from {relay.origin}")
+                data = taken.data
+            elif size:
                 relay.drain()  # the last bucket's data, passed on from this buffer, has left it
                 data = self._buffer(("delta",), size)
                 session.wait(relay.take(data), cancelled, lambda i=i: f"receiving bucket {i} from {relay.origin}")
@@ -907,10 +979,13 @@ class SyncChannel:
             if cancelled.is_set():
                 return wire  # the update was given up: never write into the model after that
             try:
-                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, undo, key, self._scratch))
+                rows.append(deltas.receive_bucket(data, counts, layout, entries, targets, landing.undo, key,
+                                                  self._scratch))
             except deltas.PatchError as exc:
                 raise SyncError(f"bucket {i} from {trainer} failed its check on {self._name(self.role, self.rank)}: "
                                 f"{exc}: the bytes that arrived are not the bytes sent") from None
+            if taken is not None:
+                taken.release()
             buckets.append(i)
             wire += header.numel() * 8 + size
         parts = deltas.audit_parts(plan, meta["audit"])
@@ -1078,6 +1153,7 @@ class _Landing:
     """What an update wrote into a receiver's tensors so far."""
 
     undo: deltas.Undo = field(default_factory=deltas.Undo)  # the deltas' overwritten values
+    whole: dict[str, int] = field(default_factory=dict)  # pieces the deltas sent whole: name -> bytes
     full: bool = False  # a full update's bytes may have landed: no undo for them
 
 

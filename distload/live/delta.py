@@ -12,9 +12,11 @@ zstd on real optimizer steps: benchmarks/bench_sync.py --deltas):
     [int32 count of changes per 64 Ki elements] [uint16 position within its chunk, each change]
     [pad to 8 bytes] [flips: new value XOR base value, each change, in the tensor's own bits]
 
-4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would be as large
-as the piece itself travels *raw* (its bytes, as a full push sends them); one with no change
-sends nothing. Values are compared and flipped as integers of the element's size, so a bf16 NaN
+4 bytes a change for bf16 plus 4 bytes per 64 Ki elements. A piece whose patch would not be at
+most 1/WORTH of the piece itself travels *raw* (its bytes, as a full push sends them), in the same
+update; one with no change sends nothing. The trainer's compare gives up on a tensor as soon as
+its patch clearly cannot pay (:func:`gives_up`), and such a tensor then rests (whole, not compared:
+Base.resting) a few pushes before it is compared again. Values are compared and flipped as integers of the element's size, so a bf16 NaN
 or a -0.0 is a change like any other and the receiver ends with the trainer's exact bits.
 
 Checks that cost in proportion to the change (every delta update, whatever ``verify`` says): for
@@ -52,7 +54,19 @@ from distload.tp.slices import rank_slice
 
 CHUNK_BITS = 16  # positions travel as their low 16 bits within chunks of 64 Ki elements
 RAW = -1  # a piece's count in a bucket's header: sent whole (its patch would not pay)
+# A patch pays where it is at most this fraction of the piece's bytes: per change a delta costs
+# CPU on both sides that a whole piece's bytes do not (the trainer finds and encodes it, each
+# receiver gathers, flips and scatters it and keeps its undo), so a patch only a little smaller
+# than the piece loses time to the piece (benchmarks/results/sync_choice.md). For bf16 (4 bytes a
+# change) that is up to one element in 8 changed.
+WORTH = 4
 AUDIT_ROUNDS = 64  # every receiver byte is audited once every this many delta updates
+# A tensor whose compare gave up rests (travels whole, neither compared nor copied into the base)
+# 0 pushes, then 1, 2, 4 and at most this many while its compares keep giving up; then its copy
+# is refreshed (one copy, the push goes whole) and it is compared again the push after: the cost
+# of measuring a tensor that changes everywhere every push, a copy and a glance, spread over up
+# to this many pushes, while one that gave up once (a warm-up's step) is compared again 2 pushes on.
+MAX_REST = 8
 _SCAN = 1 << 17  # elements compared per block: the block, its mask and temporaries stay in L2 (measured)
 _APPLY = 8192  # changes a receiver applies per block (_apply_on_host; measured)
 # A position's weight in a patch sum: odd, so a changed value always changes the sum (an odd
@@ -98,10 +112,11 @@ def _array(tensor: torch.Tensor) -> np.ndarray:
 
 # -- finding what changed -------------------------------------------------------------------------
 
-def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None, limit: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Where ``a`` (new) and ``b`` (base) differ: sorted positions (int64), ``a``'s values there
-    and the flips (``a ^ b``) there (in ``scratch``'s memory where it has room)."""
+    and the flips (``a ^ b``) there (in ``scratch``'s memory where it has room). None, as soon as
+    it is clear there are more than ``limit`` changes (:func:`gives_up`): the rest is not looked at."""
     per = 8 // a.itemsize
     shift = per.bit_length() - 1
     out = _Found(a.dtype, scratch)
@@ -113,7 +128,17 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
             # quarter as many items (bf16) to compare and scan is what makes the whole-state scan,
             # the trainer's cost of a delta, fast; only the differing words are looked into.
             x64, y64 = x.view(np.int64), y.view(np.int64)
-            words = np.flatnonzero(np.not_equal(x64, y64, out=mask[:x64.size]))
+            differ = np.not_equal(x64, y64, out=mask[:x64.size])
+            # each differing word holds a change at least: a count that alone says the patch
+            # cannot pay stops the compare before the changes are looked into (their extraction
+            # is the costly part: every element changed, it was most of a 4.4 s push); in the
+            # first block, so does the rate of changes that many differing words tell
+            if limit is not None:
+                words = int(np.count_nonzero(differ))
+                if gives_up(out.size + words, start + x.size, a.size, limit, _rate_of_words(words, x64.size, per)):
+                    out.drop()
+                    return None
+            words = np.flatnonzero(differ)
             new_words = x64[words]
             flip_words = y64[words]
             flip_words ^= new_words
@@ -127,8 +152,14 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
             positions <<= shift
             lanes &= per - 1
             positions += lanes
+            if limit is not None and gives_up(out.size, start + x.size, a.size, limit):
+                out.drop()
+                return None
         else:
             lanes = np.flatnonzero(x != y)
+            if limit is not None and gives_up(out.size + lanes.size, start + x.size, a.size, limit):
+                out.drop()
+                return None
             positions, values, flips = out.next(lanes.size, a.size - start, x.size)
             np.take(x, lanes, out=values, mode="clip")
             np.take(y, lanes, out=flips, mode="clip")
@@ -136,7 +167,35 @@ def _changed(a: np.ndarray, b: np.ndarray, scratch: "PatchScratch | None" = None
             positions[:] = lanes
         if start:
             positions += start
+    if limit is not None and out.size > limit:
+        out.drop()
+        return None
     return out.done()
+
+
+def gives_up(found: int, scanned: int, numel: int, limit: int, rate: float | None = None) -> bool:
+    """Whether a compare that found ``found`` changes (or at least that many) in the first
+    ``scanned`` of ``numel`` elements stops: past ``limit`` (the patch cannot pay), or, in its
+    first block, at more than twice the rate that pays (every element changed, a high learning
+    rate: one block of 128 Ki elements tells, where each further block would cost an extraction
+    of its changes); ``rate``: the fraction of elements changed as its differing words tell it,
+    where that is all it looked at yet. A tensor whose changes crowd into its first block is
+    misjudged only towards sending it whole: what a full push sends."""
+    if found > limit:
+        return True
+    if scanned > _SCAN:
+        return False
+    return max(found / scanned, rate or 0.0) * numel > 2 * limit
+
+
+def _rate_of_words(words: int, of: int, per: int) -> float:
+    """The fraction of elements changed that ``words`` differing 8-byte words of ``of`` tell, were
+    the changes independent (a word of ``per`` elements differs with probability 1 - (1 - p)^per):
+    at every element changed, or half, it is near 1 or 0.5, where the words' count alone (a change
+    a word at least) says only 1/per or 1/(2 per)."""
+    if not of or words >= of:
+        return 1.0 if of else 0.0
+    return 1.0 - (1.0 - words / of) ** (1.0 / per)
 
 
 class PatchScratch:
@@ -206,6 +265,12 @@ class _Found:
         start, self.size = self.size, need
         return [array[start:need] for array in self.arrays]
 
+    def drop(self) -> None:
+        """The compare gave up: nothing it found is kept (the scratch's room is free again, and
+        does not grow for it)."""
+        self.size = 0
+        self.arrays = []
+
     def done(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self.scratch is not None:
             self.scratch.wanted[self.dtype] = self.scratch.wanted.get(self.dtype, 0) + self.size
@@ -233,10 +298,15 @@ class Patch:
     flips: torch.Tensor  # new ^ base there
 
 
-def diff(new: torch.Tensor, base: torch.Tensor, scratch: PatchScratch | None = None) -> Patch:
+def diff(new: torch.Tensor, base: torch.Tensor, scratch: PatchScratch | None = None,
+         limit: int | None = None) -> Patch | None:
     """The patch from ``base`` to ``new`` (host tensors of one dtype and shape, contiguous); its
-    arrays in ``scratch`` where it has room (valid until its next reset)."""
-    positions, values, flips = _changed(host_ints(new), host_ints(base), scratch)
+    arrays in ``scratch`` where it has room (valid until its next reset). None where it has more
+    than ``limit`` changes (found out early: :func:`gives_up`)."""
+    found = _changed(host_ints(new), host_ints(base), scratch, limit)
+    if found is None:
+        return None
+    positions, values, flips = found
     return Patch(torch.from_numpy(positions), torch.from_numpy(values), torch.from_numpy(flips))
 
 
@@ -246,20 +316,25 @@ def diff(new: torch.Tensor, base: torch.Tensor, scratch: PatchScratch | None = N
 DEVICE_SLAB = 1 << 25
 
 
-def diff_on_device(new: torch.Tensor, base: torch.Tensor) -> Patch:
+def diff_on_device(new: torch.Tensor, base: torch.Tensor, limit: int | None = None) -> Patch | None:
     """The patch from ``base`` (the trainer's host copy) to ``new`` where ``new`` lives (a GPU):
     the base goes up a slab at a time, the compare runs at the device's memory speed, and only
     the patch comes down. A host compare would first bring all of ``new`` down and then scan it
     at one core's speed (about 2 GB/s of bf16 state: slower than the link a full push takes).
     Torch ops only, the same on any device (the tests run them on the CPU). A state tensor that
-    is not contiguous is made so first (one copy on the device)."""
+    is not contiguous is made so first (one copy on the device). None where it has more than
+    ``limit`` changes: found slab by slab, before any of that slab's changes come down."""
     x = int_view(new.contiguous()).reshape(-1)
     y = int_view(base).reshape(-1)
     parts = []
+    found = 0
     for start in range(0, x.numel(), DEVICE_SLAB):
         ours = x[start:start + DEVICE_SLAB]
         theirs = y[start:start + DEVICE_SLAB].to(ours.device, non_blocking=True)
         at = torch.nonzero(ours != theirs).squeeze(1)  # sorted
+        found += at.numel()
+        if limit is not None and found > limit:
+            return None
         values = ours[at]
         flips = torch.bitwise_xor(values, theirs[at])
         parts.append((at.add_(start).cpu(), values.cpu(), flips.cpu()))
@@ -333,8 +408,15 @@ def encoded_size(numel: int, count: int, itemsize: int) -> int:
 
 
 def pays(numel: int, count: int, itemsize: int) -> bool:
-    """Whether a patch is smaller than the piece itself (else the piece travels raw)."""
-    return encoded_size(numel, count, itemsize) < numel * itemsize
+    """Whether a patch is worth sending: at most 1/WORTH of the piece's own bytes (else the piece
+    travels raw, as a full push sends it)."""
+    return encoded_size(numel, count, itemsize) * WORTH <= numel * itemsize
+
+
+def most_changes(numel: int, itemsize: int) -> int:
+    """The most changes a patch of a piece of ``numel`` elements can have and still pay (a bound
+    from above: the 8-byte alignment left out), the limit a compare gives up past."""
+    return max(0, (numel * itemsize // WORTH - 4 * chunks(numel)) // (2 + itemsize))
 
 
 def encode(into: torch.Tensor, numel: int, patch: Patch) -> None:
@@ -396,6 +478,9 @@ class Undo:
 
     writes: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
     touched: set[tuple] = field(default_factory=set)
+    # where whole pieces' old bytes go (keep_whole), by memory: a receiver's, kept between updates
+    space: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    full_writes: set[tuple] = field(default_factory=set)  # memory a full update's sender wrote this update
 
     def restore(self) -> None:
         """Put back every overwritten value, last write first."""
@@ -407,6 +492,7 @@ class Undo:
                     _scatter(target, positions, old)
         self.writes.clear()
         self.touched.clear()
+        self.full_writes.clear()
 
 
 def alias_key(tensor: torch.Tensor) -> tuple:
@@ -487,10 +573,23 @@ def _apply_on_host(target: torch.Tensor, positions: torch.Tensor, flips: torch.T
 
 
 def keep_whole(target: torch.Tensor, undo: Undo) -> None:
-    """Before a raw piece overwrites ``target``: its old bytes into ``undo`` (and its memory noted
-    as written, so that a tied name's patch is not flipped over the new bytes)."""
-    undo.touched.add(alias_key(target))
-    undo.writes.append((target, None, target.detach().clone()))
+    """Before a raw piece overwrites ``target``: its old bytes into ``undo`` (in memory kept from
+    update to update, ``undo.space``: a fresh copy each time would cost its page faults, as much
+    again as the copy), and its memory noted as written, so that a tied name's patch is not
+    flipped over the new bytes."""
+    key = alias_key(target)
+    old = target.detach()
+    if key in undo.full_writes:  # a full sender's bytes: the rollback puts back what lay under them
+        return
+    if key in undo.touched:  # patched already this update (a tied name): these bytes, apart
+        undo.writes.append((target, None, old.clone()))
+        return
+    undo.touched.add(key)
+    held = undo.space.get(key)
+    if held is None or held.shape != old.shape or held.dtype != old.dtype or held.device != old.device:
+        held = undo.space[key] = torch.empty_like(old, memory_format=torch.contiguous_format)
+    held.copy_(old)
+    undo.writes.append((target, None, held))
 
 
 # -- checks ---------------------------------------------------------------------------------------
@@ -559,6 +658,11 @@ class Base:
         self._committing: threading.Thread | None = None
         self._failed: BaseException | None = None
         self.scratch = PatchScratch()  # the patches' memory (host: 12 bytes a change of bf16)
+        self._shared: set[int] | None = None  # refresh's: ids of copies kept for two names
+        # Copies that are not the receivers' version: name -> pushes each still rests before it is
+        # refreshed (:meth:`refresh`); and how many times in a row each name's compare gave up.
+        self.resting: dict[str, int] = {}
+        self.gave_up: dict[str, int] = {}
 
     @property
     def nbytes(self) -> int:
@@ -566,9 +670,10 @@ class Base:
         return sum(t.numel() * t.element_size() for t in {id(t): t for t in self.tensors.values()}.values())
 
     def held(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
-        """The base of ``name`` where it matches ``tensor``'s dtype and shape."""
+        """The base of ``name`` where it matches ``tensor``'s dtype and shape (and is the version
+        the receivers hold: not resting)."""
         base = self.tensors.get(name)
-        if base is None or base.dtype != tensor.dtype or base.shape != tensor.shape:
+        if base is None or name in self.resting or base.dtype != tensor.dtype or base.shape != tensor.shape:
             return None
         return base
 
@@ -580,15 +685,51 @@ class Base:
                               if name in self.tensors else 0)
         return kept + pending + nbytes <= self.max_bytes
 
+    def refresh(self, name: str, tensor: torch.Tensor) -> None:
+        """A resting copy's time is up: ``tensor`` (going whole in the push under way) into it, in
+        place (its memory kept while it rested: no new memory, no page faults); it is compared
+        again from the next push on, once this push's commit says every receiver holds it. A copy
+        kept for two names (tied) is kept apart for this one instead."""
+        self.settle()
+        held = self.tensors[name]
+        if self._shared is None:  # the copies kept under two names, found once a push
+            seen: set[int] = set()
+            self._shared = {id(t) for t in self.tensors.values() if id(t) in seen or seen.add(id(t))}
+        if id(held) in self._shared:
+            self.tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
+            return
+        held.copy_(tensor.detach())
+
+    def rests(self, name: str) -> int | None:
+        """None where ``name``'s copy is the version the receivers hold (or there is none); else
+        how many more pushes it rests before it is refreshed (0: this one)."""
+        return self.resting.get(name)
+
     def commit(self, patches: Mapping[str, Patch], copies: Mapping[str, torch.Tensor], new_id: str,
-               later: bool = False) -> None:
+               later: bool = False, whole: Mapping[str, str] | None = None) -> None:
         """Every receiver now holds the pushed version: apply it to the copy (the changed positions
         only). ``later``: the patches are written by a thread (numpy releases the GIL while it
         scatters), so that the push that made them returns without waiting; :meth:`settle` waits
-        for it, and every use of the copy comes after a settle."""
+        for it, and every use of the copy comes after a settle. ``whole``: the names the push sent
+        whole for the copy's sake, each as "gave up" (its compare did: it rests 0 pushes, then,
+        while its compares keep giving up, 1, 2, 4, up to MAX_REST), "rested" (one push less to rest) or
+        "refreshed" (:meth:`refresh`: compared again from now on)."""
         self.settle()
         self.tensors.update(copies)
         self.id = new_id
+        for name in copies:  # a new copy: the receivers' version, whatever its name's copy was
+            self.resting.pop(name, None)
+            self.gave_up.pop(name, None)
+        for name, what in (whole or {}).items():
+            if what == "gave up":
+                times = self.gave_up[name] = self.gave_up.get(name, 0) + 1
+                self.resting[name] = min((1 << (times - 1)) >> 1, MAX_REST)
+            elif what == "rested":
+                self.resting[name] -= 1
+            else:
+                self.resting.pop(name, None)
+        for name in patches:
+            self.gave_up.pop(name, None)  # a patch again: the next give-up rests one push
         if not later:
             self._apply(patches)
             return
@@ -600,6 +741,7 @@ class Base:
         """Before a push compares: the last commit written, its patches' memory free again."""
         self.settle()
         self.scratch.reset()
+        self._shared = None
 
     def settle(self) -> None:
         """Wait for a commit made ``later``. If it failed, the copy is unknown: it is dropped (the
@@ -681,18 +823,29 @@ def merged(plan: Sequence[BucketLayout], budget: int) -> list[tuple[int, BucketL
     return out
 
 
-def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
-                patches: Mapping[int, Patch], place: TPPlace, device: torch.device, key: BucketKey
-                ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """A bucket's messages (header, then data where there is any) for receivers at ``place``, and
-    its row of the update's check: the tag of its header and data under ``key`` (transfer.checksum)
-    and the patch sum of the new values."""
+@dataclass
+class Outgoing:
+    """A delta bucket as the trainer decided to send it: per piece its header count (RAW: whole;
+    0: unchanged or nothing kept; else its changes) and patch, its data message's size and the
+    patch sum of the new values."""
+
+    counts: list[int]
+    parts: list[Patch | None]
+    sizes: list[int]
+    size: int  # the data message's bytes (0: no data message)
+    total: int
+
+
+def plan_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], patches: Mapping[int, Patch],
+                place: TPPlace) -> Outgoing:
+    """What a bucket sends receivers at ``place``: each piece as its patch where that pays (by the
+    margin WORTH), else whole; a piece with no patch (no base, or its compare gave up) whole."""
     counts, parts = [], []
     total = 0
     for piece, _ in layout.items:
         entry = entries[piece.entry]
         patch = patches.get(piece.entry)
-        if not piece.nbytes or patch is None:  # nothing kept, or no base: raw
+        if not piece.nbytes or patch is None:  # nothing kept, or no base (or too many changes): raw
             counts.append(0 if not piece.nbytes else RAW)
             parts.append(None)
             continue
@@ -706,23 +859,44 @@ def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapp
         parts.append(part)
         if count:
             total += patch_sum(part.positions, part.new)
-    header = torch.tensor(counts, dtype=torch.int64).to(device)
     sizes = data_sizes(layout, entries, counts)
-    at, size = offsets(sizes, ALIGN)
-    if not size:
-        return [header], _row(torch.empty(0, dtype=torch.uint8), key, counts, total)
-    data = torch.empty(size, dtype=torch.uint8, device=device)
+    return Outgoing(counts, parts, sizes, offsets(sizes, ALIGN)[1], total)
+
+
+def write_bucket(out: Outgoing, data: torch.Tensor, layout: BucketLayout, entries: Sequence[SyncTensor],
+                 whole: Mapping[int, torch.Tensor], place: TPPlace) -> None:
+    """Write the bucket's data message into ``data`` (``out.size`` bytes, where the caller sends
+    it from: a buffer kept between updates, or the same-host segment)."""
+    at, _ = offsets(out.sizes, ALIGN)
     gap = 0
-    for (piece, _), count, part, offset, nbytes in zip(layout.items, counts, parts, at, sizes):
+    for (piece, _), count, part, offset, nbytes in zip(layout.items, out.counts, out.parts, at, out.sizes):
         data[gap:offset].zero_()  # the alignment gaps: the checksum covers them
         gap = offset + nbytes
         if count == RAW:
             pack(data[offset:offset + nbytes], BucketLayout(((piece, 0),), nbytes),
-                 {piece.entry: whole[piece.entry].to(device)}, place)
+                 {piece.entry: whole[piece.entry].to(data.device)}, place)
         elif count:
             encode(data[offset:offset + nbytes], piece.nbytes // _itemsize(entries[piece.entry]), part)
     data[gap:].zero_()
-    return [header, data], _row(data, key, counts, total)
+
+
+def bucket_row(out: Outgoing, data: torch.Tensor, key: BucketKey) -> torch.Tensor:
+    """A written bucket's row of the update's check: the tag of its header and ``data`` under
+    ``key`` (transfer.checksum; the header's RAW marks are covered, so no piece can be made to
+    read as whole or as a patch) and the patch sum of the new values."""
+    return _row(data, key, out.counts, out.total)
+
+
+def send_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
+                patches: Mapping[int, Patch], place: TPPlace, device: torch.device, key: BucketKey
+                ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A bucket's messages (header, then data where there is any) for receivers at ``place``, in
+    new memory on ``device``, and its row of the update's check (:func:`write_bucket`)."""
+    out = plan_bucket(layout, entries, patches, place)
+    header = torch.tensor(out.counts, dtype=torch.int64).to(device)
+    data = torch.empty(out.size, dtype=torch.uint8, device=device)
+    write_bucket(out, data, layout, entries, whole, place)
+    return ([header, data] if out.size else [header]), bucket_row(out, data, key)
 
 
 def _row(data: torch.Tensor, key: BucketKey, counts: Sequence[int], total: int) -> torch.Tensor:
