@@ -8,9 +8,10 @@ same data, or one would wait for a peer that never comes:
 
 - an inference rank at a *place* (TP size, TP rank, sharding spec, and with expert parallelism
   its EP rank, size, placement and expert count: its hello's info, in the session record) keeps
-  what :func:`carries` says of a trainer rank's entries. The leader (trainer rank 0) reads every trainer rank's metadata anyway (it checks that they agree) and
-  posts, per place, the trainer ranks that carry bytes for it (:func:`senders`); a trainer rank
-  decides for itself with the same function over its own entries (:func:`receivers`);
+  what :func:`carries` says of a trainer rank's entries. The leader (trainer rank 0) reads every
+  trainer rank's metadata anyway (it checks that they agree) and posts, per place, the trainer
+  ranks that carry bytes for it (:func:`senders`); a trainer rank decides for itself with the
+  same function over its own entries (:func:`receivers`);
 - an inference rank that says what it keeps with each update (``keeps=``, "cuts") reads every
   trainer rank's metadata (its function is given the whole update) and posts its cuts; a trainer
   rank reads them and both apply :func:`carries` to the same cuts.
