@@ -30,7 +30,7 @@ from distload.errors import ConfigError
 from distload.live.secret import Secret
 from distload.loading.buckets import ALIGN, flat_bytes, group_in_order, offsets
 from distload.loading.index import DTYPES
-from distload.tp.experts import expert_action
+from distload.tp.experts import expert_action, others_expert
 from distload.tp.place import TPPlace
 from distload.tp.spec import BLOCK_SCALE_SUFFIXES, ShardingSpec, carry_block_scales
 from distload.tp.slices import Action, rank_slice, shard_shape
@@ -120,23 +120,26 @@ def kept_slice(place: TPPlace, index: int, entry: SyncTensor, carried: Action | 
     expert is not kept at all, a stacked tensor keeps its experts' rows). ``carried``: its action
     as :func:`carried_scales` gives it, where it is the block scales of a split weight."""
     whole = KeptSlice(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
+    experts = place.experts
+    if experts is not None:
+        assert experts.num_experts is not None, "a receiver's expert count is known when its channel is made"
+        if others_expert(entry.name, experts, experts.num_experts):  # before the rules: most experts are others'
+            return KeptSlice(index, (), 0, None, kept=False)
     spec = place.spec
     if carried is not None:
         action = carried
     elif isinstance(spec, Cuts):
         action = spec.action(entry.name, entry.shape)
     elif spec is None or place.size == 1:
-        if place.experts is None:
+        if experts is None:
             return whole
         action = Action(None)
     else:
         assert isinstance(spec, ShardingSpec), "a receiver's spec is resolved when its channel is made"
         action = spec.action(entry.name, entry.shape)
-    if place.experts is not None:
-        assert place.experts.num_experts is not None, "a receiver's expert count is known when its channel is made"
-        action, dropped = expert_action(entry.name, entry.shape, action, place.experts, place.experts.num_experts)
-        if dropped:
-            return KeptSlice(index, (), 0, action, kept=False)
+    if experts is not None:  # its own experts as the spec says; stacked ones cut to its rows
+        action, _ = expert_action(entry.name, entry.shape, action, experts,
+                                  experts.num_experts)  # type: ignore[arg-type]
     if action.replicated:
         return whole
     shape = shard_shape(entry.name, entry.shape, action, place.size)

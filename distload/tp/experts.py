@@ -172,12 +172,12 @@ def expert_action(name: str, shape: Sequence[int], action: Action, place: Expert
     A per-expert tensor of another rank's expert becomes an empty cut of dim 0 (0-d ones are
     read whole, a few bytes) and is dropped; a stacked tensor keeps its experts' rows of dim 0,
     refused if the sharding spec also splits it (one cut per tensor)."""
-    owned, rows = _placed(count, place.size, place.rank, place.placement)
     eid = expert_id(name)
     if eid is not None:
-        if eid in owned:
+        if not others_expert(name, place, count):
             return action, False
         return (Action(0, None, _rule(place), ranges=()) if len(shape) else action), True
+    _, rows = _placed(count, place.size, place.rank, place.placement)
     if is_stacked(name, shape, count) and place.size > 1:
         if not action.replicated:
             raise ConfigError(
@@ -187,6 +187,14 @@ def expert_action(name: str, shape: Sequence[int], action: Action, place: Expert
                 f"without --expert-parallel-size")
         return Action(0, None, _rule(place), ranges=rows), False
     return action, False
+
+
+def others_expert(name: str, place: ExpertPlace, count: int) -> bool:
+    """Whether ``name`` is a per-expert tensor of another EP rank's expert (dropped by
+    :func:`expert_action`, whatever its action: a weight sync asks this first and skips the
+    sharding rules for it)."""
+    eid = expert_id(name)
+    return eid is not None and eid not in _placed(count, place.size, place.rank, place.placement)[0]
 
 
 def _rule(place: ExpertPlace) -> str:
