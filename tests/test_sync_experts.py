@@ -181,7 +181,7 @@ def test_ep2_receivers_take_only_their_experts_from_one_trainer_then_a_delta(tmp
     assert results["trainer0"]["stats"][1]["delta"]
 
 
-@pytest.mark.slow  # two trainer processes and two receivers, two refit updates: about 30 s on 2 cores
+@pytest.mark.slow  # four processes, two refit updates: 6 s alone on the 2-core VM, 30-40 s at load average 15
 def test_ep2_refit_from_two_trainers_lands_as_the_formula_then_a_delta_of_fp8(tmp_path):
     """Each trainer rank quantizes what any receiver holds as FP8 (EP ranks claim different
     experts: not a conflict); a receiver keeps its own; the next update is a delta of the FP8 bytes."""
