@@ -189,3 +189,22 @@ def test_ep2_refit_from_two_trainers_lands_as_the_formula_then_a_delta_of_fp8(tm
     results = _run(tmp_path, trainers=2)
     _check(tmp_path, results, 2, fp8=True)
     assert all(results[f"trainer{t}"]["stats"][1]["delta"] for t in range(2))
+
+
+def test_tp2_x_ep2_receivers_keep_their_tp_slice_of_their_experts_as_loads_rank_them():
+    """Inference rank 3 of 4 at TP 2 x EP 2 is TP rank 1, EP rank 1 (loads' mapping): it keeps
+    the second half of the rows of experts 2 and 3's gate_proj, nothing of experts 0 and 1, and
+    its experts' rows of a stacked tensor whole (the decoder spec splits no stacked tensor)."""
+    from distload.tp.spec import load_spec
+
+    spec = load_spec("decoder")
+    place = pairing.with_experts(TPPlace(2, 3 % 2, spec), "inference", 3, 4, 2, None, lambda: {"num_experts": 4})
+    assert (place.rank, place.experts.rank, place.experts.experts(4)) == (1, 1, (2, 3))
+    gate = [SyncTensor(f"model.layers.0.mlp.experts.{e}.gate_proj.weight", "BF16", (128, 256), 128 * 256 * 2)
+            for e in range(4)]
+    pieces = [kept_slice(place, e, entry) for e, entry in enumerate(gate)]
+    assert [p.kept for p in pieces] == [False, False, True, True]
+    assert pieces[3].shape == (64, 256) and pieces[3].run == (64 * 256 * 2, 128 * 256 * 2)
+    stacked = SyncTensor("model.layers.1.mlp.experts.w13_weight", "BF16", (4, 6, 8), 4 * 6 * 8 * 2)
+    piece = kept_slice(place, 0, stacked)
+    assert piece.shape == (2, 6, 8) and piece.run == (2 * 96, 4 * 96)
