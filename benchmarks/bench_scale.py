@@ -99,6 +99,7 @@ from distload.workers.heartbeat import INTERVAL_S  # noqa: E402
 
 GB = 1e9
 TP = 8
+EP_SIZE = 4  # the code's expert parallelism at TP 8: 32 ranks, each EP group's 8 ranks TP-slice its 64 experts
 EP = 32  # an inference replica (and a load's rank class): 32 ranks, experts e % EP each, TP 8 for the rest
 # The model's links and store (assumed; say so in the results): one 400 Gb/s NIC per GPU, an object
 # store serving each 8-GPU node at 10 GB/s with 30 ms a request.
@@ -579,8 +580,10 @@ def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> 
     as the real pairing decides them (pairing.receivers, the leader's route)."""
     root, record, joined, sessions, deadline, before, by_trainer = _metadata(metas, trainers, inference, infos)
     leader = sessions[0]
-    # Every place has the same senders here (each keeps a slice of every tensor): one key, metas/0.
-    assert set(rendezvous.get(leader.store, leader.key("route"))["places"].values()) == {0}
+    posted = rendezvous.get(leader.store, leader.key("route"))
+    if not any(record.infos[rendezvous.member_key("inference", i)].get("experts") for i in range(inference)):
+        # Every place has the same senders here (each keeps a slice of every tensor): one key, metas/0.
+        assert set(posted["places"].values()) == {0}
     senders: dict[int, list[int]] = {}
     by_place: dict[str, list[int]] = {}
     for i in range(inference):
@@ -593,7 +596,7 @@ def store_now(metas: list[dict], trainers: int, inference: int, infos: dict) -> 
         else:
             # The ranks at one place read the same keys (the route, the same senders' metadata):
             # read here as bytes, counted alike, not unpickled again (minutes at 256 -> 128).
-            for key in [s.key("route"), s.key("metas/0")]:  # one set of senders here: every place's
+            for key in [s.key("route"), s.key(f"metas/{posted['places'][place]}")]:  # its place's senders
                 s.store.get(key)
         senders[trainers + i] = by_place[place]
         s.put("ready", verdicts.ready([], []))  # a first update: nobody takes a delta
@@ -776,6 +779,7 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
               else group_entries(entries, DEFAULT_BUCKET_BYTES), "verify": True, "gathered": [], "delta": False,
               "base": None, "next": None, "audit": 0} for t, entries in enumerate(owned)]
     infos = hello_infos(model)
+    ep = sync_ep(model, owned, metas, trainers, inference, message_s, bound_s) if model.experts else None
     before_store = store_before(metas, trainers, inference, infos)
     now_store = store_now(metas, trainers, inference, infos)
     redesign_store = store_redesign(metas, trainers, inference, infos, pairs_i)
@@ -833,8 +837,92 @@ def sync_at(model: Model, trainers: int, inference: int, message_s: float, meta_
             "max_egress_bytes": max(max(owned_bytes), relay_out), "max_ingress_bytes": max(kept_inf),
             "update_s_model": redesign_s, "vs_bound": redesign_s / bound_s,
         },
+        **({"ep": ep} if ep is not None else {}),
         "bound_s": bound_s, "meta_bytes": now_store["meta_bytes"],
     }
+
+
+def ep_infos(model: Model, inference: int) -> tuple[dict, list[TPPlace]]:
+    """The hellos of receivers at TP 8 x EP_SIZE (the code's expert parallelism), as SyncChannel
+    makes them: each rank's place by pairing.with_experts (loads' rank mapping: rank r is TP rank
+    r % 8, EP rank (r // 8) % EP_SIZE), announced with pairing.expert_info. Returns the infos and
+    the TP 8 x EP_SIZE distinct places, in rank order."""
+    spec = ShardingSpec("decoder", BUILTIN_SPECS["decoder"], dict(model.config))
+    infos = hello_infos(model)
+    places = []
+    for r in range(inference):
+        place = pairing.with_experts(TPPlace(TP, r % TP, spec), "inference", r, inference, EP_SIZE, "linear",
+                                     lambda: {"n_routed_experts": model.experts})
+        infos[("inference", r)] = {**infos[("inference", r)], "experts": pairing.expert_info(place)}
+        if r < TP * EP_SIZE:
+            places.append(place)
+    return infos, places
+
+
+def sync_ep(model: Model, owned: list[list[SyncTensor]], metas: list[dict], trainers: int, inference: int,
+            message_s: float, bound_s: float) -> dict:
+    """One update to receivers at TP 8 x EP_SIZE, on the code's real EP placement: the hellos
+    (ep_infos), the leader's route and every trainer rank's receivers (pairing.senders /
+    receivers over the record), the relay chains (pairing.relay, links) and each place's bytes
+    (transfer.layouts, checked against KeptSizes for the ranks planned). Transfer modelled as for
+    "now": a trainer rank sends each route's bytes once per chain head (and same-host member); a
+    receiver takes its bytes once and passes them on while it takes the next; the last member of a
+    chain waits a bucket per member before it."""
+    infos, places = ep_infos(model, inference)
+    plan_s, layout_bytes, layout_msgs = [], [], []
+    sizes = KeptSizes(places)
+    for t, entries in enumerate(owned):
+        groups = metas[t]["groups"]
+        if t < 16:  # timed: the trainer rank's layouts for every place, and its receivers
+            (_, per_place), seconds = timed(lambda entries=entries: _trainer_plan(entries, places))
+            plan_s.append(seconds)
+            kept = ([sum(layout.size for layout in lays) for lays in per_place],
+                    [sum(1 for layout in lays if layout.size) for lays in per_place])
+            assert sizes.of(entries, groups) == kept, t
+        else:
+            kept = sizes.of(entries, groups)
+        layout_bytes.append(kept[0])
+        layout_msgs.append(kept[1])
+    store = store_now(metas, trainers, inference, infos)
+    root, record, _ = _form(infos, trainers, inference)
+    where = pairing.places(record)
+    slot = {key: place.experts.rank * TP + place.rank for key, (place, _) in where.items()}
+    senders, seconds = timed(lambda: pairing.senders({t: e for t, e in enumerate(owned)}, record))
+    egress = [0] * trainers
+    egress_msgs = [0] * trainers
+    ingress: dict[int, int] = {}
+    ingress_msgs: dict[int, int] = {}
+    relay_out: dict[int, int] = {}
+    longest = 1
+    for key, ranks in senders.items():
+        p, members = slot[key], where[key][1]
+        for t in ranks:
+            direct, chains = pairing.relay(record, t, members)
+            egress[t] += (len(direct) + len(chains)) * layout_bytes[t][p]
+            egress_msgs[t] += (len(direct) + len(chains)) * (layout_msgs[t][p] + 1)  # + the checksums
+            longest = max([longest] + [len(c) for c in chains])
+            for m in members:
+                ingress[m] = ingress.get(m, 0) + layout_bytes[t][p]
+                ingress_msgs[m] = ingress_msgs.get(m, 0) + layout_msgs[t][p] + 1
+                if pairing.links(record, m, t, {}, where)[1] is not None:
+                    relay_out[m] = relay_out.get(m, 0) + layout_bytes[t][p]
+    # the code's own pairs agree with the leader's route (store_now checks both sides)
+    assert {m for m in store["peers"] if m >= trainers} == set(ingress)
+    hop_s = DEFAULT_BUCKET_BYTES / LINK_BYTES_S + message_s
+    update_s = max(max(moving_s(e, n, message_s) for e, n in zip(egress, egress_msgs)),
+                   max(moving_s(ingress[m], ingress_msgs[m], message_s) for m in ingress),
+                   max(moving_s(relay_out.get(m, 0), ingress_msgs[m], message_s) for m in ingress)) + (longest - 1) * hop_s
+    own_bound_s = max(max(sum(e.nbytes for e in entries) for entries in owned), max(ingress.values())) / LINK_BYTES_S
+    peers = store["peers"]
+    conn = max(len(p) for p in peers.values())
+    pairs = len({(min(a, b), max(a, b)) for a, ps in peers.items() for b in ps})
+    return {"tp": TP, "ep": EP_SIZE, "planning_s_per_rank": max(plan_s), "senders_s": seconds,
+            "pairs": pairs, "connections_per_process": conn + 1,
+            "store_bytes": store["join_bytes"] + pairs * 700 * 2 + store["update_bytes"],
+            "max_ingress_bytes": max(ingress.values()), "max_egress_bytes": max(max(egress), max(relay_out.values(), default=0)),
+            "max_senders_per_place": max(len(r) for r in senders.values()), "chain_members": longest,
+            "update_s_model": update_s, "vs_bound": update_s / bound_s,
+            "own_bound_s": own_bound_s, "vs_own_bound": update_s / own_bound_s}
 
 
 class KeptSizes:
@@ -849,7 +937,9 @@ class KeptSizes:
         self.kept: dict[tuple, int] = {}
 
     def _kept(self, p: int, entry: SyncTensor) -> int:
-        key = (p, re.sub(r"[0-9]+", "#", entry.name), entry.shape, entry.dtype)
+        # an EP place keeps an expert or not by its number: that number stays in the key
+        key = (p, re.sub(r"[0-9]+", "#", entry.name), entry.shape, entry.dtype,
+               expert_of(entry.name) if self.places[p].experts is not None else None)
         if key not in self.kept:
             self.kept[key] = kept_slice(self.places[p], 0, entry).nbytes
         return self.kept[key]
@@ -920,6 +1010,9 @@ def run(ranks: int, old_up_to: int = 32, message_s: float | None = None, models:
                 continue
             row = sync_at(model, trainers, inference, message_s)
             rows.append(row)
+            if "ep" in row:
+                print(f"sync {model.name} {trainers}->{inference} at EP (the code): {row['ep']['connections_per_process']} "
+                      f"conn, {row['ep']['vs_bound']:.2f}x bound", flush=True)
             print(f"sync {model.name} {trainers}->{inference}: before {row['before']['store_bytes'] / 1e6:.0f} MB store; now "
                   f"{row['now']['connections_per_process']} conn, {row['now']['store_bytes'] / 1e6:.0f} MB store, "
                   f"{row['now']['vs_bound']:.1f}x bound; redesign "
@@ -953,6 +1046,14 @@ def goals(result: dict) -> list[tuple[str, str, bool]]:
                     "TP slice of every expert: 4x the bytes of the redesign's EP 32)",
                     f"{now['vs_layout_bound']:.2f}x ({now['update_s_model']:.2f} s vs {now['layout_bound_s']:.2f} s)",
                     now["vs_layout_bound"] <= 1.2))
+        ep = sync.get("ep")
+        if ep is not None:
+            what = f"sync EP (the code: TP {ep['tp']} x EP {ep['ep']} receivers, its real placement and pairing)"
+            out += [(f"{what}: update within 1.2x of the link bound",
+                     f"{ep['vs_bound']:.2f}x ({ep['update_s_model']:.2f} s vs {sync['bound_s']:.2f} s)", ep["vs_bound"] <= 1.2),
+                    (f"{what}: connections per process <= 64", f"{ep['connections_per_process']}",
+                     ep["connections_per_process"] <= 64),
+                    (f"{what}: store traffic <= 100 MB", f"{ep['store_bytes'] / 1e6:.1f} MB", ep["store_bytes"] <= 100e6)]
         out.append(("sync: planning <= 1 s per rank", f"{sync['planning_s_per_rank']:.3f} s", sync["planning_s_per_rank"] <= 1))
     load = next((r for r in result["load"].get(moe, []) if r["ranks"] == 1024), None)
     if load is not None:
@@ -967,10 +1068,7 @@ def goals(result: dict) -> list[tuple[str, str, bool]]:
 
 
 def write_report(result: dict, json_path: str) -> None:
-    """scale.md and scale.png beside ``json_path``."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """scale.md and, with matplotlib, scale.png beside ``json_path``."""
     base = os.path.splitext(json_path)[0]
     m = result["machine"]
     lines = [f"Scale harness (benchmarks/bench_scale.py, issue 36), N = 8 ... {max(r['ranks'] for rows in result['load'].values() for r in rows)} ranks "
@@ -1006,8 +1104,31 @@ def write_report(result: dict, json_path: str) -> None:
                          f"{cells('heartbeat_reads_per_s', '.0f')} | {cells('update_s_model', '.2f')} | "
                          f"{r['bound_s']:.2f} | {cells('vs_bound', '.2f')} | {r['now']['chains_per_route']} x "
                          f"{r['now']['chain_members']}, {r['now']['vs_layout_bound']:.2f} |")
+    for name, rows in result["sync"].items():
+        rows = [r for r in rows if "ep" in r]
+        if not rows:
+            continue
+        lines += ["", f"## Sync: {name}, the code's expert parallelism (receivers at TP {rows[0]['ep']['tp']} x EP "
+                  f"{rows[0]['ep']['ep']}, linear placement: the real hellos, route, pairing and relay chains; "
+                  f"transfer modelled as for \"now\")", ""] + ([result["ep_note"], ""] if result.get("ep_note") else []) + [
+                  "| trainer -> inference | planning s/rank | pairs | connections/process | store MB | GB in per receiver "
+                  "(max) | GB out per process (max) | senders per place (max) | chain members | modelled update s | "
+                  "bound s | vs bound | vs its own bound |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            e = r["ep"]
+            lines.append(f"| {r['trainer_ranks']} -> {r['inference_ranks']} | {e['planning_s_per_rank']:.3f} | {e['pairs']} | "
+                         f"{e['connections_per_process']} | {e['store_bytes'] / 1e6:.1f} | {e['max_ingress_bytes'] / 1e9:.1f} | "
+                         f"{e['max_egress_bytes'] / 1e9:.1f} | {e['max_senders_per_place']} | {e['chain_members']} | "
+                         f"{e['update_s_model']:.2f} | {r['bound_s']:.2f} | {e['vs_bound']:.2f} | {e['vs_own_bound']:.2f} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+    except ImportError:  # the figures are in the .md; the plot needs matplotlib
+        print("no matplotlib here: scale.png not written", file=sys.stderr)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for name, rows in result["load"].items():
         n = [r["ranks"] for r in rows]
@@ -1050,6 +1171,32 @@ def _message_source(result: dict) -> str:
     return f"measured here earlier, on a quieter machine; {now * 1e6:.0f} us during this run"
 
 
+def add_ep(json_path: str) -> None:
+    """The code's EP rows (sync_ep) for each MoE sync row of an earlier run, at that run's message
+    cost and bound; the report says when and under what load they ran."""
+    with open(json_path) as f:
+        result = json.load(f)
+    start = time.perf_counter()
+    model = moe1t()
+    for row in result["sync"][model.name]:
+        trainers, inference = row["trainer_ranks"], row["inference_ranks"]
+        owned = sync_entries(model, trainers)
+        metas = [{"version": 1, "entries": entries, "groups": group_entries(entries, DEFAULT_BUCKET_BYTES),
+                  "verify": True, "gathered": [], "delta": False, "base": None, "next": None, "audit": 0}
+                 for entries in owned]
+        row["ep"] = sync_ep(model, owned, metas, trainers, inference, result["message_s"], row["bound_s"])
+        print(f"sync {model.name} {trainers}->{inference} at EP (the code): {row['ep']['connections_per_process']} "
+              f"conn, {row['ep']['vs_bound']:.2f}x bound", flush=True)
+    loads = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    result["ep_note"] = (f"These rows were added to the run above by `bench_scale.py --ep-into` ({time.perf_counter() - start:.0f} s; "
+                         f"{machine()['cpus']} CPUs, {machine()['platform']}; load average {loads} at its end, the machine "
+                         f"shared with other jobs): the same model, message cost and bound; planning (a trainer rank's "
+                         f"layouts for all {TP * EP_SIZE} places) measured then.")
+    with open(json_path, "w") as f:
+        json.dump(result, f, indent=1)
+    write_report(result, json_path)
+
+
 def machine() -> dict:
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__}
@@ -1061,12 +1208,17 @@ def main() -> int:
     parser.add_argument("--json", help="write the figures here (and a .md and, with matplotlib, a .png beside it)")
     parser.add_argument("--old-up-to", type=int, default=64, help="run main's exchange plan up to this N")
     parser.add_argument("--report-only", action="store_true", help="write the .md and .png from --json's figures")
+    parser.add_argument("--ep-into", action="store_true", help="add the code's expert-parallel sync rows (sync_ep) "
+                        "to --json's earlier run of the MoE, at its message cost, and rewrite its report")
     parser.add_argument("--message-us", type=float, help="model with this cost of one gloo message (us) instead of "
                         "the one measured now (which a busy machine inflates; it is recorded either way)")
     args = parser.parse_args()
     if args.report_only:
         with open(args.json) as f:
             write_report(json.load(f), args.json)
+        return 0
+    if args.ep_into:
+        add_ep(args.json)
         return 0
     start = time.perf_counter()
     result = run(args.ranks, args.old_up_to, None if args.message_us is None else args.message_us * 1e-6)

@@ -137,6 +137,17 @@ def test_todays_sync_replay_gives_each_receiver_exactly_what_it_keeps():
     assert row["now"]["store_bytes"] < row["before"]["store_bytes"]
     # the redesign: each inference rank keeps its TP slice of the rest and its experts whole
     assert row["redesign"]["max_ingress_bytes"] < row["now"]["max_ingress_bytes"]
+    # the code's EP (TP 8 x EP 4, linear): EP rank j keeps experts 16 j .. 16 j + 15 of each layer,
+    # each TP-sliced 8 ways (an eighth of its bytes), and its TP slice of the rest; it takes that
+    # alone, from the real pairing: the bytes of the redesign's EP 32, experts whole
+    per = 64 // bench.EP_SIZE
+    experts = [sum(2 * bench.math.prod(shape) for name, shape in model.tensors
+                   if bench.expert_of(name) is not None and bench.expert_of(name) // per == j) // bench.TP
+               for j in range(bench.EP_SIZE)]
+    dense = [k - sum(2 * bench.math.prod(shape) for name, shape in model.tensors if bench.expert_of(name) is not None)
+             // bench.TP for k in kept]
+    assert row["ep"]["max_ingress_bytes"] == max(d + e for d in dense for e in experts)
+    assert row["ep"]["max_ingress_bytes"] == row["redesign"]["max_ingress_bytes"]
 
 
 def test_headers_are_read_once_per_job_and_every_rank_gets_them_all(setup, monkeypatch):

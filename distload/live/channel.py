@@ -72,7 +72,7 @@ from distload.live.transfer import (BucketKey, BucketLayout, Cuts, KeptSlice, Sy
                                     checksum, first_mismatch, group_entries, layouts, pack, run_bytes, unpack)
 from distload.loading.buckets import ALIGN, flat_bytes, offsets
 from distload.loading.index import DTYPE_CODES, DTYPES, dtype_code
-from distload.tp.spec import ShardingSpec, load_spec, spec_from_json
+from distload.tp.spec import ShardingSpec, load_spec
 
 log = logging.getLogger("distload")
 
@@ -180,7 +180,8 @@ class SyncChannel:
                  max_base_bytes: int | None = None, transport: str = "auto", store: Any = None,
                  member_name: Callable[[str, int], str] = describe, server: str | None = None,
                  keeps: Callable[[Sequence[SyncTensor]], Mapping[str, tuple[int, Sequence]]] | None = None,
-                 secret_file: str | None = None, insecure: bool = False):
+                 secret_file: str | None = None, insecure: bool = False,
+                 expert_parallel_size: int | None = None, expert_placement_strategy: str | None = None):
         if role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if host not in ROLES:
@@ -218,7 +219,13 @@ class SyncChannel:
         self._marks: dict[str, tuple] = {}
         self._scratch = deltas.PatchScratch(lanes=4)  # a receiver's per-change arrays, kept between updates
         self._whole_aside: dict[tuple, torch.Tensor] = {}  # a receiver's undo of whole pieces of deltas (Undo.space)
-        self.place = self._place(tensor_parallel_size, sharding, model_config)
+        self.place = pairing.with_experts(  # expert parallelism: which experts this rank keeps
+            self._place(tensor_parallel_size, sharding, model_config), role, self.rank, self.size,
+            expert_parallel_size, expert_placement_strategy,
+            None if model_config is None else lambda: _config(model_config))
+        if keeps is not None and self.place.experts is not None:
+            raise ConfigError("keeps= says what an inference rank keeps of each update, expert_parallel_size "
+                              "places its experts: pass one or the other (keeps= can leave other ranks' experts out)")
         if keeps is not None and (role != "inference" or self.place.size != 1):
             raise ConfigError("keeps= says what an inference rank keeps, instead of tensor_parallel_size and "
                               "sharding: pass one or the other, on the inference side")
@@ -284,6 +291,8 @@ class SyncChannel:
                 # with a job secret every update is checked: the tags prove who sent the bytes
                 "verify": self.verify or self._secret is not None,
                 "pid": os.getpid(), "cuts": self._keeps is not None,
+                # its EP place (pairing.info_place): a trainer rank sends it only its experts
+                "experts": pairing.expert_info(self.place),
                 # Only a member that posts its host may hand off to a same-host peer (handoff.py).
                 "host": handoff.host_identity() if self.transport == "auto" else None,
                 # for messages that name a member lost: its host, and the address it reaches the
@@ -395,7 +404,6 @@ class SyncChannel:
         for member in sorted(set(pairing.receivers(entries, record)) | cut):
             rank = member - record.trainer_size
             info = record.infos[rendezvous.member_key("inference", rank)]
-            tp_size = info["tp_size"]
             cuts = None
             if member in cut:  # what it keeps, posted with this update (read before its ready)
                 cuts = rendezvous.get(session.store, session.key("cuts", member))
@@ -407,8 +415,7 @@ class SyncChannel:
             key: tuple = (pairing.place_key(info, rank), takes) if cuts is None else (
                 "cuts", json.dumps(cuts, sort_keys=True), takes)
             if key not in by_place:
-                spec = None if info["spec"] is None else spec_from_json(info["spec"])
-                place = TPPlace(tp_size, rank % tp_size, spec) if cuts is None else TPPlace(1, 0, Cuts.from_json(cuts))
+                place = pairing.info_place(info, rank) if cuts is None else TPPlace(1, 0, Cuts.from_json(cuts))
                 # A delta update carries its own checks (delta.py): its layouts need no bucket sums.
                 by_place[key] = _Route(place, [], layouts(entries, groups, place, verify and not takes), takes,
                                        chained=cuts is None)
@@ -720,11 +727,12 @@ class SyncChannel:
                         targets_for: Callable[[dict], Mapping[str, torch.Tensor]], rollback: bool) -> SyncStats:
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
+        sent, claimed = metas, {}  # the metadata as posted, before any refit; what this rank claims of it
         try:
             try:  # what this rank keeps; a spec that cannot cut a tensor is this rank's refusal
                 place = self._update_place(session, metas)
                 if self._keeps is not None:  # the senders: those it keeps bytes of (as they decide)
-                    metas = {t: m for t, m in metas.items() if pairing.carries(m["entries"], place)}
+                    metas = sent = {t: m for t, m in metas.items() if pairing.carries(m["entries"], place)}
                 plans = {t: layouts(m["entries"], m["groups"], place, m["verify"]) for t, m in metas.items()}
             except (ConfigError, _Unkept) as exc:
                 plans, problems, advice = {}, [str(exc)], None
@@ -753,6 +761,8 @@ class SyncChannel:
             # the deltas it takes as the verdict says: where its relay chain's others cannot take a
             # trainer rank's delta, it takes every byte from that rank with them (chained_takes)
             takes = list(verdict.takes.get(session.me, ()))
+            # what the trainer ranks quantize: every receiver's claims (with EP, others' experts too)
+            metas, plans = refits.replanned(sent, claimed, verdict.refit, metas, plans, place)
             # per sender: where its messages come from, whom this rank passes them on to (relays)
             where = pairing.places(session.record)
             relays = {t: pairing.links(session.record, session.me, t, verdict.takes, where) for t in metas}

@@ -6,11 +6,12 @@ that keeps 8 of 256 experts pairs with the trainer ranks that hold those experts
 else it keeps), not with every trainer rank. Both members of a pair must decide alike, from the
 same data, or one would wait for a peer that never comes:
 
-- an inference rank at a *place* (TP size, TP rank, sharding spec: its hello's info, in the
-  session record) keeps what :func:`carries` says of a trainer rank's entries. The leader
-  (trainer rank 0) reads every trainer rank's metadata anyway (it checks that they agree) and
-  posts, per place, the trainer ranks that carry bytes for it (:func:`senders`); a trainer rank
-  decides for itself with the same function over its own entries (:func:`receivers`);
+- an inference rank at a *place* (TP size, TP rank, sharding spec, and with expert parallelism
+  its EP rank, size, placement and expert count: its hello's info, in the session record) keeps
+  what :func:`carries` says of a trainer rank's entries. The leader (trainer rank 0) reads every
+  trainer rank's metadata anyway (it checks that they agree) and posts, per place, the trainer
+  ranks that carry bytes for it (:func:`senders`); a trainer rank decides for itself with the
+  same function over its own entries (:func:`receivers`);
 - an inference rank that says what it keeps with each update (``keeps=``, "cuts") reads every
   trainer rank's metadata (its function is given the whole update) and posts its cuts; a trainer
   rank reads them and both apply :func:`carries` to the same cuts.
@@ -20,11 +21,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Mapping, Sequence
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping, Sequence
 
-from distload.errors import DistloadError
+from distload.errors import ConfigError, DistloadError
 from distload.live.rendezvous import SessionRecord, member_key
 from distload.live.transfer import SyncTensor, carried_scales, kept_slice
+from distload.tp.experts import EXPERT_COUNT_KEYS, ExpertPlace, config_experts
 from distload.tp.place import TPPlace
 from distload.tp.spec import spec_from_json
 
@@ -52,7 +56,53 @@ def place_key(info: Mapping[str, Any], rank: int) -> str | None:
     if info.get("cuts"):
         return None
     spec = json.dumps(info.get("spec"), sort_keys=True)
-    return f"{info['tp_size']}/{rank % info['tp_size']}/{hashlib.sha1(spec.encode()).hexdigest()[:16]}"
+    key = f"{info['tp_size']}/{rank % info['tp_size']}/{hashlib.sha1(spec.encode()).hexdigest()[:16]}"
+    experts = info.get("experts")  # [EP size, EP rank, placement, expert count], or absent: none
+    return key if not experts else key + "/ep" + "/".join(map(str, experts))
+
+
+def expert_info(place: TPPlace) -> list | None:
+    """What a receiver's hello says of its experts (SyncChannel's info; read by :func:`info_place`):
+    [EP size, EP rank, placement, expert count], or None without expert parallelism."""
+    e = place.experts
+    return None if e is None else [e.size, e.rank, e.placement, e.num_experts]
+
+
+def info_place(info: Mapping[str, Any], rank: int) -> TPPlace:
+    """Inference rank ``rank``'s place (not a cuts receiver), from its hello ``info``: its TP rank
+    by the rank, its EP rank as it announced it (distload/tp/place.py's mapping, made once, there)."""
+    spec = None if info["spec"] is None else spec_from_json(info["spec"])
+    experts = info.get("experts")
+    return TPPlace(info["tp_size"], rank % info["tp_size"], spec,
+                   ExpertPlace(experts[0], experts[1], experts[2], experts[3]) if experts else None)
+
+
+def with_experts(place: TPPlace, role: str, rank: int, size: int, ep_size: int | None, placement: str | None,
+                 read_config: Callable[[], Mapping[str, Any]] | None) -> TPPlace:
+    """A channel member's ``place`` with its experts: inference rank ``rank`` of ``size`` at EP
+    size ``ep_size`` is EP rank ``(rank // T) % P``, as loads place it (TPPlace.of), and knows the
+    model's expert count from its config.json (``read_config``): a trainer rank's tensors name
+    only some experts, and every member must cut alike."""
+    if ep_size is None and placement is None:
+        return place
+    if role != "inference":
+        raise ConfigError("expert_parallel_size places the experts an inference rank keeps; a trainer sends "
+                          "whole tensors (pass it on the inference side)")
+    layout = TPPlace.of(SimpleNamespace(rank=rank, world_size=size), place.size, place.spec,
+                        expert_parallel_size=ep_size, expert_placement_strategy=placement)
+    if layout is None or layout.experts is None:  # EP size 1: every expert on every rank
+        return place
+    experts = layout.experts
+    given = config_experts(read_config()) if read_config is not None else None
+    if given is None:
+        raise ConfigError(f"expert_parallel_size={experts.size}: pass model_config= (the model's config.json, as a "
+                          f"dict or a path) giving its routed experts ({' or '.join(EXPERT_COUNT_KEYS)}), so every "
+                          f"rank places the same experts")
+    count, key = given
+    if count % experts.size:
+        raise ConfigError(f"expert_parallel_size={experts.size} does not divide the model's {count} routed experts "
+                          f"(model_config's {key}), so ranks would hold different numbers of experts")
+    return replace(layout, experts=replace(experts, num_experts=count))
 
 
 def places(record: SessionRecord) -> dict[str, tuple[TPPlace, list[int]]]:
@@ -65,10 +115,25 @@ def places(record: SessionRecord) -> dict[str, tuple[TPPlace, list[int]]]:
         if key is None:
             continue
         if key not in out:
-            spec = None if info["spec"] is None else spec_from_json(info["spec"])
-            out[key] = (TPPlace(info["tp_size"], rank % info["tp_size"], spec), [])
+            out[key] = (info_place(info, rank), [])
         out[key][1].append(record.channel_rank("inference", rank))
     return out
+
+
+def kept_entries(entries: Sequence[SyncTensor], record: SessionRecord, member: int,
+                 where: Mapping[str, tuple[TPPlace, list[int]]]) -> set[int] | None:
+    """The indices of ``entries`` (a trainer rank's) that session rank ``member`` keeps any of,
+    by its place (``where``: the record's :func:`places`); None for a cuts receiver (all of them,
+    as far as the leader knows)."""
+    key = place_key(record.infos[member_key(*record.member(member))], member - record.trainer_size)
+    if key is None or key not in where:
+        return None
+    place = where[key][0]
+    try:
+        carried = carried_scales(entries, place)
+        return {i for i, entry in enumerate(entries) if kept_slice(place, i, entry, carried.get(i)).kept}
+    except DistloadError:  # its ready says why it cannot cut them; count it as keeping all
+        return None
 
 
 def cut_receivers(record: SessionRecord) -> list[int]:

@@ -13,7 +13,7 @@ the trainer had pushed them. Only that recipe is taken: any other FP8 target (e5
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -140,30 +140,58 @@ def _dtype(tensor: torch.Tensor) -> str:
 
 
 def conflicts(claimed: Mapping[int, Mapping[int, Sequence[int]]], metas: Mapping[int, Mapping[str, Any]],
-              who: Any) -> tuple[dict[int, list[int]], list[str]]:
+              who: Any, kept: Callable[[int, int], "set[int] | None"] | None = None
+              ) -> tuple[dict[int, list[int]], list[str]]:
     """The leader's: every receiver's claims (session rank -> trainer rank -> indices) as one refit
-    per trainer rank, and a line for each tensor that receivers of one trainer rank want in
-    different dtypes (a trainer rank sends each tensor once, in one dtype). ``who``: names a
-    session rank."""
+    per trainer rank (what any of its receivers claimed), and a line for each tensor that a
+    receiver of that trainer rank keeps as sent while another wants it as FP8 (a trainer rank
+    sends each tensor once, in one dtype). ``who``: names a session rank. ``kept(rank, trainer)``:
+    the indices of the trainer rank's entries that receiver keeps (None, or no ``kept``: all of
+    them); an expert-parallel receiver neither claims nor keeps other ranks' experts, and is no
+    conflict for them."""
     refit: dict[int, list[int]] = {}
     problems = []
-    by_trainer: dict[int, dict[tuple[int, ...], int]] = {}
+    by_trainer: dict[int, dict[int, set[int]]] = {}
     for rank, per in sorted(claimed.items()):
         for trainer, indices in per.items():
-            by_trainer.setdefault(int(trainer), {}).setdefault(tuple(sorted(indices)), rank)
-    for trainer, kinds in sorted(by_trainer.items()):
-        if len(kinds) == 1:
-            (indices,) = kinds
-            if indices:
-                refit[trainer] = list(indices)
+            by_trainer.setdefault(int(trainer), {})[rank] = set(indices)
+    for trainer, ranks in sorted(by_trainer.items()):
+        union = set().union(*ranks.values())
+        if not union:
             continue
-        (a, ra), (b, rb) = list(kinds.items())[:2]
-        index = min(set(a) ^ set(b))
-        fp8, plain = (ra, rb) if index in a else (rb, ra)
+        missing = []
+        for rank, indices in ranks.items():
+            keeps = kept(rank, trainer) if kept is not None else None
+            left = (union if keeps is None else union & keeps) - indices
+            if left:
+                missing.append((min(left), rank))
+        if not missing:
+            refit[trainer] = sorted(union)
+            continue
+        index, plain = min(missing)
+        fp8 = next(rank for rank, indices in ranks.items() if index in indices)
         entry = metas[trainer]["entries"][index]
         problems.append(f"{entry.name}: {who(fp8)} holds it as float8_e4m3fn (BF16 -> FP8 refit), {who(plain)} "
                         f"as sent ({entry.dtype}); a trainer rank sends a tensor in one dtype to all its receivers")
     return refit, problems
+
+
+def replanned(sent: Mapping[int, Mapping[str, Any]], claimed: Mapping[int, Sequence[int]],
+              refit: Mapping[int, Sequence[int]], metas: dict[int, Mapping[str, Any]],
+              plans_of: dict[int, list[BucketLayout]], place: TPPlace
+              ) -> tuple[dict[int, Mapping[str, Any]], dict[int, list[BucketLayout]]]:
+    """A receiver's metadata and layouts once the verdict says what each trainer rank quantizes
+    (``refit``): where that is more than this receiver claimed (other EP ranks' experts, which it
+    does not keep), the update travels as every claim together makes it. ``sent``: the metadata
+    as the trainer ranks posted it; ``metas``/``plans_of``: as this receiver planned them."""
+    wanted = {t: sorted(refit.get(t, ())) for t in sent}
+    if all(sorted(claimed.get(t, ())) == wanted[t] for t in sent):
+        return metas, plans_of
+    problems: list[str] = []
+    out = plans(sent, wanted, place, problems)
+    if problems:  # it planned the pieces it keeps already; they do not change with others' claims
+        raise ConfigError(problems[0])
+    return out
 
 
 # -- both sides -------------------------------------------------------------------------------------

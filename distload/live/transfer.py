@@ -30,6 +30,7 @@ from distload.errors import ConfigError
 from distload.live.secret import Secret
 from distload.loading.buckets import ALIGN, flat_bytes, group_in_order, offsets
 from distload.loading.index import DTYPES
+from distload.tp.experts import expert_action, others_expert
 from distload.tp.place import TPPlace
 from distload.tp.spec import BLOCK_SCALE_SUFFIXES, ShardingSpec, carry_block_scales
 from distload.tp.slices import Action, rank_slice, shard_shape
@@ -67,6 +68,7 @@ class KeptSlice:
     nbytes: int
     action: Action | None  # None: the whole tensor
     run: tuple[int, int] | None = None  # [start, stop) bytes of the whole tensor, where it is one run
+    kept: bool = True  # False: another EP rank's expert, which this receiver does not hold at all
 
 
 @dataclass(frozen=True)
@@ -114,19 +116,30 @@ class Cuts:
 
 def kept_slice(place: TPPlace, index: int, entry: SyncTensor, carried: Action | None = None) -> KeptSlice:
     """What a receiver at ``place`` keeps of ``entry``: the whole tensor, or its TP slice (or
-    the cut it posted). ``carried``: its action as :func:`carried_scales` gives it, where it is
-    the block scales of a split weight."""
+    the cut it posted); with expert parallelism, its experts' (tp/experts.py: another EP rank's
+    expert is not kept at all, a stacked tensor keeps its experts' rows). ``carried``: its action
+    as :func:`carried_scales` gives it, where it is the block scales of a split weight."""
     whole = KeptSlice(index, entry.shape, entry.nbytes, None, (0, entry.nbytes))
+    experts = place.experts
+    if experts is not None:
+        assert experts.num_experts is not None, "a receiver's expert count is known when its channel is made"
+        if others_expert(entry.name, experts, experts.num_experts):  # before the rules: most experts are others'
+            return KeptSlice(index, (), 0, None, kept=False)
     spec = place.spec
     if carried is not None:
         action = carried
     elif isinstance(spec, Cuts):
         action = spec.action(entry.name, entry.shape)
     elif spec is None or place.size == 1:
-        return whole
+        if experts is None:
+            return whole
+        action = Action(None)
     else:
         assert isinstance(spec, ShardingSpec), "a receiver's spec is resolved when its channel is made"
         action = spec.action(entry.name, entry.shape)
+    if experts is not None:  # its own experts as the spec says; stacked ones cut to its rows
+        action, _ = expert_action(entry.name, entry.shape, action, experts,
+                                  experts.num_experts)  # type: ignore[arg-type]
     if action.replicated:
         return whole
     shape = shard_shape(entry.name, entry.shape, action, place.size)
@@ -176,15 +189,17 @@ def group_entries(entries: Sequence[SyncTensor], bucket_bytes: int) -> list[tupl
 def layouts(entries: Sequence[SyncTensor], groups: Sequence[Sequence[int]], place: TPPlace,
             verify: bool) -> list[BucketLayout]:
     """Every bucket as a receiver at ``place`` sees it (one whose pieces are all empty has size 0: nothing of it
-    travels, on either side)."""
+    travels, on either side). Tensors it does not hold at all (other EP ranks' experts) are not in
+    it: the receiver neither checks nor marks them."""
     out = []
     carried = carried_scales(entries, place)
     for group in groups:
-        pieces = [kept_slice(place, index, entries[index], carried.get(index)) for index in group]
+        pieces = [piece for piece in (kept_slice(place, index, entries[index], carried.get(index)) for index in group)
+                  if piece.kept]
         at, size = offsets([piece.nbytes for piece in pieces], ALIGN)  # so a piece can be viewed as its dtype
         items = list(zip(pieces, at))
-        direct = (len(group) == 1 and entries[group[0]].nbytes >= DIRECT_BYTES and items[0][0].run is not None
-                  and size > 0)
+        direct = (len(group) == 1 and len(items) == 1 and entries[group[0]].nbytes >= DIRECT_BYTES
+                  and items[0][0].run is not None and size > 0)
         out.append(BucketLayout(tuple(items), size, direct, verify))
     return out
 

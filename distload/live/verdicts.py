@@ -106,7 +106,9 @@ def post_verdict(session: Any, metas: Mapping[int, Mapping[str, Any]], version: 
             refusals.append(f"{session.who(rank)}: {len(problems)} {what}: {shown}{more}"
                             + (f"; {advice}" if advice else ""))
     refusals += sender_conflicts([metas[t] for t in sorted(metas)])
-    refit, mixed = refits.conflicts(claimed, metas, session.who)
+    where = pairing.places(record) if any(any(c.values()) for c in claimed.values()) else {}
+    refit, mixed = refits.conflicts(claimed, metas, session.who, lambda rank, t: pairing.kept_entries(
+        metas[t]["entries"], record, rank, where))
     refusals += mixed
     refused = None
     if refusals:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from distload.config import is_int
@@ -50,6 +51,9 @@ class ExpertPlace:
     size: int = 1
     rank: int = 0
     placement: str = "linear"
+    # The model's routed experts, where known beforehand (a weight-sync receiver's, from its
+    # config.json: a trainer rank's tensors name only some of them); None: counted at load.
+    num_experts: int | None = None
 
     def check(self) -> None:
         if not is_int(self.size) or self.size < 1:
@@ -145,38 +149,63 @@ class ExpertCut:
 def cut_experts(tensors: Sequence[tuple[str, Sequence[int], Action]], place: ExpertPlace,
                 config: Mapping[str, Any]) -> ExpertCut:
     """The EP rank's actions, from the tensor-parallel ones (``tensors``: name, torch shape, the
-    spec's action with block scales carried; distload/tp/spec.py).
-
-    A per-expert tensor of another rank's expert becomes an empty cut of dim 0 (0-d ones are
-    read whole, a few bytes) and is dropped; a stacked tensor keeps its experts' rows of dim 0,
-    refused if the sharding spec also splits it (one cut per tensor).
-    """
+    spec's action with block scales carried; distload/tp/spec.py): :func:`expert_action`'s."""
     place.check()
     if place.size == 1:  # every expert on every rank: nothing to place, a dense model included
         return ExpertCut({name: action for name, _, action in tensors}, frozenset(), (), 0)
     count = num_experts([(name, shape) for name, shape, _ in tensors], config, place.size)
     mine = place.experts(count)
-    owned = frozenset(mine)
-    rows = _runs(mine)
-    rule = f"expert parallelism: EP rank {place.rank} of {place.size}, {place.placement}"
     actions: dict[str, Action] = {}
     dropped = set()
     for name, shape, action in tensors:
-        eid = expert_id(name)
-        if eid is not None:
-            if eid not in owned:
-                dropped.add(name)
-                action = Action(0, None, rule, ranges=()) if len(shape) else action
-        elif is_stacked(name, shape, count) and place.size > 1:
-            if not action.replicated:
-                raise ConfigError(
-                    f"tensor {name!r} (shape {list(shape)}) stacks all {count} experts along dim 0, which "
-                    f"expert parallelism cuts by expert; the sharding spec also splits it along dim {action.dim} "
-                    f"(rule {action.rule!r}), and distload cuts a tensor one way: drop that rule, or load "
-                    f"without --expert-parallel-size")
-            action = Action(0, None, rule, ranges=rows)
-        actions[name] = action
+        actions[name], gone = expert_action(name, shape, action, place, count)
+        if gone:
+            dropped.add(name)
     return ExpertCut(actions, frozenset(dropped), mine, count)
+
+
+def expert_action(name: str, shape: Sequence[int], action: Action, place: ExpertPlace, count: int
+                  ) -> tuple[Action, bool]:
+    """One tensor's action on EP rank ``place`` of a model with ``count`` routed experts, from its
+    tensor-parallel action: (the action, whether the tensor is another rank's expert: dropped).
+
+    A per-expert tensor of another rank's expert becomes an empty cut of dim 0 (0-d ones are
+    read whole, a few bytes) and is dropped; a stacked tensor keeps its experts' rows of dim 0,
+    refused if the sharding spec also splits it (one cut per tensor)."""
+    eid = expert_id(name)
+    if eid is not None:
+        if not others_expert(name, place, count):
+            return action, False
+        return (Action(0, None, _rule(place), ranges=()) if len(shape) else action), True
+    _, rows = _placed(count, place.size, place.rank, place.placement)
+    if is_stacked(name, shape, count) and place.size > 1:
+        if not action.replicated:
+            raise ConfigError(
+                f"tensor {name!r} (shape {list(shape)}) stacks all {count} experts along dim 0, which "
+                f"expert parallelism cuts by expert; the sharding spec also splits it along dim {action.dim} "
+                f"(rule {action.rule!r}), and distload cuts a tensor one way: drop that rule, or load "
+                f"without --expert-parallel-size")
+        return Action(0, None, _rule(place), ranges=rows), False
+    return action, False
+
+
+def others_expert(name: str, place: ExpertPlace, count: int) -> bool:
+    """Whether ``name`` is a per-expert tensor of another EP rank's expert (dropped by
+    :func:`expert_action`, whatever its action: a weight sync asks this first and skips the
+    sharding rules for it)."""
+    eid = expert_id(name)
+    return eid is not None and eid not in _placed(count, place.size, place.rank, place.placement)[0]
+
+
+def _rule(place: ExpertPlace) -> str:
+    return f"expert parallelism: EP rank {place.rank} of {place.size}, {place.placement}"
+
+
+@lru_cache(maxsize=1024)
+def _placed(count: int, size: int, rank: int, placement: str) -> tuple[frozenset[int], tuple[tuple[int, int], ...]]:
+    """The experts an EP rank holds, as a set and as runs of rows (asked once per tensor: cached)."""
+    mine = local_experts(count, size, rank, placement)
+    return frozenset(mine), _runs(mine)
 
 
 def _runs(ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
