@@ -73,8 +73,14 @@ def info_place(info: Mapping[str, Any], rank: int) -> TPPlace:
     by the rank, its EP rank as it announced it (distload/tp/place.py's mapping, made once, there)."""
     spec = None if info["spec"] is None else spec_from_json(info["spec"])
     experts = info.get("experts")
-    return TPPlace(info["tp_size"], rank % info["tp_size"], spec,
-                   ExpertPlace(experts[0], experts[1], experts[2], experts[3]) if experts else None)
+    place = None
+    if experts:  # a member's hello: checked as a local setting is, so a bad one is a clear error
+        if not isinstance(experts, (list, tuple)) or len(experts) != 4:
+            raise ConfigError(f"inference rank {rank} announced expert parallelism as {experts!r}, not "
+                              f"[size, rank, placement, experts]: run the same distload version on both jobs")
+        place = ExpertPlace(*experts)
+        place.check()
+    return TPPlace(info["tp_size"], rank % info["tp_size"], spec, place)
 
 
 def with_experts(place: TPPlace, role: str, rank: int, size: int, ep_size: int | None, placement: str | None,
