@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,6 +51,10 @@ _UPLOAD = textwrap.dedent('''
                 path = os.path.join(root, name)
                 s3.upload_file(path, bucket, prefix + "/" + os.path.relpath(path, folder))
 ''')
+
+
+# werkzeug's request line: '"GET /bucket/key HTTP/1.1" 206 -', its method colored on some statuses
+_REQUEST = re.compile(r'"(?:\x1b\[[0-9;]*m)*(?:GET|HEAD|PUT|POST|DELETE) ')
 
 
 class S3Store:
@@ -104,6 +109,13 @@ class S3Store:
         out = subprocess.run(["ip", "-n", self.host.netns, "-s", "-j", "link", "show", self.host.ifname],
                              capture_output=True, text=True, check=True, timeout=30).stdout
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+
+    def requests(self) -> int:
+        """The HTTP requests moto has answered so far (werkzeug logs one line for each): zero new
+        ones over a step means nothing asked the store, whatever control packets (a late TCP close,
+        ARP) its interface counted meanwhile."""
+        with open(self.log, errors="replace") as f:
+            return sum(1 for line in f if _REQUEST.search(line))
 
     def stop(self) -> None:
         if self.process.poll() is None:

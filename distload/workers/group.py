@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
 from distload.runtime import RUNTIME
-from distload.workers.heartbeat import INTERVAL_S, Heartbeat, PeerWatch
+from distload.workers.heartbeat import INTERVAL_S, SETTLE_S, Heartbeat, PeerWatch
 from distload.workers.launch import LaunchInfo, detect_launch, resolve_device
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -415,11 +415,12 @@ class WorkerGroup:
         Under torchrun a peer whose process ended (a closed connection, not a timeout) is named
         by torchrun's own summary, and its agent ends this process within a second or so: the
         1.5 s watch would only lose that race and leave this rank without any message. A peer on
-        this host whose process is gone is named at once, there too (by the process it posted)."""
+        this host whose process is gone is named there too (by the process it posted), looked for
+        for SETTLE_S at most: its sockets close a moment before its process shows as ended."""
         if self._heartbeat is None or self.world_size == 1:
             return ""
         if os.environ.get("TORCHELASTIC_RUN_ID") and exc is not None and "time" not in str(exc).lower():
-            ended = self._heartbeat.describe_ended(self.ranks, self.launch.rank)
+            ended = self._heartbeat.describe_ended(self.ranks, self.launch.rank, SETTLE_S)
             return ended or "; a peer's process ended (torchrun's failure summary names its rank)"
         return self._heartbeat.describe_silent(self.ranks, self.launch.rank)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 from distload.runtime import RUNTIME
@@ -28,6 +29,9 @@ from distload.runtime import RUNTIME
 INTERVAL_S = 0.5
 # How long a checker watches the counters: beats missed over this span mean the rank stopped.
 WATCH_S = 1.5
+# A SIGKILLed process closes its sockets (exit_files) a moment before it shows as ended
+# (exit_notify: a zombie), so a survivor that looks at once can miss it: looks repeat this long.
+SETTLE_S = 0.3
 # A store that does not answer within this is reported as such (it may be the dead rank's).
 STORE_DEADLINE_S = 8.0
 
@@ -174,27 +178,35 @@ class Heartbeat:
         thread.join(watch_s + STORE_DEADLINE_S)
         return found[0]
 
-    def ended_ranks(self, ranks: Sequence[int]) -> list[int]:
-        """Of the global ``ranks``, those on this host whose process has ended (at once: no
-        watching); [] where none has, or the store does not answer."""
+    def ended_ranks(self, ranks: Sequence[int], settle_s: float = 0.0) -> list[int]:
+        """Of the global ``ranks``, those on this host whose process has ended (no heartbeat
+        watching; where none has, /proc is looked at again for up to ``settle_s``); [] where none
+        has, or the store does not answer."""
         if self.store is None:
             return []
         found: list[list[int]] = [[]]
         key = _host_key(socket.gethostname())
 
         def look() -> None:
-            if self.store.check([key]):
-                found[0] = ended_processes(self.store.get(key).decode(errors="replace"), ranks)
+            if not self.store.check([key]):
+                return
+            posted = self.store.get(key).decode(errors="replace")
+            end = time.monotonic() + settle_s
+            while True:
+                found[0] = ended_processes(posted, ranks)
+                if found[0] or time.monotonic() >= end:
+                    return
+                time.sleep(0.02)
 
         thread = threading.Thread(target=_quietly(look), name="distload-heartbeat-look", daemon=True)
         thread.start()
-        thread.join(STORE_DEADLINE_S)
+        thread.join(STORE_DEADLINE_S + settle_s)
         return found[0]
 
-    def describe_ended(self, ranks: Sequence[int], me: int) -> str:
+    def describe_ended(self, ranks: Sequence[int], me: int, settle_s: float = 0.0) -> str:
         """A clause naming the ranks of ``ranks`` (global, without ``me``) whose process on this
-        host has ended; "" where none has (or they run elsewhere)."""
-        ended = self.ended_ranks([r for r in ranks if r != me])
+        host has ended (looked for up to ``settle_s``); "" where none has (or they run elsewhere)."""
+        ended = self.ended_ranks([r for r in ranks if r != me], settle_s)
         if not ended:
             return ""
         which = (f"rank {ended[0]} ended: its process" if len(ended) == 1
