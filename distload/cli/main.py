@@ -491,6 +491,19 @@ def precheck(argv: list[str]) -> int:
     return 0
 
 
+# Before the group forms nothing tells the ranks that rank 0 has printed a failure they all share.
+# The silent ones linger this long before they exit: torchrun's agent stops the ranks still
+# running as soon as one has exited, so a silent rank that ends first could take rank 0's line
+# with it. Rank 0 exits the moment it has printed, and the agent then ends the lingering ranks:
+# the wait costs nothing unless rank 0 is slow to get there.
+LINGER_S = 5.0
+
+
+def _silent_rank_lingers(rank: int | str, world_size: int, failures: dict[int, str] | None) -> None:
+    if failures is not None and world_size > 1 and rank != 0:
+        time.sleep(LINGER_S)
+
+
 class _Reported(Exception):
     """An error already printed (inside a group, before it closed); main only sets the exit code."""
 
@@ -611,13 +624,17 @@ def main(argv: list[str] | None = None) -> int:
                 check_arguments(args)
             except ConfigError as exc:
                 # The same command line on every rank: every rank fails the same way.
-                report_error(exc, args.command, rank, world_size, {r: str(exc) for r in range(world_size)})
+                failures = {r: str(exc) for r in range(world_size)}
+                report_error(exc, args.command, rank, world_size, failures)
+                _silent_rank_lingers(rank, world_size, failures)
                 return 1
             return _run(args)
         except _Reported:
             return 1
-        except DistloadError as exc:
-            report_error(exc, args.command, rank, world_size, shared_failure(exc, launch))
+        except DistloadError as exc:  # outside the group: before it formed, or a one-process command
+            failures = shared_failure(exc, launch)
+            report_error(exc, args.command, rank, world_size, failures)
+            _silent_rank_lingers(rank, world_size, failures)
             return 1
         except KeyboardInterrupt:
             print(f"distload: interrupted on rank {rank}", file=sys.stderr, flush=True)
