@@ -1,13 +1,14 @@
 """One side of an expert-parallel weight-sync test (tests/test_sync_experts.py)::
 
     python tests/ep_sync_driver.py trainer RANK SIZE CKPT tcp://HOST:PORT OUT
-    torchrun --nproc-per-node N tests/ep_sync_driver.py inference - - CKPT tcp://HOST:PORT OUT
+    torchrun --nproc-per-node N tests/ep_sync_driver.py inference TP - CKPT tcp://HOST:PORT OUT
 
 The checkpoint (:func:`write_checkpoint`) is a small mixture-of-experts model in DeepSeek's names:
 per-expert projections, a shared expert, a router, one tensor of every expert stacked on dim 0.
 A trainer rank pushes its share of :func:`pushed` (rank r of S: the tensors at positions r, r + S,
 ...) for versions 1 and 2 (2 is 1 with a few elements changed: a delta). Inference rank r loads
-the checkpoint with ``distload.load(..., expert_parallel_size=2)`` and receives into that dict.
+the checkpoint with ``distload.load(..., expert_parallel_size=2, tensor_parallel_size=TP)`` and
+receives into that dict (TP "-": 1).
 The trainer always pushes BF16; a checkpoint written in ``fp8`` form holds every projection as
 float8_e4m3fn with 128x128 block scales, so its receivers take a refit.
 Each member writes its stats to ``OUT/ROLE<rank>.json``; a receiver also writes its tensors after
@@ -29,7 +30,8 @@ from safetensors.torch import save_file
 EXPERTS = 4
 EP = 2
 HIDDEN, INTER = 256, 128
-CONFIG = {"model_type": "deepseek_v3", "n_routed_experts": EXPERTS, "hidden_size": HIDDEN}
+CONFIG = {"model_type": "deepseek_v3", "n_routed_experts": EXPERTS, "hidden_size": HIDDEN, "num_attention_heads": 4,
+          "num_key_value_heads": 4}  # heads: what TP splits o_proj by
 
 
 def pushed(version: int) -> dict[str, torch.Tensor]:
@@ -84,21 +86,27 @@ def trainer(rank: int, size: int, address: str, out: str) -> dict:
     return {"stats": stats}
 
 
-def inference(ckpt: str, address: str, out: str) -> dict:
+def inference(tp: int, ckpt: str, address: str, out: str) -> dict:
     import distload
     from distload.live.channel import SyncChannel
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    state = distload.load(ckpt, expert_parallel_size=EP, device="cpu")
+    state = distload.load(ckpt, expert_parallel_size=EP, tensor_parallel_size=tp, device="cpu")
     loaded = sorted(state)
     stats = []
     with SyncChannel(address, role="inference", rank=rank, size=size, timeout_s=60, transport="socket",
-                     expert_parallel_size=EP, model_config=ckpt) as channel:
+                     tensor_parallel_size=tp, expert_parallel_size=EP, model_config=ckpt) as channel:
         for version in (1, 2):
             got = channel.receive(state)
             stats.append(dataclasses.asdict(got))
             save_file({n: t.contiguous() for n, t in state.items()},
                       os.path.join(out, f"inference{rank}-v{version}.safetensors"))
+    for version in (1, 2):  # where the test wrote a version whole: what a load of it keeps here
+        folder = os.path.join(out, f"v{version}")
+        if os.path.isdir(folder):
+            loads = distload.load(folder, expert_parallel_size=EP, tensor_parallel_size=tp, device="cpu")
+            save_file({n: t.contiguous() for n, t in loads.items()},
+                      os.path.join(out, f"inference{rank}-v{version}-load.safetensors"))
     return {"stats": stats, "loaded": loaded}
 
 
@@ -106,7 +114,8 @@ def main() -> None:
     role, rank, size, ckpt, address, out = sys.argv[1:7]
     me = int(os.environ.get("RANK", "0")) if role == "inference" else int(rank)
     try:
-        result = trainer(int(rank), int(size), address, out) if role == "trainer" else inference(ckpt, address, out)
+        result = (trainer(int(rank), int(size), address, out) if role == "trainer"
+                  else inference(1 if rank == "-" else int(rank), ckpt, address, out))
     except BaseException:  # noqa: BLE001 - the test reads it
         result = {"crash": traceback.format_exc()}
     with open(os.path.join(out, f"{role}{me}.json"), "w") as f:

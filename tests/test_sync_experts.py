@@ -96,7 +96,7 @@ def test_an_ep_channel_that_cannot_work_is_refused_in_one_line_before_it_joins(k
     assert "\n" not in message and all(w in message for w in words), message
 
 
-def _run(tmp_path, trainers: int, receivers: int = 2, timeout: float = 120) -> dict[str, dict]:
+def _run(tmp_path, trainers: int, receivers: int = 2, timeout: float = 120, tp: int = 1) -> dict[str, dict]:
     """Trainer ranks and inference ranks (with torchrun's environment, one group) as processes."""
     address = f"tcp://127.0.0.1:{free_port()}"
     port = free_port()
@@ -109,7 +109,7 @@ def _run(tmp_path, trainers: int, receivers: int = 2, timeout: float = 120) -> d
     for rank in range(receivers):
         env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(receivers), "LOCAL_RANK": str(rank),
                          "LOCAL_WORLD_SIZE": str(receivers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, DRIVER, "inference", "-", "-", ckpt, address, str(tmp_path)],
+        procs.append(subprocess.Popen([sys.executable, DRIVER, "inference", str(tp), "-", ckpt, address, str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"inference{rank}.log", "w")))
     deadline = time.monotonic() + timeout
@@ -208,3 +208,34 @@ def test_tp2_x_ep2_receivers_keep_their_tp_slice_of_their_experts_as_loads_rank_
     stacked = SyncTensor("model.layers.1.mlp.experts.w13_weight", "BF16", (4, 6, 8), 4 * 6 * 8 * 2)
     piece = kept_slice(place, 0, stacked)
     assert piece.shape == (2, 6, 8) and piece.run == (2 * 96, 4 * 96)
+
+
+@pytest.mark.slow  # five processes on two cores
+def test_tp2_x_ep2_receivers_hold_what_a_load_at_tp2_x_ep2_holds_after_each_update(tmp_path):
+    """Four inference ranks at TP 2 x EP 2, loaded by ``distload.load`` at those sizes, receive
+    from one trainer: after each version each rank holds, bit for bit, what a load of that version
+    at TP 2 x EP 2 gives the same rank (its TP slice of its own experts, tests/test_expert_parallel.py
+    checks those loads against slicing), and takes no more than 1.05x those bytes off the wire; the
+    second version is a delta."""
+    from conftest import write_whole
+
+    driver.write_checkpoint(str(tmp_path / "ckpt"), "bf16")
+    for version in (1, 2):
+        write_whole(str(tmp_path / f"v{version}"), driver.pushed(version), num_files=2)
+        (tmp_path / f"v{version}" / "config.json").write_text(json.dumps(driver.CONFIG))
+    results = _run(tmp_path, trainers=1, receivers=4, tp=2)
+    whole = sum(t.numel() * t.element_size() for t in driver.pushed(1).values())
+    for rank in range(4):
+        stats = results[f"inference{rank}"]["stats"]
+        for version in (1, 2):
+            got = load_file(str(tmp_path / f"inference{rank}-v{version}.safetensors"))
+            want = load_file(str(tmp_path / f"inference{rank}-v{version}-load.safetensors"))
+            assert sorted(got) == sorted(want) == results[f"inference{rank}"]["loaded"]
+            for name in want:
+                assert got[name].shape == want[name].shape, (rank, name)
+                assert torch.equal(_bits(got[name]), _bits(want[name])), (rank, version, name)
+        kept = sum(t.numel() * t.element_size() for t in want.values())
+        assert kept < 0.4 * whole  # a quarter of the experts' bytes, half of the rest, roughly
+        assert stats[0]["nbytes"] == kept and stats[0]["wire_bytes"] <= 1.05 * kept, (rank, stats[0], kept)
+        assert stats[0]["verified"] and not stats[0]["delta"]
+        assert stats[1]["delta"] and stats[1]["verified"], (rank, stats[1])
