@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import traceback
+import weakref
 import zlib
 
 import torch
@@ -26,7 +27,7 @@ from distload.errors import SyncError
 from distload.live.channel import SyncChannel
 
 TIMEOUT_S = 60.0
-LAYERS = 2
+LAYERS = 4  # one trainer refits 8 projections: more than a push holds at once
 # Shapes that end in ragged blocks (320 = 2.5 blocks of 128): gate_proj is split by rows under TP
 # (its scales by rows of blocks), down_proj by columns.
 GATE, DOWN, NORM = (256, 320), (320, 512), (320,)
@@ -100,15 +101,41 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+class QuantizedAlive:
+    """Counts the FP8 copies refit.quantize made that are still alive, and their peak in a push."""
+
+    def __init__(self):
+        import distload.live.refit as refit
+
+        self.alive = self.peak = 0
+        real = refit.quantize
+
+        def counted(weight):
+            q, s = real(weight)
+            self.alive += 1
+            self.peak = max(self.peak, self.alive)
+            weakref.finalize(q, self._gone)
+            return q, s
+
+        refit.quantize = counted
+
+    def _gone(self) -> None:
+        self.alive -= 1
+
+
 def _trainer(rank: int, size: int, receivers: int, address: str) -> dict:
     seen = {}
+    alive = QuantizedAlive()
+    # Buckets of 64 KiB: each projection a bucket of its own, so that what a push holds at once shows.
     with SyncChannel(address, "trainer", rank=rank, size=size, device="cpu", timeout_s=TIMEOUT_S,
-                     transport="socket") as channel:
+                     transport="socket", bucket_bytes=64 << 10) as channel:
         for version, _ in scenario(size, receivers):
+            alive.peak = alive.alive
             try:
                 seen[version] = {"stats": dataclasses.asdict(channel.push(state_of(version, rank, size), version))}
             except SyncError as exc:
                 seen[version] = {"error": str(exc)}
+            seen[version]["quantized_peak"] = alive.peak
     return seen
 
 

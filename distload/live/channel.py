@@ -457,7 +457,9 @@ class SyncChannel:
         merged = [dict(deltas.merged(route.layouts, self.bucket_bytes)) if route.delta else {} for route in routes]
         gathered: list[tuple[dict, dict]] = [({}, {}) for _ in routes]
         sent = [0] * len(routes)
+        whole: dict[int, torch.Tensor] | None = None
         for i, group in enumerate(groups):
+            whole = None  # the last bucket's tensors let go first (a refit's FP8 copies: refit.Quantizing)
             whole = {index: _whole(tensors[index]) for index in group}
             patches = self._changes(group, entries, whole, changes, tensors) if self.delta else {}
             for v, route in enumerate(routes):
@@ -565,7 +567,7 @@ class SyncChannel:
         for index in group:
             name = entries[index].name
             tensor = whole[index].detach()
-            first = changes.names.setdefault(_memory_key(tensors[index]), name)
+            first = changes.names.setdefault(_pushed_key(tensors, index), name)
             if first != name:  # one tensor under two names (tied weights): compared and kept once
                 if first in changes.copies:  # new to the base: both travel whole, one copy kept
                     changes.copies[name] = changes.copies[first]
@@ -1248,6 +1250,16 @@ def _memory_key(tensor: torch.Tensor) -> tuple:
     """What one tensor of a pushed state is, so that two names of it (tied weights) are found: its
     memory, or a DTensor's object (its gathered whole is a new tensor each time)."""
     return ("dtensor", id(tensor)) if _is_dtensor(tensor) else deltas.alias_key(tensor)
+
+
+def _pushed_key(tensors: Mapping[int, torch.Tensor], index: int) -> tuple:
+    """:func:`_memory_key` of what the caller pushed as entry ``index``: for a refit entry, of the
+    tensor it is quantized from (its FP8 copy is new memory, which a later one may reuse)."""
+    if isinstance(tensors, refits.Quantizing):
+        source, part = tensors.source(index)
+        if part is not None:
+            return ("refit", part) + _memory_key(source)
+    return _memory_key(tensors[index])
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:

@@ -214,12 +214,12 @@ def converted(meta: Mapping[str, Any], indices: Sequence[int]) -> dict[str, Any]
 
 
 def for_push(entries: Sequence[SyncTensor], tensors: Mapping[int, torch.Tensor], meta: Mapping[str, Any],
-             indices: Sequence[int]) -> tuple[list[SyncTensor], list[tuple[int, ...]], dict[int, torch.Tensor], dict]:
-    """A trainer rank's update once ``indices`` are refit: its entries, groups, tensors (quantized
-    here, before any byte moves; held for the push: half the BF16 bytes of what is refit) and
-    metadata, as its receivers derive them (:func:`plans`)."""
+             indices: Sequence[int]) -> tuple[list[SyncTensor], list[tuple[int, ...]], "Quantizing", dict]:
+    """A trainer rank's update once ``indices`` are refit: its entries, groups, tensors (each refit
+    one quantized when its bucket is sent: :class:`Quantizing`) and metadata, as its receivers
+    derive them (:func:`plans`)."""
     meta = converted(meta, indices)
-    return meta["entries"], meta["groups"], quantized(tensors, entries, indices), meta
+    return meta["entries"], meta["groups"], Quantizing(tensors, entries, indices), meta
 
 
 def plans(metas: Mapping[int, Mapping[str, Any]], claimed: Mapping[int, Sequence[int]], place: TPPlace,
@@ -238,19 +238,54 @@ def plans(metas: Mapping[int, Mapping[str, Any]], claimed: Mapping[int, Sequence
     return metas, out
 
 
-def quantized(tensors: Mapping[int, torch.Tensor], entries: Sequence[SyncTensor], indices: Sequence[int]
-              ) -> dict[int, torch.Tensor]:
-    """The trainer's tensors by index of :func:`converted`'s entries: each refit one quantized
-    (its FP8 bytes, then its scales), the others as they are."""
-    refit = set(indices)
-    out: dict[int, torch.Tensor] = {}
-    at = 0
-    for index in range(len(entries)):
-        if index in refit:
-            out[at], out[at + 1] = quantize(tensors[index])
-            at += 2
-        else:
-            if index in tensors:
-                out[at] = tensors[index]
-            at += 1
-    return out
+class Quantizing(Mapping[int, torch.Tensor]):
+    """The trainer's tensors by index of :func:`converted`'s entries: each refit one quantized (its
+    FP8 bytes, then its scales), the others as they are.
+
+    A refit tensor is quantized when its bucket asks for it, and only the last ``KEPT`` of them
+    are held here (a weight's scales, right after it, may open the next bucket): a push holds the
+    FP8 copies of the buckets under way (the two in flight may still be sending from them), not
+    half the bytes of everything it refits, for which a trainer rank of a large model has no room
+    beside its BF16 weights."""
+
+    KEPT = 1
+
+    def __init__(self, tensors: Mapping[int, torch.Tensor], entries: Sequence[SyncTensor], indices: Sequence[int]):
+        refit = set(indices)
+        self._tensors = tensors
+        self._where: dict[int, tuple[int, int | None]] = {}  # converted index -> (source index, FP8/scale part)
+        at = 0
+        for index in range(len(entries)):
+            if index in refit:
+                self._where[at], self._where[at + 1] = (index, 0), (index, 1)
+                at += 2
+            else:
+                if index in tensors:
+                    self._where[at] = (index, None)
+                at += 1
+        self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # source index -> (q, s), oldest first
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        source, part = self._where[index]
+        if part is None:
+            return self._tensors[source]
+        pair = self._held.pop(source, None)
+        if pair is None:
+            pair = quantize(self._tensors[source])
+        self._held[source] = pair  # the newest last
+        while len(self._held) > self.KEPT:
+            del self._held[next(iter(self._held))]
+        return pair[part]
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def source(self, index: int) -> tuple[torch.Tensor, int | None]:
+        """The pushed tensor that entry ``index`` is made from, and which part of it (0: the FP8
+        bytes, 1: the scales; None: it is that tensor): what names one tensor pushed under two
+        names (tied weights), whose quantized copies are new memory each time."""
+        source, part = self._where[index]
+        return self._tensors[source], part
