@@ -558,6 +558,33 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
     other order leaves version 3's patched values). ``stride`` 5: two in five elements change, too
     many to patch: the delta update sends the tensor whole, and a whole piece over the full
     sender's bytes keeps no undo of them (it would put version 3 back after the rollback)."""
+    results = _tied_from_two_trainer_ranks(monkeypatch, {1 - whole_rank}, stride)
+    assert results["v1"] == (False, True) and results["v2"] == (True, True), results
+    error, at_version_2, consistent = results["v3"]
+    assert "injected" in error and at_version_2 and consistent, results
+    assert results[f"trainer {1 - whole_rank} v2"] is True and results[f"trainer {whole_rank} v2"] is False, results
+    assert results["whole v2"] == (() if stride == 29 else ("head.weight" if whole_rank == 0 else "embed.weight",)), \
+        results
+
+
+def test_a_tied_weight_from_two_full_trainer_ranks_rolls_back_exactly(monkeypatch):
+    """Both ranks send whole bytes (no deltas): version 3 lands, the embedding's bytes, then the
+    LM head's over the same memory, and fails after; the receiver is back at version 2 exactly.
+    Each name was set aside before its first write, the head's after the embedding's had landed:
+    put back in the order set aside, version 3 stayed (main before this test)."""
+    results = _tied_from_two_trainer_ranks(monkeypatch, set(), 5)
+    assert results["v1"] == (False, True) and results["v2"] == (False, True), results
+    error, at_version_2, consistent = results["v3"]
+    assert "injected" in error and at_version_2 and consistent, results
+
+
+def _tied_from_two_trainer_ranks(monkeypatch, delta_ranks: set[int], stride: int) -> dict[str, object]:
+    """Trainer rank 0 pushes ``embed.weight``, rank 1 ``head.weight`` (ranks in ``delta_ranks``
+    through delta channels, the others full), versions 1-3 (``stride``: every stride-th element of
+    the next version differs), into one receiver whose model ties them; version 3 fails on the
+    receiver after every byte landed. Each rank also pushes a tensor of its own with one element
+    changed a version: a delta rank's push compares something even while the tied weight's copy
+    rests, and goes as a delta (a push that compares nothing goes full). What each side saw, by name."""
     import threading
 
     import torch.distributed as dist
@@ -573,12 +600,19 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
         deltas.flat_ints(w)[version::stride] ^= 1
         return w
 
+    def other(version):  # one element changed a version: a patch (the push compares something)
+        w = torch.ones(16, 16, dtype=torch.bfloat16)
+        w.view(-1)[version] = 2
+        return w
+
     class Tied(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.embed = torch.nn.Embedding(64, 16, dtype=torch.bfloat16)
             self.head = torch.nn.Linear(16, 64, bias=False, dtype=torch.bfloat16)
             self.head.weight = self.embed.weight
+            self.other0 = torch.nn.Linear(16, 16, bias=False, dtype=torch.bfloat16)
+            self.other1 = torch.nn.Linear(16, 16, bias=False, dtype=torch.bfloat16)
 
     real = SyncChannel._receive_all
 
@@ -596,10 +630,11 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
 
     def trainer(rank):
         name = "embed.weight" if rank == 0 else "head.weight"
-        with channel("trainer", rank, delta=rank != whole_rank) as ch:
+        with channel("trainer", rank, delta=rank in delta_ranks) as ch:
             for version in (1, 2, 3):
                 try:
-                    results[f"trainer {rank} v{version}"] = ch.push({name: weight(version)}, version).delta
+                    state = {name: weight(version), f"other{rank}.weight": other(version)}
+                    results[f"trainer {rank} v{version}"] = ch.push(state, version).delta
                 except SyncError as exc:
                     results[f"trainer {rank} v{version}"] = str(exc)
 
@@ -619,9 +654,4 @@ def test_a_tied_weight_from_two_trainer_ranks_one_delta_one_whole_then_a_failure
         t.start()
     for t in threads:
         t.join(120)
-    assert results["v1"] == (False, True) and results["v2"] == (True, True), results
-    error, at_version_2, consistent = results["v3"]
-    assert "injected" in error and at_version_2 and consistent, results
-    assert results[f"trainer {1 - whole_rank} v2"] is True and results[f"trainer {whole_rank} v2"] is False, results
-    assert results["whole v2"] == (() if stride == 29 else ("head.weight" if whole_rank == 0 else "embed.weight",)), \
-        results
+    return results

@@ -353,8 +353,15 @@ class SyncChannel:
         self._attempts += 1
         following = f"{self._nonce}:{self._attempts}"
         changes = _Changes()
+        # A push that compares nothing (every tensor's copy rests: its compares gave up, every
+        # element changing) sends every byte whole: it goes as a full update, one hand-off a
+        # bucket as a full channel's, with no base named, so no receiver takes it as a delta. Its
+        # "next" still names the base: the receivers hold it after, and the next push that
+        # compares is a delta again. A delta carries its own checks; this only where the update is
+        # verified anyway.
+        compares = self.delta and not (verify and self._base.compares_none([e.name for e in entries]))
         meta = {"version": version, "entries": entries, "groups": groups, "verify": verify,
-                "gathered": list(dtensors), "delta": self.delta, "base": self._base.id if self.delta else None,
+                "gathered": list(dtensors), "delta": self.delta, "base": self._base.id if compares else None,
                 "next": following if self.delta else None, "audit": self._pushes, "bucket_bytes": self.bucket_bytes}
         try:
             session.put("meta", meta)
@@ -932,7 +939,10 @@ class SyncChannel:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the transfer thread's copies, on its stream
         with torch.no_grad():
-            for name, old in undo.items():
+            # Last set aside, first put back: two names of one tensor (tied weights, pushed by
+            # two trainer ranks) are both set aside, the second after the first one's bytes
+            # landed; put back in the other order, it would leave those in place.
+            for name, old in reversed(undo.items()):
                 targets[name].detach().copy_(old)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

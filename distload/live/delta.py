@@ -700,6 +700,11 @@ class Base:
             return
         held.copy_(tensor.detach())
 
+    def compares_none(self, names: Sequence[str]) -> bool:
+        """Whether a push of ``names`` compares none of them: each one's copy rests (its compare
+        gave up lately) or there is none yet, so every byte goes whole."""
+        return all(name in self.resting or name not in self.tensors for name in names)
+
     def rests(self, name: str) -> int | None:
         """None where ``name``'s copy is the version the receivers hold (or there is none); else
         how many more pushes it rests before it is refreshed (0: this one)."""
