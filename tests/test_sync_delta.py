@@ -655,3 +655,66 @@ def _tied_from_two_trainer_ranks(monkeypatch, delta_ranks: set[int], stride: int
     for t in threads:
         t.join(120)
     return results
+
+
+def test_a_push_whose_every_tensor_rests_goes_as_a_full_update_and_the_next_compare_is_a_delta():
+    """Every element changes in versions 2-8 (a high learning rate), then one element a version.
+    Each compare gives up and the tensors rest: a push in which every tensor's copy rests sends
+    every byte whole, and goes as a full update (no delta, exactly a full push's wire bytes: no
+    headers); the receivers keep the base all along, so once the copies are compared again the
+    small steps go as deltas. Every version lands bit for bit."""
+    import threading
+
+    import torch.distributed as dist
+
+    from distload.live.channel import SyncChannel
+
+    store = dist.HashStore()
+    names = ("a.weight", "b.weight")
+
+    def state(version):
+        out = {}
+        for i, name in enumerate(names):
+            w = (torch.randn(128, 128, generator=torch.Generator().manual_seed(i)) * 4).to(torch.bfloat16)
+            bits = deltas.flat_ints(w)
+            bits ^= min(version, 8)  # versions 2-8: every element differs from the version before
+            if version > 8:
+                bits[version] ^= 16  # then one element a version
+            out[name] = w
+        return out
+
+    versions = range(1, 21)
+    pushes, receives = [], []
+
+    def channel(role):
+        return SyncChannel(role=role, rank=0, size=1, store=store, device="cpu", timeout_s=30, transport="socket")
+
+    def trainer():
+        with channel("trainer") as ch:
+            for version in versions:
+                stats = ch.push(state(version), version)
+                pushes.append((stats.delta, stats.wire_bytes, sorted(stats.sent_whole)))
+
+    def receiver():
+        target = {name: torch.zeros(128, 128, dtype=torch.bfloat16) for name in names}
+        with channel("inference") as ch:
+            for version in versions:
+                stats = ch.receive(target)
+                receives.append((stats.delta, all(torch.equal(deltas.flat_ints(target[n]), deltas.flat_ints(t))
+                                                  for n, t in state(version).items())))
+
+    threads = [threading.Thread(target=trainer), threading.Thread(target=receiver)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(pushes) == len(receives) == len(versions), (pushes, receives)
+    assert all(exact for _, exact in receives), [(v, r) for v, r in zip(versions, receives) if not r[1]]
+    assert [d for d, _ in receives] == [d for d, _, _ in pushes]
+    full_wire = pushes[0][1]
+    assert pushes[0][0] is False and pushes[1][0] is True and pushes[1][2] == sorted(names), pushes[:2]
+    rested = [p for p in pushes[2:8] if p[0] is False]  # versions 3-8: every tensor resting or refreshed
+    # a full update: sent_whole names what a delta update sent whole, and this is none
+    assert len(rested) >= 3 and all(wire == full_wire and not whole for _, wire, whole in rested), pushes
+    small = [p for p in pushes[8:] if p[0] is True and not p[2]]  # versions 9-20: patches again
+    assert small and all(wire < 0.05 * full_wire for _, wire, _ in small), pushes
