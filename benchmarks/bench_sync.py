@@ -911,7 +911,10 @@ def orchestrate_choice(args: argparse.Namespace) -> None:
             "delta_vs_full_seconds_each": [round(x, 3) for x in ratios],
             "full_bytes": rows[-1]["full"][1], "delta_bytes": rows[-1]["delta"][1],
             "delta_vs_full_bytes": round(rows[-1]["delta"][1] / rows[-1]["full"][1], 4),
-            "sent_whole_fraction": round(rows[-1]["delta"][3] / rows[-1]["state_bytes"], 4),
+            # a push that compared nothing went as a full update: every byte whole
+            "sent_whole_fraction": round((rows[-1]["delta"][3] if rows[-1]["delta"][2] else rows[-1]["state_bytes"])
+                                         / rows[-1]["state_bytes"], 4),
+            "full_updates": sum(1 for r in rows if not r["delta"][2]),
             "a_delta_update": rows[-1]["delta"][2], "pushes": len(rows)}
     state_bytes = sent[0]["state_bytes"]
     out = {"machine": {"cpus": os.cpu_count(), "nproc": os.cpu_count(), "kernel": platform.release(),
@@ -932,13 +935,14 @@ def orchestrate_choice(args: argparse.Namespace) -> None:
              f"{load[3]} after (1-minute): every figure is noisy, the ratios are of pushes interleaved in the same "
              f"jobs. torch {torch.__version__}. Every receive bit-identical to the version pushed.", "",
              "| elements changed | full s | delta channel s | delta/full time (median) | (total) | full bytes | "
-             "delta channel bytes | delta/full bytes | sent whole (of the state) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "delta channel bytes | delta/full bytes | sent whole (of the state) | delta channel's pushes that "
+             "went as full updates (every tensor resting) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for fraction, r in table.items():
         lines.append(f"| {fraction * 100:g}% | {r['full_seconds']} | {r['delta_seconds']} | "
                      f"{r['delta_vs_full_seconds']} | {r['delta_vs_full_seconds_mean']} | {r['full_bytes'] / 2**20:.1f} MiB | "
                      f"{r['delta_bytes'] / 2**20:.1f} MiB | {r['delta_vs_full_bytes']} | "
-                     f"{r['sent_whole_fraction'] * 100:.0f}% |")
+                     f"{r['sent_whole_fraction'] * 100:.0f}% | {r['full_updates']} of {r['pushes']} |")
     with open(os.path.join(args.out, "sync_choice.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
