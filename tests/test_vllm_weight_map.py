@@ -153,10 +153,19 @@ def test_a_new_record_is_verified_against_the_loaders_on_random_tensors():
 
     from distload.vllm.weight_map import sample_tensors, verify_weight_map
 
-    assert [n for n, _, _ in sample_tensors([("embed", torch.bfloat16, (2,)), ("layers.3.q", torch.bfloat16, (2,)),
+    assert [n for n, _, _ in sample_tensors([("embed", torch.bfloat16, (2,)), ("layers.3.k", torch.bfloat16, (2,)),
                                              ("layers.1.k", torch.bfloat16, (2,)), ("layers.1.mlp.experts.7.w", torch.bfloat16, (2,)),
                                              ("layers.12.k", torch.bfloat16, (2,)), ("norm", torch.bfloat16, (2,))])] == \
         ["embed", "layers.1.k", "layers.1.mlp.experts.7.w", "norm"]
+    # DeepSeek-V3: layer 0 a dense MLP, the experts from layer 1 on: the first MoE layer is sampled too.
+    deepseek = [(f"model.layers.{i}.{part}", torch.bfloat16, (2,)) for i in range(3)
+                for part in (["mlp.gate_proj.weight"] if i == 0 else
+                             ["mlp.gate.weight", "mlp.experts.0.up_proj.weight", "mlp.shared_experts.up_proj.weight"])
+                + ["self_attn.kv_b_proj.weight"]]
+    assert [n for n, _, _ in sample_tensors(deepseek)] == [
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.1.mlp.shared_experts.up_proj.weight"]
     ck = checkpoint()
     listed = [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()]
     model = Tiny()
