@@ -6,15 +6,20 @@ tests/moe_checkpoints.py OUT`` writes four checkpoints under OUT, each a Hugging
 per expert and projection; transformers 5 holds them stacked in memory, and saves them so):
 
 - ``deepseek-bf16``: DeepSeek-V3 (multi-head latent attention, layer 0 a dense MLP, layer 1 four
-  routed experts, a shared expert and the router with its score-correction bias), BF16;
+  routed experts, a shared expert and the router with its score-correction bias; config.json
+  with DeepSeek-V3's ``topk_method`` and ``scoring_func``), BF16;
 - ``qwen3moe-bf16``: Qwen3-MoE (two layers of four routed experts and a router), BF16;
 - ``deepseek-fp8``, ``qwen3moe-fp8``: the same weights in DeepSeek-V3's FP8 form: every linear
   projection ``X.weight`` as float8_e4m3fn with ``X.weight_scale_inv`` (float32, one per 128x128
   block, ceil-div at the edges) beside it, and ``quantization_config`` in config.json; embeddings,
-  norms and the router stay BF16.
+  norms and the router stay BF16, and the config lists the modules left so in
+  ``modules_to_not_convert``, as Qwen3's FP8 checkpoints do (vLLM's Qwen3-MoE would otherwise
+  build its router as an FP8 layer; its DeepSeek-V3 never quantizes the router).
 
 Sizes are multiples of 128 where a tensor-parallel split of 2 must fall on FP8 blocks; the
-low-rank MLA projections (replicated) are not, so their edge blocks are partial.
+replicated MLA projection ``kv_a_proj_with_mqa`` (576 rows) is not, so its edge blocks are partial.
+MLA's latent size is DeepSeek-V3's own (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64): vLLM's CPU
+MLA kernels are built for that size only.
 """
 
 from __future__ import annotations
@@ -26,7 +31,10 @@ import sys
 BLOCK = 128
 NUM_EXPERTS = 4
 FP8_MAX = 448.0
-QUANTIZED = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # linear projections
+QUANTIZED = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight")  # linear projections
+# What DeepSeek-V3's own config.json says of its router and transformers' config leaves out (its
+# code has no other way); vLLM builds the router's score-correction bias from it.
+DEEPSEEK_ROUTER = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [BLOCK, BLOCK]}
 
@@ -88,7 +96,7 @@ def make(out: str) -> None:
         "deepseek": DeepseekV3ForCausalLM(DeepseekV3Config(
             **common, intermediate_size=512, moe_intermediate_size=256, first_k_dense_replace=1,
             num_key_value_heads=4, n_routed_experts=NUM_EXPERTS, n_shared_experts=1, n_group=1, topk_group=1,
-            q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128)),
+            q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128)),
         "qwen3moe": Qwen3MoeForCausalLM(Qwen3MoeConfig(
             **common, intermediate_size=512, moe_intermediate_size=256, num_key_value_heads=2, head_dim=128,
             num_experts=NUM_EXPERTS, decoder_sparse_step=1, mlp_only_layers=[])),
@@ -108,7 +116,15 @@ def make(out: str) -> None:
                 state.update(load_file(os.path.join(whole, file)))
         with open(os.path.join(whole, "config.json")) as f:
             config = json.load(f)
-        save(os.path.join(out, f"{name}-fp8"), fp8_state(state), {**config, "quantization_config": QUANTIZATION_CONFIG})
+        if name == "deepseek":
+            config.update(DEEPSEEK_ROUTER)
+            with open(os.path.join(whole, "config.json"), "w") as f:
+                json.dump(config, f, indent=1)
+        quantized = fp8_state(state)
+        kept = sorted(n[: -len(".weight")] for n, t in quantized.items()
+                      if n.endswith(".weight") and t.dim() == 2 and t.dtype != torch.float8_e4m3fn)
+        save(os.path.join(out, f"{name}-fp8"), quantized,
+             {**config, "quantization_config": {**QUANTIZATION_CONFIG, "modules_to_not_convert": kept}})
 
 
 if __name__ == "__main__":

@@ -250,8 +250,19 @@ def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tm
                                           r"dense model. Load it without --expert-parallel-size"):
         load_as(dense, 0, 1, 2)
     assert sorted(load_as(dense, 0, 1, 1).state) == ["lm_head.weight", "model.layers.0.mlp.up_proj.weight"]
-    with pytest.raises(ConfigError, match=r"^reshard --expert-parallel-size writes the checkpoint's own names"):
+    # vLLM's engine saves EP shards (tests/test_vllm_engine.py) only as it places experts: over its TP ranks.
+    with pytest.raises(ConfigError, match=r"^reshard --sharding vllm --expert-parallel-size 2 --tensor-parallel-size 1: "
+                                          r"vLLM's expert parallelism places experts over its tensor-parallel ranks .* "
+                                          r"give --tensor-parallel-size 2 \(or none\)"):
         distload.reshard(moe["qwen3moe-bf16"], str(tmp_path / "vllm-ep"), 1, expert_parallel_size=2, sharding="vllm")
+    with pytest.raises(ConfigError, match=r"^reshard --sharding vllm --expert-placement-strategy round_robin: vLLM's "
+                                          r"engine applies round_robin only to models with several expert groups"):
+        distload.reshard(moe["qwen3moe-bf16"], str(tmp_path / "vllm-ep"), expert_parallel_size=2, sharding="vllm",
+                         expert_placement_strategy="round_robin")
+    # This environment has no vLLM (the project's own): its engine cannot write the save.
+    with pytest.raises(ConfigError, match=r"^reshard --sharding vllm --expert-parallel-size 2: vLLM's engine writes "
+                                          r"this save and vLLM is not installed here"):
+        distload.reshard(moe["qwen3moe-bf16"], str(tmp_path / "vllm-ep"), expert_parallel_size=2, sharding="vllm")
     assert not os.path.exists(tmp_path / "vllm-ep")
     with WorkerGroup(device="cpu") as group, pytest.raises(ConfigError, match=r"^--expert-placement-strategy places "
                                                                                r"experts over --expert-parallel-size"):

@@ -2,11 +2,12 @@
 vLLM's own sharded_state loaders, vLLM loads through ``--load-format distload``, and a dummy
 engine switches to the real weights in place, each token for token equal to vLLM's own loading
 of the original Hugging Face checkpoint, on 1 and 2 tensor-parallel ranks; and (issue 35) any
-architecture through the weight map recorded from vLLM's own loaders, bit for bit.
+architecture through the weight map recorded from vLLM's own loaders, bit for bit; and (issue 46)
+mixture-of-experts checkpoints under vLLM's expert parallelism and FP8 block-scaled ones.
 
 vLLM runs in its own virtual environment (``.vllm-venv``, which ``bash .ci/run`` makes; or
 DISTLOAD_VLLM_PYTHON), with distload installed in it. Every engine of the module starts one after
-the other inside one driver process, TP 1, TP 2, then the architectures (tests/vllm_driver.py;
+the other inside one driver process, TP 1, TP 2, the architectures, then the MoE models (tests/vllm_driver.py;
 vLLM imported once); the tests read its results.
 """
 
@@ -76,8 +77,9 @@ def checkpoints(tmp_path_factory):
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-models")
     paths = {"llama": str(root / "llama"), "qwen": str(root / "qwen2-tied"), "root": str(root)}
-    made = subprocess.run([python, "-c", CHECK_ENVIRONMENT + MAKE_MODELS + MAKE_ARCHITECTURES, paths["llama"],
-                           paths["qwen"], str(root)], capture_output=True, text=True, timeout=300)
+    made = subprocess.run([python, "-c", CHECK_ENVIRONMENT + MAKE_MODELS + MAKE_ARCHITECTURES + MAKE_MOE,
+                           paths["llama"], paths["qwen"], str(root), os.path.join(ROOT, "tests")],
+                          capture_output=True, text=True, timeout=300)
     if made.returncode == 3 and made.stdout.startswith("IMPORT FAILED: "):
         missing_vllm(f"{python} cannot import vllm and distload: {made.stdout.strip()[len('IMPORT FAILED: '):]}")
     assert made.returncode == 0, made.stderr[-3000:]
@@ -245,8 +247,9 @@ def phi3_resharded(checkpoints):
 @pytest.fixture(scope="module")
 def engines(checkpoints, phi3_resharded, tmp_path_factory):
     """Every engine of this module, one after the other in one driver process (vLLM imported
-    once): TP 1, TP 2, then the architectures at TP 2. tensor-parallel size (or "arch") -> case
-    name -> its result; "_output" is the driver's output (vLLM logs its workers' lines there)."""
+    once): TP 1, TP 2, then the architectures and the MoE models at TP 2. tensor-parallel size (or
+    "arch", "moe") -> case name -> its result; "_output" is the driver's output (vLLM logs its
+    workers' lines there)."""
     python, p = checkpoints
     from dist_helpers import clean_env, free_port, write_script
 
@@ -261,7 +264,8 @@ def engines(checkpoints, phi3_resharded, tmp_path_factory):
     weight_maps = str(tmp_path_factory.mktemp("weight-maps"))
     try:
         results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}") for tp in (1, 2)
-                                     for case in cases[tp]] + architecture_cases(p, addresses[1]), weight_maps)
+                                     for case in cases[tp]] + architecture_cases(p, addresses[1]) + moe_cases(p),
+                         weight_maps)
         trainer_output = [trainer.communicate(timeout=120)[0] for trainer in trainers]
     finally:
         for trainer in trainers:
@@ -270,6 +274,7 @@ def engines(checkpoints, phi3_resharded, tmp_path_factory):
     out = {tp: {case["name"]: results[f"tp{tp} {case['name']}"] for case in cases[tp]
                 if f"tp{tp} {case['name']}" in results} for tp in (1, 2)}
     out["arch"] = {name[len("arch "):]: value for name, value in results.items() if name.startswith("arch ")}
+    out["moe"] = {name[len("moe "):]: value for name, value in results.items() if name.startswith("moe ")}
     for key in out:
         out[key]["_output"] = results["_output"]
     out[2]["_trainer"], out["arch"]["_trainer"] = trainer_output
@@ -576,7 +581,115 @@ def test_a_loader_that_computes_sends_its_tensors_through_vllms_own_loader(archi
 @pytest.mark.slow
 def test_each_tp_ranks_weight_map_is_cached(architectures):
     """One cache entry per model and TP rank that loaded a whole checkpoint through distload: each
-    architecture's 2 ranks, and the Llama's (1 at TP 1, 2 at TP 2) and the Qwen2's (2) plugin cases;
-    and one per TP rank of an engine that took pushes (the Llama's and Phi-3's, 2 each: recorded
-    against the parameters as loaded, another key). The reload and the pre-sharded load record none."""
-    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2 + 2 + 2, architectures["_cached"]
+    architecture's 2 ranks, the Llama's (1 at TP 1, 2 at TP 2) and the Qwen2's (2) plugin cases, and
+    the two MoE plugin cases' (2 each); and one per TP rank of an engine that took pushes (the
+    Llama's and Phi-3's, 2 each: recorded against the parameters as loaded, another key). The
+    reload and the pre-sharded loads record none."""
+    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2 + 2 * len(MOE_PLUGIN_CASES) + 2 + 2, \
+        architectures["_cached"]
+
+
+# -- mixture-of-experts and FP8 block-scaled checkpoints (issue 46) ---------------------------------
+
+# The tiny DeepSeek-V3 and Qwen3-MoE of tests/moe_checkpoints.py (BF16 and FP8 block-scaled).
+MAKE_MOE = r"""
+sys.path.insert(0, sys.argv[4])
+import moe_checkpoints
+moe_checkpoints.make(f"{root}/moe")
+"""
+MOE_PLUGIN_CASES = ("qwen3 ep", "deepseek fp8")
+
+
+def moe_cases(p: dict) -> list[dict]:
+    """Three TP 2 engines. What vLLM 0.32's CPU build serves of the four MoE checkpoints (checked by
+    hand, docs/expert-parallel.md): all four at TP 1 and TP 2; with --enable-expert-parallel every
+    one loads, but its first token routed to another worker's expert crashes the CPU MoE kernel.
+    So the expert-parallel engines start (their loads, checked bit for bit) and generate nothing:
+
+    - "qwen3 ep": Qwen3-MoE BF16 under expert parallelism through the plugin, compared with vLLM's
+      own load on each worker (check_weight_map); each worker saves its parameters (save_sharded:
+      what ``reshard --sharding vllm --expert-parallel-size 2`` runs);
+    - "qwen3 saved": that save, loaded by vLLM's own sharded_state loader under expert
+      parallelism (every key and shape of each worker's model, or it does not start);
+    - "deepseek fp8": DeepSeek-V3 FP8 block-scaled (MLA, a dense first layer, a shared expert)
+      through the plugin at TP 2, checked bit for bit, generating."""
+    moe = f"{p['root']}/moe"
+    p["qwen3-ep2"] = f"{p['root']}/qwen3moe-ep2"
+    return [dict(case, tp=2) for case in [
+        {"name": "moe qwen3 ep", "model": f"{moe}/qwen3moe-bf16", "format": "distload", "ep": True, "generate": False,
+         "extra": {"check_weight_map": True, "save_sharded": p["qwen3-ep2"]}},
+        {"name": "moe qwen3 saved", "model": p["qwen3-ep2"], "format": "sharded_state", "ep": True,
+         "generate": False},
+        {"name": "moe deepseek fp8", "model": f"{moe}/deepseek-fp8", "format": "distload",
+         "extra": {"check_weight_map": True}},
+    ]]
+
+
+@pytest.fixture(scope="module")
+def moe(engines):
+    return engines["moe"]
+
+
+def _reads(output: str) -> list[tuple[int, int, int]]:
+    """Each rank's (bytes read, checkpoint bytes, bytes kept), from the plugin's log line."""
+    import re
+
+    return [tuple(map(int, m)) for m in re.findall(
+        r"reads (\d+) of the checkpoint's (\d+) bytes \(its slices; it keeps (\d+) of them\)", output)]
+
+
+@pytest.mark.slow
+def test_each_expert_parallel_worker_loads_vllms_own_experts_bit_for_bit_reading_only_them(moe):
+    """Under --enable-expert-parallel each worker's weight map is recorded from its own loaders,
+    which skip the other worker's experts: the worker reads none of their bytes (at most 1.05x
+    what it keeps, about half the checkpoint), and its load equals vLLM's own bit for bit. The
+    log names the placement vLLM gave it (linear: experts 0-1 and 2-3)."""
+    assert moe["qwen3 ep"] == {"tokens": None, "start_s": moe["qwen3 ep"]["start_s"], "resharded": None}, moe["qwen3 ep"]
+    output = _case_output(moe["_output"], "moe qwen3 ep")
+    for rank, experts in ((0, [0, 1]), (1, [2, 3])):
+        assert f"TP rank {rank} (EP rank {rank} of 2, keeping experts {experts} of 4 in each of its 2 MoE layers)" \
+            in output, output[-3000:]
+        assert f"TP rank {rank}: the load equals vLLM's own, bit for bit" in output, output[-3000:]
+    reads = _reads(output)
+    assert len(reads) == 2 and all(read <= 1.05 * kept and read < 0.55 * total for read, total, kept in reads), reads
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_engines_save_holds_each_workers_experts_and_vllm_loads_it(moe, checkpoints):
+    """Each worker's save (before vLLM's post-processing) holds its own experts, stacked as vLLM
+    stacks them (gate and up in ``routed_experts.w13_weight``, down in ``w2_weight``), equal to the
+    checkpoint's tensors; vLLM's own sharded_state loader under expert parallelism takes the save
+    (it refuses a missing key or a wrong shape at start)."""
+    from safetensors.torch import load_file
+
+    assert "error" not in moe["qwen3 saved"], moe["qwen3 saved"]
+    _, p = checkpoints
+    source = {}
+    folder = f"{p['root']}/moe/qwen3moe-bf16"
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            source.update(load_file(os.path.join(folder, name)))
+    for rank, experts in ((0, [0, 1]), (1, [2, 3])):
+        saved = {}
+        for name in os.listdir(p["qwen3-ep2"]):
+            if name.startswith(f"model-rank-{rank}-") and name.endswith(".safetensors"):
+                saved.update(load_file(os.path.join(p["qwen3-ep2"], name)))
+        for layer in (0, 1):
+            expert, stack = f"model.layers.{layer}.mlp.experts", f"model.layers.{layer}.mlp.experts.routed_experts"
+            w13 = torch.stack([torch.cat([source[f"{expert}.{e}.gate_proj.weight"],
+                                          source[f"{expert}.{e}.up_proj.weight"]]) for e in experts])
+            w2 = torch.stack([source[f"{expert}.{e}.down_proj.weight"] for e in experts])
+            assert torch.equal(saved[f"{stack}.w13_weight"], w13) and torch.equal(saved[f"{stack}.w2_weight"], w2)
+
+
+@pytest.mark.slow
+def test_fp8_block_scaled_deepseek_loads_through_distload_bit_for_bit(moe):
+    """DeepSeek-V3 in FP8 with 128x128 block scales (weight_scale_inv), MLA and a shared expert:
+    each TP 2 worker's load equals vLLM's own bit for bit (FP8 weights and their scales alike),
+    reading only what it keeps, and the engine generates."""
+    assert moe["deepseek fp8"]["tokens"], moe["deepseek fp8"]
+    output = _case_output(moe["_output"], "moe deepseek fp8")
+    for rank in (0, 1):
+        assert f"TP rank {rank}: the load equals vLLM's own, bit for bit" in output, output[-3000:]
+    reads = _reads(output)
+    assert len(reads) == 2 and all(read <= 1.05 * kept and read < 0.6 * total for read, total, kept in reads), reads

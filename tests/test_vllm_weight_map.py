@@ -153,10 +153,19 @@ def test_a_new_record_is_verified_against_the_loaders_on_random_tensors():
 
     from distload.vllm.weight_map import sample_tensors, verify_weight_map
 
-    assert [n for n, _, _ in sample_tensors([("embed", torch.bfloat16, (2,)), ("layers.3.q", torch.bfloat16, (2,)),
+    assert [n for n, _, _ in sample_tensors([("embed", torch.bfloat16, (2,)), ("layers.3.k", torch.bfloat16, (2,)),
                                              ("layers.1.k", torch.bfloat16, (2,)), ("layers.1.mlp.experts.7.w", torch.bfloat16, (2,)),
                                              ("layers.12.k", torch.bfloat16, (2,)), ("norm", torch.bfloat16, (2,))])] == \
         ["embed", "layers.1.k", "layers.1.mlp.experts.7.w", "norm"]
+    # DeepSeek-V3: layer 0 a dense MLP, the experts from layer 1 on: the first MoE layer is sampled too.
+    deepseek = [(f"model.layers.{i}.{part}", torch.bfloat16, (2,)) for i in range(3)
+                for part in (["mlp.gate_proj.weight"] if i == 0 else
+                             ["mlp.gate.weight", "mlp.experts.0.up_proj.weight", "mlp.shared_experts.up_proj.weight"])
+                + ["self_attn.kv_b_proj.weight"]]
+    assert [n for n, _, _ in sample_tensors(deepseek)] == [
+        "model.layers.0.mlp.gate_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.0.up_proj.weight",
+        "model.layers.1.mlp.shared_experts.up_proj.weight"]
     ck = checkpoint()
     listed = [(n, t.dtype, tuple(t.shape)) for n, t in ck.items()]
     model = Tiny()
@@ -278,3 +287,33 @@ def test_a_push_keeps_only_what_the_loaders_take_and_they_load_it_from_the_stagi
     for name, value in expected.state_dict().items():
         got = actual.state_dict()[name]
         assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), name
+
+
+def test_a_workers_expert_placement_is_read_from_vllms_layers():
+    """vLLM's expert map (global expert -> local slot, -1 elsewhere) as each MoE layer holds it: one
+    entry per layer (the experts and the runner around them share its manager), the experts in
+    slot order, for the weight map's key and the log; none without expert parallelism."""
+    import types
+
+    from distload.vllm.experts import describe, engine_experts, placement_key
+
+    def manager(expert_map, rank):
+        return types.SimpleNamespace(ep_size=2, ep_rank=rank, global_num_experts=4,
+                                     expert_map=None if expert_map is None else torch.tensor(expert_map))
+
+    class Layer(torch.nn.Module):
+        def __init__(self, shared):
+            super().__init__()
+            self.experts = torch.nn.Module()
+            self.experts.expert_map_manager = self.expert_map_manager = shared
+
+    model = torch.nn.Sequential(Layer(manager([-1, 0, -1, 1], 1)), Layer(manager([-1, 0, -1, 1], 1)))
+    layers = engine_experts(model)
+    assert [(x.layer, x.local) for x in layers] == [("0", (1, 3)), ("1", (1, 3))]
+    assert describe(layers) == "EP rank 1 of 2, keeping experts [1, 3] of 4 in each of its 2 MoE layers"
+    swapped = engine_experts(torch.nn.Sequential(Layer(manager([-1, 1, -1, 0], 1))))
+    assert swapped[0].local == (3, 1) and placement_key(swapped) != placement_key(layers[:1])
+    whole = engine_experts(torch.nn.Sequential(Layer(types.SimpleNamespace(ep_size=1, ep_rank=0, global_num_experts=4,
+                                                                           expert_map=None))))
+    assert whole[0].local == (0, 1, 2, 3) and describe(whole) is None
+    assert engine_experts(torch.nn.Linear(2, 2)) == []

@@ -13,7 +13,10 @@ from a separately launched trainer job (a failed one recorded, and the tokens ge
 "reload"?: a checkpoint distload then puts into the running engine (after the pushes, if any),
 "reshard_from"?: a whole checkpoint that ``distload.reshard(..., sharding="vllm")`` first saves to
 "model" at the case's TP (vLLM's engine makes that save, in a child process),
-"expect_error"?: the engine must fail to start}.
+"expect_error"?: the engine must fail to start, "ep"?: true starts it with enable_expert_parallel (vLLM's expert
+parallelism: its EP size is the TP size here, each worker holding its own experts whole), "generate"?: false: the
+engine only starts (its load, and the plugin's checks of it, run) and generates nothing: vLLM 0.32's CPU MoE kernels
+crash on a token routed to another worker's expert (docs/expert-parallel.md)}.
 """
 
 import gc
@@ -29,7 +32,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes below
 KV_CACHE_BYTES = 64 << 20  # a few thousand tokens: plenty for 2 prompts of 12 tokens
 
-PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [7, 99, 500]}]
+PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [7, 99, 200]}]  # in every vocabulary here (>= 256)
 
 
 def main() -> None:
@@ -61,6 +64,8 @@ def main() -> None:
             report = distload.reshard(case["reshard_from"], case["model"], tp, sharding="vllm")
             resharded = {"spec": report.spec, "note": report.engine_note, "files": len(report.files)}
         kwargs = {"model_loader_extra_config": case["extra"]} if "extra" in case else {}
+        if case.get("ep"):
+            kwargs["enable_expert_parallel"] = True
         if case.get("reload") or case.get("push"):
             kwargs["worker_extension_cls"] = plugin.WORKER_EXTENSION
         try:
@@ -72,7 +77,8 @@ def main() -> None:
             print("CASE", case["name"], "failed to start", flush=True)
             cleanup_dist_env_and_memory()
             continue
-        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        generate = case.get("generate", True)
+        tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)] if generate else None
         result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1), "resharded": resharded}
         if case.get("push"):
             from distload.errors import SyncError

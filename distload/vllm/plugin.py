@@ -338,6 +338,7 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
     from distload.workers.group import WorkerGroup
     from distload.loading.layout import detect_layout
     from distload.loading.loader import Loader
+    from distload.vllm.experts import describe, engine_experts, placement_key
 
     if get_pp_group().world_size > 1:
         raise ConfigError("--load-format distload: pipeline parallelism is not supported yet; run with "
@@ -366,23 +367,29 @@ def load_into_engine(model: torch.nn.Module, source: str, reader, check_with=Non
                     _copy_one(params, name, tensor, source, direct.get(name))
             else:
                 learned = {}
+                experts = engine_experts(model)  # vLLM's own placement under --enable-expert-parallel
 
                 def boxes(index):  # planning: the weight map from the headers, then this rank's reads
                     shapes = {t.name: tuple(t.shape) for t in index.tensors}
                     record = engine_weight_map(model, params, index.tensors, source, tp.world_size,
-                                               tp.rank_in_group)
+                                               tp.rank_in_group, placement_key(experts))
                     learned.update(record=record, shapes=shapes, boxes=record.boxes(shapes))
-                    return learned["boxes"]
+                    # What no loader takes (another EP rank's experts: vLLM's loaders skip them) is
+                    # read as nothing; a 0-d tensor cannot be cut and is read, its few bytes.
+                    return {**{name: ((0,) * len(shapes[name]), (0,) + shapes[name][1:])
+                               for name in record.unused if shapes.get(name)}, **learned["boxes"]}
 
                 loader = Loader(source, reader.load_format, reader.extra, group=g, blocks=boxes)
                 plan = loader.plan()
                 record = learned["record"]
                 steps = record.by_tensor(learned["boxes"], learned["shapes"])
                 direct = in_place_destinations(steps, learned["boxes"], learned["shapes"], params)
+                placed = describe(experts)
                 init_logger("vllm.distload").info(
-                    "distload: TP rank %d reads %d of the checkpoint's %d bytes (its slices), %d of %d tensors "
-                    "straight into the parameters", tp.rank_in_group, plan.nbytes, plan.index.nbytes, len(direct),
-                    len(steps))
+                    "distload: TP rank %d%s reads %d of the checkpoint's %d bytes (its slices; it keeps %d of them), "
+                    "%d of %d tensors straight into the parameters", tp.rank_in_group,
+                    f" ({placed})" if placed else "", plan.nbytes, plan.index.nbytes,
+                    record.kept_nbytes(plan.index.tensors), len(direct), len(steps))
                 for name in direct:  # a direct tensor's fills (padding) first, as its loader made them
                     record.fill(name, steps[name][1], params)
                 for name, tensor in loader.stream(plan, destinations=direct):
@@ -412,10 +419,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor], tensors, source: str,
-                  tp_size: int, tp_rank: int):
-    """The weight map of ``tensors`` (the checkpoint index's) in ``model`` on this TP rank: from the
-    cache, or recorded from the model's own loaders now (and cached). Logs the tensors it marks
-    whole and why."""
+                      tp_size: int, tp_rank: int, experts: list | None = None):
+    """The weight map of ``tensors`` (the checkpoint index's) in ``model`` on this TP rank (and
+    ``experts``, its expert placement: distload/vllm/experts.py): from the cache, or recorded from
+    the model's own loaders now (and cached). Logs the tensors it marks whole and why."""
     import vllm
     from vllm.logger import init_logger
 
@@ -425,8 +432,9 @@ def engine_weight_map(model: torch.nn.Module, params: Mapping[str, torch.Tensor]
 
     listed = [(t.name, t.torch_dtype, tuple(t.shape)) for t in tensors]
     key = weight_map_key(config=model_config(source), tp_size=tp_size, tp_rank=tp_rank, vllm=vllm.__version__,
-                     model=type(model).__qualname__, tensors=[(n, str(d), s) for n, d, s in listed],
-                     params=[(n, str(p.dtype), tuple(p.shape)) for n, p in params.items()])
+                         model=type(model).__qualname__, tensors=[(n, str(d), s) for n, d, s in listed],
+                         params=[(n, str(p.dtype), tuple(p.shape)) for n, p in params.items()],
+                         **({"experts": experts} if experts else {}))
     record = cached_weight_map(key)
     logger = init_logger("vllm.distload")
     if record is None:

@@ -172,8 +172,10 @@ def engine_weight_map(model: torch.nn.Module, tensors: Sequence[tuple[str, torch
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
 
+    from distload.vllm.experts import engine_experts, placement_key
     from distload.vllm.weight_map import cache_weight_map, cached_weight_map, record_weight_map, weight_map_key
 
+    experts = placement_key(engine_experts(model))  # under EP, the record is of this worker's experts
     swapped = []
     try:
         for layer in model.modules():
@@ -188,7 +190,8 @@ def engine_weight_map(model: torch.nn.Module, tensors: Sequence[tuple[str, torch
         key = weight_map_key(config=config_json, tp_size=tp_size, tp_rank=tp_rank, vllm=vllm.__version__,
                              model=type(model).__qualname__, loaded_as="meta",
                              tensors=[(n, str(d), tuple(s)) for n, d, s in tensors],
-                             params=[(n, str(p.dtype), tuple(p.shape)) for n, p in params.items()])
+                             params=[(n, str(p.dtype), tuple(p.shape)) for n, p in params.items()],
+                             **({"experts": experts} if experts else {}))
         record = cached_weight_map(key)
         if record is None:
             record = record_weight_map(key, tensors, params, model.load_weights)

@@ -65,11 +65,12 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
     (distload.checkpoints.reshard.reshard, whose arguments these are).
     """
     if expert_parallel_size is not None or expert_placement_strategy is not None:
-        # vLLM's engine saves no expert-parallel shards: the spec's slices under the checkpoint's names.
-        if _named_vllm(sharding):
-            raise ConfigError("reshard --expert-parallel-size writes the checkpoint's own names (--sharding decoder, "
-                              "the default with it); --sharding vllm saves vLLM's engine parameters, which distload "
-                              "does not place by expert yet")
+        if _named_vllm(sharding):  # vLLM's engine under --enable-expert-parallel saves its workers' experts
+            size = expert_parallel_engine(tensor_parallel_size if world_size is None else world_size,
+                                          expert_parallel_size, expert_placement_strategy)
+            return save_with_engine(source, output, size, pattern=pattern, max_file_size=max_file_size,
+                                    expert_parallel=True)
+        # By default with EP: the spec's slices under the checkpoint's own names.
         return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
                                sharding=sharding or "decoder", world_size=world_size,
                                expert_parallel_size=expert_parallel_size,
@@ -96,6 +97,32 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
             return report
     return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
                            sharding=sharding, world_size=world_size)
+
+
+def expert_parallel_engine(tensor_parallel_size: int | None, expert_parallel_size: int | None,
+                           placement: str | None) -> int:
+    """The TP size of the engine that saves ``--sharding vllm`` with expert parallelism, or a
+    ConfigError saying which sizes vLLM's engine can save. vLLM's expert-parallel group is its
+    TP x DP ranks, each its own EP rank holding its experts whole; a save is one engine (DP 1), so
+    its EP size is its TP size."""
+    if expert_parallel_size is None:
+        raise ConfigError("reshard --sharding vllm --expert-placement-strategy: give --expert-parallel-size too "
+                          "(the engine's TP size; vLLM places experts over its TP ranks)")
+    if isinstance(expert_parallel_size, bool) or not isinstance(expert_parallel_size, int) or expert_parallel_size < 1:
+        raise ConfigError(f"--expert-parallel-size must be an int >= 1, got {expert_parallel_size!r}")
+    if tensor_parallel_size is not None and tensor_parallel_size != expert_parallel_size:
+        raise ConfigError(f"reshard --sharding vllm --expert-parallel-size {expert_parallel_size} "
+                          f"--tensor-parallel-size {tensor_parallel_size}: vLLM's expert parallelism places experts "
+                          f"over its tensor-parallel ranks (EP size = TP size in one engine), so the save is for "
+                          f"--tensor-parallel-size {expert_parallel_size} --enable-expert-parallel; give "
+                          f"--tensor-parallel-size {expert_parallel_size} (or none), or --sharding decoder for "
+                          f"distload's T x P shards")
+    if placement not in (None, "linear"):
+        raise ConfigError(f"reshard --sharding vllm --expert-placement-strategy {placement}: vLLM's engine applies "
+                          f"round_robin only to models with several expert groups on the DeepEP low-latency or NIXL "
+                          f"backends (elsewhere it falls back to linear), so a save for vLLM is linear; "
+                          f"--sharding decoder saves distload's round_robin shards")
+    return expert_parallel_size
 
 
 def _named_vllm(sharding: str | ShardingSpec | None) -> bool:
@@ -134,10 +161,12 @@ def _names_architectures(source: str) -> bool:
 
 def save_with_engine(source: str, output: str, tensor_parallel_size: int, *, pattern: str = DEFAULT_SHARD_PATTERN,
                      max_file_size: int = DEFAULT_MAX_FILE_SIZE, timeout_s: float | None = None,
-                     by_default: bool = False) -> ReshardReport:
+                     by_default: bool = False, expert_parallel: bool = False) -> ReshardReport:
     """Start a vLLM engine on ``source`` at ``tensor_parallel_size`` whose workers save their
     parameters to ``output`` (module docstring); the report of what it wrote. ``by_default``: no
-    sharding was asked for; NotBuilt where vLLM does not build the model (the caller falls back)."""
+    sharding was asked for; NotBuilt where vLLM does not build the model (the caller falls back).
+    ``expert_parallel``: the engine runs with ``enable_expert_parallel``, each worker saving its
+    own experts (served by an engine started the same way)."""
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ConfigError(f"--tensor-parallel-size must be an int >= 1, got {tensor_parallel_size!r}")
     check_save_args(output, pattern, max_file_size, tensor_parallel_size)
@@ -146,8 +175,14 @@ def save_with_engine(source: str, output: str, tensor_parallel_size: int, *, pat
         raise ConfigError(f"output {output} must differ from the source folder")
     start = time.perf_counter()
     request = {"source": path, "output": output, "tp": tensor_parallel_size, "check_registry": by_default,
+               "expert_parallel": expert_parallel,
                "save": {"output": output, "pattern": pattern, "max_file_size": max_file_size}}
     asked = "reshard (vLLM's layout: the default where vLLM is installed)" if by_default else "reshard --sharding vllm"
+    if expert_parallel:
+        asked += f" --expert-parallel-size {tensor_parallel_size}"
+        if not vllm_installed():
+            raise ConfigError(f"{asked}: vLLM's engine writes this save and vLLM is not installed here; "
+                              f"--sharding decoder saves distload's expert-parallel shards without it")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     try:
         run = subprocess.run([sys.executable, "-m", "distload.vllm.save", json.dumps(request)], env=env,
@@ -171,8 +206,10 @@ def save_with_engine(source: str, output: str, tensor_parallel_size: int, *, pat
         copied=sorted(n for n in os.listdir(output) if not n.endswith(".safetensors") and not n.startswith(".")),
         nbytes_read=sum(os.path.getsize(f) for f in whole_checkpoint(path)[0]),
         seconds=time.perf_counter() - start, spec="vllm",
-        engine_note=f"vLLM {vllm_version()}'s own parameters, written by its engine at TP {tensor_parallel_size} "
-                    f"from the weight map of the model's loaders: loads with vLLM's sharded_state")
+        engine_note=f"vLLM {vllm_version()}'s own parameters, written by its engine at TP {tensor_parallel_size}"
+                    + (" with expert parallelism (each rank its own experts, linear)" if expert_parallel else "")
+                    + " from the weight map of the model's loaders: loads with vLLM's sharded_state"
+                    + (" started with --enable-expert-parallel" if expert_parallel else ""))
 
 
 def vllm_version() -> str:
@@ -251,7 +288,7 @@ def _engine_main(request: dict) -> None:
 
     longest = int(config.get("max_position_embeddings") or 0) or None
     llm = LLM(model=request["source"], load_format="distload", tensor_parallel_size=tp, skip_tokenizer_init=True,
-              enforce_eager=True, max_model_len=min(128, longest) if longest else 128, max_num_seqs=1,
+              enable_expert_parallel=bool(request.get("expert_parallel")), enforce_eager=True, max_model_len=min(128, longest) if longest else 128, max_num_seqs=1,
               kv_cache_memory_bytes=KV_CACHE_BYTES, model_loader_extra_config={SAVE_KEY: request["save"]})
     del llm
 

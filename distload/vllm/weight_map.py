@@ -152,6 +152,21 @@ class WeightMap:
                 out[name] = (tuple(first), sizes)
         return out
 
+    def kept_nbytes(self, tensors) -> int:
+        """The checkpoint bytes this rank keeps of ``tensors`` (index entries: ``name``, ``shape``,
+        ``torch_dtype``): the elements its copies take (at most the tensor), and the tensors
+        it hands whole to the model's own loader. What a read is measured against."""
+        taken: dict[str, int] = {}
+        for c in self.copies:
+            taken[c.tensor] = taken.get(c.tensor, 0) + _numel(c.source.shape)
+        out = 0
+        for t in tensors:
+            numel = _numel(t.shape)
+            if t.name in self.whole:
+                taken[t.name] = numel
+            out += min(taken.get(t.name, 0), numel) * t.torch_dtype.itemsize
+        return out
+
     def replay(self, name: str, tensor: torch.Tensor, params: Mapping[str, torch.Tensor],
                steps: "tuple[list[Copy], list[Fill]] | None" = None) -> None:
         """Do the record's copies and fills of checkpoint tensor ``name`` with its real ``tensor``
@@ -478,14 +493,21 @@ def record_weight_map(key: str, tensors: Iterable[tuple[str, torch.dtype, tuple[
 
 def sample_tensors(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """The tensors a new record is verified on: every tensor outside the repeated layers (names
-    without a number: embeddings, final norm, output layer) and every tensor of the first layer
-    (the smallest first number in a name: its experts included). The other layers repeat the
-    first one's loaders."""
+    without a number: embeddings, final norm, output layer) and, of each kind of layer tensor
+    (its name with the layer number taken out), the one in the first layer that has it: the
+    first layer whole (its experts included), and the first mixture-of-experts layer of a model
+    whose first layers are dense (DeepSeek-V3's ``first_k_dense_replace``). The other layers
+    repeat those loaders."""
     import re
 
-    numbered = {name: int(m.group(1)) for name, _, _ in tensors if (m := re.search(r"\.(\d+)(\.|$)", name))}
-    first = min(numbered.values(), default=None)
-    return [(n, d, s) for n, d, s in tensors if n not in numbered or numbered[n] == first]
+    first: dict[str, int] = {}
+    kinds = {}
+    for name, _, _ in tensors:
+        if (m := re.search(r"\.(\d+)(\.|$)", name)):
+            kinds[name] = kind = name[:m.start(1)] + "#" + name[m.end(1):]
+            first[kind] = min(first.get(kind, int(m.group(1))), int(m.group(1)))
+    return [(n, d, s) for n, d, s in tensors
+            if n not in kinds or first[kinds[n]] == int(re.search(r"\.(\d+)(\.|$)", n).group(1))]
 
 
 def verify_weight_map(record: WeightMap, sample: Iterable[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -526,3 +548,10 @@ def verify_weight_map(record: WeightMap, sample: Iterable[tuple[str, torch.dtype
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _numel(shape) -> int:
+    count = 1
+    for n in shape:
+        count *= int(n)
+    return count
