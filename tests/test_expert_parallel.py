@@ -259,6 +259,9 @@ def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tm
                                           r"engine applies round_robin only to models with several expert groups"):
         distload.reshard(moe["qwen3moe-bf16"], str(tmp_path / "vllm-ep"), expert_parallel_size=2, sharding="vllm",
                          expert_placement_strategy="round_robin")
+    # A dense model: refused as a load is, before an engine would write a plain TP save of it.
+    with pytest.raises(ConfigError, match=r"^--expert-parallel-size 2: this checkpoint has no routed experts"):
+        distload.reshard(dense, str(tmp_path / "vllm-ep"), expert_parallel_size=2, sharding="vllm")
     # This environment has no vLLM (the project's own): its engine cannot write the save.
     with pytest.raises(ConfigError, match=r"^reshard --sharding vllm --expert-parallel-size 2: vLLM's engine writes "
                                           r"this save and vLLM is not installed here"):

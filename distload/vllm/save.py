@@ -68,6 +68,7 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
         if _named_vllm(sharding):  # vLLM's engine under --enable-expert-parallel saves its workers' experts
             size = expert_parallel_engine(tensor_parallel_size if world_size is None else world_size,
                                           expert_parallel_size, expert_placement_strategy)
+            _has_experts(source, size)  # a dense model or an EP size that does not divide them: refused here
             return save_with_engine(source, output, size, pattern=pattern, max_file_size=max_file_size,
                                     expert_parallel=True)
         # By default with EP: the spec's slices under the checkpoint's own names.
@@ -97,6 +98,19 @@ def reshard(source: str, output: str, tensor_parallel_size: int | None = None, *
             return report
     return reshard_by_spec(source, output, tensor_parallel_size, pattern=pattern, max_file_size=max_file_size,
                            sharding=sharding, world_size=world_size)
+
+
+def _has_experts(source: str, ep_size: int) -> None:
+    """Refuse, as a load with ``--expert-parallel-size`` does, a checkpoint without routed experts
+    (vLLM's engine would save a plain TP save of a dense model) or whose experts ``ep_size`` does
+    not divide; before an engine starts."""
+    from distload.loading.index import build_index
+    from distload.tp.experts import num_experts
+
+    path, _ = check_reshard_source(source)
+    files, _ = whole_checkpoint(path)
+    index = build_index(read_header(p) for p in files)
+    num_experts([(t.name, t.shape) for t in index.tensors], model_config(path), ep_size)
 
 
 def expert_parallel_engine(tensor_parallel_size: int | None, expert_parallel_size: int | None,
