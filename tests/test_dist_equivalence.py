@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import every_dtype_state, plain_digest, plain_read, read_report, write_sharded, write_whole
-from dist_helpers import run_script, write_script
+from dist_helpers import CliJob, run_script, write_script
 from distload.loading.backends.dummy import dummy_tensor
 from distload.loading.sources import read_local_header
 from distload.loading.formats import AUTO_CPU_BACKEND
@@ -96,41 +96,6 @@ def indexed_ckpt(tmp_path_factory):
     return folder, listed
 
 
-class CliJob:
-    """One job (one process, or torchrun with its ranks) that runs several ``distload load``
-    command lines in turn (tests/cli_cases_driver.py: under torchrun over one process group the
-    driver forms): one job start for all of a rank count's cases, not one per case. Per case:
-    its report's path, each rank's exit code and stdout."""
-
-    def __init__(self, folder: str, nproc: int, cases: dict[str, tuple[str, str, str | None]]):
-        self.folder, self.nproc, self.reports, specs = folder, nproc, {}, []
-        for i, (name, (source, load_format, extra)) in enumerate(cases.items()):
-            self.reports[name] = os.path.join(folder, f"report-{i}.json")
-            args = ["load", source, "--load-format", load_format, "--report-json", self.reports[name], "--no-progress"]
-            if extra:
-                args += ["--model-loader-extra-config", extra]
-            specs.append(args)
-        self.index = {name: i for i, name in enumerate(cases)}
-        spec = os.path.join(folder, "spec.json")
-        with open(spec, "w") as f:
-            json.dump(specs, f)
-        self.result = run_script(os.path.join(os.path.dirname(__file__), "cli_cases_driver.py"), [spec, folder],
-                                 nproc=None if nproc == 1 else nproc, timeout=240)
-
-    def case(self, name: str) -> tuple[list[int], str]:
-        """Each rank's exit code for case ``name`` and the ranks' stdout together."""
-        codes, stdout = [], ""
-        for rank in range(self.nproc):
-            path = os.path.join(self.folder, f"case-{self.index[name]}-rank-{rank}.json")
-            assert os.path.exists(path), f"rank {rank} did not finish {name}:\n" + \
-                self.result.stdout[-3000:] + self.result.stderr[-6000:]
-            with open(path) as f:
-                ran = json.load(f)
-            codes.append(ran["returncode"])
-            stdout += ran["stdout"]
-        return codes, stdout
-
-
 @pytest.fixture(scope="module")
 def cli_jobs(ckpts, indexed_ckpt, tmp_path_factory):
     """The cases of test_each_rank_gets_exactly_its_tensors for one rank (one process, as a user
@@ -142,10 +107,12 @@ def cli_jobs(ckpts, indexed_ckpt, tmp_path_factory):
         cases = {}
         for case_id, (load_format, extra, kind, _, _) in zip(CASE_IDS, CASES):
             folder = ckpts["whole"] if kind == "whole" else ckpts["sharded"][nproc]
-            cases[case_id] = (folder, load_format, extra)
+            cases[case_id] = [folder, "--load-format", load_format] + (
+                ["--model-loader-extra-config", extra] if extra else [])
         if nproc == 2:
             for load_format, extra, _ in INDEX_CASES:
-                cases[f"index {load_format}"] = (indexed_ckpt[0], load_format, extra)
+                cases[f"index {load_format}"] = [indexed_ckpt[0], "--load-format", load_format] + (
+                    ["--model-loader-extra-config", extra] if extra else [])
         job = CliJob(str(tmp_path_factory.mktemp(f"cli-{nproc}")), nproc, cases)
         jobs.update({(nproc, name): job for name in cases})
     return jobs
