@@ -184,20 +184,23 @@ class CliJob:
     """One job (one process, or torchrun with its ranks) that runs several ``distload load``
     command lines in turn (tests/cli_cases_driver.py: under torchrun over one process group the
     driver forms): one job start for several cases, not one per case. ``cases``: name -> the
-    arguments after ``load`` (each case gets its own --report-json, and --no-progress). Per
-    case: its report's path, each rank's exit code and stdout."""
+    arguments after ``load`` (each case gets its own --report-json, and --no-progress); ``env``:
+    the job's variables beyond this process's, ``case_env``: name -> variables for that case
+    only. Per case: its report's path, each rank's exit code and stdout."""
 
-    def __init__(self, folder: str, nproc: int, cases: Mapping[str, list[str]], timeout: float = 240):
+    def __init__(self, folder: str, nproc: int, cases: Mapping[str, list[str]], timeout: float = 240,
+                 env: Mapping[str, str] | None = None, case_env: Mapping[str, Mapping[str, str]] | None = None):
         self.folder, self.nproc, self.reports, specs = folder, nproc, {}, []
         for i, (name, args) in enumerate(cases.items()):
             self.reports[name] = os.path.join(folder, f"report-{i}.json")
-            specs.append(["load", *args, "--report-json", self.reports[name], "--no-progress"])
+            specs.append({"args": ["load", *args, "--report-json", self.reports[name], "--no-progress"],
+                          "env": dict((case_env or {}).get(name, {}))})
         self.index = {name: i for i, name in enumerate(cases)}
         spec = os.path.join(folder, "spec.json")
         with open(spec, "w") as f:
             json.dump(specs, f)
         self.result = run_script(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_cases_driver.py"), [spec, folder],
-                                 nproc=None if nproc == 1 else nproc, timeout=timeout)
+                                 nproc=None if nproc == 1 else nproc, timeout=timeout, env=env)
 
     def case(self, name: str) -> tuple[list[int], str]:
         """Each rank's exit code for case ``name`` and the ranks' stdout together."""
