@@ -98,8 +98,8 @@ def indexed_ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_jobs(ckpts, indexed_ckpt, tmp_path_factory):
-    """The cases of test_each_rank_gets_exactly_its_tensors for one rank (one process, as a user
-    runs it without torchrun: python -m distload) and for two (torchrun), and those of
+    """The cases of test_each_rank_gets_exactly_its_tensors for one rank (one process without
+    torchrun, as a user runs python -m distload alone) and for two (torchrun), and those of
     test_index_selects_the_files_it_names (two ranks): (rank count, case) -> the job that ran it,
     one job per rank count."""
     jobs = {}
