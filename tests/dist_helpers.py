@@ -7,6 +7,7 @@ exit codes, which torchrun itself folds into one.)
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -179,6 +180,42 @@ def assert_failed_cleanly(result: subprocess.CompletedProcess, nproc: int = 2) -
     return messages
 
 
-__all__ = ["ABORT_MARKERS", "FAILURE_ENV", "RankResult", "assert_failed_cleanly", "assert_ranks_exited_1",
+class CliJob:
+    """One job (one process, or torchrun with its ranks) that runs several ``distload load``
+    command lines in turn (tests/cli_cases_driver.py: under torchrun over one process group the
+    driver forms): one job start for several cases, not one per case. ``cases``: name -> the
+    arguments after ``load`` (each case gets its own --report-json, and --no-progress); ``env``:
+    the job's variables beyond this process's, ``case_env``: name -> variables for that case
+    only. Per case: its report's path, each rank's exit code and stdout."""
+
+    def __init__(self, folder: str, nproc: int, cases: Mapping[str, list[str]], timeout: float = 240,
+                 env: Mapping[str, str] | None = None, case_env: Mapping[str, Mapping[str, str]] | None = None):
+        self.folder, self.nproc, self.reports, specs = folder, nproc, {}, []
+        for i, (name, args) in enumerate(cases.items()):
+            self.reports[name] = os.path.join(folder, f"report-{i}.json")
+            specs.append({"args": ["load", *args, "--report-json", self.reports[name], "--no-progress"],
+                          "env": dict((case_env or {}).get(name, {}))})
+        self.index = {name: i for i, name in enumerate(cases)}
+        spec = os.path.join(folder, "spec.json")
+        with open(spec, "w") as f:
+            json.dump(specs, f)
+        self.result = run_script(os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_cases_driver.py"), [spec, folder],
+                                 nproc=None if nproc == 1 else nproc, timeout=timeout, env=env)
+
+    def case(self, name: str) -> tuple[list[int], str]:
+        """Each rank's exit code for case ``name`` and the ranks' stdout together."""
+        codes, stdout = [], ""
+        for rank in range(self.nproc):
+            path = os.path.join(self.folder, f"case-{self.index[name]}-rank-{rank}.json")
+            assert os.path.exists(path), f"rank {rank} did not finish {name}:\n" + \
+                self.result.stdout[-3000:] + self.result.stderr[-6000:]
+            with open(path) as f:
+                ran = json.load(f)
+            codes.append(ran["returncode"])
+            stdout += ran["stdout"]
+        return codes, stdout
+
+
+__all__ = ["ABORT_MARKERS", "CliJob", "FAILURE_ENV", "RankResult", "assert_failed_cleanly", "assert_ranks_exited_1",
            "clean_env", "failed_rank_exitcodes", "free_port", "launch_ranks", "rank_error", "run_script",
            "write_script"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import every_dtype_state, plain_digest, plain_read, read_report, run_distload, write_sharded, write_whole
-from dist_helpers import run_script, write_script
+from conftest import every_dtype_state, plain_digest, plain_read, read_report, write_sharded, write_whole
+from dist_helpers import CliJob, run_script, write_script
 from distload.loading.backends.dummy import dummy_tensor
 from distload.loading.sources import read_local_header
 from distload.loading.formats import AUTO_CPU_BACKEND
@@ -78,21 +78,57 @@ CASES = [
 ]
 
 
+CASE_IDS = [f"{c[0]}{'-distributed' if c[1] else ''}-{c[2]}" for c in CASES]
+INDEX_CASES = [("safetensors", None, "safetensors"), ("runai_streamer", '{"distributed": true}', "runai-distributed")]
+
+
+@pytest.fixture(scope="module")
+def indexed_ckpt(tmp_path_factory):
+    """Three files, but model.safetensors.index.json names only the first and the third."""
+    folder = str(tmp_path_factory.mktemp("indexed"))
+    paths = write_whole(folder, every_dtype_state(seed=3), num_files=3)
+    # the unlisted file holds tensors the others also hold: loading it would be an error
+    save_file({"scalar": torch.tensor(-1.0)}, os.path.join(folder, "stray.safetensors"))
+    listed = [paths[0], paths[2]]
+    weight_map = {name: os.path.basename(path) for path in listed for name in plain_read([path])}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return folder, listed
+
+
+@pytest.fixture(scope="module")
+def cli_jobs(ckpts, indexed_ckpt, tmp_path_factory):
+    """The cases of test_each_rank_gets_exactly_its_tensors for one rank (one process without
+    torchrun, as a user runs python -m distload alone) and for two (torchrun), and those of
+    test_index_selects_the_files_it_names (two ranks): (rank count, case) -> the job that ran it,
+    one job per rank count."""
+    jobs = {}
+    for nproc in (1, 2):
+        cases = {}
+        for case_id, (load_format, extra, kind, _, _) in zip(CASE_IDS, CASES):
+            folder = ckpts["whole"] if kind == "whole" else ckpts["sharded"][nproc]
+            cases[case_id] = [folder, "--load-format", load_format] + (
+                ["--model-loader-extra-config", extra] if extra else [])
+        if nproc == 2:
+            for load_format, extra, _ in INDEX_CASES:
+                cases[f"index {load_format}"] = [indexed_ckpt[0], "--load-format", load_format] + (
+                    ["--model-loader-extra-config", extra] if extra else [])
+        job = CliJob(str(tmp_path_factory.mktemp(f"cli-{nproc}")), nproc, cases)
+        jobs.update({(nproc, name): job for name in cases})
+    return jobs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize(
-    "load_format,extra,kind,path1,path2", CASES,
-    ids=[f"{c[0]}{'-distributed' if c[1] else ''}-{c[2]}" for c in CASES])
-def test_each_rank_gets_exactly_its_tensors(ckpts, tmp_path, nproc, load_format, extra, kind, path1, path2):
+@pytest.mark.parametrize("load_format,extra,kind,path1,path2", CASES, ids=CASE_IDS)
+def test_each_rank_gets_exactly_its_tensors(ckpts, cli_jobs, nproc, load_format, extra, kind, path1, path2):
     folder = ckpts["whole"] if kind == "whole" else ckpts["sharded"][nproc]
-    report_path = str(tmp_path / "r.json")
-    args = ["load", folder, "--load-format", load_format, "--report-json", report_path, "--no-progress"]
-    if extra:
-        args += ["--model-loader-extra-config", extra]
-    # One rank as a user runs it without torchrun (python -m distload): the same load, one process
-    # less to start than torchrun's agent and its one rank.
-    result = run_distload(args, nproc=None if nproc == 1 else nproc)
-    assert result.returncode == 0, result.stdout + result.stderr[-6000:]
+    case_id = CASE_IDS[CASES.index((load_format, extra, kind, path1, path2))]
+    job = cli_jobs[nproc, case_id]
+    codes, stdout = job.case(case_id)
+    assert codes == [0] * nproc, stdout + job.result.stderr[-6000:]
+    assert job.result.returncode == 0, job.result.stdout + job.result.stderr[-6000:]
+    report_path = job.reports[case_id]
 
     report = read_report(report_path)
     assert report["world_size"] == nproc
@@ -124,39 +160,20 @@ def test_each_rank_gets_exactly_its_tensors(ckpts, tmp_path, nproc, load_format,
     else:
         assert len(set(digests)) == 1
     # rank 0 alone prints the summary, one line per rank
-    assert result.stdout.count(f"distload: {load_format} from {folder} on {nproc} rank(s)") == 1
+    assert stdout.count(f"distload: {load_format} from {folder} on {nproc} rank(s)") == 1
     for rank in range(nproc):
-        assert f"  rank {rank} (cpu, {expected_path})" in result.stdout
-
-
-@pytest.fixture(scope="module")
-def indexed_ckpt(tmp_path_factory):
-    """Three files, but model.safetensors.index.json names only the first and the third."""
-    folder = str(tmp_path_factory.mktemp("indexed"))
-    paths = write_whole(folder, every_dtype_state(seed=3), num_files=3)
-    # the unlisted file holds tensors the others also hold: loading it would be an error
-    save_file({"scalar": torch.tensor(-1.0)}, os.path.join(folder, "stray.safetensors"))
-    listed = [paths[0], paths[2]]
-    weight_map = {name: os.path.basename(path) for path in listed for name in plain_read([path])}
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
-    return folder, listed
+        assert f"  rank {rank} (cpu, {expected_path})" in stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("load_format,extra,path", [
-    ("safetensors", None, "safetensors"),
-    ("runai_streamer", '{"distributed": true}', "runai-distributed"),
-])
-def test_index_selects_the_files_it_names(indexed_ckpt, tmp_path, load_format, extra, path):
+@pytest.mark.parametrize("load_format,extra,path", INDEX_CASES)
+def test_index_selects_the_files_it_names(indexed_ckpt, cli_jobs, load_format, extra, path):
     folder, listed = indexed_ckpt
-    report_path = str(tmp_path / "r.json")
-    args = ["load", folder, "--load-format", load_format, "--report-json", report_path, "--no-progress"]
-    if extra:
-        args += ["--model-loader-extra-config", extra]
-    result = run_distload(args, nproc=2)
-    assert result.returncode == 0, result.stdout + result.stderr[-6000:]
-    report = read_report(report_path)
+    job = cli_jobs[2, f"index {load_format}"]
+    codes, stdout = job.case(f"index {load_format}")
+    assert codes == [0, 0], stdout + job.result.stderr[-6000:]
+    assert job.result.returncode == 0, job.result.stdout + job.result.stderr[-6000:]
+    report = read_report(job.reports[f"index {load_format}"])
     state = plain_read(listed)
     for r in report["ranks"]:
         assert r["files"] == listed

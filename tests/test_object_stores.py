@@ -481,22 +481,43 @@ def test_endpoint_that_accepts_and_never_answers_fails_within_seconds(store, ckp
     """Issue 13, item 10: a server that accepts connections and stalls ends the load in about
     10 s (connect, then the first answer), not after the SDK's 4 x 60 s read timeouts. Every
     format on S3 (the probe is the same code for every store); on the others the one format
-    whose reader (Run:ai) would otherwise retry longest, over HTTPS for Azure."""
+    whose reader (Run:ai) would otherwise retry longest, over HTTPS for Azure. The formats' loads
+    run at once, each in its own thread (reads in several threads of one process are supported):
+    each waits out the probe's 5 s, which one after another took 20 s."""
+    import threading
+
     formats = ["runai_streamer", "safetensors", "dummy", "auto"] if store.scheme == "s3" else ["runai_streamer"]
     for key in LAUNCH_VARS + tuple(store.unset_keys()):
         monkeypatch.delenv(key, raising=False)
-    for fmt in formats:
-        stalled = StalledServer()
+    outcomes: dict[str, object] = {}
+
+    def attempt(fmt: str) -> None:
+        start = time.monotonic()
         try:
-            for key, value in store.env(stalled.port).items():
-                monkeypatch.setenv(key, value)
-            start = time.monotonic()
             message = expect_store_error(ckpts.uri["whole"], fmt, cause="unreachable")
-            seconds = time.monotonic() - start
-            MEASURED[f"{store.name} stalled endpoint ({fmt}) s"] = round(seconds, 2)
-            assert stalled.accepted, "the probe never connected"
-        finally:
-            stalled.close()
+            outcomes[fmt] = (message, time.monotonic() - start)
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
+            outcomes[fmt] = exc
+
+    stalled = StalledServer()
+    try:
+        for key, value in store.env(stalled.port).items():
+            monkeypatch.setenv(key, value)
+        threads = [threading.Thread(target=attempt, args=(fmt,), daemon=True) for fmt in formats]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(stalled.accepted) >= len(formats), "a probe never connected"
+    finally:
+        stalled.close()
+    for fmt in formats:
+        outcome = outcomes.get(fmt)
+        assert outcome is not None, f"{fmt}: the load had not ended after 60 s"
+        if isinstance(outcome, BaseException):
+            raise outcome
+        message, seconds = outcome
+        MEASURED[f"{store.name} stalled endpoint ({fmt}) s"] = round(seconds, 2)
         assert f"127.0.0.1:{stalled.port} accepted the connection but sent no answer within 5 s" in message, message
         assert seconds < 15, (fmt, seconds)
 
@@ -709,7 +730,7 @@ def test_two_ranks_cooperative_read_fetches_each_byte_once(store, ckpts, two_ran
     assert served >= total
 
 
-def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(store, ckpts, tmp_path):
+def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(store, ckpts, cli_two_rank_job):
     """TP 2 from a whole checkpoint in the store (auto, no replicas): each rank ends with
     reshard's files for its TP rank; the two ranks split the reading of the whole checkpoint
     (the dim-1 tensors too, whose rows each would otherwise fetch with the other's), so the
@@ -718,16 +739,8 @@ def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(sto
     from distload.tp.spec import load_spec
     from distload.tp.slices import slice_bytes
 
-    proxy = ByteCountingProxy(store.port)
-    report_path = str(tmp_path / "report.json")
-    try:
-        result = run_distload(["load", ckpts.uri["llama"], "--tensor-parallel-size", "2", "--report-json",
-                               report_path, "--no-progress"], nproc=2, env=store.env(proxy.port), timeout=240)
-    finally:
-        proxy.close()
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    with open(report_path) as f:
-        report = json.load(f)
+    job, served = cli_two_rank_job
+    report, _ = _cli_case(job, "llama tp2")
     with open(os.path.join(ckpts.llama, "config.json")) as f:
         spec = load_spec("decoder", json.load(f))
     infos = [t for n in sorted(os.listdir(ckpts.llama)) if n.endswith(".safetensors")
@@ -745,10 +758,10 @@ def test_tensor_parallel_ranks_fetch_each_byte_once_and_receive_their_slices(sto
         assert r["received_bytes"] <= own <= r["requested_bytes"] + r["received_bytes"], (r, own)
         asked.append(r["requested_bytes"])
     MEASURED[f"{store.name} TP 2 requested/whole per rank"] = [round(a / whole, 3) for a in asked]
-    MEASURED[f"{store.name} TP 2 served/whole"] = round(proxy.served / whole, 4)
+    MEASURED[f"{store.name} TP 2 served/whole"] = round(served / whole, 4)
     assert sum(asked) == whole  # each byte asked for once per job
     # served: what they asked for, plus listings, headers and HTTP framing
-    assert whole <= proxy.served <= 1.05 * whole, (proxy.served, whole)
+    assert whole <= served <= 1.05 * whole, (served, whole)
 
 
 def test_two_ranks_each_reading_alone_fetches_twice(store, ckpts, two_rank_job):
@@ -779,13 +792,39 @@ def test_two_ranks_every_format(store, ckpts, two_rank_job):
         two_rank_job["sharded_state sharded1"]["error"]
 
 
-def test_cli_two_ranks_sharded_and_inspect(store, ckpts, tmp_path):
-    report_path = str(tmp_path / "report.json")
-    result = run_distload(["load", ckpts.uri["sharded2"], "--load-format", "runai_streamer_sharded",
-                           "--report-json", report_path, "--no-progress"], nproc=2, env=store.env(), timeout=240)
-    assert result.returncode == 0, result.stderr[-5000:]
-    with open(report_path) as f:
-        report = json.load(f)
+@pytest.fixture(scope="module")
+def cli_two_rank_job(store, ckpts, tmp_path_factory):
+    """The two-rank command-line loads of this store's tests in one torchrun job
+    (dist_helpers.CliJob), not one job each: the pre-sharded checkpoint with Run:ai, then the
+    Llama with TP 2 through a byte-counting proxy of its own (its endpoint set for that load
+    only). The job, and the bytes the proxy served."""
+    from dist_helpers import CliJob
+
+    proxy = ByteCountingProxy(store.port)
+    try:
+        job = CliJob(str(tmp_path_factory.mktemp(f"cli-{store.name}")), 2,
+                     {"sharded2": [ckpts.uri["sharded2"], "--load-format", "runai_streamer_sharded"],
+                      "llama tp2": [ckpts.uri["llama"], "--tensor-parallel-size", "2"]},
+                     env=store.env(), case_env={"llama tp2": store.env(proxy.port)})
+    finally:
+        proxy.close()
+    return job, proxy.served
+
+
+def _cli_case(job, name: str) -> tuple[dict, str]:
+    """Case ``name`` of the two-rank job, checked to have succeeded on both ranks with no secret in
+    any output: its report and the ranks' stdout."""
+    codes, stdout = job.case(name)
+    assert codes == [0, 0] and job.result.returncode == 0, stdout[-3000:] + job.result.stderr[-5000:]
+    assert_no_secret(stdout, job.result.stdout, job.result.stderr)
+    with open(job.reports[name]) as f:
+        text = f.read()
+    assert_no_secret(text)
+    return json.loads(text), stdout
+
+
+def test_cli_two_ranks_sharded_and_inspect(store, ckpts, cli_two_rank_job):
+    report, _ = _cli_case(cli_two_rank_job[0], "sharded2")
     assert [r["digest"] for r in report["ranks"]] == [
         plain_digest(Checkpoints.rank_files(ckpts.sharded2, rank)) for rank in (0, 1)]
     assert [r["files"] for r in report["ranks"]] == [
@@ -793,7 +832,7 @@ def test_cli_two_ranks_sharded_and_inspect(store, ckpts, tmp_path):
     inspected = run_distload(["inspect", ckpts.uri["sharded2"], "--json"], env=store.env(), timeout=120)
     assert inspected.returncode == 0, inspected.stderr
     assert json.loads(inspected.stdout)["saved_world_size"] == 2
-    assert_no_secret(result.stdout, result.stderr, inspected.stdout, inspected.stderr)
+    assert_no_secret(inspected.stdout, inspected.stderr)
 
 
 # -- S3 only: moto (unsigned public buckets, no credentials, the legacy endpoint variable) -------

@@ -35,7 +35,10 @@ def same_folder(a: str, b: str) -> bool:
     return not mismatch and not errors
 
 
-def pull(source: str, dest: str, tmp_path, nproc: int = 2, *extra: str, **kwargs) -> tuple[subprocess.CompletedProcess, dict]:
+def pull(source: str, dest: str, tmp_path, nproc: int | None = 2, *extra: str,
+         **kwargs) -> tuple[subprocess.CompletedProcess, dict]:
+    """``distload pull`` under torchrun with ``nproc`` ranks, or (None) one process without
+    torchrun, as a user pulls alone: one process start less than torchrun's agent and its rank."""
     report = str(tmp_path / "pull-report.json")
     if os.path.exists(report):
         os.unlink(report)
@@ -220,7 +223,7 @@ def test_from_s3_the_store_serves_each_byte_once_per_job(tmp_path):
 def test_a_source_naming_one_file_pulls_that_file_only(sharded, tmp_path):
     shard = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))[0]
     dest = str(tmp_path / "dest")
-    result, report = pull(os.path.join(sharded, shard), dest, tmp_path, 1)
+    result, report = pull(os.path.join(sharded, shard), dest, tmp_path, None)
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.listdir(dest) == [shard]
     assert filecmp.cmp(os.path.join(sharded, shard), os.path.join(dest, shard), shallow=False)
@@ -307,11 +310,11 @@ def hub_shaped(folder: str) -> dict[str, bytes]:
 def test_subfolders_are_pulled_too_and_a_rerun_keeps_them(tmp_path):
     source, dest = str(tmp_path / "hub"), str(tmp_path / "dest")
     expected = hub_shaped(source)
-    result, report = pull(source, dest, tmp_path, 1)
+    result, report = pull(source, dest, tmp_path, None)
     assert result.returncode == 0, result.stderr[-3000:]
     assert tree(dest) == expected
     assert sorted(report["ranks"][0]["fetched"]) == sorted(expected)
-    result, report = pull(source, dest, tmp_path, 1)
+    result, report = pull(source, dest, tmp_path, None)
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(report["ranks"][0]["kept"]) == sorted(expected) and report["ranks"][0]["requested_bytes"] == 0
 

@@ -277,23 +277,46 @@ def test_pre_sharded_checkpoint_refuses_a_sharding_spec(llama):
 
 # -- under torchrun: TP groups and data-parallel replicas ---------------------------------------------
 
-@pytest.mark.dist
-@pytest.mark.parametrize("n,tp,which", [(2, 2, "whole")] + [pytest.param(*case, marks=pytest.mark.slow) for case in [
-    (4, 2, "whole"), (4, 2, "saved"), (4, 4, "whole")]])
-def test_ranks_keep_their_tp_ranks_slices(llama, tmp_path, n, tp, which):
+FOUR_RANK_CASES = [(4, 2, "whole"), (4, 2, "saved"), (4, 4, "whole")]
+
+
+@pytest.fixture(scope="module")
+def four_rank_job(llama, tmp_path_factory):
+    """The 4-rank cases of test_ranks_keep_their_tp_ranks_slices in one torchrun job
+    (dist_helpers.CliJob), not one job each."""
+    from dist_helpers import CliJob
+
     whole, saved = llama
-    report_path = str(tmp_path / "report.json")
-    source = whole if which == "whole" else saved[tp]
-    result = run_distload(["load", source, "--tensor-parallel-size", str(tp), "--report-json", report_path,
-                           "--no-progress"], nproc=n, timeout=240)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    cases = {case: [whole if case[2] == "whole" else saved[case[1]], "--tensor-parallel-size", str(case[1])]
+             for case in FOUR_RANK_CASES}
+    return CliJob(str(tmp_path_factory.mktemp("four-ranks")), 4, cases)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("n,tp,which", [(2, 2, "whole")] + [pytest.param(*case, marks=pytest.mark.slow)
+                                                            for case in FOUR_RANK_CASES])
+def test_ranks_keep_their_tp_ranks_slices(llama, tmp_path, request, n, tp, which):
+    whole, saved = llama
+    if n == 4:
+        job = request.getfixturevalue("four_rank_job")
+        codes, stdout = job.case((n, tp, which))
+        assert codes == [0] * n and job.result.returncode == 0, stdout + job.result.stderr[-4000:]
+        report_path = job.reports[n, tp, which]
+    else:  # the quick subset's case: a job of its own
+        report_path = str(tmp_path / "report.json")
+        source = whole if which == "whole" else saved[tp]
+        result = run_distload(["load", source, "--tensor-parallel-size", str(tp), "--report-json", report_path,
+                               "--no-progress"], nproc=n, timeout=240)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        stdout = result.stdout
     report = read_report(report_path)
+    assert len(report["ranks"]) == n
     for r in report["ranks"]:
         tp_rank = r["rank"] % tp
         assert r["tensor_parallel"] == [tp_rank, tp]
         assert r["digest"] == state_digest(rank_reference(saved[tp], tp_rank)), r["rank"]
     if which == "whole":
-        assert f"TP rank 1 of {tp}" in result.stdout
+        assert f"TP rank 1 of {tp}" in stdout
 
 
 FAULT_SCRIPT = """
