@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Mapping
@@ -142,11 +143,28 @@ def pytest_terminal_summary(terminalreporter, config):
 # process; -s and --pdb run in this process too), each module whole on one worker (--dist
 # loadfile: its module fixtures, servers and engines start once), the longest modules first so
 # that none is left running alone at the end. Without pytest-xdist the suite runs serially.
-LONGEST_MODULES_FIRST = (  # measured (serial, 2 cores): about 8 minutes (vLLM's engines) to 1
-    "test_vllm_engine.py", "test_object_stores.py", "test_cluster_loads.py", "test_dist_failures.py",
-    "test_dist_equivalence.py", "test_shared_reads.py", "test_sync_failures.py", "test_pull.py", "test_gpu_check.py",
-    "test_launch_slurm.py", "test_node_cache.py", "test_sync_jobs.py", "test_verl_engine.py",
+LONGEST_MODULES_FIRST = (  # measured (2 workers on 2 cores): about 11 minutes (vLLM's engines) to 1.5
+    "test_vllm_engine.py", "test_object_stores.py", "test_dist_failures.py", "test_sync_failures.py",
+    "test_shared_reads.py", "test_node_cache.py", "test_pull.py", "test_sync_jobs.py", "test_cli.py",
+    "test_cluster_loads.py", "test_save_reshard.py", "test_launch_slurm.py", "test_cluster_sync.py",
+    "test_verl_engine.py",
 )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """distload's and the tests' bytecode, written once before any test: the suite starts a
+    thousand Python processes, and where PYTHONDONTWRITEBYTECODE is set (as on the CI machines)
+    none of them writes what it compiles, so each would compile the modules it imports again
+    (about 0.1 s of CPU each). Python reads the bytecode whatever that setting says."""
+    if hasattr(session.config, "workerinput"):
+        return  # the controller did it
+    import compileall
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for folder in ("distload", "tests", "benchmarks"):
+        compileall.compile_dir(os.path.join(root, folder), quiet=2, workers=1,
+                               rx=re.compile(r"node_modules"))
 
 
 @pytest.hookimpl(tryfirst=True)
