@@ -83,3 +83,37 @@ def test_loads_over_subgroups_beside_each_other(tmp_path):
         assert "is called on the whole job's WorkerGroup" in got["nested"]
     assert ranks[1]["failure"] == ["a step", [1]]  # rank 2 of the job is rank 1 of the group
     assert ranks[2]["failure"] == "raised here"
+
+
+TWICE = r'''
+import json, os, sys
+import distload
+from distload.loading.report import state_digest
+
+folder, out = sys.argv[1], sys.argv[2]
+digests = []
+for _ in range(4):  # each call forms the job's group from torchrun's store and closes it again
+    state = distload.load(folder, device="cpu")
+    digests.append(state_digest(state))
+with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(digests, f)
+'''
+
+
+def test_loads_one_after_another_in_one_torchrun_script_each_form_their_own_group(tmp_path):
+    """A script that calls distload.load four times under torchrun: each call forms the job's
+    group from torchrun's store and closes it. The store outlives each group; every call's keys
+    are its own, so no rank dials a peer's closed port from the call before (it did, "Connection
+    refused" in about one run of two, before each group took a prefix of its own). Every load
+    equals a plain read."""
+    import torch
+
+    folder = str(tmp_path / "whole")
+    paths = write_whole(folder, {f"w{i}": torch.randn(1000, 100) for i in range(6)}, num_files=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    for attempt in range(3):  # the race needed a few tries to show
+        result = run_script(write_script(tmp_path, "twice.py", TWICE), [folder, str(out)], nproc=2, timeout=DEADLINE_S)
+        assert result.returncode == 0, (attempt, result.stderr[-3000:])
+        for rank in range(2):
+            assert json.loads((out / f"rank{rank}.json").read_text()) == [plain_digest(paths)] * 4, (attempt, rank)

@@ -12,6 +12,7 @@ error, the others raise :class:`RankFailedError` naming it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pickle
 import re
@@ -119,6 +120,9 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+_FORMED = itertools.count()  # default groups this process has formed (_init_default_group)
+
+
 class WorkerGroup:
     """This rank's place in a group of ranks: rank, device, and the collectives to agree.
 
@@ -197,18 +201,27 @@ class WorkerGroup:
             yield own
 
     def _init_default_group(self) -> None:
+        """Form the job's default group from the launcher's rendezvous, under a key prefix of its
+        own: this process's how-manieth group it is (and torchrun's restart count).
+
+        torchrun's store is its agent's and outlives the group: a second group formed in the same
+        processes (two ``distload.load`` calls in one script, each making and closing its own)
+        would find the first one's keys there, and a rank that came early would dial a peer's
+        closed gloo port from them ("Connection refused", or a hang). Every rank forms the same
+        groups in the same order, so each names the same prefix."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        kwargs: dict[str, Any] = {"backend": backend, "timeout": self.timeout}
-        if self.launch.init_method:
-            kwargs.update(init_method=self.launch.init_method, rank=self.launch.rank,
-                          world_size=self.launch.world_size)
+        kwargs: dict[str, Any] = {"backend": backend, "timeout": self.timeout, "rank": self.launch.rank,
+                                  "world_size": self.launch.world_size}
         if backend == "nccl":
             kwargs["device_id"] = self.device
+        prefix = f"distload/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_FORMED)}/"
         try:
+            store, _, _ = next(dist.rendezvous(self.launch.init_method or "env://", self.launch.rank,
+                                               self.launch.world_size, timeout=self.timeout))
             with RUNTIME.environment(dict(NCCL_CLEANUP_ONLY), restore_prefix=""):
-                dist.init_process_group(**kwargs)
+                dist.init_process_group(store=dist.PrefixStore(prefix, store), **kwargs)
         except Exception as exc:  # a peer that never started, a port in use, a bad address
             raise GroupError(self._rendezvous_failure(exc)) from exc
         self._owns_default_group = True
