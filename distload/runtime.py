@@ -28,6 +28,7 @@ import atexit
 import ctypes
 import contextlib
 import os
+import itertools
 import threading
 from typing import Any, Iterator, Mapping
 
@@ -71,6 +72,9 @@ class Runtime:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._environment_lock = threading.Lock()
+        # Default groups this process has formed (workers/group.py names each one's store keys by
+        # its number): kept across reset(), since the launcher's store keeps the keys.
+        self.groups_formed = itertools.count()
         self.reset()
         atexit.register(self._at_exit)
 

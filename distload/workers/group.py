@@ -12,7 +12,6 @@ error, the others raise :class:`RankFailedError` naming it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import pickle
 import re
@@ -120,9 +119,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-_FORMED = itertools.count()  # default groups this process has formed (_init_default_group)
-
-
 class WorkerGroup:
     """This rank's place in a group of ranks: rank, device, and the collectives to agree.
 
@@ -216,7 +212,7 @@ class WorkerGroup:
                                   "world_size": self.launch.world_size}
         if backend == "nccl":
             kwargs["device_id"] = self.device
-        prefix = f"distload/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(_FORMED)}/"
+        prefix = f"distload/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(RUNTIME.groups_formed)}/"
         try:
             store, _, _ = next(dist.rendezvous(self.launch.init_method or "env://", self.launch.rank,
                                                self.launch.world_size, timeout=self.timeout))
