@@ -17,6 +17,7 @@ import io
 import json
 import os
 import sys
+from unittest import mock
 
 import torch.distributed as dist
 
@@ -35,18 +36,9 @@ def main(spec_path: str, out_dir: str) -> int:
         dist.init_process_group("gloo")
     for i, case in enumerate(cases):
         args, env = (case["args"], case.get("env", {})) if isinstance(case, dict) else (case, {})
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
         stdout = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(stdout):
-                code = distload_main(list(args))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with mock.patch.dict(os.environ, env), contextlib.redirect_stdout(stdout):  # the case's variables, then back
+            code = distload_main(list(args))
         with open(os.path.join(out_dir, f"case-{i}-rank-{rank}.json"), "w") as f:
             json.dump({"returncode": code, "stdout": stdout.getvalue()}, f)
     if launch.world_size > 1:
