@@ -41,11 +41,11 @@ with distload.WorkerGroup(device="cpu", timeout_s=120) as group:
     print(f"rank {group.rank} of {group.world_size} on {group.hostname}", flush=True)
     distload.load(source, "safetensors", group=group)  # a first load that works on every rank
     for i, (name, tensor) in enumerate(distload.iter_tensors(source, "safetensors", group=group)):
-        if group.rank == 1 and i == 2:
+        if group.hostname == "node1" and i == 2:  # the rank on the node that does not hold the store
             if mode == "kill":
-                print(f"rank 1 on {group.hostname} kills itself at {name}", flush=True)
+                print(f"rank {group.rank} on {group.hostname} kills itself at {name}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"rank 1 on {group.hostname} fails on purpose at {name}")
+            raise RuntimeError(f"rank {group.rank} on {group.hostname} fails on purpose at {name}")
     print(f"rank {group.rank} completed every load", flush=True)
 '''
 
@@ -74,7 +74,11 @@ class Node:
         torchrun = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1", "--max-restarts", "0", *entry,
+            "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1", "--max-restarts", "0",
+            # node0's agent hosts the rendezvous store, whichever agent binds first: an agent that
+            # loses the store ends its ranks at once, so the node that outlives a failure must
+            # hold it (as a cluster's head node does) for its ranks to report what they found.
+            "--rdzv-conf", f"is_host={int(node_rank == 0)}", *entry,
         ]
         env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
         env["OMP_NUM_THREADS"] = "1"
@@ -175,8 +179,9 @@ def test_two_nodes_sharded_checkpoint_each_rank_its_own_files(tmp_path, uts_name
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["kill", "raise"])
 def test_rank_failure_ends_the_job_on_every_node(tmp_path, uts_namespaces, mode):
-    """Rank 1 is SIGKILLed (or raises) partway through a load: both agents, on both nodes, exit
-    non-zero well before the 120 s group timeout, and the output names rank 1 and its fault."""
+    """node1's rank is SIGKILLed (or raises) partway through a load: both agents, on both nodes,
+    exit non-zero well before the 120 s group timeout, and the output names that rank and its
+    fault."""
     folder = str(tmp_path / "whole")
     write_whole(folder, every_dtype_state())
     script = tmp_path / "fault.py"
@@ -191,16 +196,17 @@ def test_rank_failure_ends_the_job_on_every_node(tmp_path, uts_namespaces, mode)
             if f"rank {rank} of 2 on {n.hostname}" in n.output:
                 hosts[rank] = n
     assert set(hosts) == {0, 1} and hosts[0] is not hosts[1], text
-    failing, surviving = hosts[1].output, hosts[0].output
+    bad = 0 if hosts[0].hostname == "node1" else 1
+    failing, surviving = hosts[bad].output, hosts[1 - bad].output
     assert "completed every load" not in text
     if mode == "kill":
-        assert f"rank 1 on {hosts[1].hostname} kills itself" in failing
-        # torchrun's summary on rank 1's node: the rank, and the signal that ended it.
+        assert f"rank {bad} on node1 kills itself" in failing
+        # torchrun's summary on node1: the rank, and the signal that ended it.
         assert "Signal 9 (SIGKILL)" in failing, text
-        assert "rank      : 1" in failing or "rank: 1" in failing, text
-        # rank 0 learns it over the broken connection, not by waiting for the timeout.
+        assert f"rank      : {bad}" in failing or f"rank: {bad}" in failing, text
+        # The survivor learns it over the broken connection, not by waiting for the timeout.
         assert "GroupError" in surviving or "RankFailedError" in surviving, text
     else:
-        assert f"RuntimeError: rank 1 on {hosts[1].hostname} fails on purpose" in failing
-        # rank 0 is told which rank failed, in which step.
-        assert "RankFailedError" in surviving and "rank 1" in surviving, text
+        assert f"RuntimeError: rank {bad} on node1 fails on purpose" in failing
+        # The survivor is told which rank failed, in which step.
+        assert "RankFailedError" in surviving and f"rank {bad}" in surviving, text
