@@ -422,9 +422,11 @@ def bf16_state(params) -> dict[str, torch.Tensor]:
 # pushed again, what an inference rank does to its tensors before receiving it).
 # (After lr 1e-2 most tensors' compares give up: they go whole once more at version 4, their
 # copies refreshed, and are patched again from version 5 on.)
-DELTA_STEPS = [(1, None, None), (2, 1e-6, None), (3, 1e-2, None), (4, 1e-6, None), (5, 1e-6, "drift-1"),
-               (5, None, None), (6, 1e-6, "move-0"), (7, 1e-6, "fail-0"), (7, None, None), (8, None, "flip-1"),
-               (8, None, None), (9, 1e-6, "restart"), (10, 1e-6, None), (11, 1e-6, "rewrite-0")]
+# lr 2e-7 changes about 1.1% of the bf16 elements a step (1e-6: 4.2%, which on one host goes whole:
+# docs/delta-sync.md, "On one host the margin is 32").
+DELTA_STEPS = [(1, None, None), (2, 2e-7, None), (3, 1e-2, None), (4, 2e-7, None), (5, 2e-7, "drift-1"),
+               (5, None, None), (6, 2e-7, "move-0"), (7, 2e-7, "fail-0"), (7, None, None), (8, None, "flip-1"),
+               (8, None, None), (9, 2e-7, "restart"), (10, 2e-7, None), (11, 2e-7, "rewrite-0")]
 
 
 def delta(role, address, result, args):
@@ -521,13 +523,14 @@ CUTS = {0: {"fused": (0, [(0, 16), (48, 64)]), "rows": (1, [(0, 64)]), "big": (0
 
 
 def stepped(version: int) -> dict[str, torch.Tensor]:
-    """Versions that change like training steps: version v+1 is v with about 3% of the elements new."""
+    """Versions that change like training steps: version v+1 is v with about 1% of the elements new
+    (3% would go whole on one host: docs/delta-sync.md)."""
     state = state_of(CUT_SHAPES, 1)
     for v in range(2, version + 1):
         for name, t in state.items():
             gen = torch.Generator().manual_seed(zlib.crc32(f"{name}@step{v}".encode()))
             flat = t.view(-1)
-            where = torch.rand(flat.numel(), generator=gen) < 0.03
+            where = torch.rand(flat.numel(), generator=gen) < 0.01
             flat[where] = (torch.randn(int(where.sum()), generator=gen) * 8).to(t.dtype)
     return state
 
@@ -640,7 +643,38 @@ def choice(role, address, result, args):
             result.setdefault("receives", []).append(row)
 
 
-SCENARIOS = {"choice": choice, "cuts": cuts, "delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
+MARGIN_SHAPES = {"a.weight": (256, 512), "b.weight": (512, 256)}
+MARGIN_VERSIONS = range(1, 7)
+
+
+def margin_state(version: int) -> dict[str, torch.Tensor]:
+    """Version ``version``: each version after the first flips the lowest bit of one element in
+    25 (4%, the fraction a real AdamW step changes in bf16) of every tensor."""
+    gen = torch.Generator().manual_seed(5)
+    state = {n: (torch.randn(shape, generator=gen) * 4).to(torch.bfloat16) for n, shape in MARGIN_SHAPES.items()}
+    for v in range(2, version + 1):
+        for t in state.values():
+            t.view(torch.int16).reshape(-1)[v::25] ^= 1
+    return state
+
+
+def margin(role, address, result, args):
+    """The same versions, 4% of the elements changed each, through two default (delta) channels:
+    this one handed off through shared memory (one host), and one at ``args[0]`` on the socket."""
+    with open_channel(role, address) as ch, open_channel(role, args[0], transport="socket") as sock:
+        target = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in MARGIN_SHAPES.items()}
+        other = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in MARGIN_SHAPES.items()}
+        for version in MARGIN_VERSIONS:
+            state = margin_state(version)
+            for kind, channel, into in (("auto", ch, target), ("socket", sock, other)):
+                stats = channel.push(state, version) if role == "trainer" else channel.receive(into)
+                row = {**stats_row(stats), "sent_whole": list(stats.sent_whole), "state_bytes": nbytes(state)}
+                if role != "trainer":
+                    row["exact"] = exact(into, state)
+                result.setdefault(kind, []).append(row)
+
+
+SCENARIOS = {"choice": choice, "margin": margin, "cuts": cuts, "delta": delta, "full": full, "two-trainers": two_trainers, "sliced": sliced, "misfit": misfit, "verify": verify,
              "sleep": sleep}
 
 

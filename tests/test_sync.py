@@ -90,10 +90,10 @@ with distload.WorkerGroup(device="cpu", timeout_s=60) as g:
     def value(name, version):
         shape, dtype = shapes[name]
         name = "tied.embed" if name == "tied.head" else name
-        if version == 4:  # version 3 with every 40th element's lowest bit flipped: a delta of 2.5%
+        if version == 4:  # version 3 with every 200th element's lowest bit flipped: a delta of 0.5%
             t = value(name, 3)
             ints = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-            ints.view(-1)[::40] ^= 1
+            ints.view(-1)[::200] ^= 1
             return t
         gen = torch.Generator().manual_seed(hash((name, version)) % 2**31)
         return (torch.randn(shape, generator=gen) * 8).to(dtype)
@@ -164,7 +164,7 @@ def test_versions_arrive_exact_and_in_place(tmp_path):
         assert r["versions"] == [1, 2, 3, 4] and r["exact"] == [True] * 4 and r["in_place"], r
         # The first update is full; then each receiver holds the sender's base: deltas, checked.
         assert r["delta"] == [False, True, True, True], r
-        assert r["wire"][3] < 0.3 * r["wire"][0], r  # 2.5% of the elements changed
+        assert r["wire"][3] < 0.3 * r["wire"][0], r  # 0.5% of the elements changed
 
 
 @pytest.mark.slow

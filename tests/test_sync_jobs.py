@@ -167,6 +167,30 @@ def test_full_tensors_one_trainer_to_two_inference_ranks_three_versions(tmp_path
 # -- 1b. deltas -----------------------------------------------------------------------------------
 
 @pytest.mark.dist
+def test_a_patch_must_save_more_where_every_receiver_reads_the_trainers_memory(tmp_path):
+    """4% of the elements changed a version (a real AdamW step in bf16) through two delta
+    channels in the same jobs. On the socket each version is a patch of about 8% of the bytes. On
+    one host, where a byte whole costs a memory copy and the patch's changes cost more than the
+    bytes they save (results/sync_choice.md), no version goes as a patch: the compares give up,
+    the tensors go whole and then rest, their pushes full updates. Both land bit for bit."""
+    results = run_driver(tmp_path, "margin", 1, 1, f"tcp://127.0.0.1:{free_port()}")
+    (trainer,), (receiver,) = results.trainer, results.inference
+    names = sorted(driver.MARGIN_SHAPES)
+    full = trainer["auto"][0]["wire_bytes"]
+    assert trainer["auto"][0]["delta"] is False and trainer["socket"][0]["delta"] is False
+    for push in trainer["socket"][1:]:
+        assert push["delta"] and push["sent_whole"] == [] and push["wire_bytes"] < 0.1 * full, push
+    for push in trainer["auto"][1:]:
+        assert push["transport"] == "shm", push
+        assert (not push["delta"] or push["sent_whole"] == names) and push["wire_bytes"] <= full + 1024, push
+    assert sum(not p["delta"] for p in trainer["auto"][1:]) >= 3, trainer["auto"]  # resting: full updates
+    for kind in ("auto", "socket"):
+        assert [(r["version"], r["exact"]) for r in receiver[kind]] == [(v, True) for v in driver.MARGIN_VERSIONS]
+        assert [r["delta"] for r in receiver[kind]] == [p["delta"] for p in trainer[kind]]
+    results.assert_exited_cleanly()
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("transport", ["auto", pytest.param("socket", marks=pytest.mark.slow)])
 def test_a_delta_update_sends_what_would_not_pay_whole_and_checks_it(tmp_path, transport):
     """sync_jobs_driver.CHOICE_STEPS through the default (delta) channel, handed off through
@@ -227,19 +251,21 @@ def test_delta_updates_of_real_steps_end_bit_identical_or_fail_undone(tmp_path):
     assert "differ from trainer rank 0's after the update" in pushes[9]["error"]  # drift elsewhere: the audit
     # ... and after the restart (a new trainer: no base) one full update, then deltas again; a
     # tensor rewritten by a torch op is seen before the update: that receiver takes every byte.
-    # Version 4 is a full update: every tensor's compare gave up on version 3 (lr 1e-2), so every
-    # copy rests (is refreshed) and nothing is compared; version 5 compares again.
-    assert [p.get("delta") for p in pushes] == [False, True, True, False, None, False, True, None, False, None,
+    # Version 4 is a delta of nearly every byte whole: every big tensor's compare gave up on version
+    # 3 (lr 1e-2), so its copy is refreshed and not compared; the norms, whose single changes did
+    # not pay at version 2 on one host (a norm of 128 elements) and were refreshed at 3, are compared
+    # again. Version 5 compares everything again.
+    assert [p.get("delta") for p in pushes] == [False, True, True, True, None, False, True, None, False, None,
                                                 False, False, True, True]
     assert all(p["verified"] for p in pushes if "error" not in p), pushes
     full, step = pushes[0]["wire_bytes"], pushes[1]["wire_bytes"]
-    assert full >= pushes[0]["state_bytes"] and step < 0.15 * full, (full, step)  # lr 1e-6: about 4% of the elements changed
+    assert full >= pushes[0]["state_bytes"] and step < 0.05 * full, (full, step)  # lr 2e-7: about 1.1% of the elements changed
     assert step < pushes[2]["wire_bytes"] <= 1.05 * full, pushes[2]  # lr 1e-2: most pieces raw
     assert pushes[-1]["base_bytes"] == pushes[-1]["state_bytes"]  # the trainer's host copy: 1x the state
 
     # (version held after each receive, whether it took a delta) on each rank; None: it failed
-    took = {0: [True, True, False, None, False, False, None, False, None, False, False, True, False],
-            1: [True, True, False, None, False, True, None, False, None, False, False, True, True]}
+    took = {0: [True, True, True, None, False, False, None, False, None, False, False, True, False],
+            1: [True, True, True, None, False, True, None, False, None, False, False, True, True]}
     for rank in results.inference:
         r = rank["rank"]
         receives = rank["receives"]
@@ -501,7 +527,7 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     from distload.loading.report import state_digest
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "3", "--change", "0.04",
+    common = ["-m", "distload", "sync-demo", "--rendezvous", address, "--versions", "3", "--change", "0.01",
               "--size-mib", "16", "--device", "cpu", "--timeout", "60"]
     reports = {role: str(tmp_path / f"{role}.json") for role in ("trainer", "inference")}
     jobs = run_jobs(tmp_path, [
@@ -528,14 +554,14 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
         for row in rows:
             assert row["matches"] is True and row["verified"] is True, row  # verified by default
             # Not only the demo's own say-so: the digest is that of this TP rank's slices.
-            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu"), change=0.04), 2,
+            want = state_digest(kept_slices(demo_state(16, row["version"], torch.device("cpu"), change=0.01), 2,
                                             rank["rank"]))
             assert row["digest"] == want, (rank["rank"], row)
             assert isinstance(row["seconds"], float) and row["seconds"] > 0, row
             if row["version"] == 1:
                 assert row["tensor_bytes"] <= row["bytes_received"] <= 1.05 * row["tensor_bytes"], row
-            else:  # 4% of the elements: 4 bytes each and the checks, about 8% of the bf16 bytes
-                assert row["delta"] and row["bytes_received"] < 0.12 * row["tensor_bytes"], row
+            else:  # 1% of the elements: 4 bytes each and the checks, about 2% of the bf16 bytes
+                assert row["delta"] and row["bytes_received"] < 0.04 * row["tensor_bytes"], row
             received_total[row["version"]] += row["bytes_received"]
     assert inference["ranks"][0]["versions"][0]["digest"] != inference["ranks"][1]["versions"][0]["digest"]
     whole = sum(t.numel() * t.element_size() for t in demo_state(16, 1, torch.device("cpu")).values())

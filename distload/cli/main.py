@@ -195,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     sync_demo.add_argument("--no-delta", action="store_true", help="send every byte of every version")
     sync_demo.add_argument("--change", type=float, default=None, metavar="FRACTION",
                            help="versions change like training steps: each changes this fraction of the "
-                                "previous one's elements (e.g. 0.04), so every update after the first is a delta "
-                                "(default: every version all new)")
+                                "previous one's elements (e.g. 0.01), so every update after the first is a delta "
+                                "(on one host only below about 0.015: there a byte costs a memory copy, and a "
+                                "patch must save 31/32 of the bytes; default: every version all new)")
     sync_demo.add_argument("--report-json", default=None, metavar="PATH",
                            help="write each rank's versions, digests, bytes and seconds here")
     sync_demo.add_argument("--size-mib", type=int, default=256, help="approximate model size (default 256)")

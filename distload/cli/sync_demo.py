@@ -9,8 +9,10 @@ and the other ranks the inference workers. Across two jobs, each started by its 
 
 The trainer holds a Llama-shaped bf16 state dict and pushes ``--versions`` versions of it (each
 version's values come from a seed, so any rank can recompute what it should hold). With
-``--change 0.04`` versions change like training steps (4% of the elements each), so every update
-after the first is a delta: the lines show its bytes on the wire against the first. Each
+``--change 0.01`` versions change like training steps (1% of the elements each), so every update
+after the first is a delta: the lines show its bytes on the wire against the first. (Across hosts
+a patch pays up to about 12% of the elements changed; on one host, where a byte costs a memory
+copy, below about 1.5%: docs/delta-sync.md.) Each
 inference rank holds its tensors (whole, or its tensor-parallel slices), allocated once, and
 receives each version in place; it prints and reports version, digest, bytes and seconds, and
 checks its digest against the slices of the version it was sent.

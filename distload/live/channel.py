@@ -462,13 +462,14 @@ class SyncChannel:
         # A delta route's messages: consecutive buckets merged (delta.merged), each sent once its
         # last bucket is compared; what its buckets bring, gathered until then.
         merged = [dict(deltas.merged(route.layouts, self.bucket_bytes)) if route.delta else {} for route in routes]
+        worth = self._worth(session, routes)
         gathered: list[tuple[dict, dict]] = [({}, {}) for _ in routes]
         sent = [0] * len(routes)
         whole: dict[int, torch.Tensor] | None = None
         for i, group in enumerate(groups):
             whole = None  # the last bucket's tensors let go first (a refit's FP8 copies: refit.Quantizing)
             whole = {index: _whole(tensors[index]) for index in group}
-            patches = self._changes(group, entries, whole, changes, tensors) if self.delta else {}
+            patches = self._changes(group, entries, whole, changes, tensors, worth) if self.delta else {}
             for v, route in enumerate(routes):
                 device = self._transport_device()
                 if route.delta:
@@ -483,7 +484,7 @@ class SyncChannel:
                     held.pop(slot, None)
                     (kept, found), gathered[v] = gathered[v], ({}, {})
                     layout = merged[v][i]
-                    out = deltas.plan_bucket(layout, entries, found, route.place)
+                    out = deltas.plan_bucket(layout, entries, found, route.place, worth)
                     messages = self._delta_messages(session, route.ranks, ("send",) + slot, out)
                     data = messages[1] if out.size else torch.empty(0, dtype=torch.uint8)
                     deltas.write_bucket(out, data, layout, entries, kept, route.place)
@@ -546,6 +547,18 @@ class SyncChannel:
         return messages
 
     @staticmethod
+    def _worth(session: Session, routes: Sequence[_Route]) -> int:
+        """The margin a patch must save this push (delta.pays): where every receiver this rank
+        sends a delta to reads its host memory (same host, no relay), a byte whole costs a memory
+        copy and a patch must be far smaller to pay (delta.WORTH_SAME_HOST); where any one's bytes
+        cross a link, delta.WORTH. One margin for the push: its compare (one per tensor) serves
+        every route. GPU memory handed off by CUDA IPC keeps delta.WORTH: not measured yet."""
+        ranks = [rank for route in routes if route.delta for rank in route.ranks]
+        if ranks and session.transport(ranks) == "shm":
+            return deltas.WORTH_SAME_HOST
+        return deltas.WORTH
+
+    @staticmethod
     def _hands_off(session: Session, ranks: Sequence[int]) -> bool:
         return any(session.maps(rank) for rank in ranks)
 
@@ -565,9 +578,11 @@ class SyncChannel:
         return staged
 
     def _changes(self, group: Sequence[int], entries: Sequence[SyncTensor], whole: Mapping[int, torch.Tensor],
-                 changes: "_Changes", tensors: Mapping[int, torch.Tensor]) -> dict[int, deltas.Patch]:
+                 changes: "_Changes", tensors: Mapping[int, torch.Tensor], worth: int = deltas.WORTH
+                 ) -> dict[int, deltas.Patch]:
         """Each entry's patch since the base (by entry index; none where the base does not hold
-        it: it travels raw). What the base becomes once the push is done goes into ``changes``.
+        it: it travels raw), its compare given up past the changes that pay by the margin
+        ``worth``. What the base becomes once the push is done goes into ``changes``.
         ``tensors``: the caller's, which live through the push (``whole``'s gathered DTensors do
         not: their memory may come back for a later one)."""
         out = {}
@@ -602,7 +617,7 @@ class SyncChannel:
             if base is not None:  # compared where the tensor lives: a GPU's state never comes down whole
                 # given up as soon as the patch clearly would not pay (delta.gives_up): then it
                 # goes whole, its copy left as it is (resting: delta.MAX_REST)
-                limit = deltas.most_changes(tensor.numel(), tensor.element_size())
+                limit = deltas.most_changes(tensor.numel(), tensor.element_size(), worth)
                 patch = (deltas.diff(tensor.contiguous(), base, self._base.scratch, limit)
                          if tensor.device.type == "cpu" else deltas.diff_on_device(tensor, base, limit))
                 if patch is not None:

@@ -60,6 +60,12 @@ RAW = -1  # a piece's count in a bucket's header: sent whole (its patch would no
 # than the piece loses time to the piece (benchmarks/results/sync_choice.md). For bf16 (4 bytes a
 # change) that is up to one element in 8 changed.
 WORTH = 4
+# The margin where every receiver of a push reads the trainer's memory (same host): a byte whole
+# then costs a memory copy, about what finding, encoding and applying a change costs per byte of
+# its patch, so a patch must be far smaller to pay. Measured on one host: a patch stopped paying
+# near 1.5% of the elements changed (bf16; results/sync_choice.md), 3% of the bytes; for bf16 this
+# allows up to one element in 64 changed.
+WORTH_SAME_HOST = 32
 AUDIT_ROUNDS = 64  # every receiver byte is audited once every this many delta updates
 # A tensor whose compare gave up rests (travels whole, neither compared nor copied into the base)
 # 0 pushes, then 1, 2, 4 and at most this many while its compares keep giving up; then its copy
@@ -407,16 +413,16 @@ def encoded_size(numel: int, count: int, itemsize: int) -> int:
     return aligned(4 * chunks(numel) + 2 * count, 8) + count * itemsize
 
 
-def pays(numel: int, count: int, itemsize: int) -> bool:
-    """Whether a patch is worth sending: at most 1/WORTH of the piece's own bytes (else the piece
-    travels raw, as a full push sends it)."""
-    return encoded_size(numel, count, itemsize) * WORTH <= numel * itemsize
+def pays(numel: int, count: int, itemsize: int, worth: int = WORTH) -> bool:
+    """Whether a patch is worth sending: at most 1/``worth`` of the piece's own bytes (else the
+    piece travels raw, as a full push sends it)."""
+    return encoded_size(numel, count, itemsize) * worth <= numel * itemsize
 
 
-def most_changes(numel: int, itemsize: int) -> int:
+def most_changes(numel: int, itemsize: int, worth: int = WORTH) -> int:
     """The most changes a patch of a piece of ``numel`` elements can have and still pay (a bound
     from above: the 8-byte alignment left out), the limit a compare gives up past."""
-    return max(0, (numel * itemsize // WORTH - 4 * chunks(numel)) // (2 + itemsize))
+    return max(0, (numel * itemsize // worth - 4 * chunks(numel)) // (2 + itemsize))
 
 
 def encode(into: torch.Tensor, numel: int, patch: Patch) -> None:
@@ -842,9 +848,9 @@ class Outgoing:
 
 
 def plan_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], patches: Mapping[int, Patch],
-                place: TPPlace) -> Outgoing:
+                place: TPPlace, worth: int = WORTH) -> Outgoing:
     """What a bucket sends receivers at ``place``: each piece as its patch where that pays (by the
-    margin WORTH), else whole; a piece with no patch (no base, or its compare gave up) whole."""
+    margin ``worth``), else whole; a piece with no patch (no base, or its compare gave up) whole."""
     counts, parts = [], []
     total = 0
     for piece, _ in layout.items:
@@ -856,7 +862,7 @@ def plan_bucket(layout: BucketLayout, entries: Sequence[SyncTensor], patches: Ma
             continue
         part = piece_patch(patch, entry.shape, entry.name, piece.action, place, piece.shape)
         count = part.positions.numel()
-        if count and not pays(piece.nbytes // _itemsize(entry), count, _itemsize(entry)):
+        if count and not pays(piece.nbytes // _itemsize(entry), count, _itemsize(entry), worth):
             counts.append(RAW)
             parts.append(None)
             continue
