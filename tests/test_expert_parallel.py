@@ -10,6 +10,7 @@ placements written out by hand), ``chunk`` the TP-split projections and their sc
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -23,7 +24,8 @@ from distload.errors import ConfigError
 from distload.loading.report import state_digest
 from distload.tp.experts import ExpertPlace, cut_experts, local_experts
 from distload.tp.place import TPPlace
-from distload.tp.spec import carry_block_scales, load_spec
+from distload.tp.slices import shard_shape, slice_bytes, take_shard
+from distload.tp.spec import BUILTIN_SPECS, carry_block_scales, load_spec, spec_from_json
 from distload.workers.group import WorkerGroup
 
 from conftest import in_ci, plain_read, read_report, run_distload, write_whole
@@ -155,7 +157,7 @@ def test_mixtral_names_drop_other_ranks_experts_and_keep_the_tp_rules():
     assert cut.actions["model.layers.0.block_sparse_moe.gate.weight"].replicated
 
 
-def test_stacked_experts_keep_their_rows_and_a_tp_rule_on_them_is_refused():
+def test_stacked_experts_keep_their_rows_and_a_rule_through_them_is_refused():
     """vLLM's fused stacks ([E, 2I, H], [E, H, I], their scales [E, ...]) are cut on dim 0 by expert."""
     shapes = {"model.layers.0.mlp.experts.w13_weight": (4, 512, 256),
               "model.layers.0.mlp.experts.w2_weight": (4, 256, 256),
@@ -171,11 +173,50 @@ def test_stacked_experts_keep_their_rows_and_a_tp_rule_on_them_is_refused():
     assert rr.actions["model.layers.0.mlp.gate.weight"].replicated  # the router stays whole
     linear = cut_experts(tensors, ExpertPlace(2, 1), {})  # no config.json: stacked rows still count
     assert linear.actions["model.layers.0.mlp.experts.w2_weight"].ranges == ((2, 4),)
-    split = load_spec("plain")  # a rule that also splits a stack: refused, naming it
-    bad = [("m.layers.0.mlp.experts.w2_weight", (4, 8, 8), split.action("x.down_proj.weight", (4, 8, 8)))]
-    with pytest.raises(ConfigError, match=r"'m.layers.0.mlp.experts.w2_weight' \(shape \[4, 8, 8\]\) stacks all 4 "
-                                          r"experts along dim 0.*splits it along dim 1"):
+    # A rule that splits a stack along dim 0 cuts through its experts: refused, naming it.
+    bad = [("m.layers.0.mlp.experts.w2_weight", (4, 8, 8), load_spec("plain").action("x.up_proj.weight", (4, 8, 8)))]
+    with pytest.raises(ConfigError) as err:
         cut_experts(bad, ExpertPlace(2, 0), {"num_experts": 4})
+    assert str(err.value) == (
+        "tensor 'm.layers.0.mlp.experts.w2_weight' (shape [4, 8, 8]) stacks all 4 experts along dim 0, which expert "
+        "parallelism cuts by expert (--expert-parallel-size 2); the sharding spec also cuts it along dim 0 (rule "
+        "'*.up_proj.weight'), through the experts. Split a stacked expert tensor along a later dim (vLLM's "
+        "w13_weight [E, 2I, H] along dim 1, w2_weight [E, H, I] along dim 2), or drop that rule")
+
+
+# vLLM's fused MoE layers split by TP (FusedMoE): w13 as [gate; up], each half by rows; w2 by its
+# input columns. A spec file's rules for stacked experts, ahead of the decoder's for the rest.
+STACKED_RULES = [{"match": "*.experts.w13_weight", "split": 1, "fused": 2},
+                 {"match": "*.experts.w2_weight", "split": 2}]
+
+
+def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts():
+    """TP x EP on a stacked tensor: its EP rank's expert rows of dim 0 (``rows``), each split along
+    the spec's dim; its FP8 block scales (vLLM's ``w13_weight_scale_inv``) carried on the blocks of
+    config.json's 2-d weight_block_size, an expert a row; the bytes read are the bytes kept."""
+    config = {"num_experts": 4, "quantization_config": {"weight_block_size": [128, 128]}}
+    spec = spec_from_json({"rules": STACKED_RULES}, config)
+    shapes = {"m.layers.0.mlp.experts.w13_weight": (4, 512, 256), "m.layers.0.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
+              "m.layers.0.mlp.experts.w2_weight": (4, 256, 256), "m.layers.0.mlp.experts.w2_weight_scale_inv": (4, 2, 2)}
+    carried = carry_block_scales([(n, s, spec.action(n, s)) for n, s in shapes.items()], config)
+    assert carried["m.layers.0.mlp.experts.w13_weight_scale_inv"].scales.block == 128
+    cut = cut_experts([(n, s, carried[n]) for n, s in shapes.items()], ExpertPlace(2, 1, "round_robin"), config)
+    whole = {n: torch.arange(math.prod(s), dtype=torch.float32).reshape(s) for n, s in shapes.items()}
+    for tp_rank in range(2):
+        for name, shape in shapes.items():
+            action = cut.actions[name]
+            assert action.rows == ((1, 2), (3, 4)) and action.dim == len(shape) - 2 + (".w2_" in name), name
+            mine = whole[name][[1, 3]]
+            want = (torch.cat([half.chunk(2, 1)[tp_rank] for half in mine.chunk(2, 1)], 1) if ".w13_" in name
+                    else mine.chunk(2, 2)[tp_rank])
+            assert torch.equal(take_shard(whole[name], action, tp_rank, 2, name), want), (name, tp_rank)
+            assert shard_shape(name, shape, action, 2) == tuple(want.shape)
+            piece = slice_bytes(name, shape, 4, action, tp_rank, 2)
+            raw, out = whole[name].view(torch.uint8).reshape(-1), torch.empty(want.numel() * 4, dtype=torch.uint8)
+            for src, dst, n in piece.extents:
+                out[dst:dst + n] = raw[src:src + n]
+            assert torch.equal(out.view(torch.float32).reshape(want.shape), want), (name, tp_rank)
+            assert piece.requested_bytes == want.numel() * 4
 
 
 # -- loads, each rank in this process in turn -----------------------------------------------------------
@@ -236,6 +277,53 @@ def test_stacked_experts_load_as_their_rows(moe, tmp_path, tp, ep, placement):
         result = load_as(folder, rank, tp, ep, placement=placement)
         same(result.state, want)
         assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want)
+
+
+def stacked_folder(moe, folder: str) -> str:
+    """FP8 Qwen3-MoE as vLLM's fused stacks (with their block scales), its config.json beside them."""
+    write_whole(folder, stacked(whole(moe["qwen3moe-fp8"])), 2)
+    with open(os.path.join(moe["qwen3moe-fp8"], "config.json")) as f, open(os.path.join(folder, "config.json"), "w") as g:
+        g.write(f.read())
+    return folder
+
+
+def stacked_spec(path: str) -> str:
+    """A spec file: STACKED_RULES, then the decoder's rules for the rest."""
+    with open(path, "w") as f:
+        json.dump({"name": "decoder-stacked", "rules": STACKED_RULES + [r.to_json() for r in BUILTIN_SPECS["decoder"]]}, f)
+    return path
+
+
+def stacked_reference(state: dict[str, torch.Tensor], rank: int, tp: int, ep: int, placement: str):
+    """Rank ``rank``'s tensors by slicing a whole read: its experts' rows of each stack, w13 (and
+    its scales) as [gate; up] each chunked by rows, w2 (and its scales) chunked by columns."""
+    tp_rank, mine = rank % tp, sorted(experts_of((rank // tp) % ep, ep, placement))
+    out = reference(state, rank, tp, ep, placement)
+    for name, t in state.items():
+        if ".experts.w13_" in name:
+            out[name] = torch.cat([half.chunk(tp, 1)[tp_rank] for half in t[mine].chunk(2, 1)], 1)
+        elif ".experts.w2_" in name:
+            out[name] = t[mine].chunk(tp, 2)[tp_rank].contiguous()
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,placement", [(2, 1, "linear"), (2, 2, "linear"), (2, 2, "round_robin")])
+def test_stacked_experts_a_spec_splits_load_as_the_tp_slice_of_their_rows(moe, tmp_path, tp, ep, placement):
+    """TP x EP on stacked experts: each rank keeps its experts' rows, each TP-sliced as the spec says
+    (FP8 block scales with them, on their blocks), and reads only those bytes; at EP 1 the same
+    split of every expert."""
+    folder = stacked_folder(moe, str(tmp_path / "stacked"))
+    spec = stacked_spec(str(tmp_path / "spec.json"))
+    state = whole(folder)
+    for rank in range(tp * ep):
+        want = stacked_reference(state, rank, tp, ep, placement)
+        assert want["model.layers.0.mlp.experts.w13_weight"].shape == (4 // ep, 512 // tp, 256)
+        with WorkerGroup(device="cpu") as group:
+            result = distload.Loader(folder, group=group, tensor_parallel_size=tp, tensor_parallel_rank=rank % tp,
+                                     sharding=spec, expert_parallel_size=ep, expert_parallel_rank=(rank // tp) % ep,
+                                     expert_placement_strategy=placement if ep > 1 else None).load()
+        same(result.state, want)
+        assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want), (rank, result.rank_report)
 
 
 def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tmp_path):

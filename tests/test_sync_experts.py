@@ -22,7 +22,7 @@ from distload.errors import ConfigError
 from distload.live import pairing, refit
 from distload.live.channel import SyncChannel
 from distload.live.rendezvous import SessionRecord
-from distload.live.transfer import SyncTensor, kept_slice
+from distload.live.transfer import BucketLayout, SyncTensor, kept_slice
 from distload.tp.place import TPPlace
 
 import ep_sync_driver as driver
@@ -208,6 +208,51 @@ def test_tp2_x_ep2_receivers_keep_their_tp_slice_of_their_experts_as_loads_rank_
     stacked = SyncTensor("model.layers.1.mlp.experts.w13_weight", "BF16", (4, 6, 8), 4 * 6 * 8 * 2)
     piece = kept_slice(place, 0, stacked)
     assert piece.shape == (2, 6, 8) and piece.run == (2 * 96, 4 * 96)
+
+
+def test_tp2_x_ep2_receivers_of_stacks_a_spec_splits_take_their_tp_slice_of_their_experts_and_its_changes():
+    """A spec that splits stacked experts (vLLM's w13 as [gate; up], each by rows; w2 by columns)
+    at TP 2 x EP 2, round robin: each receiver's piece, its packed bytes and its part of a delta
+    are its TP slice of its own experts' rows, the FP8 block scales beside them cut on their blocks
+    (config.json's 2-d weight_block_size, an expert a row)."""
+    from distload.live import delta as deltas
+    from distload.live.transfer import group_entries, layouts, pack
+    from distload.tp.spec import spec_from_json
+
+    config = {"num_experts": 4, "quantization_config": {"weight_block_size": [4, 4]}}
+    spec = spec_from_json({"rules": [{"match": "*.experts.w13_weight", "split": 1, "fused": 2},
+                                     {"match": "*.experts.w2_weight", "split": 2}]}, config)
+    shapes = {"model.layers.1.mlp.experts.w13_weight": (4, 16, 8), "model.layers.1.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
+              "model.layers.1.mlp.experts.w2_weight": (4, 8, 8), "model.layers.1.mlp.experts.w2_weight_scale_inv": (4, 2, 2)}
+    gen = torch.Generator().manual_seed(0)
+    olds = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    news = {name: t.clone() for name, t in olds.items()}
+    for t in news.values():
+        t.view(-1)[::7] += 1  # a few changes in every expert and slice
+    entries = [SyncTensor(name, "F32", shape, olds[name].numel() * 4) for name, shape in shapes.items()]
+    for rank in range(4):
+        place = pairing.with_experts(TPPlace(2, rank % 2, spec), "inference", rank, 4, 2, "round_robin", lambda: config)
+        mine, tp_rank = [rank // 2, rank // 2 + 2], rank % 2  # round robin: EP rank e holds experts e, e + 2
+
+        def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+            if ".w13_" in name:
+                return torch.cat([half.chunk(2, 1)[tp_rank] for half in t[mine].chunk(2, 1)], 1)
+            return t[mine].chunk(2, 2)[tp_rank].contiguous()
+
+        pieces = [piece for layout in layouts(entries, group_entries(entries, 1 << 20), place, False)
+                  for piece, _ in layout.items]
+        assert len(pieces) == 4
+        for piece in pieces:
+            name = entries[piece.entry].name
+            want_old, want_new = cut(name, olds[name]), cut(name, news[name])
+            assert piece.shape == tuple(want_new.shape) and piece.nbytes == want_new.numel() * 4, (rank, name)
+            buffer = torch.empty(piece.nbytes, dtype=torch.uint8)
+            pack(buffer, BucketLayout(((piece, 0),), piece.nbytes), {piece.entry: news[name]}, place)
+            assert torch.equal(buffer.view(torch.float32).view(piece.shape), want_new), (rank, name)
+            part = deltas.piece_patch(deltas.diff(news[name], olds[name]), shapes[name], name, piece.action, place,
+                                      piece.shape)
+            want = deltas.diff(want_new, want_old)
+            assert torch.equal(part.positions, want.positions) and torch.equal(part.flips, want.flips), (rank, name)
 
 
 @pytest.mark.slow  # five processes on two cores

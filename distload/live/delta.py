@@ -365,9 +365,11 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
     for size in shape[dim + 1:]:
         inner *= int(size)
     whole_dim, kept_dim = int(shape[dim]), int(piece_shape[dim])
-    outer = 1
-    for size in shape[:dim]:
-        outer *= int(size)
+    # The outer indices kept (all, or an EP rank's experts' of a stacked tensor: cut.rows), each
+    # with its own index in the piece.
+    outers = np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in cut.outer_runs(shape, dim)] or
+                            [np.empty(0, dtype=np.int64)])
+    at_piece = np.arange(outers.size, dtype=np.int64)
     # The tensor as (outer, whole_dim, inner): what the piece keeps of each outer index is one run
     # of flat positions per range of the split dimension. Taken in the piece's own order (outer,
     # then its ranges as they lie in the piece), the runs' positions come out sorted, whatever the
@@ -380,9 +382,9 @@ def piece_patch(patch: Patch, shape: Sequence[int], name: str, action, place: TP
         shifts.append((at - start) * inner)
         at += stop - start
     run = np.array(firsts, dtype=np.int64)
-    lows = (np.arange(outer, dtype=np.int64)[:, None] * (whole_dim * inner) + run[:, 0]).reshape(-1)
-    highs = (np.arange(outer, dtype=np.int64)[:, None] * (whole_dim * inner) + run[:, 1]).reshape(-1)
-    moves = (np.arange(outer, dtype=np.int64)[:, None] * ((kept_dim - whole_dim) * inner)
+    lows = (outers[:, None] * (whole_dim * inner) + run[:, 0]).reshape(-1)
+    highs = (outers[:, None] * (whole_dim * inner) + run[:, 1]).reshape(-1)
+    moves = (at_piece[:, None] * (kept_dim * inner) - outers[:, None] * (whole_dim * inner)
              + np.array(shifts, dtype=np.int64)).reshape(-1)
     lo, hi = np.searchsorted(pos, lows), np.searchsorted(pos, highs)
     if lo.size <= 16:  # a few runs (a split of rows): slices of the patch, no gather

@@ -248,12 +248,19 @@ def pack(buffer: torch.Tensor, layout: BucketLayout, tensors: Mapping[int, torch
         assert dim is not None
         cut = rank_slice("", tuple(source.shape), piece.action, place.rank, place.size)
         assert cut is not None
-        at = 0
-        for start, stop in cut.ranges:
-            dst.narrow(dim, at, stop - start).copy_(source.narrow(dim, start, stop - start))
-            at += stop - start
-        if cut.padding:  # a padded vocabulary's zero rows
-            dst.narrow(dim, at, cut.padding).zero_()
+        pairs = [(source, dst)]
+        if cut.rows is not None:  # an EP rank's experts of a stacked tensor, each then cut along ``dim``
+            pairs, kept = [], 0
+            for first, last in cut.rows:
+                pairs.append((source[first:last], dst[kept:kept + last - first]))
+                kept += last - first
+        for whole, out in pairs:
+            at = 0
+            for start, stop in cut.ranges:
+                out.narrow(dim, at, stop - start).copy_(whole.narrow(dim, start, stop - start))
+                at += stop - start
+            if cut.padding:  # a padded vocabulary's zero rows
+                out.narrow(dim, at, cut.padding).zero_()
 
 
 def unpack(buffer: torch.Tensor, layout: BucketLayout, entries: Sequence[SyncTensor],

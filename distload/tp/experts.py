@@ -15,7 +15,8 @@ Two layouts of routed experts are known:
   ``block_sparse_moe.experts.7.w1.weight``, their FP8 ``weight_scale_inv``): a rank keeps its
   experts' tensors (TP-sliced as the sharding spec says) and none of the others;
 - stacked, one row per expert along dim 0 (vLLM's ``experts.w13_weight`` [E, 2I, H] and
-  ``experts.w2_weight`` [E, H, I], their scales [E, ...]): a rank keeps its experts' rows.
+  ``experts.w2_weight`` [E, H, I], their scales [E, ...]): a rank keeps its experts' rows, and
+  of each its TP slice where the sharding spec splits the stack along a later dim.
 
 Everything else (attention, dense MLPs, shared experts, the router ``mlp.gate``) is the
 tensor-parallel spec's business. Pure: no I/O, no torch.distributed; the weight sync's pairing
@@ -25,7 +26,7 @@ can ask it what any rank holds.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
@@ -171,7 +172,9 @@ def expert_action(name: str, shape: Sequence[int], action: Action, place: Expert
 
     A per-expert tensor of another rank's expert becomes an empty cut of dim 0 (0-d ones are
     read whole, a few bytes) and is dropped; a stacked tensor keeps its experts' rows of dim 0,
-    refused if the sharding spec also splits it (one cut per tensor)."""
+    each split along a later dim where the sharding spec splits it there too (its TP slice of
+    each of its experts: the action's ``rows``). A spec that splits a stack along dim 0, its
+    experts, is refused: expert parallelism cuts that dimension."""
     eid = expert_id(name)
     if eid is not None:
         if not others_expert(name, place, count):
@@ -179,13 +182,16 @@ def expert_action(name: str, shape: Sequence[int], action: Action, place: Expert
         return (Action(0, None, _rule(place), ranges=()) if len(shape) else action), True
     _, rows = _placed(count, place.size, place.rank, place.placement)
     if is_stacked(name, shape, count) and place.size > 1:
-        if not action.replicated:
+        if action.replicated:
+            return Action(0, None, _rule(place), ranges=rows), False
+        if action.dim == 0 or action.ranges is not None:
+            cut = f"along dim {action.dim}" if action.dim == 0 else f"to the ranges {list(action.ranges or ())}"
             raise ConfigError(
-                f"tensor {name!r} (shape {list(shape)}) stacks all {count} experts along dim 0, which "
-                f"expert parallelism cuts by expert; the sharding spec also splits it along dim {action.dim} "
-                f"(rule {action.rule!r}), and distload cuts a tensor one way: drop that rule, or load "
-                f"without --expert-parallel-size")
-        return Action(0, None, _rule(place), ranges=rows), False
+                f"tensor {name!r} (shape {list(shape)}) stacks all {count} experts along dim 0, which expert "
+                f"parallelism cuts by expert (--expert-parallel-size {place.size}); the sharding spec also cuts it "
+                f"{cut} (rule {action.rule!r}), through the experts. Split a stacked expert tensor along a later "
+                f"dim (vLLM's w13_weight [E, 2I, H] along dim 1, w2_weight [E, H, I] along dim 2), or drop that rule")
+        return replace(action, rows=rows), False
     return action, False
 
 

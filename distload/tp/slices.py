@@ -11,13 +11,17 @@ every later reader of slices agree to the row. The rules are vLLM's and Megatron
   ranks, each rank holds one whole KV head, rank r head ``r // (ranks // kv_heads)``, the heads
   replicated over consecutive ranks (vLLM's ``QKVParallelLinear``);
 - a padded dimension (a vocabulary, vLLM's ``VocabParallelEmbedding``) is first padded with zero
-  rows to a multiple of ``pad_to``, then split evenly: the last ranks hold the zero rows.
+  rows to a multiple of ``pad_to``, then split evenly: the last ranks hold the zero rows;
+- a stacked expert tensor ([E, ...], every expert along dim 0) under expert parallelism keeps
+  its EP rank's experts, ``rows`` of dim 0, before it is split along a later ``dim``: a cut of two
+  dimensions, each of one kind (distload/tp/experts.py).
 
 Pure: no I/O, no torch.distributed.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -60,6 +64,9 @@ class Action:
     # This tensor holds the block scales of a split weight (FP8 ``X.weight_scale_inv``): its ranges
     # are the weight's, on block boundaries, divided by the block size (distload/tp/spec.py).
     scales: "BlockScales | None" = None
+    # Runs [start, stop) of dim 0 kept before ``dim`` (> 0) is split: an expert-parallel rank's
+    # experts of a stacked expert tensor the spec also splits (distload/tp/experts.py). None: all.
+    rows: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.parts is not None:  # sizes may be given as plain ints: equal-footing plain parts
@@ -93,10 +100,27 @@ class Slice:
 
     ranges: tuple[tuple[int, int], ...]  # [start, stop) along the split dim of the source tensor
     padding: int = 0  # zero rows after the ranges (a padded vocabulary's last ranks)
+    rows: tuple[tuple[int, int], ...] | None = None  # runs of dim 0 kept first (Action.rows); None: all
 
     @property
     def length(self) -> int:
         return sum(stop - start for start, stop in self.ranges) + self.padding
+
+    def outer_runs(self, shape: Sequence[int], dim: int) -> tuple[tuple[int, int], ...]:
+        """The kept indices of the dimensions before ``dim``, flattened, as [start, stop) runs:
+        all of them, or each run of ``rows`` times the dimensions between 0 and ``dim``."""
+        if self.rows is None:
+            return ((0, math.prod(shape[:dim])),)
+        mid = math.prod(shape[1:dim])
+        return tuple((start * mid, stop * mid) for start, stop in self.rows if stop > start)
+
+    def shape(self, shape: Sequence[int], dim: int) -> tuple[int, ...]:
+        """The shape of the piece this slice keeps of a tensor of ``shape`` split along ``dim``."""
+        out = list(shape)
+        out[dim] = self.length
+        if self.rows is not None:
+            out[0] = sum(stop - start for start, stop in self.rows)
+        return tuple(out)
 
 
 def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world_size: int) -> Slice | None:
@@ -104,6 +128,17 @@ def rank_slice(name: str, shape: Sequence[int], action: Action, rank: int, world
 
     Raises ConfigError naming the tensor when the split cannot be made on ``world_size`` ranks.
     """
+    piece = _split(name, shape, action, rank, world_size)
+    if piece is None or action.rows is None:
+        return piece
+    if action.dim == 0 or any(not 0 <= a <= b <= int(shape[0]) for a, b in action.rows):
+        raise ConfigError(f"tensor {name!r} with shape {list(shape)}: rows {list(action.rows)} of dim 0 cannot be "
+                          f"kept before a split along dim {action.dim} (rule {action.rule!r})")
+    return Slice(piece.ranges, piece.padding, action.rows)
+
+
+def _split(name: str, shape: Sequence[int], action: Action, rank: int, world_size: int) -> Slice | None:
+    """:func:`rank_slice`'s ranges of the split dimension, before ``action.rows``."""
     if action.replicated:
         return None
     dim = action.dim
@@ -268,9 +303,7 @@ def shard_shape(name: str, shape: Sequence[int], action: Action, world_size: int
         return tuple(shape)
     for rank in range(1, world_size):  # every rank's split is checked, not only rank 0's
         rank_slice(name, shape, action, rank, world_size)
-    out = list(shape)
-    out[action.dim] = piece.length  # type: ignore[index]
-    return tuple(out)
+    return piece.shape(shape, action.dim)  # type: ignore[arg-type]
 
 
 def take_shard(tensor: torch.Tensor, action: Action, rank: int, world_size: int,
@@ -281,6 +314,8 @@ def take_shard(tensor: torch.Tensor, action: Action, rank: int, world_size: int,
         return tensor.contiguous()
     dim = action.dim
     assert dim is not None
+    if piece.rows is not None:  # its experts' rows of dim 0 first, then its ranges of ``dim``
+        tensor = torch.cat([tensor[start:stop] for start, stop in piece.rows])
     pieces = [tensor.narrow(dim, start, stop - start) for start, stop in piece.ranges]
     if piece.padding:
         pad_shape = list(tensor.shape)
@@ -301,7 +336,7 @@ def reassemble(shards: Sequence[torch.Tensor], action: Action, shape: Sequence[i
     if action.replicated:
         return shards[0]
     dim = action.dim
-    assert dim is not None
+    assert dim is not None and action.rows is None, "a piece of an EP rank's rows is not the whole tensor's"
     world_size = len(shards)
     out = torch.empty(tuple(shape), dtype=shards[0].dtype, device=shards[0].device)
     for rank, shard in enumerate(shards):
@@ -315,12 +350,13 @@ def reassemble(shards: Sequence[torch.Tensor], action: Action, shape: Sequence[i
 
 
 class RowExtents(Sequence):
-    """``count`` extents ``(first + j * row, j * step, length)``: a slice's one range of every
+    """``count`` extents ``(first + j * row, dst + j * step, length)``: a slice's one range of every
     row, as a sequence that makes each extent only when asked (a 1T checkpoint has 875,000 rows
     of such slices a rank, which a shared read never lists: it plans with the slice's runs)."""
 
-    def __init__(self, first: int, row: int, step: int, length: int, count: int):
+    def __init__(self, first: int, row: int, step: int, length: int, count: int, dst: int = 0):
         self.first, self.row, self.step, self.length, self.count = first, row, step, length, count
+        self.dst = dst
 
     def __len__(self) -> int:
         return self.count
@@ -332,11 +368,11 @@ class RowExtents(Sequence):
             j += self.count
         if not 0 <= j < self.count:
             raise IndexError(j)
-        return (self.first + j * self.row, j * self.step, self.length)
+        return (self.first + j * self.row, self.dst + j * self.step, self.length)
 
     def __iter__(self):
-        first, row, step, length = self.first, self.row, self.step, self.length
-        return ((first + j * row, j * step, length) for j in range(self.count))
+        first, row, step, length, dst = self.first, self.row, self.step, self.length, self.dst
+        return ((first + j * row, dst + j * step, length) for j in range(self.count))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and tuple(self) == tuple(other)
@@ -345,7 +381,41 @@ class RowExtents(Sequence):
         return hash(tuple(self))
 
     def __repr__(self) -> str:
-        return f"RowExtents({self.first}, {self.row}, {self.step}, {self.length}, {self.count})"
+        return f"RowExtents({self.first}, {self.row}, {self.step}, {self.length}, {self.count}, {self.dst})"
+
+
+class ChainedExtents(Sequence):
+    """Several :class:`RowExtents` one after the other, as one sequence (an EP rank's runs of
+    experts of a stacked tensor, each a run of rows), made only when asked."""
+
+    def __init__(self, parts: Sequence[RowExtents]):
+        self.parts = tuple(parts)
+        self.ends = list(itertools.accumulate(len(p) for p in self.parts))
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def __getitem__(self, j):  # type: ignore[override]
+        if isinstance(j, slice):
+            return tuple(self[i] for i in range(*j.indices(len(self))))
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        part = bisect.bisect_right(self.ends, j)
+        return self.parts[part][j - (self.ends[part - 1] if part else 0)]
+
+    def __iter__(self):
+        return itertools.chain.from_iterable(self.parts)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ChainedExtents({list(self.parts)!r})"
 
 
 @dataclass(frozen=True)
@@ -385,39 +455,45 @@ def slice_bytes(name: str, shape: Sequence[int], itemsize: int, action: Action, 
         return None
     dim = action.dim
     assert dim is not None
-    outer = math.prod(shape[:dim])
     inner = math.prod(shape[dim + 1:]) * itemsize  # bytes of one index along dim
     length = shape[dim]
-    out = list(shape)
-    out[dim] = piece.length
-    if outer > 1 and len(piece.ranges) == 1:
+    out = piece.shape(shape, dim)
+    outers = piece.outer_runs(shape, dim)  # the kept indices of the dims before ``dim``: all, or an EP rank's rows
+    count = sum(stop - start for start, stop in outers)
+    if count > 1 and len(piece.ranges) == 1:
         # One range of every row (a plain TP slice along dim > 0): rows apart in the source,
-        # apart in the destination by the row and its padding, so no two extents merge.
+        # apart in the destination by the row and its padding, so no two extents merge. Each run
+        # of kept rows (an EP rank's experts: one run, linear; one an expert, round robin) is
+        # one run of extents, the destination's rows following on.
         start, stop = piece.ranges[0]
         n, row, pad = (stop - start) * inner, length * inner, piece.padding * inner
         if n and (n < row or pad):
-            first, step = start * inner, n + pad
-            return SliceBytes(tuple(out), RowExtents(first, row, step, n, outer),
-                              tuple((o * step + n, pad) for o in range(outer)) if pad else (),
-                              ((first, 0, n, outer, row, step),))
+            step, at, groups = n + pad, 0, []
+            for first, last in outers:
+                groups.append((first * row + start * inner, at * step, n, last - first, row, step))
+                at += last - first
+            extents = [RowExtents(src, row, step, n, rows, dst) for src, dst, _, rows, _, _ in groups]
+            return SliceBytes(out, extents[0] if len(extents) == 1 else ChainedExtents(extents),
+                              tuple((o * step + n, pad) for o in range(count)) if pad else (), tuple(groups))
     extents: list[tuple[int, int, int]] = []
     zeros: list[tuple[int, int]] = []
     dst = 0
-    for o in range(outer):
-        for start, stop in piece.ranges:
-            n = (stop - start) * inner
-            if n:
-                src = (o * length + start) * inner
-                if extents and extents[-1][0] + extents[-1][2] == src and extents[-1][1] + extents[-1][2] == dst:
-                    prev = extents.pop()
-                    extents.append((prev[0], prev[1], prev[2] + n))
-                else:
-                    extents.append((src, dst, n))
-            dst += n
-        if piece.padding:
-            zeros.append((dst, piece.padding * inner))
-            dst += piece.padding * inner
-    return SliceBytes(tuple(out), tuple(extents), tuple(zeros))
+    for first, last in outers:
+        for o in range(first, last):
+            for start, stop in piece.ranges:
+                n = (stop - start) * inner
+                if n:
+                    src = (o * length + start) * inner
+                    if extents and extents[-1][0] + extents[-1][2] == src and extents[-1][1] + extents[-1][2] == dst:
+                        prev = extents.pop()
+                        extents.append((prev[0], prev[1], prev[2] + n))
+                    else:
+                        extents.append((src, dst, n))
+                dst += n
+            if piece.padding:
+                zeros.append((dst, piece.padding * inner))
+                dst += piece.padding * inner
+    return SliceBytes(out, tuple(extents), tuple(zeros))
 
 
 def block_bytes(shape: Sequence[int], itemsize: int, offsets: Sequence[int], sizes: Sequence[int]) -> SliceBytes:

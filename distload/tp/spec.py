@@ -432,12 +432,15 @@ def _rule_from_json(item: Any, where: str) -> Rule:
 
 # Quantization tensors that belong to a weight: block scales (FP8 block-wise, MXFP4/NVFP4) have
 # one entry per block of the weight and would have to be split with it.
+# vLLM's fused MoE layers name a stacked weight's the same way with "_" (``experts.w13_weight``,
+# ``experts.w13_weight_scale_inv``).
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".weight_zero_point",
-                   ".weight_global_scale", ".weight_packed_scale", ".scales", ".qzeros")
+                   ".weight_global_scale", ".weight_packed_scale", ".scales", ".qzeros",
+                   "_weight_scale_inv", "_weight_scale", "_weight_scale_2", "_weight_zero_point")
 # The ones a split weight carries with it, cut on its blocks: FP8 block-wise scales as DeepSeek-V3
 # and Qwen3-FP8 name them (``X.weight`` float8_e4m3fn, ``X.weight_scale_inv`` float32 beside it,
-# one per block of ``quantization_config.weight_block_size``).
-BLOCK_SCALE_SUFFIXES = (".weight_scale_inv",)
+# one per block of ``quantization_config.weight_block_size``), and vLLM's stacked ones.
+BLOCK_SCALE_SUFFIXES = (".weight_scale_inv", "_weight_scale_inv")
 _COMMON_BLOCK = 128  # DeepSeek-V3's and Qwen3-FP8's weight_block_size, preferred where shapes allow
 
 
@@ -466,7 +469,7 @@ def carry_block_scales(tensors: Sequence[tuple[str, Sequence[int], Action]],
         suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is None or math.prod(shape) <= 1:
             continue
-        weight = name[: -len(suffix)] + ".weight"
+        weight = name[: -len(suffix)] + suffix[0] + "weight"  # X.weight's, or vLLM's stacked X_weight's
         split = actions.get(weight)
         if split is None or split.replicated:
             continue
@@ -504,6 +507,8 @@ def block_size(name: str, shape: Sequence[int], weight: str, weight_shape: Seque
     if not isinstance(quant, Mapping) and isinstance(config.get("text_config"), Mapping):
         quant = config["text_config"].get("quantization_config")
     given = quant.get("weight_block_size") if isinstance(quant, Mapping) else None
+    if isinstance(given, list) and len(given) == len(shape) - 1 >= 1 and shape[0] == weight_shape[0]:
+        given = [1] + given  # a stack of experts [E, ...]: the blocks are each expert's, one expert a row
     if given is not None:
         where = "config.json's quantization_config.weight_block_size"
         if (not isinstance(given, list) or len(given) != len(shape)
