@@ -426,7 +426,7 @@ import json, sys
 import distload
 from distload.workers.group import WorkerGroup
 
-out, folders = sys.argv[1], sys.argv[2:]
+out, stacked, spec, folders = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
 results = {}
 with WorkerGroup(device="cpu") as group:
     for folder in folders:
@@ -438,6 +438,11 @@ with WorkerGroup(device="cpu") as group:
     r = distload.Loader(folders[0], extra_config={"distributed": True}, group=group, tensor_parallel_size=2,
                         expert_parallel_size=2).load(digest=True).rank_report
     results["shared"] = [r.digest, r.nbytes, r.path]
+    # Stacked experts a spec splits, round robin: runs of rows of each TP slice, in a shared read.
+    r = distload.Loader(stacked, extra_config={"distributed": True}, group=group, tensor_parallel_size=2,
+                        sharding=spec, expert_parallel_size=2,
+                        expert_placement_strategy="round_robin").load(digest=True).rank_report
+    results["stacked"] = [r.digest, r.nbytes, r.path]
     with open(f"{out}/rank{group.rank}.json", "w") as f:
         json.dump(results, f)
 """
@@ -448,15 +453,20 @@ with WorkerGroup(device="cpu") as group:
 def test_torchrun_every_model_at_tp2_ep2_and_tp2_x_ep2(moe, tmp_path):
     """Both models, BF16 and FP8, at TP 2, EP 2 and TP 2 x EP 2, one 4-rank job (TP 2 and EP 2 as
     two replicas each): every rank equal to slicing a whole read, reading only its bytes; and a
-    shared read at TP 2 x EP 2 (distributed: true) gives the same."""
+    shared read at TP 2 x EP 2 (distributed: true) gives the same, of stacked experts a spec
+    splits too."""
     script = write_script(tmp_path, "every_load.py", EVERY_LOAD)
-    result = run_script(script, [str(tmp_path), *(moe[m] for m in MODELS)], nproc=4, timeout=300)
+    folder = stacked_folder(moe, str(tmp_path / "stacked"))
+    spec = stacked_spec(str(tmp_path / "spec.json"))
+    result = run_script(script, [str(tmp_path), folder, spec, *(moe[m] for m in MODELS)], nproc=4, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     for rank in range(4):
         with open(tmp_path / f"rank{rank}.json") as f:
             got = json.load(f)
         want = reference(whole(moe[MODELS[0]]), rank, 2, 2)
         assert got["shared"] == [state_digest(want), kept_bytes(want), "pread-shared"], rank
+        want = stacked_reference(whole(folder), rank, 2, 2, "round_robin")
+        assert got["stacked"] == [state_digest(want), kept_bytes(want), "pread-shared"], rank
         for model in MODELS:
             state = whole(moe[model])
             for tp, ep in SIZES:
