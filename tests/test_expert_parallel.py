@@ -308,13 +308,16 @@ def stacked_reference(state: dict[str, torch.Tensor], rank: int, tp: int, ep: in
 
 
 @pytest.mark.parametrize("tp,ep,placement", [(2, 1, "linear"), (2, 2, "linear"), (2, 2, "round_robin")])
-def test_stacked_experts_a_spec_splits_load_as_the_tp_slice_of_their_rows(moe, tmp_path, tp, ep, placement):
+def test_stacked_experts_a_spec_splits_load_and_reshard_as_the_tp_slice_of_their_rows(moe, tmp_path, tp, ep, placement):
     """TP x EP on stacked experts: each rank keeps its experts' rows, each TP-sliced as the spec says
     (FP8 block scales with them, on their blocks), and reads only those bytes; at EP 1 the same
-    split of every expert."""
+    split of every expert. Reshard writes each rank's shard the same."""
     folder = stacked_folder(moe, str(tmp_path / "stacked"))
     spec = stacked_spec(str(tmp_path / "spec.json"))
     state = whole(folder)
+    saved = str(tmp_path / "saved")
+    distload.reshard(folder, saved, tp, sharding=spec, expert_parallel_size=ep,
+                     expert_placement_strategy=placement if ep > 1 else None)
     for rank in range(tp * ep):
         want = stacked_reference(state, rank, tp, ep, placement)
         assert want["model.layers.0.mlp.experts.w13_weight"].shape == (4 // ep, 512 // tp, 256)
@@ -324,6 +327,8 @@ def test_stacked_experts_a_spec_splits_load_as_the_tp_slice_of_their_rows(moe, t
                                      expert_placement_strategy=placement if ep > 1 else None).load()
         same(result.state, want)
         assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want), (rank, result.rank_report)
+        names = sorted(n for n in os.listdir(saved) if n.startswith(f"model-rank-{rank}-part-"))
+        same(plain_read([os.path.join(saved, n) for n in names]), want)
 
 
 def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tmp_path):
