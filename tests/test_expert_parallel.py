@@ -24,7 +24,7 @@ from distload.errors import ConfigError
 from distload.loading.report import state_digest
 from distload.tp.experts import ExpertPlace, cut_experts, local_experts
 from distload.tp.place import TPPlace
-from distload.tp.slices import shard_shape, slice_bytes, take_shard
+from distload.tp.slices import Action, shard_shape, slice_bytes, take_shard
 from distload.tp.spec import BUILTIN_SPECS, carry_block_scales, load_spec, spec_from_json
 from distload.workers.group import WorkerGroup
 
@@ -217,6 +217,13 @@ def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts():
                 out[dst:dst + n] = raw[src:src + n]
             assert torch.equal(out.view(torch.float32).reshape(want.shape), want), (name, tp_rank)
             assert piece.requested_bytes == want.numel() * 4
+    # A per-tensor scale per expert (vLLM's w13_weight_scale [E]) is not a block scale: whole on
+    # every TP rank, its experts' rows by EP rank.
+    per_expert = ("m.layers.0.mlp.experts.w13_weight_scale", (4,), Action(None))
+    scale = carry_block_scales([*((n, s, spec.action(n, s)) for n, s in shapes.items()), per_expert], config)[per_expert[0]]
+    assert scale.replicated
+    assert cut_experts([per_expert[:2] + (scale,)], ExpertPlace(2, 1, "round_robin"), config).actions[
+        per_expert[0]].ranges == ((1, 2), (3, 4))
 
 
 # -- loads, each rank in this process in turn -----------------------------------------------------------

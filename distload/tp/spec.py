@@ -432,11 +432,11 @@ def _rule_from_json(item: Any, where: str) -> Rule:
 
 # Quantization tensors that belong to a weight: block scales (FP8 block-wise, MXFP4/NVFP4) have
 # one entry per block of the weight and would have to be split with it.
-# vLLM's fused MoE layers name a stacked weight's the same way with "_" (``experts.w13_weight``,
-# ``experts.w13_weight_scale_inv``).
+# vLLM's fused MoE layers name a stacked weight's block scales the same way with "_"
+# (``experts.w13_weight``, ``experts.w13_weight_scale_inv`` [E, ...]); its other stacked scales
+# (``w13_weight_scale`` [E] or [E, 2]: one per expert, or per expert and shard) stay whole.
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".weight_zero_point",
-                   ".weight_global_scale", ".weight_packed_scale", ".scales", ".qzeros",
-                   "_weight_scale_inv", "_weight_scale", "_weight_scale_2", "_weight_zero_point")
+                   ".weight_global_scale", ".weight_packed_scale", ".scales", ".qzeros", "_weight_scale_inv")
 # The ones a split weight carries with it, cut on its blocks: FP8 block-wise scales as DeepSeek-V3
 # and Qwen3-FP8 name them (``X.weight`` float8_e4m3fn, ``X.weight_scale_inv`` float32 beside it,
 # one per block of ``quantization_config.weight_block_size``), and vLLM's stacked ones.
