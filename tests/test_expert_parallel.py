@@ -196,8 +196,10 @@ def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts():
     config.json's 2-d weight_block_size, an expert a row; the bytes read are the bytes kept."""
     config = {"num_experts": 4, "quantization_config": {"weight_block_size": [128, 128]}}
     spec = spec_from_json({"rules": STACKED_RULES}, config)
-    shapes = {"m.layers.0.mlp.experts.w13_weight": (4, 512, 256), "m.layers.0.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
-              "m.layers.0.mlp.experts.w2_weight": (4, 256, 256), "m.layers.0.mlp.experts.w2_weight_scale_inv": (4, 2, 2)}
+    shapes = {"m.layers.0.mlp.experts.w13_weight": (4, 512, 256),
+              "m.layers.0.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
+              "m.layers.0.mlp.experts.w2_weight": (4, 256, 256),
+              "m.layers.0.mlp.experts.w2_weight_scale_inv": (4, 2, 2)}
     carried = carry_block_scales([(n, s, spec.action(n, s)) for n, s in shapes.items()], config)
     assert carried["m.layers.0.mlp.experts.w13_weight_scale_inv"].scales.block == 128
     cut = cut_experts([(n, s, carried[n]) for n, s in shapes.items()], ExpertPlace(2, 1, "round_robin"), config)
@@ -220,7 +222,8 @@ def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts():
     # A per-tensor scale per expert (vLLM's w13_weight_scale [E]) is not a block scale: whole on
     # every TP rank, its experts' rows by EP rank.
     per_expert = ("m.layers.0.mlp.experts.w13_weight_scale", (4,), Action(None))
-    scale = carry_block_scales([*((n, s, spec.action(n, s)) for n, s in shapes.items()), per_expert], config)[per_expert[0]]
+    every = [(n, s, spec.action(n, s)) for n, s in shapes.items()] + [per_expert]
+    scale = carry_block_scales(every, config)[per_expert[0]]
     assert scale.replicated
     assert cut_experts([per_expert[:2] + (scale,)], ExpertPlace(2, 1, "round_robin"), config).actions[
         per_expert[0]].ranges == ((1, 2), (3, 4))
@@ -289,7 +292,8 @@ def test_stacked_experts_load_as_their_rows(moe, tmp_path, tp, ep, placement):
 def stacked_folder(moe, folder: str) -> str:
     """FP8 Qwen3-MoE as vLLM's fused stacks (with their block scales), its config.json beside them."""
     write_whole(folder, stacked(whole(moe["qwen3moe-fp8"])), 2)
-    with open(os.path.join(moe["qwen3moe-fp8"], "config.json")) as f, open(os.path.join(folder, "config.json"), "w") as g:
+    with open(os.path.join(moe["qwen3moe-fp8"], "config.json")) as f, \
+            open(os.path.join(folder, "config.json"), "w") as g:
         g.write(f.read())
     return folder
 
@@ -297,7 +301,8 @@ def stacked_folder(moe, folder: str) -> str:
 def stacked_spec(path: str) -> str:
     """A spec file: STACKED_RULES, then the decoder's rules for the rest."""
     with open(path, "w") as f:
-        json.dump({"name": "decoder-stacked", "rules": STACKED_RULES + [r.to_json() for r in BUILTIN_SPECS["decoder"]]}, f)
+        json.dump({"name": "decoder-stacked",
+                   "rules": STACKED_RULES + [r.to_json() for r in BUILTIN_SPECS["decoder"]]}, f)
     return path
 
 

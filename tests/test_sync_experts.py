@@ -222,8 +222,10 @@ def test_tp2_x_ep2_receivers_of_stacks_a_spec_splits_take_their_tp_slice_of_thei
     config = {"num_experts": 4, "quantization_config": {"weight_block_size": [4, 4]}}
     spec = spec_from_json({"rules": [{"match": "*.experts.w13_weight", "split": 1, "fused": 2},
                                      {"match": "*.experts.w2_weight", "split": 2}]}, config)
-    shapes = {"model.layers.1.mlp.experts.w13_weight": (4, 16, 8), "model.layers.1.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
-              "model.layers.1.mlp.experts.w2_weight": (4, 8, 8), "model.layers.1.mlp.experts.w2_weight_scale_inv": (4, 2, 2)}
+    shapes = {"model.layers.1.mlp.experts.w13_weight": (4, 16, 8),
+              "model.layers.1.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
+              "model.layers.1.mlp.experts.w2_weight": (4, 8, 8),
+              "model.layers.1.mlp.experts.w2_weight_scale_inv": (4, 2, 2)}
     gen = torch.Generator().manual_seed(0)
     olds = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
     news = {name: t.clone() for name, t in olds.items()}
