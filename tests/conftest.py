@@ -143,7 +143,7 @@ def pytest_terminal_summary(terminalreporter, config):
 # process; -s and --pdb run in this process too), each module whole on one worker (--dist
 # loadfile: its module fixtures, servers and engines start once), the longest modules first so
 # that none is left running alone at the end. Without pytest-xdist the suite runs serially.
-LONGEST_MODULES_FIRST = (  # measured (2 workers on 2 cores): about 11 minutes (vLLM's engines) to 1.5
+LONGEST_MODULES_FIRST = (  # measured (2 workers on 2 cores): about 4.5 minutes (vLLM's engines) to 1.5
     "test_vllm_engine.py", "test_object_stores.py", "test_dist_failures.py", "test_sync_failures.py",
     "test_shared_reads.py", "test_node_cache.py", "test_pull.py", "test_sync_jobs.py", "test_cli.py",
     "test_cluster_loads.py", "test_save_reshard.py", "test_launch_slurm.py", "test_cluster_sync.py",

@@ -7,7 +7,7 @@ mixture-of-experts checkpoints under vLLM's expert parallelism and FP8 block-sca
 
 vLLM runs in its own virtual environment (``.vllm-venv``, which ``bash .ci/run`` makes; or
 DISTLOAD_VLLM_PYTHON), with distload installed in it. Every engine of the module starts one after
-the other inside one driver process, TP 1, TP 2, the architectures, then the MoE models (tests/vllm_driver.py;
+the other inside one driver process, TP 2, the architectures, the MoE models, then TP 1 (tests/vllm_driver.py;
 vLLM imported once); the tests read its results.
 """
 
@@ -141,9 +141,11 @@ with SyncChannel(address, "trainer", rank=0, size=1, device="cpu", timeout_s=120
         from distload.live.delta import flat_ints
         generator = torch.Generator().manual_seed(5)
         stepped = {}
-        for name, t in own.items():  # the lowest bit of 3% of the elements: a training step's change
+        # the lowest bit of 1% of the elements: a training step's change (on one host a patch goes
+        # below about 1.5%: docs/delta-sync.md)
+        for name, t in own.items():
             bits = flat_ints(t.clone())
-            bits[torch.rand(bits.numel(), generator=generator) < 0.03] ^= 1
+            bits[torch.rand(bits.numel(), generator=generator) < 0.01] ^= 1
             stepped[name] = bits.view(t.dtype).view(t.shape)
         for version, weights in ((3, stepped), (4, own)):
             stats = sync.push(weights, version)
@@ -190,8 +192,11 @@ def tp2_cases(p: dict, address: str) -> list[dict]:
     """No reference engine of vLLM's own loader for the Llama and the Qwen2 (an engine start at TP 2
     is ~25 s here): their plugin cases run with check_weight_map, so their parameters are vLLM's own
     load's, bit for bit (the engine fails to start otherwise), and their tokens are the reference
-    (TRUTH). "reference b" stays: the pushed weights have no plugin engine of their own."""
-    return [
+    (TRUTH). "reference b" stays: the pushed weights have no plugin engine of their own.
+
+    The "push" and "plugin" engines spawn their workers, as vLLM's CPU server does; the others fork
+    them (as on GPUs: vllm_driver.py), about 10 s less an engine start here."""
+    return [dict(case, fork=case["name"] not in ("push", "plugin")) for case in [
         {"name": "reference b", "model": p["llama-b"], "format": "auto"},
         # One dummy engine for two features (an engine start here is ~30 s): it takes the
         # trainer's pushes, then switches to the real weights in place (the "dummy" case at TP 1).
@@ -205,7 +210,7 @@ def tp2_cases(p: dict, address: str) -> list[dict]:
         {"name": "qwen saved", "model": p["qwen-tp2"], "format": "sharded_state"},
         {"name": "qwen plugin", "model": p["qwen"], "format": "distload",
          "extra": {"reader": "auto", "check_weight_map": True}},
-    ]
+    ]]
 
 
 def architecture_cases(p: dict, address: str) -> list[dict]:
@@ -223,7 +228,7 @@ def architecture_cases(p: dict, address: str) -> list[dict]:
              for a in ARCHITECTURES]
     cases.append({"name": "phi3 saved", "model": p["phi3-tp2"], "format": "sharded_state",
                   "push": {"address": address, "receives": 4}})
-    return [dict(case, tp=2, name=f"arch {case['name']}") for case in cases]
+    return [dict(case, tp=2, name=f"arch {case['name']}", fork=True) for case in cases]
 
 
 def reshard_beside_vllm(python: str, source: str, output: str) -> subprocess.CompletedProcess:
@@ -247,7 +252,7 @@ def phi3_resharded(checkpoints):
 @pytest.fixture(scope="module")
 def engines(checkpoints, phi3_resharded, tmp_path_factory):
     """Every engine of this module, one after the other in one driver process (vLLM imported
-    once): TP 1, TP 2, then the architectures and the MoE models at TP 2. tensor-parallel size (or
+    once): TP 2, the architectures and the MoE models at TP 2, then TP 1. tensor-parallel size (or
     "arch", "moe") -> case name -> its result; "_output" is the driver's output (vLLM logs its
     workers' lines there)."""
     python, p = checkpoints
@@ -263,9 +268,11 @@ def engines(checkpoints, phi3_resharded, tmp_path_factory):
     cases = {1: tp1_cases(p), 2: tp2_cases(p, addresses[0])}
     weight_maps = str(tmp_path_factory.mktemp("weight-maps"))
     try:
-        results = _drive(python, 1, [dict(case, tp=tp, name=f"tp{tp} {case['name']}") for tp in (1, 2)
-                                     for case in cases[tp]] + architecture_cases(p, addresses[1]) + moe_cases(p),
-                         weight_maps)
+        # TP 2 first: most fork their workers, which a TP 1 engine's model run in the driver's own
+        # process would hang (vllm_driver.py).
+        results = _drive(python, 1, [dict(case, tp=2, name=f"tp2 {case['name']}") for case in cases[2]]
+                         + architecture_cases(p, addresses[1]) + moe_cases(p)
+                         + [dict(case, tp=1, name=f"tp1 {case['name']}") for case in cases[1]], weight_maps)
         trainer_output = [trainer.communicate(timeout=120)[0] for trainer in trainers]
     finally:
         for trainer in trainers:
@@ -376,6 +383,15 @@ def test_a_dummy_engine_switches_to_the_real_weights_in_place(tp, request):
     if tp == 2:  # what it served just before the reload: the pushed version 1, other weights again
         assert dummy["pushed"][-1]["tokens"] != _reference(results, tp)
     assert dummy["reloaded"] == _reference(results, tp)
+
+
+def test_the_cpu_servers_own_engines_spawn_their_workers_the_others_fork(tp2, architectures, moe):
+    """The plugin's load and the pushes run in workers spawned as vLLM's CPU server spawns them
+    (each imports vLLM and distload itself); the other TP 2 engines fork theirs (vllm_driver.py)."""
+    workers = {name: case["workers"] for results in (tp2, architectures, moe) for name, case in results.items()
+               if isinstance(case, dict) and "workers" in case}
+    assert workers.pop("push") == workers.pop("plugin") == "spawn", workers
+    assert workers and set(workers.values()) == {"fork"}, workers
 
 
 def test_the_extra_config_is_checked_as_distload_load_checks_it():
@@ -532,10 +548,11 @@ def test_a_push_by_slices_into_an_architecture_no_table_knows(architectures):
     assert step["verified"] == [True, True], step
     for sent, kept in zip(step["bytes"], step["slices"]):  # whole: the copy the compare gave up on, refreshed
         assert sent <= 1.05 * kept, step
-    # 3% of the elements changed back: 4 bytes a change of bf16, and the checks
+    # 1% of the elements changed back: 4 bytes a change of bf16, and the checks (a norm whose few
+    # changes do not pay goes whole)
     assert back["delta"] == [True, True] and back["verified"] == [True, True], back
     for sent, kept in zip(back["bytes"], back["slices"]):
-        assert sent < 0.15 * kept, back
+        assert sent < 0.08 * kept, back
     assert back["tokens"] == saved["tokens"]
 
 
@@ -615,7 +632,7 @@ def moe_cases(p: dict) -> list[dict]:
       through the plugin at TP 2, checked bit for bit, generating."""
     moe = f"{p['root']}/moe"
     p["qwen3-ep2"] = f"{p['root']}/qwen3moe-ep2"
-    return [dict(case, tp=2) for case in [
+    return [dict(case, tp=2, fork=True) for case in [
         {"name": "moe qwen3 ep", "model": f"{moe}/qwen3moe-bf16", "format": "distload", "ep": True, "generate": False,
          "extra": {"check_weight_map": True, "save_sharded": p["qwen3-ep2"]}},
         {"name": "moe qwen3 saved", "model": p["qwen3-ep2"], "format": "sharded_state", "ep": True,
@@ -644,7 +661,8 @@ def test_each_expert_parallel_worker_loads_vllms_own_experts_bit_for_bit_reading
     which skip the other worker's experts: the worker reads none of their bytes (at most 1.05x
     what it keeps, about half the checkpoint), and its load equals vLLM's own bit for bit. The
     log names the placement vLLM gave it (linear: experts 0-1 and 2-3)."""
-    assert moe["qwen3 ep"] == {"tokens": None, "start_s": moe["qwen3 ep"]["start_s"], "resharded": None}, moe["qwen3 ep"]
+    assert moe["qwen3 ep"] == {"tokens": None, "start_s": moe["qwen3 ep"]["start_s"], "resharded": None,
+                               "workers": "fork"}, moe["qwen3 ep"]
     output = _case_output(moe["_output"], "moe qwen3 ep")
     for rank, experts in ((0, [0, 1]), (1, [2, 3])):
         assert f"TP rank {rank} (EP rank {rank} of 2, keeping experts {experts} of 4 in each of its 2 MoE layers)" \

@@ -13,6 +13,7 @@ from a separately launched trainer job (a failed one recorded, and the tokens ge
 "reload"?: a checkpoint distload then puts into the running engine (after the pushes, if any),
 "reshard_from"?: a whole checkpoint that ``distload.reshard(..., sharding="vllm")`` first saves to
 "model" at the case's TP (vLLM's engine makes that save, in a child process),
+"fork"?: true: vLLM's TP workers are forked from this process, not spawned (below),
 "expect_error"?: the engine must fail to start, "ep"?: true starts it with enable_expert_parallel (vLLM's expert
 parallelism: its EP size is the TP size here, each worker holding its own experts whole), "generate"?: false: the
 engine only starts (its load, and the plugin's checks of it, run) and generates nothing: vLLM 0.32's CPU MoE kernels
@@ -35,6 +36,28 @@ KV_CACHE_BYTES = 64 << 20  # a few thousand tokens: plenty for 2 prompts of 12 t
 PROMPTS = [{"prompt_token_ids": [1, 2, 3, 4]}, {"prompt_token_ids": [7, 99, 200]}]  # in every vocabulary here (>= 256)
 
 
+# vLLM's CPU platform spawns its TP workers (each imports vLLM and torch again: about 10 s of a TP 2
+# engine's 20 s start here), where on GPUs vLLM forks them unless CUDA is initialized. A case
+# marked "fork" forks them, as a GPU server does: the loads and pushes in the workers run the same
+# code, started sooner. The cases that stay spawned are the CPU server's own path. A TP 1 engine
+# runs its model in this process, and its OpenMP threads do not survive a fork (the forked
+# workers hang): forked cases come before any TP 1 case, or are refused.
+FORK = {"on": False, "ran_here": None}
+
+
+def _fork_where_asked() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    spawning = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        spawning(cls, vllm_config)  # sets VLLM_WORKER_MULTIPROC_METHOD=spawn
+        if FORK["on"]:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
 def main() -> None:
     default_tp, cases = int(sys.argv[1]), json.loads(sys.argv[2])
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -43,6 +66,8 @@ def main() -> None:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     import distload.vllm.plugin as plugin
+
+    _fork_where_asked()
 
     params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
     results = {}
@@ -55,6 +80,12 @@ def main() -> None:
             os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         else:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        FORK["on"] = bool(case.get("fork")) and tp > 1
+        if FORK["on"] and FORK["ran_here"]:
+            raise SystemExit(f"case {case['name']!r} forks vLLM's workers after {FORK['ran_here']!r} ran a model in "
+                             f"this process (TP 1): the forked workers would hang; put forked cases first")
+        if tp == 1:
+            FORK["ran_here"] = case["name"]
         vllm.envs.disable_envs_cache()  # an engine caches vLLM's settings; the next reads them anew
         start = time.monotonic()
         resharded = None
@@ -79,7 +110,8 @@ def main() -> None:
             continue
         generate = case.get("generate", True)
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)] if generate else None
-        result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1), "resharded": resharded}
+        result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1), "resharded": resharded,
+                  "workers": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") if tp > 1 else "in this process"}
         if case.get("push"):
             from distload.errors import SyncError
 
