@@ -759,3 +759,39 @@ def test_a_peer_killed_or_stopped_during_a_distributed_read_is_named(tmp_path, h
     assert any(words in message for words in named), message
     assert "Traceback" not in err0, err0[-4000:]
     assert seconds < 35, seconds
+
+
+LATE_SURVIVOR_SCRIPT = r'''
+import os, signal, sys, time
+import distload
+
+with distload.WorkerGroup(device="cpu", timeout_s=60) as group:
+    group.exchange("ready")
+    if group.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if group.rank == 2:
+        time.sleep(2.0)  # busy elsewhere: it finds out after rank 0 did
+    try:
+        group.exchange("after")
+    except distload.DistloadError as exc:
+        print(f"rank {group.rank}: {exc}", flush=True)
+        sys.exit(3)
+'''
+
+
+@pytest.mark.dist
+def test_a_survivor_that_finds_out_late_still_names_the_killed_rank(tmp_path):
+    """Rank 1 is killed; rank 0 (which serves the job's store outside torchrun) finds out at once
+    and leaves; rank 2 finds out 2 s later, and names rank 1 from the store, which rank 0 kept
+    while rank 2 still beat (it took the store along before, and rank 2 blamed rank 0)."""
+    from dist_helpers import launch_ranks, write_script
+
+    script = write_script(tmp_path, "late.py", LATE_SURVIVOR_SCRIPT)
+    start = time.monotonic()
+    results = launch_ranks([], nproc=3, timeout=90, entry=(script,))
+    assert time.monotonic() - start < 30
+    assert results[1].returncode == -9
+    for rank in (0, 2):
+        out = results[rank].stdout + results[rank].stderr
+        assert results[rank].returncode == 3, out[-3000:]
+        assert "rank 1 ended: its process on" in out and "does not answer" not in out, out[-3000:]

@@ -26,12 +26,15 @@ import torch.distributed as dist
 
 from distload.errors import ConfigError, DistloadError, GroupError, RankFailedError
 from distload.runtime import RUNTIME
-from distload.workers.heartbeat import INTERVAL_S, SETTLE_S, Heartbeat, PeerWatch
+from distload.workers.heartbeat import INTERVAL_S, SETTLE_S, Heartbeat, PeerWatch, wait_while_beating
 from distload.workers.launch import LaunchInfo, detect_launch, resolve_device
 
 DEFAULT_TIMEOUT_S = 300.0
 # How long a member's heartbeat may stand still, in a watched NCCL step, before it counts as lost.
 PEER_DEAD_S = 5.0
+# The longest the process serving the job's store stays, leaving on an error, while other ranks
+# still beat (their own look at the store to name the rank that stopped takes about 2 s).
+LINGER_S = 5.0
 # The NCCL groups distload makes: a failed or timed-out operation is an error of that step, raised
 # where distload waits, not the end of the process. Read by ProcessGroupNCCL's constructor; its
 # default, 3 (SkipCleanUp; 1 under torchrun, whose agent sets it), makes the watchdog rethrow in
@@ -567,7 +570,20 @@ class WorkerGroup:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if exc_info[0] is not None:
+            self._keep_store_for_failing_peers()
         self.close()
+
+    def _keep_store_for_failing_peers(self) -> None:
+        """Leaving on an error, in the process that serves the job's store (rank 0 outside
+        torchrun, whose agent serves it otherwise): stay while the other ranks still beat, up to
+        LINGER_S. A rank whose peer died reads the store to name it (heartbeat.py); a rank 0 that
+        found out first and exited took the store along, and the others then blamed rank 0."""
+        if (not self._owns_default_group or dist.get_rank() != 0 or self._heartbeat is None
+                or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"):
+            return
+        others = [r for r in range(dist.get_world_size()) if r != 0]
+        wait_while_beating(self._heartbeat.store, others, LINGER_S)
 
     def __repr__(self) -> str:
         members = "" if self.is_world else f", ranks={self.ranks}"

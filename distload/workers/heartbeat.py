@@ -240,6 +240,23 @@ class Heartbeat:
                 f"its host cut off the network, or killed, stopped or hung)")
 
 
+def wait_while_beating(store: Any, ranks: Sequence[int], limit_s: float) -> None:
+    """Return once none of ``ranks``' counters moved over a beat (each exited or froze), or after
+    ``limit_s``: the process that serves the store keeps it while failing peers still read it to
+    name the rank that stopped (WorkerGroup's exit on an error)."""
+    deadline = time.monotonic() + limit_s
+    last = None
+    try:
+        while time.monotonic() < deadline:
+            now = [store.add(_key(r), 0) for r in ranks]
+            if now == last:
+                return
+            last = now
+            time.sleep(INTERVAL_S * 1.2)
+    except Exception:  # noqa: BLE001 - a store that stopped answering: nothing to keep
+        return
+
+
 class PeerWatch:
     """Continuous watch over peers' beats in one store, for a caller that polls anyway: each
     :meth:`silent` call reads the counters it has not read for INTERVAL_S, and names the peers
