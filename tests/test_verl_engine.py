@@ -62,8 +62,8 @@ def test_verls_protocol_moves_every_version_exactly_across_processes(driven):
             assert got["wrong"] == [] and got["version"] == int(step) and got["verified"], got
             assert got["delta"] == (step != "10")
             assert got["transport"] == "shm"  # every worker on this one host: through shared memory
-    # a delta sends a fraction of the bytes (about 6% of the elements move from step to step)
-    assert steps["20"]["actors"][0][1]["distload/wire_bytes"] < 0.7 * steps["10"]["actors"][0][1]["distload/wire_bytes"]
+    # a delta sends a fraction of the bytes (about 1% of the elements move from step to step)
+    assert steps["20"]["actors"][0][1]["distload/wire_bytes"] < 0.3 * steps["10"]["actors"][0][1]["distload/wire_bytes"]
 
 
 def test_a_rollout_worker_killed_mid_update_ends_the_others_in_time_and_a_replacement_rejoins(driven):
