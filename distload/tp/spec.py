@@ -100,7 +100,7 @@ class ShardingSpec:
         if dims is not None and any(r.heads or r.fused == "qkv" for r in self.rules):
             # What the head-aware rules were sized with, so the manifest alone says how to reassemble.
             out["config"] = {"num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads,
-                             "head_dim": dims.head_dim}
+                             "head_dim": dims.head_dim, **mla_config(self.config)}
         return out
 
     def action(self, name: str, shape: Sequence[int], packing: int = 1) -> Action:
@@ -239,6 +239,18 @@ def attention_dims(config: Mapping[str, Any]) -> AttentionDims | None:
     if head_dim < 1:
         return None
     return AttentionDims(heads, kv_heads, head_dim)
+
+
+MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")  # what sizes MLA's heads
+
+
+def mla_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config.json keys :func:`mla_head_dim` sizes heads with (none for a model without MLA):
+    a spec's JSON form carries them, or a weight-sync trainer rank given a receiver's spec would
+    size MLA's heads by ``head_dim`` and refuse its ``kv_b_proj``."""
+    if "kv_lora_rank" not in config and isinstance(config.get("text_config"), Mapping):
+        config = config["text_config"]
+    return {key: config[key] for key in MLA_KEYS if key in config} if config.get("kv_lora_rank") else {}
 
 
 def mla_head_dim(config: Mapping[str, Any], name: str) -> int | None:
