@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 
 import pytest
@@ -29,7 +30,7 @@ from distload.tp.spec import BUILTIN_SPECS, carry_block_scales, load_spec, spec_
 from distload.workers.group import WorkerGroup
 
 from conftest import in_ci, plain_read, read_report, run_distload, write_whole
-from dist_helpers import run_script, write_script
+from dist_helpers import free_port, run_script, write_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAKER = os.path.join(ROOT, "tests", "moe_checkpoints.py")
@@ -138,6 +139,16 @@ def test_ranks_are_tp_then_ep_then_replicas():
     with pytest.raises(ConfigError, match=r"^--tensor-parallel-size 2 x --expert-parallel-size 2 \(4\) does not "
                                           r"divide the group's 6 ranks"):
         TPPlace.of(Group(0, 6), 2, expert_parallel_size=2)
+
+
+def test_a_spec_in_its_json_form_keeps_mlas_head_sizes(moe):
+    """A weight-sync receiver (a load from a server too) posts its spec as JSON, and the trainer
+    ranks cut by it: MLA's heads (kv_b_proj: qk_nope + v_head_dim rows each) must survive that."""
+    with open(os.path.join(moe["deepseek-fp8"], "config.json")) as f:
+        spec = load_spec("decoder", json.load(f))
+    again = spec_from_json(spec.to_json())
+    for name, tensor in whole(moe["deepseek-fp8"]).items():
+        assert again.action(name, tuple(tensor.shape)) == spec.action(name, tuple(tensor.shape)), name
 
 
 def test_mixtral_names_drop_other_ranks_experts_and_keep_the_tp_rules():
@@ -436,6 +447,92 @@ def test_torchrun_tp2_x_ep2_on_4_ranks(moe, tmp_path):
         assert r["digest"] == state_digest(want), r["rank"]
         assert r["nbytes"] == kept_bytes(want) and r["requested_bytes"] <= 1.05 * kept_bytes(want), r
         assert r["num_tensors"] == len(want), r
+
+
+FROM_SERVER = """
+import json, sys
+import torch
+import distload
+from distload.errors import ConfigError
+from distload.workers.group import WorkerGroup
+
+served, folder, dense, uneven, out = sys.argv[1:6]
+results = {}
+with WorkerGroup(device="cpu") as group:
+    for name, tp, placement in (("tp2xep2", 2, "round_robin"), ("ep2", None, None)):
+        got = distload.load_from_server(served, group=group, tensor_parallel_size=tp, expert_parallel_size=2,
+                                        expert_placement_strategy=placement, digest=True)
+        want = distload.load(folder, group=group, tensor_parallel_size=tp, expert_parallel_size=2,
+                             expert_placement_strategy=placement)
+        same = sorted(got.state) == sorted(want) and all(
+            got.state[n].dtype == t.dtype and got.state[n].shape == t.shape
+            and torch.equal(got.state[n].view(torch.uint8), t.view(torch.uint8)) for n, t in want.items())
+        r = got.rank_report
+        results[name] = {"same": same, "nbytes": r.nbytes, "server_bytes": r.server_bytes, "digest": r.digest,
+                         "requested_bytes": r.requested_bytes, "tensor_parallel": r.tensor_parallel,
+                         "expert_parallel": r.expert_parallel, "summary": got.report.summary_lines()}
+    for name, address in (("dense", dense), ("uneven", uneven)):
+        try:
+            distload.load_from_server(address, group=group, expert_parallel_size=2, timeout_s=30)
+        except ConfigError as exc:
+            results[name] = str(exc)
+    with open(f"{out}/rank{group.rank}.json", "w") as f:
+        json.dump(results, f)
+"""
+
+
+@pytest.mark.dist
+def test_torchrun_tp2_x_ep2_from_a_server_equals_the_load_of_the_files(moe, tmp_path):
+    """A `distload serve` process serves FP8 DeepSeek-V3; a 4-rank job loads it at TP 2 x EP 2
+    (round robin) and at EP 2 (two replicas): every rank holds, tensor for tensor, what a load
+    of the files with the same settings gives it, and receives little more than it keeps. EP on
+    a dense model and an EP size that does not divide the experts are refused as loads refuse them."""
+    from test_serve import start, text, wait_for
+
+    folder = moe["deepseek-fp8"]
+    dense = str(tmp_path / "dense")
+    write_whole(dense, {"model.layers.0.mlp.up_proj.weight": torch.ones(4, 4), "lm_head.weight": torch.ones(4, 4)}, 1)
+    uneven = str(tmp_path / "uneven")  # three experts, config.json says so
+    write_whole(uneven, {f"model.layers.0.mlp.experts.{e}.up_proj.weight": torch.ones(4, 4) for e in range(3)}, 1)
+    with open(os.path.join(uneven, "config.json"), "w") as f:
+        json.dump({"num_experts": 3}, f)
+    refusals = {}
+    for name in ("dense", "uneven"):  # what a load of the files says
+        with pytest.raises(ConfigError) as err:
+            load_as(str(tmp_path / name), 0, 1, 2)
+        refusals[name] = str(err.value)
+    served, log = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "serve.log")
+    server = start(["serve", folder, "--address", served, "--timeout", "60"], log)
+    addresses = {name: f"tcp://127.0.0.1:{free_port()}" for name in refusals}
+    try:
+        with distload.WeightServer(whole(dense), addresses["dense"], timeout_s=60).start(), \
+                distload.WeightServer(whole(uneven), addresses["uneven"], model_config={"num_experts": 3},
+                                      timeout_s=60).start():
+            wait_for(lambda: "serves" in text(log), "the server's start", timeout=120, logs=(log,))
+            script = write_script(tmp_path, "from_server.py", FROM_SERVER)
+            result = run_script(script, [served, folder, addresses["dense"], addresses["uneven"], str(tmp_path)],
+                                nproc=4, timeout=240)
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, text(log)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert "2 load(s) served, 0 failed" in text(log), text(log)
+    state = whole(folder)
+    for rank in range(4):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            got = json.load(f)
+        for name, tp, placement in (("tp2xep2", 2, "round_robin"), ("ep2", 1, "linear")):
+            r = got[name]
+            want = reference(state, rank, tp, 2, placement)
+            assert r["same"] and r["digest"] == state_digest(want), (name, rank)
+            assert (r["tensor_parallel"], r["expert_parallel"]) == ([rank % tp, tp], [(rank // tp) % 2, 2]), r
+            assert r["requested_bytes"] == 0 and r["nbytes"] == kept_bytes(want), (name, rank, r)
+            assert r["nbytes"] <= r["server_bytes"] <= 1.05 * r["nbytes"], (name, rank, r)  # its experts only
+        assert "TP rank 1 of 2, EP rank 1 of 2" in "\n".join(got["tp2xep2"]["summary"])
+        assert (got["dense"], got["uneven"]) == (refusals["dense"], refusals["uneven"]), rank
 
 
 EVERY_LOAD = """

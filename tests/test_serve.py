@@ -268,3 +268,24 @@ def test_a_load_from_a_server_refuses_storage_flags_and_names_a_missing_server(c
     assert "--load-format: how to read storage" in capsys.readouterr().err
     with pytest.raises(distload.SyncError, match=r"cannot load from the server at tcp://127.0.0.1:\d+: nobody serves"):
         distload.load_from_server(f"tcp://127.0.0.1:{free_port()}", device="cpu", timeout_s=1)
+
+
+def test_cli_expert_parallel_from_a_server_lays_out_ranks_as_a_load_of_the_files(tmp_path, capsys):
+    """`load tcp://... --expert-parallel-size`: EP 1 (no expert parallelism: any model, vLLM's TP 1
+    layout, as a load of the files) loads; EP 2 on one rank is refused as a load of the files
+    refuses it, before any server is asked (nobody serves that address)."""
+    state = llama_state()
+    folder = str(tmp_path / "ckpt")
+    write_whole(folder, state, num_files=1)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(CONFIG, f)
+    address, report_path = f"tcp://127.0.0.1:{free_port()}", str(tmp_path / "report.json")
+    with distload.WeightServer(state, address, model_config=CONFIG, timeout_s=30).start():
+        assert cli_main(["load", address, "-ep", "1", "--report-json", report_path]) == 0, capsys.readouterr().err
+    with WorkerGroup(device="cpu") as group:
+        want = distload.Loader(folder, group=group, expert_parallel_size=1).load(digest=True).rank_report
+    (got,) = read_report(report_path)["ranks"]
+    assert (got["digest"], got["tensor_parallel"], got["expert_parallel"]) == (want.digest, [0, 1], None)
+    assert cli_main(["load", f"tcp://127.0.0.1:{free_port()}", "-ep", "2", "--timeout", "5"]) == 1
+    assert ("--tensor-parallel-size 1 x --expert-parallel-size 2 (2) does not divide the group's 1 ranks"
+            in capsys.readouterr().err)

@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "alias llama/mistral/qwen2/qwen3), plain, replicate, or a JSON spec file")
     _expert_options(load, "each rank r holds the routed experts of EP rank (r // T) %% P (of a mixture-of-experts "
                           "checkpoint), reading only their bytes; the job's ranks are T x P x k. A checkpoint "
-                          "resharded at T x P: each rank reads its shard")
+                          "resharded at T x P: each rank reads its shard. From tcp://HOST:PORT: each rank "
+                          "receives only its experts, the same tensors")
     load.add_argument("--report-json", default=None, metavar="PATH",
                       help="rank 0 writes the load report here")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -273,12 +274,10 @@ def run_load(args: argparse.Namespace) -> int:
     extra = _with_cache_flags(args)
     with WorkerGroup(device=args.device, timeout_s=args.timeout) as group, reported_here(args, group):
         if is_server_address(args.source):
-            if args.expert_parallel_size is not None:
-                raise ConfigError(f"--expert-parallel-size: a load from a running job ({args.source}) does not "
-                                  f"place experts yet; load the checkpoint from storage with it")
             report = load_from_server(args.source, group=group, tensor_parallel_size=args.tensor_parallel_size,
-                                      sharding=args.sharding, digest=not args.no_digest,
-                                      secret_file=args.secret_file).report
+                                      sharding=args.sharding, expert_parallel_size=args.expert_parallel_size,
+                                      expert_placement_strategy=args.expert_placement_strategy,
+                                      digest=not args.no_digest, secret_file=args.secret_file).report
         else:
             loader = Loader(args.source, args.load_format, extra,
                             group=group, progress=not args.no_progress,

@@ -2,10 +2,11 @@
 
 The other side is distload/live/server.py. A load is one update of the weight-sync channel with
 the loading job as its inference side: rank 0 takes a ticket from the server's store, every rank
-joins the ticket's channel, and each receives only its tensor-parallel slices (the slices a load
-of the files with the same ``tensor_parallel_size`` and sharding gives it), checked, into new
-tensors on its device. Every failure is the channel's, bounded by the timeout and named, and
-says which server it was.
+joins the ticket's channel, and each receives only its tensor-parallel slices, and with expert
+parallelism only its EP rank's experts (what a load of the files with the same sizes, sharding
+and placement gives it: the ranks laid out by distload/tp/place.py, the experts counted by
+distload/tp/experts.py), checked, into new tensors on its device. Every failure is the
+channel's, bounded by the timeout and named, and says which server it was.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from distload.loading.loader import LoadResult
 from distload.loading.report import (LoadReport, RankReport, gib_per_s, peak_rss_bytes, state_digest,
                                      storage_read_bytes)
 from distload.live.secret import job_secret
+from distload.tp.experts import EXPERT_COUNT_KEYS, num_experts
+from distload.tp.place import TPPlace
 from distload.tp.slices import shard_shape, take_shard
 from distload.tp.spec import ShardingSpec, load_spec
 from distload.workers.group import WorkerGroup
@@ -42,6 +45,7 @@ def is_server_address(source: Any) -> bool:
 
 def load_from_server(address: str, *, group: WorkerGroup | None = None, device: str = "auto",
                      tensor_parallel_size: int | None = None, sharding: str | ShardingSpec | None = None,
+                     expert_parallel_size: int | None = None, expert_placement_strategy: str | None = None,
                      timeout_s: float | None = None, digest: bool = False, gather: bool = True,
                      secret_file: str | None = None) -> LoadResult:
     """Load the weights a server (``distload serve``, or a :class:`~distload.live.server.WeightServer`)
@@ -50,7 +54,11 @@ def load_from_server(address: str, *, group: WorkerGroup | None = None, device: 
     Every rank of the group calls it. With ``tensor_parallel_size`` T rank r receives only TP rank
     ``r % T``'s slices under ``sharding`` (default ``decoder``; heads sized from the config.json
     the server posted), the same tensors a load of the checkpoint's files with those settings
-    gives it. Nothing is read from storage. ``timeout_s`` (default the group's) bounds the join
+    gives it. With ``expert_parallel_size`` P (and ``expert_placement_strategy``, ``linear`` or
+    ``round_robin``) the ranks are T x P x k as :func:`distload.load` lays them out: rank r
+    receives only the routed experts of EP rank ``(r // T) % P``, TP-sliced at T > 1, refused
+    as a load of the files refuses it (a dense model, P not dividing the experts). Nothing is
+    read from storage. ``timeout_s`` (default the group's) bounds the join
     and the transfer: a server that dies or stops mid-load fails every rank within it, naming the
     server. ``digest``: each rank report gets its state's digest; ``gather``: the job's report on
     every rank (a collective). ``secret_file`` (default ``DISTLOAD_SECRET_FILE``, else
@@ -60,21 +68,35 @@ def load_from_server(address: str, *, group: WorkerGroup | None = None, device: 
         raise ConfigError(f"a server's address is tcp://HOST:PORT, got {address!r}")
     rendezvous.parse_address(address)  # a malformed address fails here, before any group
     with WorkerGroup.for_call(group, device=device) as g:
-        return _load(address, g, tensor_parallel_size, sharding,
+        # The ranks laid out as a load of the files lays them out (T x P x k), refused alike: a
+        # bad setting fails every rank at once, before the server is asked anything.
+        layout = TPPlace.of(g, tensor_parallel_size, None, expert_parallel_size=expert_parallel_size,
+                            expert_placement_strategy=expert_placement_strategy)
+        return _load(address, g, layout, sharding,
                      g.timeout.total_seconds() if timeout_s is None else float(timeout_s), digest, gather,
                      secret_file)
 
 
-def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, timeout_s: float, digest: bool,
+def _load(address: str, group: WorkerGroup, layout: TPPlace | None, sharding: Any, timeout_s: float, digest: bool,
           gather: bool, secret_file: str | None) -> LoadResult:
     start = time.perf_counter()
     read_before = storage_read_bytes()
+    tp_size = None if layout is None else layout.size  # EP alone is TP 1, as in a load of the files
+    experts = None if layout is None else layout.experts
     store = channel = None
     try:
         store = group.agree("reaching the server", lambda: _reach(address, timeout_s, secret_file))
         info = group.broadcast(group.agree("reaching the server", lambda: _info(store, address, timeout_s)
                                            if group.rank == 0 else None), 0)
-        # Refused here, before the job takes a ticket: the server never waits for a job that will not come.
+        # Refused here, before the job takes a ticket: the server never waits for a job that will
+        # not come. The experts first, as a load of the files plans them: a dense model is refused
+        # as one whatever its config.json.
+        model_config = None
+        if experts is not None:
+            counted = group.broadcast(group.agree("reaching the server", lambda: _count_experts(
+                store, info, address, experts.size, timeout_s) if group.rank == 0 else None), 0)
+            # The channel places experts by the count in its model_config (pairing.with_experts).
+            model_config = {EXPERT_COUNT_KEYS[0]: group.agree("checking the experts", lambda: _counted(counted))}
         spec = group.agree("checking the sharding", lambda: _sharding(sharding, tp_size, info, address))
         # One ticket for the whole job: every rank joins the same channel.
         ticket = group.broadcast(group.agree("joining the server", lambda: store.add(server.TICKETS, 1)
@@ -84,6 +106,8 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
         channel = group.agree("joining the server", lambda: SyncChannel(
             address, "inference", rank=group.rank, size=group.world_size, device=str(group.device),
             timeout_s=timeout_s, tensor_parallel_size=tp_size or 1, sharding=spec if (tp_size or 1) > 1 else None,
+            model_config=model_config, expert_parallel_size=None if experts is None else experts.size,
+            expert_placement_strategy=None if experts is None else experts.placement,
             store=dist.PrefixStore(server.job_prefix(ticket), store.raw),
             member_name=server.member_name(ticket), server=server.SERVER, secret_file=secret_file))
         state: dict[str, torch.Tensor] = {}
@@ -125,7 +149,8 @@ def _load(address: str, group: WorkerGroup, tp_size: int | None, sharding: Any, 
         read_bytes=None if read_before is None else (storage_read_bytes() or 0) - read_before,
         peak_rss_bytes=peak_rss_bytes(), requested_bytes=0, server_bytes=stats.wire_bytes,
         huge_page_marked_bytes=0 if memory is None else memory.marked_bytes,
-        tensor_parallel=[group.rank % tp_size, tp_size] if tp_size else None)
+        tensor_parallel=None if layout is None else [layout.rank, layout.size],
+        expert_parallel=None if experts is None else [experts.rank, experts.size])
     job = None
     if gather:
         job = LoadReport(group.world_size, LOAD_FORMAT, address, group.exchange(report))
@@ -152,6 +177,38 @@ def _info(store: rendezvous.BoundedStore, address: str, timeout_s: float) -> dic
                             f"`distload serve`'s --address")
         backoff.pause()
     return rendezvous.get(store, server.INFO)
+
+
+def _count_experts(store: rendezvous.BoundedStore, info: dict, address: str, ep_size: int, timeout_s: float
+                   ) -> dict[str, Any]:
+    """Rank 0: the routed experts of what the server serves, counted as a load of the files counts
+    them (config.json checked against the names, else the names, else the stacks' rows: the same
+    function), from the names and shapes every server rank posted. ``{"count": n}``, or
+    ``{"refused": why}`` (a dense model, an EP size that does not divide them): every rank raises it."""
+    keys = [server.tensors_key(rank) for rank in range(info["ranks"])]
+    deadline = time.monotonic() + timeout_s
+    backoff = rendezvous.Backoff()
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            raise SyncError(f"the server at {address} posted no names of its tensors from server rank(s) "
+                            f"{', '.join(map(str, missing))} within {timeout_s:.0f} s, and an expert-parallel load "
+                            f"counts the experts in them: run the same distload version on the server")
+        backoff.pause()
+    shapes: dict[str, list[int]] = {}
+    for key in keys:
+        shapes.update(rendezvous.get(store, key))
+    try:
+        return {"count": num_experts(sorted(shapes.items()), info["config"] or {}, ep_size)}
+    except ConfigError as exc:
+        return {"refused": str(exc)}
+
+
+def _counted(counted: dict[str, Any]) -> int:
+    """Rank 0's count of the experts on every rank, or its refusal raised on every rank."""
+    if "refused" in counted:
+        raise ConfigError(counted["refused"])
+    return int(counted["count"])
 
 
 def _sharding(sharding: Any, tp_size: int | None, info: dict, address: str) -> ShardingSpec | None:

@@ -14,7 +14,9 @@ moves, its checksums, its same-host handoff and its bounded failures. What servi
   job per side), each is served as soon as it joins, and a job that fails (killed, stopped, gave
   up) fails only its own channel: the server goes on serving the next.
 - **What a loading job needs to cut its slices**, posted once by server rank 0: the checkpoint's
-  ``config.json`` (the head-aware sharding rules size heads from it), where the weights came from.
+  ``config.json`` (the head-aware sharding rules size heads from it), where the weights came from;
+  and by every server rank, the names and shapes of the tensors it serves (an expert-parallel load
+  counts the routed experts in them, as a load from storage does, before it takes a ticket).
 
 The state is never copied (no delta base: it does not change between loads) and never written.
 """
@@ -29,7 +31,7 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from distload.errors import ConfigError, SyncError
+from distload.errors import ConfigError, DistloadError, SyncError
 from distload.live import rendezvous
 from distload.live.channel import DEFAULT_BUCKET_BYTES, SyncChannel
 from distload.live.secret import job_secret
@@ -40,6 +42,7 @@ log = logging.getLogger("distload")
 
 TICKETS = "serve/tickets"  # how many loading jobs have taken a ticket (the counter they add to)
 INFO = "serve/info"  # server rank 0's description of what it serves
+TENSORS = "serve/tensors/"  # + a server rank: the names and shapes of the tensors that rank serves
 SERVER = "server rank 0"  # how messages name the process serving the store
 POLL_S = 0.005  # how often every server rank looks for new tickets (a store call: ~0.1 ms)
 STOP_WAIT_S = 5.0  # how long a stopping server gives the loads in flight to end
@@ -48,6 +51,11 @@ STOP_WAIT_S = 5.0  # how long a stopping server gives the loads in flight to end
 def job_prefix(ticket: int) -> str:
     """The part of the server's store that loading job ``ticket``'s channel lives in."""
     return f"serve/job/{ticket}/"
+
+
+def tensors_key(rank: int) -> str:
+    """Where server rank ``rank`` posts the names and shapes of its tensors (name -> shape)."""
+    return f"{TENSORS}{rank}"
 
 
 def member_name(ticket: int) -> Any:
@@ -110,6 +118,8 @@ class WeightServer:
             rendezvous.put(self._store, INFO, {"source": source, "version": version, "ranks": self.size,
                                                "config": dict(model_config or {})})
             self._store.add(TICKETS, 0)  # the counter exists before any job asks for it
+        # Whole shapes (a DTensor's too): a loading job reads them only to place experts.
+        rendezvous.put(self._store, tensors_key(self.rank), {name: list(t.shape) for name, t in self.state.items()})
 
     # -- serving ------------------------------------------------------------------------------
     def start(self) -> "WeightServer":
@@ -157,7 +167,7 @@ class WeightServer:
             else:
                 with self._one_at_a_time:
                     stats = channel.push(self.state, self.version)
-        except SyncError as exc:
+        except DistloadError as exc:  # a ConfigError too (a slice it cannot cut): that job's, not the server's
             self.failed += 1
             if not self._stop.is_set():
                 log.warning("server rank %d: loading job %d failed, still serving: %s", self.rank, ticket, exc)
