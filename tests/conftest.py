@@ -83,18 +83,20 @@ def plain_digest(paths: list[str]) -> str:
 
 
 def run_distload(args: list[str], nproc: int | None = None, timeout: float = 180,
-                 env: Mapping[str, str] | None = None, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """``python -m distload ARGS`` alone (nproc None) or under torchrun with ``nproc`` ranks."""
-    if nproc is None:
-        cmd = [sys.executable, "-m", "distload", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", "-m", "distload", *args]
+                 env: Mapping[str, str] | None = None, cwd: str | None = None,
+                 torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``python -m distload ARGS`` alone (nproc None) or as a job of ``nproc`` ranks
+    (dist_helpers.run_job: started as srun starts them, or under torchrun with ``torchrun``)."""
+    from dist_helpers import run_job
+
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    if nproc is None:
+        return subprocess.run([sys.executable, "-m", "distload", *args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, cwd=cwd)
+    return run_job(["-m", "distload", *args], nproc, timeout, full_env, cwd=cwd, torchrun=torchrun)
 
 
 def read_report(path: str) -> dict:

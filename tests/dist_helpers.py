@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from dataclasses import dataclass
@@ -44,17 +46,132 @@ def write_script(folder, name: str, source: str) -> str:
 
 
 def run_script(script: str, args: list[str], nproc: int | None = 2, timeout: float = 120,
-               env: Mapping[str, str] | None = None,
-               drop_prefixes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """``python SCRIPT ARGS`` alone (nproc None) or under torchrun with ``nproc`` ranks;
-    variables starting with one of ``drop_prefixes`` are removed from the environment."""
+               env: Mapping[str, str] | None = None, drop_prefixes: tuple[str, ...] = (),
+               torchrun: bool = False) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` alone (nproc None) or as a job of ``nproc`` ranks (:func:`run_job`;
+    ``torchrun``: under torchrun's agent); variables starting with one of ``drop_prefixes`` are
+    removed from the environment."""
     if nproc is None:
-        cmd = [sys.executable, script, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", script, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(env, drop_prefixes))
+        return subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=timeout,
+                              env=clean_env(env, drop_prefixes))
+    return run_job([script, *args], nproc, timeout, clean_env(env, drop_prefixes), torchrun=torchrun)
+
+
+def run_job(entry: list[str], nproc: int, timeout: float, env: Mapping[str, str], cwd: str | None = None,
+            torchrun: bool = False) -> subprocess.CompletedProcess:
+    """A job of ``nproc`` ranks on this host, each ``python ENTRY`` (``entry``: a script and its
+    arguments, or ``-m``, a module and its arguments), with ``env`` (no launch variables in it).
+
+    By default the ranks are started as Slurm's ``srun`` starts them: one process per rank with
+    its rank's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), rank 0 serving the job's store. That is a launch distload supports, and it
+    leaves out torchrun's agent: a Python process that imports torch (about 1.5 s of CPU) and
+    waits for its rendezvous, 2-3 s of CPU and 2 s of wall time a job on the 2-core machines the
+    suite runs on, where the suite's time is CPU. Without the agent nothing ends the other ranks
+    when one fails: each must end on its own, as distload's failure handling says it does, and a
+    rank left waiting fails the test at its timeout. ``torchrun``: under ``torchrun --standalone``
+    instead (the tests of torchrun's own behaviour: its agent's store, its failure summary).
+
+    The result is torchrun's: stdout and stderr each the ranks' own in rank order, returncode 0
+    where every rank exited 0, else 1. A job past ``timeout`` is killed, every rank, and raises
+    subprocess.TimeoutExpired."""
+    if torchrun:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={nproc}", *entry], capture_output=True, text=True,
+                              timeout=timeout, env=dict(env), cwd=cwd)
+    port = free_port()
+    procs, outputs = [], []
+    try:
+        for rank in range(nproc):
+            rank_env = dict(env)
+            rank_env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+            outputs.append((out, err))
+            procs.append(subprocess.Popen([sys.executable, *entry], stdout=out, stderr=err, text=True,
+                                          env=rank_env, cwd=cwd))
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for other in procs:
+                    other.kill()
+                raise subprocess.TimeoutExpired([sys.executable, *entry], timeout, *_read(outputs)) from None
+        stdout, stderr = _read(outputs)
+        codes = [proc.returncode for proc in procs]
+        return JobResult([sys.executable, *entry], 0 if codes == [0] * nproc else 1, stdout, stderr, codes)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for out, err in outputs:
+            out.close()
+            err.close()
+
+
+class Job:
+    """A job's ranks started in the background as :func:`run_job` starts them (one process per
+    rank with its rank's variables; ``torchrun``: one torchrun --standalone), in one process
+    group of their own: ``kill`` ends every rank. Output goes to ``log`` (an open file), the
+    ranks' lines interleaved as they come."""
+
+    def __init__(self, entry: list[str], nproc: int, env: Mapping[str, str], log, torchrun: bool = False):
+        self.procs: list[subprocess.Popen] = []
+        if torchrun:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry],
+                stdout=log, stderr=subprocess.STDOUT, text=True, env=dict(env), process_group=0))
+            return
+        port = free_port()
+        for rank in range(nproc):
+            rank_env = dict(env)
+            rank_env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            self.procs.append(subprocess.Popen([sys.executable, *entry], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                               env=rank_env, process_group=self.procs[0].pid if self.procs else 0))
+
+    def wait(self, timeout: float) -> int:
+        """The job's exit code once every rank has ended: 0 where each exited 0, else 1.
+        Raises subprocess.TimeoutExpired past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return self.returncode
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [proc.poll() for proc in self.procs]
+        return None if None in codes else (0 if set(codes) == {0} else 1)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.procs[0].pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for proc in self.procs:
+            proc.wait()
+
+
+class JobResult(subprocess.CompletedProcess):
+    """A job started without torchrun: its result as torchrun's, and each rank's own exit code
+    (``rank_codes``, a signal negative), which torchrun's summary gives for the ranks it saw fail."""
+
+    def __init__(self, args, returncode: int, stdout: str, stderr: str, rank_codes: list[int]):
+        super().__init__(args, returncode, stdout, stderr)
+        self.rank_codes = rank_codes
+
+
+def _read(outputs: list) -> tuple[str, str]:
+    texts = []
+    for which in (0, 1):
+        parts = []
+        for files in outputs:
+            files[which].seek(0)
+            parts.append(files[which].read())
+        texts.append("".join(parts))
+    return texts[0], texts[1]
 
 
 @dataclass
@@ -108,13 +225,18 @@ def failed_rank_exitcodes(stderr: str) -> dict[int, tuple[int, int]]:
 
 
 def assert_ranks_exited_1(result: subprocess.CompletedProcess, nproc: int = 2) -> None:
-    """torchrun's summary lists failed ranks with exit code 1 only.
+    """The failed job's ranks exited with code 1 only: each rank's own code (a job run without
+    torchrun: every rank 1, or 0 for one that had nothing left to do), or torchrun's summary.
 
-    A rank that had already handled the failure may still be tearing down when torchrun's agent
-    sees a peer exit and sends it SIGTERM ("Sending process PID closing signal SIGTERM"): that -15
-    is the agent's doing and is accepted. (test_dist_failures also launches ranks without the
-    agent, to check each process's own exit code.)
+    Under torchrun a rank that had already handled the failure may still be tearing down when the
+    agent sees a peer exit and sends it SIGTERM ("Sending process PID closing signal SIGTERM"):
+    that -15 is the agent's doing and is accepted. (test_dist_failures also launches ranks
+    without the agent, to check each process's own exit code.)
     """
+    if isinstance(result, JobResult):
+        assert len(result.rank_codes) == nproc and set(result.rank_codes) <= {0, 1} and 1 in result.rank_codes, \
+            f"exit codes {result.rank_codes}:\n{result.stderr[-6000:]}"
+        return
     summary = failed_rank_exitcodes(result.stderr)
     assert summary, f"no failure summary from torchrun:\n{result.stderr[-4000:]}"
     assert set(summary) <= set(range(nproc)), summary
@@ -166,7 +288,7 @@ def rank_error(output: str, rank: int) -> str:
 
 
 def assert_failed_cleanly(result: subprocess.CompletedProcess, nproc: int = 2) -> dict[int, str]:
-    """torchrun failed, every rank's distload error was printed (by the rank, or once for all of
+    """The job failed, every rank's distload error was printed (by the rank, or once for all of
     them) and each exited with code 1, and nothing aborted. Returns rank -> its error message."""
     output = result.stdout + result.stderr
     assert result.returncode == 1, f"rc {result.returncode}:\n{output[-6000:]}"
@@ -174,7 +296,8 @@ def assert_failed_cleanly(result: subprocess.CompletedProcess, nproc: int = 2) -
         assert marker not in output, f"{marker!r} in output:\n{output[-6000:]}"
     # torchrun prints one traceback of its own (ChildFailedError); any other is a rank that died
     # of an exception distload did not turn into an error message.
-    assert output.count("Traceback (most recent call last)") == 1, output[-8000:]
+    own = 0 if isinstance(result, JobResult) else 1
+    assert output.count("Traceback (most recent call last)") == own, output[-8000:]
     messages = {rank: rank_error(output, rank) for rank in range(nproc)}
     assert_ranks_exited_1(result, nproc)
     return messages
@@ -217,5 +340,5 @@ class CliJob:
 
 
 __all__ = ["ABORT_MARKERS", "CliJob", "FAILURE_ENV", "RankResult", "assert_failed_cleanly", "assert_ranks_exited_1",
-           "clean_env", "failed_rank_exitcodes", "free_port", "launch_ranks", "rank_error", "run_script",
+           "Job", "clean_env", "failed_rank_exitcodes", "free_port", "launch_ranks", "rank_error", "run_job", "run_script",
            "write_script"]

@@ -1,12 +1,13 @@
-"""One side of a two-job weight-sync test (tests/test_sync_jobs.py), run under its own torchrun::
+"""One side of a two-job weight-sync test (tests/test_sync_jobs.py), each rank one process with
+its rank's variables (dist_helpers.Job: as srun or torchrun start them; the job's store at
+MASTER_PORT, which names the job)::
 
-    python -m torch.distributed.run --standalone --nproc-per-node N tests/sync_jobs_driver.py \\
-        SCENARIO ROLE tcp://HOST:PORT OUT [ARGS...]
+    python tests/sync_jobs_driver.py SCENARIO ROLE tcp://HOST:PORT OUT [ARGS...]
 
 Each rank writes what it saw to ``OUT/ROLE<rank>.json`` (also when it fails: then with the
 traceback under ``"crash"``, and the job exits 1). Values come from seeds, so every rank of
 either job can recompute what a tensor of a version must hold, bit for bit. The channel is made
-from torchrun's environment alone (rank and size are this job's); no default group is created.
+from the launch environment alone (rank and size are this job's); no default group is created.
 """
 
 from __future__ import annotations
@@ -682,7 +683,7 @@ def main() -> int:
     scenario, role, address, out, *args = sys.argv[1:]
     rank = int(os.environ["RANK"])
     result = {"role": role, "rank": rank, "world_size": int(os.environ["WORLD_SIZE"]),
-              "run_id": os.environ.get("TORCHELASTIC_RUN_ID"), "pid": os.getpid(), "out": out}
+              "job": os.environ["MASTER_PORT"], "pid": os.getpid(), "out": out}
     code = 0
     try:
         SCENARIOS[scenario](role, address, result, args)

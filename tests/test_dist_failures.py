@@ -257,7 +257,7 @@ def custom_pattern_ckpt(tmp_path_factory):
 @pytest.mark.slow
 def test_sharded_wrong_pattern_is_named(custom_pattern_ckpt):
     folder = custom_pattern_ckpt
-    result = run_distload(load_args(folder, "sharded_state"), nproc=2, env=FAILURE_ENV)
+    result = run_distload(load_args(folder, "sharded_state"), nproc=2, env=FAILURE_ENV, torchrun=True)
     messages = assert_failed_cleanly(result)
     assert messages[0] == messages[1]  # every rank fails alike: one line for the job
     assert result.stderr.count("Could not find checkpoint files") == 1 + 2  # the line, torchrun's summary

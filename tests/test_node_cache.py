@@ -27,6 +27,7 @@ from distload.loading.stores.cache import (BLOCK_BYTES, LAYOUT, RECORD_BYTES, Ca
                                            cache_settings)
 
 from conftest import plain_digest, write_whole
+from dist_helpers import run_job
 
 MIB = 1024 * 1024
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -584,7 +585,7 @@ def test_a_cache_in_the_environment_with_run_ai_is_refused_while_planning(store,
 
 @pytest.mark.slow
 def test_two_ranks_share_the_read_into_the_node_cache_from_the_command_line(store, llama, tmp_path):
-    """torchrun, 2 ranks, --cache-dir: the shared read's ranks each fetch their share into the
+    """2 ranks, --cache-dir: the shared read's ranks each fetch their share into the
     node's cache (each block once per job); the next job's ranks, TP 2 this time, take it all
     from there."""
     from conftest import run_distload
@@ -622,9 +623,7 @@ def test_the_ranks_that_receive_a_shared_read_fill_their_own_node_cache_too(stor
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS + tuple(store.unset_keys())}
     env.update({**store.env(), "OMP_NUM_THREADS": "1", "DISTLOAD_CACHE_DIR": "",
                 "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS)] + sys.path)})
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             os.path.join(TESTS, "store_load_driver.py"), spec, out],
-                            capture_output=True, text=True, timeout=240, env=env)
+    result = run_job([os.path.join(TESTS, "store_load_driver.py"), spec, out], 2, 240, env)
     assert result.returncode == 0, result.stderr[-3000:]
     (report,) = json.load(open(out))
     ranks = report["ranks"]

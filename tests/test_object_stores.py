@@ -39,6 +39,7 @@ from distload.checkpoints.inspection import inspect_source
 from distload.checkpoints.verify import verify_folder
 
 from conftest import every_dtype_state, plain_digest, run_distload, write_sharded, write_whole
+from dist_helpers import run_job
 from object_store_servers import (
     AZURITE_KEY,
     CANARY_SECRET,
@@ -177,12 +178,14 @@ def run_driver(loads: list[dict], tmp_path, env: dict, nproc: int | None, timeou
     with open(spec, "w") as f:
         json.dump(loads, f)
     script = os.path.join(os.path.dirname(__file__), "store_load_driver.py")
-    cmd = [sys.executable, script, spec, out] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", script, spec, out]
     full_env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env)
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if nproc is None:
+        result = subprocess.run([sys.executable, script, spec, out], capture_output=True, text=True,
+                                timeout=timeout, env=full_env)
+    else:
+        result = run_job([script, spec, out], nproc, timeout, full_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert_no_secret(result.stdout, result.stderr)
     with open(out) as f:

@@ -32,7 +32,7 @@ from distload.tp.spec import load_spec, spec_from_json
 from distload.tp.slices import reassemble
 
 from conftest import plain_digest, plain_read, read_report, run_distload, write_sharded
-from dist_helpers import rank_error
+from dist_helpers import rank_error, run_job
 
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -151,11 +151,9 @@ def clean_env(extra: dict | None = None) -> dict:
 
 def run_python(code_or_script: list[str], timeout: float = 120, nproc: int | None = None) -> subprocess.CompletedProcess:
     if nproc is None:
-        cmd = [sys.executable, *code_or_script]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", *code_or_script]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env())
+        return subprocess.run([sys.executable, *code_or_script], capture_output=True, text=True, timeout=timeout,
+                              env=clean_env())
+    return run_job(list(code_or_script), nproc, timeout, clean_env())
 
 
 def write_script(folder, name: str, source: str) -> str:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dist_helpers import clean_env, free_port, write_script
+from dist_helpers import clean_env, free_port, run_job, write_script
 
 _JOB = """
 import json, sys, torch
@@ -67,9 +67,7 @@ with WorkerGroup(device="cpu", timeout_s=60) as group:
 def _torchrun(script, nproc, *args):
     import subprocess
 
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", script, *args],
-                          capture_output=True, text=True, timeout=180, env=clean_env())
+    return run_job([script, *args], nproc, 180, clean_env(), torchrun=True)
 
 
 @pytest.mark.slow

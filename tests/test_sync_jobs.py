@@ -1,4 +1,4 @@
-"""Weight sync between TWO separately launched torchrun jobs (a trainer job and an inference job,
+"""Weight sync between TWO separately launched jobs (a trainer job and an inference job,
 each its own world, meeting at a tcp:// rendezvous): whole and sliced tensors, several trainer
 ranks, refusals, verification, sleeping receivers, and ``distload sync-demo --role``.
 
@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from distload.cli.main import main as cli_main
 
-from dist_helpers import clean_env, free_port
+from dist_helpers import Job as StartedJob, clean_env, free_port
 
 import sync_jobs_driver as driver
 
@@ -38,32 +38,30 @@ class Job:
     output: str
 
 
-def run_jobs(folder, jobs: list[tuple[str, int, list[str]]], timeout: float = JOB_TIMEOUT_S) -> dict[str, Job]:
-    """Start every ``(name, nproc, args)`` as its own ``torchrun --standalone`` at once (args after
-    torchrun's own: a script, or ``-m distload ...``), then wait for all of them."""
-    procs = {}
+def run_jobs(folder, jobs: list[tuple[str, int, list[str]]], timeout: float = JOB_TIMEOUT_S,
+             torchrun: bool = False) -> dict[str, Job]:
+    """Start every ``(name, nproc, args)`` as its own job at once (dist_helpers.Job: its ranks
+    started as srun starts them, or under ``torchrun``; args: a script, or ``-m distload ...``),
+    then wait for all of them."""
+    started = {}
     for name, nproc, args in jobs:
         log = open(os.path.join(str(folder), f"{name}.log"), "w+")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-        # Its own process group, so that a job that hangs is killed with its ranks, not just its agent.
-        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=clean_env(),
-                                        start_new_session=True), log)
+        started[name] = (StartedJob(list(args), nproc, clean_env(), log, torchrun=torchrun), log)
     deadline = time.monotonic() + timeout
     done = {}
     try:
-        for name, (proc, log) in procs.items():
+        for name, (job, log) in started.items():
             try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                job.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        for name, (proc, log) in procs.items():
-            timed_out = proc.poll() is None
+        for name, (job, log) in started.items():
+            timed_out = job.returncode is None
             if timed_out:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                job.kill()  # every rank: the job's own process group
             log.seek(0)
-            done[name] = Job(name, proc.returncode, ("TIMED OUT\n" if timed_out else "") + log.read())
+            done[name] = Job(name, job.returncode, ("TIMED OUT\n" if timed_out else "") + log.read())
             log.close()
     return done
 
@@ -103,14 +101,14 @@ def run_driver(folder, scenario: str, trainer_nproc: int, inference_nproc: int, 
 
 
 def _assert_two_worlds(run: Run, trainer_nproc: int, inference_nproc: int) -> None:
-    """Two jobs, each its own world: its own torchrun run id and world size, and distinct processes."""
+    """Two jobs, each its own world: its own store (MASTER_PORT) and world size, and distinct processes."""
     trainer, inference = run.trainer, run.inference
     assert [r["world_size"] for r in trainer] == [trainer_nproc] * trainer_nproc
     assert [r["world_size"] for r in inference] == [inference_nproc] * inference_nproc
     assert [r["rank"] for r in trainer] == list(range(trainer_nproc))
     assert [r["rank"] for r in inference] == list(range(inference_nproc))
-    assert len({r["run_id"] for r in trainer}) == 1 and len({r["run_id"] for r in inference}) == 1
-    assert trainer[0]["run_id"] != inference[0]["run_id"]
+    assert len({r["job"] for r in trainer}) == 1 and len({r["job"] for r in inference}) == 1
+    assert trainer[0]["job"] != inference[0]["job"]
     assert len({r["pid"] for r in trainer + inference}) == trainer_nproc + inference_nproc
 
 
@@ -533,7 +531,7 @@ def test_sync_demo_as_two_torchrun_jobs(tmp_path):
     jobs = run_jobs(tmp_path, [
         ("trainer", 1, common + ["--role", "trainer", "--report-json", reports["trainer"]]),
         ("inference", 2, common + ["--role", "inference", "--tensor-parallel-size", "2",
-                                   "--report-json", reports["inference"]])])
+                                   "--report-json", reports["inference"]])], torchrun=True)
     for job in jobs.values():
         assert job.returncode == 0, f"{job.name}:\n{job.output[-6000:]}"
     assert "every inference rank holds exactly the slices it was sent: yes" in jobs["inference"].output
