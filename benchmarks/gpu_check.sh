@@ -14,6 +14,7 @@
 # with the pip download command that fills it. torch must already be a CUDA build (never
 # installed here); distload is imported from this checkout (run from anywhere).
 #   torch  safetensors>=0.4.3  numpy  psutil  tqdm  humanize *  runai-model-streamer==0.17.1 *  instanttensor==0.2.2 *
+#   crc32c-rs==0.0.7 *
 # (humanize is Run:ai 0.17.1's own dependency: Requires-Dist in its METADATA.) vLLM's GPU build is
 # used where it is installed (GPU_CHECK_VLLM=1: required).
 #
@@ -80,12 +81,12 @@ if [[ "${GPU_CHECK_CPU_SMOKE:-0}" == 1 ]]; then
     MODE=cpu-smoke DEVICE=cpu EXPECT_DEVICE=cpu
     SIZE_MIB="${GPU_CHECK_SIZE_MIB:-8}"
     FORMATS="${GPU_CHECK_FORMATS:-safetensors auto runai_streamer}"
-    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm runai_model_streamer=runai-model-streamer==0.17.1"
+    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm runai_model_streamer=runai-model-streamer==0.17.1 crc32c_rs=crc32c-rs==0.0.7"
 else
     MODE=gpu DEVICE=cuda EXPECT_DEVICE=cuda:0
     SIZE_MIB="${GPU_CHECK_SIZE_MIB:-15000}"
     FORMATS="${GPU_CHECK_FORMATS:-safetensors instanttensor auto runai_streamer}"
-    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm humanize=humanize runai_model_streamer=runai-model-streamer==0.17.1 instanttensor=instanttensor==0.2.2"
+    PACKAGES="torch=torch safetensors=safetensors numpy=numpy psutil=psutil tqdm=tqdm humanize=humanize runai_model_streamer=runai-model-streamer==0.17.1 instanttensor=instanttensor==0.2.2 crc32c_rs=crc32c-rs==0.0.7"
 fi
 PACKAGES="$PACKAGES ${GPU_CHECK_REQUIRE:-}"
 LOCATIONS="${GPU_CHECK_LOCATIONS:-shm disk}"
@@ -108,7 +109,7 @@ for entry in $PACKAGES; do
         say "installed $requirement from $WHEELS"
     else
         pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
-        not_ready "Python package '$requirement' (import $module) is missing, and no wheel for it in $WHEELS. Fix (no internet here): on a machine with it, run  pip download --only-binary=:all: --python-version $pyver --platform manylinux2014_x86_64 --dest wheels 'runai-model-streamer==0.17.1' humanize 'instanttensor==0.2.2'  then copy that folder here and rerun with GPU_CHECK_WHEELS=<that folder> (or put it at $WHEELS)"
+        not_ready "Python package '$requirement' (import $module) is missing, and no wheel for it in $WHEELS. Fix (no internet here): on a machine with it, run  pip download --only-binary=:all: --python-version $pyver --platform manylinux2014_x86_64 --dest wheels 'runai-model-streamer==0.17.1' humanize 'instanttensor==0.2.2' 'crc32c-rs==0.0.7'  then copy that folder here and rerun with GPU_CHECK_WHEELS=<that folder> (or put it at $WHEELS)"
     fi
 done
 if [[ "$MODE" == gpu ]]; then

@@ -13,7 +13,7 @@ slice along dim 0 reads at most two chunks more per run; a slice along a later d
 every chunk, and so reads the whole tensor). Chunks of 4 MiB keep that extra reading small and
 the manifest small (one number per 4 MiB: 35,000 for a 140 GB model).
 
-The CRC is google-crc32c's hardware CRC-32C, the node cache's function (``stores/crc.py``),
+The CRC is crc32c-rs's hardware CRC-32C, the node cache's function (``stores/crc.py``),
 computed in place a ``PIECE_BYTES`` piece at a time. ``distload verify`` still hashes every file
 with SHA-256 against the manifest; this check is the one every load makes on the bytes it reads.
 Checkpoints saved before checksums were recorded have none and load unchecked, as before.

@@ -65,9 +65,10 @@ PREFAULT_UNIT_BYTES = 32 * 1024 * 1024
 # call per row cost a TP 2 x DP 2 load on 4 ranks most of its CPU time in Python.
 SMALL_RANGE_BYTES = 64 * 1024
 # A tensor with checksums is read this much at a time, each piece's CRC-32C taken right after its
-# read, while it is still in the core's cache (2 MiB of L2 here). Measured on the 2-core VM (512 MiB,
-# warm, a fresh process per load, 5 runs, a busy machine): pieces of 256 KiB +28% over the
-# unchecked load, 1 MiB +22%, 4 MiB +55% (the L2 missed); a separate pass after the read +67%.
+# read, while it is still in the core's cache (2 MiB of L2 here). Measured on the 2-core VM with
+# crc32c-rs (stores/crc.py), 1 GiB warm, one process loading in turn, medians of 9: pieces of 1 MiB
+# +2.5% over the unchecked load, 512 KiB +19%, 256 KiB +13% (more pieces: more of the reader
+# threads' Python, under one GIL). With google-crc32c before: 256 KiB +28%, 1 MiB +22%, 4 MiB +55%.
 CHECKED_PIECE_BYTES = 1024 * 1024
 
 if TYPE_CHECKING:
