@@ -115,22 +115,32 @@ class Job:
     """A job's ranks started in the background as :func:`run_job` starts them (one process per
     rank with its rank's variables; ``torchrun``: one torchrun --standalone), in one process
     group of their own: ``kill`` ends every rank. Output goes to ``log`` (an open file), the
-    ranks' lines interleaved as they come."""
+    ranks' lines interleaved as they come; stderr to ``err`` where one is given."""
 
-    def __init__(self, entry: list[str], nproc: int, env: Mapping[str, str], log, torchrun: bool = False):
+    def __init__(self, entry: list[str], nproc: int, env: Mapping[str, str], log, torchrun: bool = False,
+                 err=None):
         self.procs: list[subprocess.Popen] = []
+        err = subprocess.STDOUT if err is None else err
         if torchrun:
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *entry],
-                stdout=log, stderr=subprocess.STDOUT, text=True, env=dict(env), process_group=0))
+                stdout=log, stderr=err, text=True, env=dict(env), process_group=0))
             return
         port = free_port()
         for rank in range(nproc):
             rank_env = dict(env)
             rank_env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            self.procs.append(subprocess.Popen([sys.executable, *entry], stdout=log, stderr=subprocess.STDOUT, text=True,
+            self.procs.append(subprocess.Popen([sys.executable, *entry], stdout=log, stderr=err, text=True,
                                                env=rank_env, process_group=self.procs[0].pid if self.procs else 0))
+
+    @property
+    def pid(self) -> int:
+        """Rank 0's process id (the job's process group's id)."""
+        return self.procs[0].pid
+
+    def poll(self) -> int | None:
+        return self.returncode
 
     def wait(self, timeout: float) -> int:
         """The job's exit code once every rank has ended: 0 where each exited 0, else 1.

@@ -1,6 +1,6 @@
 """SyncChannel between two separately launched jobs, when something goes wrong.
 
-Trainer and inference are separate jobs here: separate processes (or separate torchrun commands),
+Trainer and inference are separate jobs here: separate processes (or separate multi-rank jobs),
 each its own world, meeting at ``tcp://127.0.0.1:PORT``. Where torchrun's agent would kill a
 job's other ranks as soon as one dies, ranks are started by hand as plain processes with an
 explicit ``rank``/``size``, so that each one's own behaviour is seen.
@@ -34,7 +34,7 @@ from distload.live.channel import SyncChannel
 from distload.live.rendezvous import ANSWER_S
 from distload.live.session import DEAD_AFTER_S
 
-from dist_helpers import ABORT_MARKERS, clean_env, free_port, write_script
+from dist_helpers import ABORT_MARKERS, Job, clean_env, free_port, write_script
 
 TIMEOUT_S = 30.0  # the channels' timeout: every failure below must surface well before it
 BOUND_S = 20.0  # "well under the timeout"
@@ -191,7 +191,7 @@ log("exit")
 
 
 class Jobs:
-    """The processes one test started: plain ranks and torchrun jobs, their logs, and their end."""
+    """The processes one test started: plain ranks and multi-rank jobs, their logs, and their end."""
 
     def __init__(self, tmp_path: Path):
         self.dir = tmp_path
@@ -202,21 +202,20 @@ class Jobs:
     def start(self, name: str, role: str, steps: list[str], *, host: str = "trainer", rank: int | None = 0,
               size: int | None = 1, nproc: int | None = None, timeout: float = TIMEOUT_S,
               delta: bool = False, transport: str | None = None) -> subprocess.Popen:
-        """A plain process (``nproc`` None) with an explicit rank and size, or a torchrun job of
-        ``nproc`` ranks (rank and size from torchrun's environment). Its log lines are
-        ``NAME<rank>.jsonl``."""
+        """A plain process (``nproc`` None) with an explicit rank and size, or a job of ``nproc``
+        ranks (dist_helpers.Job: started as srun starts them; rank and size from their
+        environment). Its log lines are ``NAME<rank>.jsonl``."""
         cfg = {"out": str(self.dir), "addr": self.address, "host": host, "role": role, "name": name,
                "steps": steps, "timeout": timeout, "delta": delta, "transport": transport}
-        if nproc is None:
-            cmd = [sys.executable, self.script]
-            cfg.update(rank=rank, size=size)
-        else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "--monitor-interval=0.5", self.script]
+        if nproc is not None:
             cfg.update(rank=None, size=None)
+            with open(self.dir / f"{name}.stdout", "w") as out, open(self.dir / f"{name}.stderr", "w") as err:
+                self.procs[name] = Job([self.script, json.dumps(cfg)], nproc, clean_env(), out, err=err)
+            return self.procs[name]
+        cfg.update(rank=rank, size=size)
         with open(self.dir / f"{name}.stdout", "w") as out, open(self.dir / f"{name}.stderr", "w") as err:
-            proc = subprocess.Popen(cmd + [json.dumps(cfg)], stdout=out, stderr=err, env=clean_env(),
-                                    start_new_session=True)
+            proc = subprocess.Popen([sys.executable, self.script, json.dumps(cfg)], stdout=out, stderr=err,
+                                    env=clean_env(), start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -271,8 +270,8 @@ class Jobs:
         return "\n".join(parts)
 
     def ours(self) -> list[int]:
-        """Live processes running this test's driver (torchrun's workers included: they have
-        sessions of their own), by their ids; zombies excluded."""
+        """Live processes running this test's driver (a job's ranks included), by their ids;
+        zombies excluded."""
         pids = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit() or int(entry) == os.getpid():
@@ -343,7 +342,7 @@ def _assert_received(event: dict, version: int) -> None:
 @pytest.mark.dist
 @pytest.mark.parametrize("host, transport", [("trainer", "shm"), ("inference", "socket")])
 def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host, transport):
-    """Two torchrun jobs: the trainer (1 rank) is SIGKILLed while version 2's buckets are out.
+    """Two jobs: the trainer (1 rank) is SIGKILLed while version 2's buckets are out.
     Every inference rank raises within BOUND_S, holds exactly version 1 again (rolled back),
     and, in the same process, receives version 3 from a new trainer job at the same address
     bit-exact. With host="trainer" the store died with the trainer and the receivers reach the
@@ -356,7 +355,7 @@ def test_trainer_killed_mid_update_then_a_restarted_trainer_pushes(jobs, host, t
                host=host, nproc=1)
     firsts, failures = zip(*[jobs.wait(f"inf{r}", "recv", 2) for r in (0, 1)])
     (dying,) = jobs.wait("trainA0", "dying")
-    assert jobs.exit_code("trainA") != 0  # torchrun reports its worker's death
+    assert jobs.exit_code("trainA") != 0  # the job reports its rank's death
     assert [first["transport"] for first in firsts] == [transport] * 2, firsts
     assert not _segments_left(dying["pid"])
     assert not jobs.events("trainA0", "push")[1:], "the killed trainer finished version 2?"
@@ -569,7 +568,7 @@ def test_receive_without_an_update_times_out_and_the_next_push_still_arrives(job
 @pytest.mark.slow
 @pytest.mark.dist
 def test_trainer_closing_between_updates_ends_a_waiting_receive_cleanly(jobs):
-    """Two torchrun jobs. The trainer (serving the store) pushes version 1 and closes while both
+    """Two jobs. The trainer (serving the store) pushes version 1 and closes while both
     inference ranks wait for version 2: each receive raises promptly that the channel was closed,
     the trainer's close does not wait out CLOSE_WAIT_S (the receivers left), and every process
     exits 0 without a C++ abort."""
