@@ -57,6 +57,13 @@ def run_script(script: str, args: list[str], nproc: int | None = 2, timeout: flo
     return run_job([script, *args], nproc, timeout, clean_env(env, drop_prefixes), torchrun=torchrun)
 
 
+def rank_env(env: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
+    """``env`` with one rank's launch variables, as srun (or torchrun) gives a rank of a job of
+    ``nproc`` ranks on this host, whose store rank 0 serves at 127.0.0.1:``port``."""
+    return {**env, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+
 def run_job(entry: list[str], nproc: int, timeout: float, env: Mapping[str, str], cwd: str | None = None,
             torchrun: bool = False) -> subprocess.CompletedProcess:
     """A job of ``nproc`` ranks on this host, each ``python ENTRY`` (``entry``: a script and its
@@ -83,13 +90,10 @@ def run_job(entry: list[str], nproc: int, timeout: float, env: Mapping[str, str]
     procs, outputs = [], []
     try:
         for rank in range(nproc):
-            rank_env = dict(env)
-            rank_env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
             outputs.append((out, err))
             procs.append(subprocess.Popen([sys.executable, *entry], stdout=out, stderr=err, text=True,
-                                          env=rank_env, cwd=cwd))
+                                          env=rank_env(env, rank, nproc, port), cwd=cwd))
         deadline = time.monotonic() + timeout
         for proc in procs:
             try:
@@ -128,11 +132,9 @@ class Job:
             return
         port = free_port()
         for rank in range(nproc):
-            rank_env = dict(env)
-            rank_env.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             self.procs.append(subprocess.Popen([sys.executable, *entry], stdout=log, stderr=err, text=True,
-                                               env=rank_env, process_group=self.procs[0].pid if self.procs else 0))
+                                               env=rank_env(env, rank, nproc, port),
+                                               process_group=self.procs[0].pid if self.procs else 0))
 
     @property
     def pid(self) -> int:
@@ -206,10 +208,7 @@ def launch_ranks(args: list[str], nproc: int = 2, timeout: float = 120,
     port = free_port()
     procs = []
     for rank in range(nproc):
-        env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, *entry, *args], env=env,
+        procs.append(subprocess.Popen([sys.executable, *entry, *args], env=rank_env(clean_env(), rank, nproc, port),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     results = []

@@ -364,16 +364,15 @@ def test_rank_1_killed_mid_pull_is_named_by_rank_0(tmp_path):
     advice ("bugs in the application"). The ranks run with torchrun's environment (its run id:
     the path where a lost peer is not watched for) but without its agent, which would end rank 0
     the moment rank 1 died and leave no message to check."""
-    from dist_helpers import clean_env, free_port
+    from dist_helpers import clean_env, free_port, rank_env
 
     source = str(tmp_path / "whole")
     write_whole(source, {f"w{i}": torch.randn(2 * MIB) for i in range(6)}, num_files=3)  # 3 x 16 MiB
     dest = str(tmp_path / "dest")
-    port = str(free_port())
+    port = free_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "distload", "pull", source, dest, "--chunk-mib", "0.25", "--timeout", "60"],
-        env=clean_env({"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": "pull-test"}),
+        env=rank_env(clean_env({"TORCHELASTIC_RUN_ID": "pull-test"}), rank, 2, port),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     try:
         deadline = time.monotonic() + 120

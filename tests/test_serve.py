@@ -23,7 +23,7 @@ from distload.cli.main import main as cli_main
 from distload.workers.group import WorkerGroup
 
 from conftest import read_report, write_whole
-from dist_helpers import clean_env, free_port
+from dist_helpers import clean_env, free_port, rank_env
 from test_sliced_loads import CONFIG, llama_state
 
 BIG_BYTES = 96 * 2**20  # a tensor big enough that a load is still moving when the test kills a side
@@ -60,10 +60,8 @@ def start(args: list[str], log_path: str, env: dict | None = None) -> subprocess
 def start_ranks(args: list[str], nproc: int, folder: str, name: str, env: dict | None = None
                 ) -> list[subprocess.Popen]:
     """One process per rank with torchrun's environment (no agent: each rank's exit is its own)."""
-    port = str(free_port())
-    return [start(args, os.path.join(folder, f"{name}.{rank}.log"),
-                  {**(env or {}), "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    port = free_port()
+    return [start(args, os.path.join(folder, f"{name}.{rank}.log"), rank_env(env or {}, rank, nproc, port))
             for rank in range(nproc)]
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist_helpers import clean_env, free_port
+from dist_helpers import clean_env, free_port, rank_env
 
 from distload.errors import ConfigError
 from distload.live import pairing, refit
@@ -107,8 +107,7 @@ def _run(tmp_path, trainers: int, receivers: int = 2, timeout: float = 120, tp: 
                                        str(tmp_path)], env=clean_env(), stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"trainer{rank}.log", "w")))
     for rank in range(receivers):
-        env = clean_env({"RANK": str(rank), "WORLD_SIZE": str(receivers), "LOCAL_RANK": str(rank),
-                         "LOCAL_WORLD_SIZE": str(receivers), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        env = rank_env(clean_env(), rank, receivers, port)
         procs.append(subprocess.Popen([sys.executable, DRIVER, "inference", str(tp), "-", ckpt, address, str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"inference{rank}.log", "w")))
