@@ -169,12 +169,13 @@ def test_mixtral_names_drop_other_ranks_experts_and_keep_the_tp_rules():
 
 
 def test_stacked_experts_keep_their_rows_and_a_rule_through_them_is_refused():
-    """vLLM's fused stacks ([E, 2I, H], [E, H, I], their scales [E, ...]) are cut on dim 0 by expert."""
+    """vLLM's fused stacks ([E, 2I, H], [E, H, I], their scales [E, ...]) are cut on dim 0 by expert
+    (here under a spec that splits no tensor, so each keeps its experts' rows whole)."""
     shapes = {"model.layers.0.mlp.experts.w13_weight": (4, 512, 256),
               "model.layers.0.mlp.experts.w2_weight": (4, 256, 256),
               "model.layers.0.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
               "model.layers.0.mlp.gate.weight": (4, 256)}
-    spec = load_spec("decoder")
+    spec = load_spec("replicate")
     tensors = [(n, s, spec.action(n, s)) for n, s in shapes.items()]
     tensors = [(n, s, a) for (n, s, _), a in zip(tensors, carry_block_scales(tensors).values())]
     rr = cut_experts(tensors, ExpertPlace(2, 1, "round_robin"), {"num_experts": 4})
@@ -201,12 +202,14 @@ STACKED_RULES = [{"match": "*.experts.w13_weight", "split": 1, "fused": 2},
                  {"match": "*.experts.w2_weight", "split": 2}]
 
 
-def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts():
+@pytest.mark.parametrize("spec_name", ["file", "decoder", "plain"])
+def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts(spec_name):
     """TP x EP on a stacked tensor: its EP rank's expert rows of dim 0 (``rows``), each split along
     the spec's dim; its FP8 block scales (vLLM's ``w13_weight_scale_inv``) carried on the blocks of
-    config.json's 2-d weight_block_size, an expert a row; the bytes read are the bytes kept."""
+    config.json's 2-d weight_block_size, an expert a row; the bytes read are the bytes kept. The
+    built-in specs split vLLM's stacks as a spec file with STACKED_RULES does."""
     config = {"num_experts": 4, "quantization_config": {"weight_block_size": [128, 128]}}
-    spec = spec_from_json({"rules": STACKED_RULES}, config)
+    spec = spec_from_json({"rules": STACKED_RULES}, config) if spec_name == "file" else load_spec(spec_name, config)
     shapes = {"m.layers.0.mlp.experts.w13_weight": (4, 512, 256),
               "m.layers.0.mlp.experts.w13_weight_scale_inv": (4, 4, 2),
               "m.layers.0.mlp.experts.w2_weight": (4, 256, 256),
@@ -284,17 +287,13 @@ def stacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("tp,ep,placement", [(1, 2, "linear"), (2, 2, "round_robin")])
 def test_stacked_experts_load_as_their_rows(moe, tmp_path, tp, ep, placement):
-    """Fused stacks [E, 2I, H] / [E, H, I] and their scales: each rank reads its experts' rows only
-    (whole experts: the built-in specs split no stacked tensor, so its TP ranks hold the same rows)."""
-    state = stacked(whole(moe["qwen3moe-fp8"]))
-    folder = str(tmp_path / "stacked")
-    write_whole(folder, state, 2)
-    with open(os.path.join(moe["qwen3moe-fp8"], "config.json")) as f, open(os.path.join(folder, "config.json"), "w") as g:
-        g.write(f.read())
+    """Fused stacks [E, 2I, H] / [E, H, I] and their scales under the built-in decoder spec: each
+    rank reads its experts' rows only, each TP-sliced as vLLM's FusedMoE splits them."""
+    folder = stacked_folder(moe, str(tmp_path / "stacked"))
+    state = whole(folder)
     for rank in range(tp * ep):
-        mine = sorted(experts_of((rank // tp) % ep, ep, placement))
-        want = {n: t[mine] if ".experts.w" in n else t for n, t in reference(state, rank, tp, ep).items()}
-        assert want["model.layers.0.mlp.experts.w13_weight"].shape == (2, 512, 256)
+        want = stacked_reference(state, rank, tp, ep, placement)
+        assert want["model.layers.0.mlp.experts.w13_weight"].shape == (2, 512 // tp, 256)
         result = load_as(folder, rank, tp, ep, placement=placement)
         same(result.state, want)
         assert result.rank_report.requested_bytes <= 1.05 * kept_bytes(want)

@@ -193,7 +193,8 @@ def test_ep2_refit_from_two_trainers_lands_as_the_formula_then_a_delta_of_fp8(tm
 def test_tp2_x_ep2_receivers_keep_their_tp_slice_of_their_experts_as_loads_rank_them():
     """Inference rank 3 of 4 at TP 2 x EP 2 is TP rank 1, EP rank 1 (loads' mapping): it keeps
     the second half of the rows of experts 2 and 3's gate_proj, nothing of experts 0 and 1, and
-    its experts' rows of a stacked tensor whole (the decoder spec splits no stacked tensor)."""
+    of a stacked w13 its experts' rows, each its TP slice of gate and of up (the decoder spec
+    splits vLLM's stacks as its FusedMoE does)."""
     from distload.tp.spec import load_spec
 
     spec = load_spec("decoder")
@@ -204,9 +205,10 @@ def test_tp2_x_ep2_receivers_keep_their_tp_slice_of_their_experts_as_loads_rank_
     pieces = [kept_slice(place, e, entry) for e, entry in enumerate(gate)]
     assert [p.kept for p in pieces] == [False, False, True, True]
     assert pieces[3].shape == (64, 256) and pieces[3].run == (64 * 256 * 2, 128 * 256 * 2)
-    stacked = SyncTensor("model.layers.1.mlp.experts.w13_weight", "BF16", (4, 6, 8), 4 * 6 * 8 * 2)
+    stacked = SyncTensor("model.layers.1.mlp.experts.w13_weight", "BF16", (4, 8, 8), 4 * 8 * 8 * 2)
     piece = kept_slice(place, 0, stacked)
-    assert piece.shape == (2, 6, 8) and piece.run == (2 * 96, 4 * 96)
+    assert piece.kept and piece.shape == (2, 4, 8)
+    assert piece.action.rows == ((2, 4),) and piece.action.rule == "*.experts.w13_weight"
 
 
 def test_tp2_x_ep2_receivers_of_stacks_a_spec_splits_take_their_tp_slice_of_their_experts_and_its_changes():

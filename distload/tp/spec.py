@@ -294,11 +294,22 @@ _COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # MLP layers whose output rows a
 _ROW = ("down_proj", "w2")  # MLP layers whose input columns are split
 
 
+def _stacked_expert_rules() -> list[Rule]:
+    """vLLM's fused MoE stacks, every expert along dim 0, as its FusedMoE splits them by TP:
+    ``w13_weight`` [E, 2I, H] as [gate; up], each half by rows; ``w2_weight`` [E, H, I] by its
+    input columns. Expert parallelism keeps a rank's experts' rows of dim 0 (distload/tp/experts.py),
+    each cut so. Their block scales (``w13_weight_scale_inv``) go with them on block boundaries.
+    transformers 5's in-memory ``experts.gate_up_proj`` has no rule: Llama 4's checkpoints save a
+    stack of that name as [E, H, 2I], so the name does not say which dim is the output's."""
+    return [Rule("*.experts.w13_weight", 1, 2), Rule("*.experts.w2_weight", 2)]
+
+
 def _decoder_rules() -> tuple[Rule, ...]:
     """vLLM's tensor-parallel layout of a Hugging Face decoder, tensor for tensor."""
     rules = [Rule("*embed_tokens.weight", 0, pad_to=VLLM_VOCAB_PADDING),
              Rule("lm_head.weight", 0, pad_to=VLLM_VOCAB_PADDING),
              Rule("*.lm_head.weight", 0, pad_to=VLLM_VOCAB_PADDING)]
+    rules += _stacked_expert_rules()
     for suffix in ("weight", "bias"):
         rules += [Rule(f"*.q_proj.{suffix}", 0, heads="attention"),
                   Rule(f"*.k_proj.{suffix}", 0, heads="kv"), Rule(f"*.v_proj.{suffix}", 0, heads="kv"),
@@ -317,6 +328,7 @@ def _plain_rules() -> tuple[Rule, ...]:
     """The same tensors split evenly over the ranks: no head boundaries, no vocabulary padding."""
     column = ("q_proj", "k_proj", "v_proj") + _COLUMN
     rules = [Rule("*embed_tokens.weight", 0), Rule("lm_head.weight", 0), Rule("*.lm_head.weight", 0)]
+    rules += _stacked_expert_rules()
     rules += [Rule(f"*.{proj}.{suffix}", 0) for suffix in ("weight", "bias") for proj in column]
     rules += [Rule("*.qkv_proj.weight", 0, "qkv", heads="none"), Rule("*.qkv_proj.bias", 0, "qkv", heads="none"),
               Rule("*.gate_up_proj.weight", 0, 2), Rule("*.o_proj.weight", 1),
