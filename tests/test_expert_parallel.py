@@ -353,6 +353,37 @@ def test_stacked_experts_a_spec_splits_load_and_reshard_as_the_tp_slice_of_their
         same(plain_read([os.path.join(saved, n) for n in names]), want)
 
 
+@pytest.mark.parametrize("model,tp,ep", [("deepseek-fp8", 2, 2), ("qwen3moe-fp8", 2, 1), ("qwen3moe-bf16", 1, 2)])
+def test_reload_into_fills_each_ranks_experts_and_fp8_slices_in_place(moe, model, tp, ep):
+    """``reload_into`` at T x P fills, in place, what a load at T x P gave each rank (its experts,
+    TP-sliced, FP8 block scales cut with their weights), bit for bit against slicing a whole read,
+    reading only those bytes. A target that holds every expert, reloaded at EP 2, is refused
+    naming the experts the rank does not fill, and is left as it was."""
+    state = whole(moe[model])
+    for rank in range(tp * ep):
+        want = reference(state, rank, tp, ep)
+        target = {name: torch.zeros_like(t) for name, t in want.items()}
+        memory = {name: t.data_ptr() for name, t in target.items()}
+        with WorkerGroup(device="cpu") as group:
+            report = distload.reload_into(target, moe[model], group=group, tensor_parallel_size=tp,
+                                          tensor_parallel_rank=rank % tp, expert_parallel_size=ep,
+                                          expert_parallel_rank=(rank // tp) % ep)
+        same(target, want)
+        assert {name: t.data_ptr() for name, t in target.items()} == memory  # in place
+        assert report.num_tensors == len(want) and report.requested_bytes <= 1.05 * kept_bytes(want), report
+    if ep == 1:
+        return
+    every = {name: torch.zeros_like(t) for name, t in reference(state, 0, tp, 1).items()}
+    with WorkerGroup(device="cpu") as group, pytest.raises(distload.ReloadError) as err:
+        distload.reload_into(every, moe[model], group=group, tensor_parallel_size=tp, tensor_parallel_rank=0,
+                             expert_parallel_size=ep, expert_parallel_rank=0)
+    assert re.search(r"^the checkpoint does not fit the model \(1 problem\(s\)\); nothing was written:\n  \d+ "
+                     r"tensor\(s\) of other expert-parallel ranks' experts, such as model\.layers\.\d+\.mlp\.experts\.[23]\."
+                     r".*: this rank fills only its own experts; reload into a target that holds those alone",
+                     str(err.value)), str(err.value)
+    assert all(not t.any() for t in every.values())
+
+
 def test_misconfigurations_are_refused_naming_the_setting_and_what_works(moe, tmp_path):
     with pytest.raises(ConfigError) as err:
         load_as(moe["qwen3moe-fp8"], 0, 1, 3)

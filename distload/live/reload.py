@@ -103,8 +103,16 @@ class _Copy:
 
 def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapping[str, torch.Tensor], *,
               name_map: NameMap | None, sharding: ShardingSpec | None, tp_size: int,
-              strict: bool, optional: frozenset[str] = frozenset()) -> tuple[dict[str, list[_Copy]], ReloadReport]:
+              strict: bool, optional: frozenset[str] = frozenset(),
+              actions: Mapping[str, Action | None] | None = None,
+              others: frozenset[str] = frozenset()) -> tuple[dict[str, list[_Copy]], ReloadReport]:
     """Match every checkpoint tensor (name, dtype code, shape) to the model; pure, no copies.
+
+    ``actions``: the load's own plan for the checkpoint's tensors, by name (None: whole), where
+    it has one: FP8 block scales carried with their split weight and, with expert parallelism,
+    the rank's experts' rows of a stack are there, not in the spec's rules. Another name (an
+    alias, a view) takes the spec's action. ``others``: other EP ranks' experts' tensors, which
+    this rank does not fill (a target holding them is told so by name).
 
     Raises ReloadError listing every problem at once; returns the copies to make otherwise.
     """
@@ -120,7 +128,10 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
         problems.append(problem)
 
     for name, dtype, shape in sources:
-        action = sharding.action(name, shape, PACKED.get(dtype, 1)) if sharding is not None else None
+        if actions is not None and name in actions:
+            action = actions[name]
+        else:
+            action = sharding.action(name, shape, PACKED.get(dtype, 1)) if sharding is not None else None
         try:
             if action is not None:
                 shape = shard_shape(name, shape, action, tp_size)
@@ -180,6 +191,14 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
         if covered.get(id(tensor), 0) < tensor.numel() or (tensor.numel() == 0 and id(tensor) not in covered):
             untouched.setdefault(id(tensor), []).append(model_name)
     missing = sorted(" = ".join(names) for names in untouched.values())
+    theirs = [name for name in missing if name in others]
+    if theirs and strict:
+        problems.append(
+            f"{len(theirs)} tensor(s) of other expert-parallel ranks' experts, such as {theirs[0]}: this rank "
+            f"fills only its own experts; reload into a target that holds those alone (the dict "
+            f"distload.load(..., expert_parallel_size=...) returns, or a model built with its local experts), or "
+            f"pass strict=False to leave the others as they are")
+        missing = [name for name in missing if name not in others]
     if missing and strict:
         problems.append(f"missing keys (no checkpoint tensor fills them): {', '.join(missing[:20])}"
                         + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
@@ -206,7 +225,9 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
                 group: WorkerGroup | None = None, strict: bool = True, name_map: NameMap | None = None,
                 sharding: str | ShardingSpec | None = None, tensor_parallel_size: int | None = None,
                 tensor_parallel_rank: int | None = None, progress: bool = False,
-                tp_rank: int | None = None, tp_size: int | None = None) -> ReloadReport:
+                tp_rank: int | None = None, tp_size: int | None = None,
+                expert_parallel_size: int | None = None, expert_placement_strategy: str | None = None,
+                expert_parallel_rank: int | None = None) -> ReloadReport:
     """Load ``source`` into ``target``'s existing tensors, in place, all-or-nothing on mismatch.
 
     Call on every rank of ``group`` (None: a group from the environment, for this call).
@@ -217,6 +238,11 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
     tensor-parallel group that is not consecutive ranks). A checkpoint pre-sharded for T fills
     every data-parallel replica with its TP rank's files. ``tp_size`` and ``tp_rank`` are the old
     names of ``tensor_parallel_size`` and ``tensor_parallel_rank``.
+
+    ``expert_parallel_size`` P (with ``expert_placement_strategy`` and ``expert_parallel_rank``,
+    as :class:`Loader` takes them): the rank fills its EP rank's experts only, as
+    ``distload.load(..., expert_parallel_size=P)`` placed them; ``target`` holds those and no
+    other routed expert (a dict that load returned, or a model built with its local experts).
     """
     tensor_parallel_size = _renamed("tp_size", tp_size, "tensor_parallel_size", tensor_parallel_size)
     tensor_parallel_rank = _renamed("tp_rank", tp_rank, "tensor_parallel_rank", tensor_parallel_rank)
@@ -226,13 +252,16 @@ def reload_into(target: torch.nn.Module | Mapping[str, torch.Tensor], source: st
         blocks = dtensor_blocks(targets)  # each rank reads its DTensors' local shards only
         loader = Loader(source, load_format, extra_config, group=g, progress=progress,
                         tensor_parallel_size=tensor_parallel_size, sharding=sharding,
-                        tensor_parallel_rank=tensor_parallel_rank, blocks=blocks)
+                        tensor_parallel_rank=tensor_parallel_rank, blocks=blocks,
+                        expert_parallel_size=expert_parallel_size,
+                        expert_placement_strategy=expert_placement_strategy,
+                        expert_parallel_rank=expert_parallel_rank)
         if blocks:
             if name_map is not None:
                 raise ReloadError("a name map onto DTensor parameters is not supported: load with the model's own names")
             if loader.tensor_parallel is not None:
                 raise ReloadError("the model's parameters are DTensors: their placements already say which shard "
-                                  "each rank holds; drop tensor_parallel_size/sharding")
+                                  "each rank holds; drop tensor_parallel_size/sharding/expert_parallel_size")
         return _reload(target, targets, loader, strict=strict, name_map=name_map, start=start)
 
 
@@ -263,18 +292,22 @@ def _reload(target: torch.nn.Module | Mapping[str, torch.Tensor], targets: Mappi
     group = loader.group
     local = {name: local_tensor(t) for name, t in targets.items()}  # what this rank writes
     rank_plan = loader.plan()
-    sources = [(t.name, t.dtype, t.shape) for t in rank_plan.index.tensors]
+    slices = rank_plan.slices
+    # Another EP rank's experts: read as nothing and not this rank's, so not the model's either.
+    dropped = slices.dropped if slices is not None else frozenset()
+    sources = [(t.name, t.dtype, t.shape) for t in rank_plan.index.tensors if t.name not in dropped]
     by_name = {t.name: t for t in rank_plan.index.tensors}
     sources += [(alias, by_name[tgt].dtype, by_name[tgt].shape) for alias, tgt in rank_plan.aliases.items()
                 if tgt in by_name]
     sources += [(name, view.dtype, view.shape) for name, view in rank_plan.views.items()]
     tp = rank_plan.tensor_parallel
-    spec = rank_plan.slices.spec if rank_plan.slices is not None else None
+    spec = slices.spec if slices is not None else None
+    actions = None if spec is None else {t.name: slices.actions.get(t.name) for t in rank_plan.index.tensors}
 
     def check() -> tuple[dict[str, list[_Copy]], ReloadReport]:
         return check_fit(sources, targets, name_map=name_map, sharding=spec,
                          tp_size=tp.size if tp is not None else 1, strict=strict,
-                         optional=non_persistent_buffers(target))
+                         optional=non_persistent_buffers(target), actions=actions, others=dropped)
 
     copies, report = group.agree("checking the model against the checkpoint", check)
     # A checkpoint tensor that lands whole in one model tensor may be read straight into it, unless
