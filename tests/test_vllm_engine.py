@@ -93,6 +93,7 @@ def checkpoints(tmp_path_factory):
     paths["llama-tp2-engine"] = str(root / "llama-tp2-engine")  # saved by the TP 2 plugin engine (save_sharded)
     paths["llama-b"] = _perturbed_copy(paths["llama"], str(root / "llama-b"))
     paths["phi3-b"] = _perturbed_copy(str(root / "phi3"), str(root / "phi3-b"))
+    paths["qwen3moe-b"] = _perturbed_copy(str(root / "moe" / "qwen3moe-bf16"), str(root / "qwen3moe-b"))
     return python, paths
 
 
@@ -260,7 +261,8 @@ def engines(checkpoints, phi3_resharded, tmp_path_factory):
 
     script = write_script(tmp_path_factory.mktemp("trainer"), "trainer.py", TRAINER)
     addresses, trainers = [], []
-    for first, second, mode in ((p["llama-b"], p["llama"], "die"), (p["phi3-b"], f"{p['root']}/phi3", "steps")):
+    for first, second, mode in ((p["llama-b"], p["llama"], "die"), (p["phi3-b"], f"{p['root']}/phi3", "steps"),
+                                (p["qwen3moe-b"], f"{p['root']}/moe/qwen3moe-bf16", "steps")):
         addresses.append(f"tcp://127.0.0.1:{free_port()}")
         trainers.append(subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                           "--nproc-per-node=1", script, addresses[-1], first, second, mode],
@@ -271,7 +273,7 @@ def engines(checkpoints, phi3_resharded, tmp_path_factory):
         # TP 2 first: most fork their workers, which a TP 1 engine's model run in the driver's own
         # process would hang (vllm_driver.py).
         results = _drive(python, 1, [dict(case, tp=2, name=f"tp2 {case['name']}") for case in cases[2]]
-                         + architecture_cases(p, addresses[1]) + moe_cases(p)
+                         + architecture_cases(p, addresses[1]) + moe_cases(p, addresses[2])
                          + [dict(case, tp=1, name=f"tp1 {case['name']}") for case in cases[1]], weight_maps)
         trainer_output = [trainer.communicate(timeout=120)[0] for trainer in trainers]
     finally:
@@ -284,7 +286,7 @@ def engines(checkpoints, phi3_resharded, tmp_path_factory):
     out["moe"] = {name[len("moe "):]: value for name, value in results.items() if name.startswith("moe ")}
     for key in out:
         out[key]["_output"] = results["_output"]
-    out[2]["_trainer"], out["arch"]["_trainer"] = trainer_output
+    out[2]["_trainer"], out["arch"]["_trainer"], out["moe"]["_trainer"] = trainer_output
     out["arch"]["_cached"] = sorted(os.listdir(weight_maps))
     return out
 
@@ -600,9 +602,9 @@ def test_each_tp_ranks_weight_map_is_cached(architectures):
     """One cache entry per model and TP rank that loaded a whole checkpoint through distload: each
     architecture's 2 ranks, the Llama's (1 at TP 1, 2 at TP 2) and the Qwen2's (2) plugin cases, and
     the two MoE plugin cases' (2 each); and one per TP rank of an engine that took pushes (the
-    Llama's and Phi-3's, 2 each: recorded against the parameters as loaded, another key). The
-    reload and the pre-sharded loads record none."""
-    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2 + 2 * len(MOE_PLUGIN_CASES) + 2 + 2, \
+    Llama's, Phi-3's and the expert-parallel Qwen3-MoE's, 2 each: recorded against the parameters
+    as loaded, another key). The reload and the pre-sharded loads record none."""
+    assert len(architectures["_cached"]) == 2 * len(ARCHITECTURES) + 1 + 2 + 2 + 2 * len(MOE_PLUGIN_CASES) + 3 * 2, \
         architectures["_cached"]
 
 
@@ -617,7 +619,7 @@ moe_checkpoints.make(f"{root}/moe")
 MOE_PLUGIN_CASES = ("qwen3 ep", "deepseek fp8")
 
 
-def moe_cases(p: dict) -> list[dict]:
+def moe_cases(p: dict, address: str) -> list[dict]:
     """Three TP 2 engines. What vLLM 0.32's CPU build serves of the four MoE checkpoints (checked by
     hand, docs/expert-parallel.md): all four at TP 1 and TP 2; with --enable-expert-parallel every
     one loads, but its first token routed to another worker's expert crashes the CPU MoE kernel.
@@ -625,7 +627,11 @@ def moe_cases(p: dict) -> list[dict]:
 
     - "qwen3 ep": Qwen3-MoE BF16 under expert parallelism through the plugin, compared with vLLM's
       own load on each worker (check_weight_map); each worker saves its parameters (save_sharded:
-      what ``reshard --sharding vllm --expert-parallel-size 2`` runs);
+      what ``reshard --sharding vllm --expert-parallel-size 2`` runs); then it takes four pushes
+      from a trainer at ``address`` (other weights, its own, a training step, its own), each
+      worker's parameters' digest recorded after each;
+    - "qwen3 reloads": vLLM's own loader under expert parallelism, then its own in-place reload
+      of the other weights and of the model's own again: the parameters each push must leave;
     - "qwen3 saved": that save, loaded by vLLM's own sharded_state loader under expert
       parallelism (every key and shape of each worker's model, or it does not start);
     - "deepseek fp8": DeepSeek-V3 FP8 block-scaled (MLA, a dense first layer, a shared expert)
@@ -634,7 +640,10 @@ def moe_cases(p: dict) -> list[dict]:
     p["qwen3-ep2"] = f"{p['root']}/qwen3moe-ep2"
     return [dict(case, tp=2, fork=True) for case in [
         {"name": "moe qwen3 ep", "model": f"{moe}/qwen3moe-bf16", "format": "distload", "ep": True, "generate": False,
-         "extra": {"check_weight_map": True, "save_sharded": p["qwen3-ep2"]}},
+         "extra": {"check_weight_map": True, "save_sharded": p["qwen3-ep2"]}, "digest": True,
+         "push": {"address": address, "receives": 4}},
+        {"name": "moe qwen3 reloads", "model": f"{moe}/qwen3moe-bf16", "format": "safetensors", "ep": True,
+         "generate": False, "digest": True, "reloads": [p["qwen3moe-b"], f"{moe}/qwen3moe-bf16"]},
         {"name": "moe qwen3 saved", "model": p["qwen3-ep2"], "format": "sharded_state", "ep": True,
          "generate": False},
         {"name": "moe deepseek fp8", "model": f"{moe}/deepseek-fp8", "format": "distload",
@@ -661,8 +670,8 @@ def test_each_expert_parallel_worker_loads_vllms_own_experts_bit_for_bit_reading
     which skip the other worker's experts: the worker reads none of their bytes (at most 1.05x
     what it keeps, about half the checkpoint), and its load equals vLLM's own bit for bit. The
     log names the placement vLLM gave it (linear: experts 0-1 and 2-3)."""
-    assert moe["qwen3 ep"] == {"tokens": None, "start_s": moe["qwen3 ep"]["start_s"], "resharded": None,
-                               "workers": "fork"}, moe["qwen3 ep"]
+    assert {key: moe["qwen3 ep"][key] for key in ("tokens", "resharded", "workers")} == {
+        "tokens": None, "resharded": None, "workers": "fork"}, moe["qwen3 ep"]
     output = _case_output(moe["_output"], "moe qwen3 ep")
     for rank, experts in ((0, [0, 1]), (1, [2, 3])):
         assert f"TP rank {rank} (EP rank {rank} of 2, keeping experts {experts} of 4 in each of its 2 MoE layers)" \
@@ -670,6 +679,48 @@ def test_each_expert_parallel_worker_loads_vllms_own_experts_bit_for_bit_reading
         assert f"TP rank {rank}: the load equals vLLM's own, bit for bit" in output, output[-3000:]
     reads = _reads(output)
     assert len(reads) == 2 and all(read <= 1.05 * kept and read < 0.55 * total for read, total, kept in reads), reads
+
+
+def _differing(got: list[dict], want: list[dict]) -> list[str]:
+    """Each worker's parameters whose digests differ, as 'worker: name'."""
+    assert len(got) == len(want)
+    return [f"{worker}: {name}" for worker, (a, b) in enumerate(zip(got, want))
+            for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+
+
+@pytest.mark.slow
+def test_pushes_into_an_expert_parallel_engine_send_each_worker_its_experts_and_land_bit_for_bit(moe):
+    """A trainer pushes into the engine above (--enable-expert-parallel, TP 2: each worker its
+    own two experts). Each worker receives at most 1.05x the bytes of its parameters (its experts
+    whole, the rest as vLLM's TP splits it: about half the model), never the other worker's
+    experts; vLLM's own reload puts them in place. After each push every worker's parameters,
+    after vLLM's post-processing, equal bit for bit those vLLM's own in-place reload of that
+    version leaves ("qwen3 reloads"). (A fresh load is not that reference for the routed
+    experts: vLLM's CPU build prepacks them, and a reload's prepacked bytes differ from a fresh
+    load's while generating the same tokens, checked by hand without EP; every other parameter
+    is compared with the fresh load too.) A training step's reverse arrives as a delta, verified.
+    The CPU build cannot generate under EP: docs/expert-parallel.md."""
+    assert "pushed 4 delta" in moe["_trainer"], moe["_trainer"][-3000:]
+    engine, reloads = moe["qwen3 ep"], moe["qwen3 reloads"]
+    assert "error" not in reloads, reloads
+    other, own, step, back = engine["pushed"]
+    assert [push.get("version") for push in engine["pushed"]] == [1, 2, 3, 4], engine["pushed"]
+    reloaded_other, reloaded_own = reloads["reloads_digests"]
+    assert reloaded_other[0] != reloaded_other[1]  # each worker its own experts
+    assert _differing(other["digests"], reloaded_other) == []
+    assert _differing(own["digests"], reloaded_own) == [] and _differing(back["digests"], reloaded_own) == []
+    assert step["digests"] not in (reloaded_own, reloaded_other)
+    prepacked = [f"{worker}: model.layers.{layer}.mlp.experts.routed_experts.{w}" for worker in (0, 1)
+                 for layer in (0, 1) for w in ("w13_weight", "w2_weight")]
+    assert _differing(own["digests"], engine["digests"]) == prepacked  # the plugin's load: vLLM's own, checked
+    whole = other["slices"][0] + other["slices"][1]
+    for push in (other, own, step):
+        assert push["verified"] == [True, True], push
+        for sent, kept in zip(push["bytes"], push["slices"]):
+            assert sent <= 1.05 * kept and kept < 0.6 * whole, push
+    assert back["delta"] == [True, True] and back["verified"] == [True, True], back
+    for sent, kept in zip(back["bytes"], back["slices"]):
+        assert sent < 0.08 * kept, back
 
 
 @pytest.mark.slow

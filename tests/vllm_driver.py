@@ -17,7 +17,10 @@ from a separately launched trainer job (a failed one recorded, and the tokens ge
 "expect_error"?: the engine must fail to start, "ep"?: true starts it with enable_expert_parallel (vLLM's expert
 parallelism: its EP size is the TP size here, each worker holding its own experts whole), "generate"?: false: the
 engine only starts (its load, and the plugin's checks of it, run) and generates nothing: vLLM 0.32's CPU MoE kernels
-crash on a token routed to another worker's expert (docs/expert-parallel.md)}.
+crash on a token routed to another worker's expert (docs/expert-parallel.md), "digest"?: true records each worker's
+SHA-256 of its parameters (vLLM's, after its post-processing) after the load and after each push, "reloads"?: checkpoints
+that vLLM's in-place reload_weights then takes in turn (fed whole tensors by distload's reader), each worker's digests
+after each (with "digest")}.
 """
 
 import gc
@@ -56,6 +59,16 @@ def _fork_where_asked() -> None:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _digest(worker) -> dict:
+    """One worker's parameters: name -> SHA-256 of its bytes (run in each worker by collective_rpc)."""
+    import hashlib
+
+    import torch
+
+    return {name: hashlib.sha256(param.detach().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, param in sorted(worker.model_runner.get_model().named_parameters())}
 
 
 def main() -> None:
@@ -97,7 +110,7 @@ def main() -> None:
         kwargs = {"model_loader_extra_config": case["extra"]} if "extra" in case else {}
         if case.get("ep"):
             kwargs["enable_expert_parallel"] = True
-        if case.get("reload") or case.get("push"):
+        if case.get("reload") or case.get("reloads") or case.get("push"):
             kwargs["worker_extension_cls"] = plugin.WORKER_EXTENSION
         try:
             llm = LLM(model=case["model"], skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
@@ -112,6 +125,8 @@ def main() -> None:
         tokens = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)] if generate else None
         result = {"tokens": tokens, "start_s": round(time.monotonic() - start, 1), "resharded": resharded,
                   "workers": os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") if tp > 1 else "in this process"}
+        if case.get("digest"):
+            result["digests"] = llm.collective_rpc(_digest)
         if case.get("push"):
             from distload.errors import SyncError
 
@@ -127,7 +142,10 @@ def main() -> None:
                              "verified": [w["verified"] for w in got["workers"]]}
                 except SyncError as exc:
                     entry = {"error": str(exc)}
-                entry["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+                entry["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)] \
+                    if generate else None
+                if case.get("digest"):
+                    entry["digests"] = llm.collective_rpc(_digest)
                 result["pushed"].append(entry)
                 print("PUSH", case["name"], json.dumps(entry)[:300], flush=True)
             llm.collective_rpc("distload_sync_close")
@@ -136,6 +154,11 @@ def main() -> None:
             plugin.reload_engine(llm, case["reload"], {"reader": "auto"})
             result["reload_s"] = round(time.monotonic() - began, 2)
             result["reloaded"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        if case.get("reloads"):  # vLLM's own in-place reload of each checkpoint in turn, the digests after each
+            result["reloads_digests"] = []
+            for source in case["reloads"]:
+                plugin.reload_engine(llm, source, {"reader": "auto"})
+                result["reloads_digests"].append(llm.collective_rpc(_digest))
         results[case["name"]] = result
         print("CASE", case["name"], json.dumps(result), flush=True)
         llm.llm_engine.engine_core.shutdown()
