@@ -243,6 +243,42 @@ def test_a_stack_the_spec_splits_keeps_its_tp_slice_of_each_of_its_experts(spec_
         per_expert[0]].ranges == ((1, 2), (3, 4))
 
 
+def test_the_built_in_rules_refuse_stacks_and_companions_they_would_cut_wrongly(tmp_path):
+    """The built-in rules split w13 as [gate; up]: a non-gated stack (as many rows as w2 has
+    columns) and gpt-oss's (gate and up rows interleaved) are refused, naming the tensor and the
+    rule to give; so are a split stack's companions that vary along its split dim (a per-channel
+    scale, a bias), where per-expert and per-shard scales stay whole. vLLM 0.32's
+    ``experts.routed_experts`` stacks split as ``experts`` ones do."""
+    def actions(shapes, config=None):
+        spec = load_spec("decoder", config or {})
+        return carry_block_scales([(n, s, spec.action(n, s)) for n, s in shapes.items()], config or {})
+
+    stack = "m.layers.0.mlp.experts"
+    gated = {f"{stack}.w13_weight": (4, 16, 8), f"{stack}.w2_weight": (4, 8, 8),
+             f"{stack}.w13_weight_scale": (4, 2), f"{stack}.w2_weight_scale": (4,)}
+    done = actions(gated)
+    assert done[f"{stack}.w13_weight"].dim == 1 and len(done[f"{stack}.w13_weight"].parts) == 2
+    assert done[f"{stack}.w13_weight_scale"].replicated and done[f"{stack}.w2_weight_scale"].replicated
+    with pytest.raises(ConfigError) as err:
+        actions({f"{stack}.w13_weight": (4, 8, 8), f"{stack}.w2_weight": (4, 8, 8)})
+    assert str(err.value).startswith(
+        f"tensor '{stack}.w13_weight' (shape [4, 8, 8]) is not gate and up stacked one after the other, which rule "
+        f"'*.experts.w13_weight' splits in two halves: it has 8 rows, as many as w2 [4, 8, 8] has columns: a "
+        f"non-gated MoE, no up half. Give a sharding spec file whose rule splits it along dim 1 in one part")
+    with pytest.raises(ConfigError, match=r"gpt-oss interleaves the gate and up rows of each expert"):
+        actions(gated, {"model_type": "gpt_oss"})
+    for companion, shape in (("w13_weight_scale", (4, 16, 1)), ("w13_bias", (4, 16)), ("w2_weight_scale", (4, 8, 8))):
+        with pytest.raises(ConfigError) as err:
+            actions(dict(gated, **{f"{stack}.{companion}": shape}))
+        assert str(err.value).startswith(f"tensor '{stack}.{companion}' (shape {list(shape)}) goes with "), str(err.value)
+        assert "which the sharding spec splits along dim" in str(err.value)
+    routed = {f"{stack}.routed_experts.w13_weight": (4, 16, 8), f"{stack}.routed_experts.w2_weight": (4, 8, 8)}
+    done = actions(routed)
+    assert [done[n].dim for n in routed] == [1, 2]
+    cut = cut_experts([(n, s, done[n]) for n, s in routed.items()], ExpertPlace(2, 1), {"num_experts": 4})
+    assert [cut.actions[n].rows for n in routed] == [((2, 4),), ((2, 4),)]
+
+
 # -- loads, each rank in this process in turn -----------------------------------------------------------
 
 @pytest.mark.parametrize("model", MODELS)

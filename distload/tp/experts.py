@@ -38,7 +38,7 @@ PLACEMENTS = ("linear", "round_robin")  # vLLM's ExpertPlacementStrategy, its de
 # vLLM's ep_weight_filter: a per-expert tensor names its expert; a stacked one has no number there.
 # (Pattern strings: re caches them compiled.)
 _EXPERT_ID = r"\.experts\.(\d+)\."
-_STACKED = r"\.experts\.[A-Za-z_][^.]*$"
+_STACKED = r"\.(?:routed_)?experts\.[A-Za-z_][^.]*$"  # vLLM 0.32: mlp.experts.routed_experts.w13_weight
 # Where config.json gives the number of routed experts, in vLLM's order (get_num_experts): Qwen-MoE
 # and Jamba, Dbrx, DeepSeek, Mixtral (and transformers 5's Qwen3-MoE).
 EXPERT_COUNT_KEYS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")

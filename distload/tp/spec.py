@@ -294,14 +294,23 @@ _COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # MLP layers whose output rows a
 _ROW = ("down_proj", "w2")  # MLP layers whose input columns are split
 
 
+# Where vLLM keeps a layer's stacks: ``mlp.experts.w13_weight``, and from 0.32 on
+# ``mlp.experts.routed_experts.w13_weight`` (its engine's saves name them so).
+_STACKS = ("experts", "routed_experts")
+
+
 def _stacked_expert_rules() -> list[Rule]:
     """vLLM's fused MoE stacks, every expert along dim 0, as its FusedMoE splits them by TP:
     ``w13_weight`` [E, 2I, H] as [gate; up], each half by rows; ``w2_weight`` [E, H, I] by its
     input columns. Expert parallelism keeps a rank's experts' rows of dim 0 (distload/tp/experts.py),
-    each cut so. Their block scales (``w13_weight_scale_inv``) go with them on block boundaries.
+    each cut so. Their block scales (``w13_weight_scale_inv``) go with them on block boundaries;
+    a stack that is not gate and up (gpt-oss interleaves them, a non-gated MoE has no up) and
+    companions that vary along the split (per-channel scales, biases) are refused by
+    :func:`carry_block_scales`, which sees every tensor.
     transformers 5's in-memory ``experts.gate_up_proj`` has no rule: Llama 4's checkpoints save a
     stack of that name as [E, H, 2I], so the name does not say which dim is the output's."""
-    return [Rule("*.experts.w13_weight", 1, 2), Rule("*.experts.w2_weight", 2)]
+    return [Rule(f"*.{stack}.w13_weight", 1, 2) for stack in _STACKS] + \
+        [Rule(f"*.{stack}.w2_weight", 2) for stack in _STACKS]
 
 
 def _decoder_rules() -> tuple[Rule, ...]:
@@ -465,6 +474,13 @@ _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".we
 # and Qwen3-FP8 name them (``X.weight`` float8_e4m3fn, ``X.weight_scale_inv`` float32 beside it,
 # one per block of ``quantization_config.weight_block_size``), and vLLM's stacked ones.
 BLOCK_SCALE_SUFFIXES = (".weight_scale_inv", "_weight_scale_inv")
+# A vLLM stack's other companions (``w13_weight_scale``, ``w13_bias``): whole where they hold one
+# value per expert or per expert and shard ([E], [E, 2]); refused beside a split stack where they
+# vary along the split dim (per-channel scales [E, 2I, 1], biases [E, 2I], MXFP4 scales).
+_STACK_COMPANIONS = ("_weight_scale", "_weight_scale_2", "_weight_zero_point", "_weight_global_scale",
+                     "_weight_packed_scale", "_bias")
+# vLLM's built-in rule for a stack of [gate; up] (its FusedMoE's w13), checked against w2 beside it.
+_GATE_UP = "w13_weight"
 _COMMON_BLOCK = 128  # DeepSeek-V3's and Qwen3-FP8's weight_block_size, preferred where shapes allow
 
 
@@ -487,9 +503,21 @@ def carry_block_scales(tensors: Sequence[tuple[str, Sequence[int], Action]],
     actions = {name: action for name, _, action in tensors}
     shapes = {name: tuple(int(n) for n in shape) for name, shape, _ in tensors}
     read: list[Mapping[str, Any]] = []
+
+    def model_config() -> Mapping[str, Any]:
+        if not read:
+            read.append(dict((config() if callable(config) else config) or {}))
+        return read[0]
+
     for name, shape, action in tensors:
+        if name.endswith("." + _GATE_UP) and action.parts is not None and len(action.parts) == 2:
+            _check_gate_up(name, shapes, action, model_config)
         if not action.replicated or action.rule is not None:
             continue  # a rule chose what happens to it
+        companion = next((s for s in _STACK_COMPANIONS if name.endswith(s)), None)
+        if companion is not None:
+            _check_companion(name, shapes, actions, companion)
+            continue
         suffix = next((s for s in _SCALE_SUFFIXES if name.endswith(s)), None)
         if suffix is None or math.prod(shape) <= 1:
             continue
@@ -505,12 +533,50 @@ def carry_block_scales(tensors: Sequence[tuple[str, Sequence[int], Action]],
                 f"rank would get part of a weight with all of its scales. Load this checkpoint without tensor "
                 f"parallelism, or give a rule for the scales in a sharding spec file"
             )
-        if not read:
-            read.append(dict((config() if callable(config) else config) or {}))
-        block, source = block_size(name, shape, weight, shapes[weight], split.dim, read[0])
+        block, source = block_size(name, shape, weight, shapes[weight], split.dim, model_config())
         actions[name] = Action(split.dim, None, f"{split.rule} (block scales of {weight})",
                                scales=BlockScales(weight, shapes[weight], split, block, source))
     return actions
+
+
+def _check_gate_up(name: str, shapes: Mapping[str, tuple[int, ...]], action: Action,
+                   model_config: Callable[[], Mapping[str, Any]]) -> None:
+    """Refuse a stack that a rule splits as [gate; up] where it is not: gpt-oss interleaves gate
+    and up rows (vLLM gives each rank a contiguous run of them), and a non-gated MoE's w13 holds
+    one matrix, its rows w2's columns (vLLM splits it in one part)."""
+    config = model_config()
+    model_type = config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+    w2 = shapes.get(name[: -len(_GATE_UP)] + "w2_weight")
+    rows = shapes[name][action.dim] if action.dim is not None and action.dim < len(shapes[name]) else None
+    if model_type == "gpt_oss":
+        why = "gpt-oss interleaves the gate and up rows of each expert"
+    elif w2 is not None and len(w2) == 3 and rows is not None and rows == w2[2]:
+        why = f"it has {rows} rows, as many as w2 {list(w2)} has columns: a non-gated MoE, no up half"
+    else:
+        return
+    raise ConfigError(
+        f"tensor {name!r} (shape {list(shapes[name])}) is not gate and up stacked one after the other, which rule "
+        f"{action.rule!r} splits in two halves: {why}. Give a sharding spec file whose rule splits it along dim "
+        f"{action.dim} in one part ({{\"match\": \"*.experts.{_GATE_UP}\", \"split\": {action.dim}}}), or load "
+        f"without tensor parallelism")
+
+
+def _check_companion(name: str, shapes: Mapping[str, tuple[int, ...]], actions: Mapping[str, Action],
+                     suffix: str) -> None:
+    """Refuse a stack's companion (``w13_bias``, ``w13_weight_scale``) that varies along the dim
+    a rule splits its stack: a rank would get part of the stack with all of it."""
+    stack = name[: -len(suffix)] + "_weight"
+    split = actions.get(stack)
+    shape = shapes[name]
+    if split is None or split.replicated or split.dim is None or stack not in shapes:
+        return
+    if split.dim < len(shape) and shape[split.dim] == shapes[stack][split.dim] > 1:
+        raise ConfigError(
+            f"tensor {name!r} (shape {list(shape)}) goes with {stack!r} (shape {list(shapes[stack])}), which the "
+            f"sharding spec splits along dim {split.dim} (rule {split.rule!r}), and it varies along that dim too; "
+            f"distload splits only FP8 block scales ('X_weight_scale_inv') with a stack, and a rank would get part "
+            f"of the stack with all of it. Give a rule for it in a sharding spec file, or load without tensor "
+            f"parallelism")
 
 
 def check_scales(tensors: Sequence[tuple[str, Sequence[int], Action]]) -> None:
