@@ -191,14 +191,16 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
         if covered.get(id(tensor), 0) < tensor.numel() or (tensor.numel() == 0 and id(tensor) not in covered):
             untouched.setdefault(id(tensor), []).append(model_name)
     missing = sorted(" = ".join(names) for names in untouched.values())
-    theirs = [name for name in missing if name in others]
+    # Other EP ranks' experts under the model's names (a name map renames them; tied names are joined).
+    others_here = {d.name for name in others for d in _destinations(name, name_map)} if name_map else others
+    theirs = [entry for entry in missing if any(n in others_here for n in entry.split(" = "))]
     if theirs and strict:
         problems.append(
             f"{len(theirs)} tensor(s) of other expert-parallel ranks' experts, such as {theirs[0]}: this rank "
             f"fills only its own experts; reload into a target that holds those alone (the dict "
             f"distload.load(..., expert_parallel_size=...) returns, or a model built with its local experts), or "
             f"pass strict=False to leave the others as they are")
-        missing = [name for name in missing if name not in others]
+        missing = [entry for entry in missing if entry not in theirs]
     if missing and strict:
         problems.append(f"missing keys (no checkpoint tensor fills them): {', '.join(missing[:20])}"
                         + (f" and {len(missing) - 20} more" if len(missing) > 20 else ""))
