@@ -165,6 +165,8 @@ def main() -> int:
                         help="load in this process (auto, 1 rank), wall and CPU seconds, default and one reader thread")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
+    if args.in_process and (args.ranks != 1 or args.cache != "warm" or args.formats != ["auto", "sharded_state"]):
+        parser.error("--in-process loads one rank's warm checkpoint with auto: leave out --ranks, --cache and --formats")
 
     import distload
     from distload.cli.demo import write_demo_checkpoint
