@@ -14,6 +14,9 @@ outlive one load:
   per process);
 - ``heartbeats``: the thread that counts this process's heartbeat up in a rendezvous store,
   one per store (``distload.workers.heartbeat``), shared by every group on it;
+- ``rendezvous_stores``: the job's rendezvous store, made at this process's first group and kept
+  for the next (rank 0 serves it outside torchrun: a server made anew for each group, on the
+  same port, races the ranks that come early to the next group);
 - ``weight_syncs``: how many WeightSyncs this process has made: every rank of a job makes them
   in the same order, so the n-th of each rank meets the others' n-th in the job's store;
 - the environment: Run:ai reads its settings from ``os.environ``; :meth:`Runtime.environment` is
@@ -75,6 +78,10 @@ class Runtime:
         # Default groups this process has formed (workers/group.py names each one's store keys by
         # its number): kept across reset(), since the launcher's store keeps the keys.
         self.groups_formed = itertools.count()
+        # The job's rendezvous store, by launch (workers/group.py): made at this process's first
+        # group and kept for the next ones, across reset() too (on rank 0 outside torchrun it is
+        # the server the other ranks are connected to).
+        self.rendezvous_stores: dict[tuple, Any] = {}
         self.reset()
         atexit.register(self._at_exit)
 

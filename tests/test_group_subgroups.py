@@ -120,3 +120,33 @@ def test_loads_one_after_another_in_one_torchrun_script_each_form_their_own_grou
         assert result.returncode == 0, (attempt, result.stderr[-3000:])
         for rank in range(2):
             assert json.loads((out / f"rank{rank}.json").read_text()) == [plain_digest(paths)] * 4, (attempt, rank)
+
+
+ONE_AFTER_ANOTHER = r'''
+import json, os, sys, time
+import distload
+
+out = sys.argv[1]
+seen = []
+for i in range(4):  # four groups in the same processes, as four distload.load calls make them
+    with distload.WorkerGroup(device="cpu", timeout_s=20) as group:
+        seen.append(group.exchange(10 * i + group.rank))
+        if group.rank == 0:
+            time.sleep(0.5)  # rank 0, which serves the job's store outside torchrun, closes last
+with open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(seen, f)
+'''
+
+
+def test_groups_formed_one_after_another_where_rank_0_serving_the_store_closes_last(tmp_path):
+    """Ranks started as srun starts them (rank 0 serves the job's store) form four groups in a
+    row. Ranks 1 and 2 close each group and come to the next while rank 0 still holds the one
+    before: every group forms and every exchange arrives (the store made anew for each group
+    broke this: the early ranks reached the closing server, failed with "Connection was likely
+    closed", and left rank 0 waiting)."""
+    script = write_script(tmp_path, "one_after_another.py", ONE_AFTER_ANOTHER)
+    done = run_script(script, [str(tmp_path)], nproc=3, timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    for rank in range(3):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            assert json.load(f) == [[10 * i + r for r in range(3)] for i in range(4)], rank

@@ -217,13 +217,33 @@ class WorkerGroup:
             kwargs["device_id"] = self.device
         prefix = f"distload/group/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{next(RUNTIME.groups_formed)}/"
         try:
-            store, _, _ = next(dist.rendezvous(self.launch.init_method or "env://", self.launch.rank,
-                                               self.launch.world_size, timeout=self.timeout))
+            store = self._rendezvous_store()
             with RUNTIME.environment(dict(NCCL_CLEANUP_ONLY), restore_prefix=""):
                 dist.init_process_group(store=dist.PrefixStore(prefix, store), **kwargs)
         except Exception as exc:  # a peer that never started, a port in use, a bad address
             raise GroupError(self._rendezvous_failure(exc)) from exc
         self._owns_default_group = True
+
+    def _rendezvous_store(self) -> Any:
+        """The job's rendezvous store: made at this process's first group, kept for the next.
+
+        Outside torchrun (srun, or ranks started by hand) rank 0 serves it. Made anew for each
+        group, the server of the group before closes as the next one opens on the same port, and a
+        rank that came early to the next group may have reached the closing one: its join then
+        fails ("Failed to recv, got 0 bytes. Connection was likely closed") while the ranks it left
+        wait for it. One store for the process's life has no such moment; each group's keys stay
+        apart under their prefix (_init_default_group)."""
+        init_method = self.launch.init_method or "env://"
+        key = (init_method, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), self.launch.rank,
+               self.launch.world_size)
+        with RUNTIME.lock:
+            store = RUNTIME.rendezvous_stores.get(key)
+            if store is None:
+                store, _, _ = next(dist.rendezvous(init_method, self.launch.rank, self.launch.world_size,
+                                                   timeout=self.timeout))
+                RUNTIME.rendezvous_stores[key] = store
+        store.set_timeout(self.timeout)
+        return store
 
     def _join(self, process_group: Any) -> None:
         """Stand for the caller's group (this rank must be in it)."""
