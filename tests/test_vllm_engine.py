@@ -387,6 +387,7 @@ def test_a_dummy_engine_switches_to_the_real_weights_in_place(tp, request):
     assert dummy["reloaded"] == _reference(results, tp)
 
 
+@pytest.mark.slow  # quick itself, but it needs every engine of the module (about 5 minutes)
 def test_the_cpu_servers_own_engines_spawn_their_workers_the_others_fork(tp2, architectures, moe):
     """The plugin's load and the pushes run in workers spawned as vLLM's CPU server spawns them
     (each imports vLLM and distload itself); the other TP 2 engines fork theirs (vllm_driver.py)."""
