@@ -236,12 +236,13 @@ class WorkerGroup:
         init_method = self.launch.init_method or "env://"
         key = (init_method, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), self.launch.rank,
                self.launch.world_size)
-        with RUNTIME.lock:
-            store = RUNTIME.rendezvous_stores.get(key)
-            if store is None:
-                store, _, _ = next(dist.rendezvous(init_method, self.launch.rank, self.launch.world_size,
-                                                   timeout=self.timeout))
-                RUNTIME.rendezvous_stores[key] = store
+        store = RUNTIME.rendezvous_stores.get(key)
+        if store is None:
+            # Not under RUNTIME.lock: this waits for the job's other ranks (up to the timeout), and
+            # a process forms its default groups one at a time anyway.
+            store, _, _ = next(dist.rendezvous(init_method, self.launch.rank, self.launch.world_size,
+                                               timeout=self.timeout))
+            RUNTIME.rendezvous_stores[key] = store
         store.set_timeout(self.timeout)
         return store
 
