@@ -66,9 +66,10 @@ PREFAULT_UNIT_BYTES = 32 * 1024 * 1024
 SMALL_RANGE_BYTES = 64 * 1024
 # A tensor with checksums is read this much at a time, each piece's CRC-32C taken right after its
 # read, while it is still in the core's cache (2 MiB of L2 here). Measured on the 2-core VM with
-# crc32c-rs (stores/crc.py), 1 GiB warm, one process loading in turn, medians of 9: pieces of 1 MiB
-# +2.5% over the unchecked load, 512 KiB +19%, 256 KiB +13% (more pieces: more of the reader
-# threads' Python, under one GIL). With google-crc32c before: 256 KiB +28%, 1 MiB +22%, 4 MiB +55%.
+# crc32c-rs (stores/crc.py), 1 GiB warm, one process loading in turn: pieces of 1 MiB +5-7% over
+# the unchecked load (41 pairs, benchmarks/results/checksums_in_process.md; about the CRC's own
+# read of the bytes), 256 and 128 KiB no better (more pieces: more of the reader threads' Python,
+# under one GIL). With google-crc32c before: 256 KiB +28%, 1 MiB +22%, 4 MiB +55%.
 CHECKED_PIECE_BYTES = 1024 * 1024
 
 if TYPE_CHECKING:
