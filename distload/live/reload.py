@@ -192,7 +192,8 @@ def check_fit(sources: Sequence[tuple[str, str, tuple[int, ...]]], targets: Mapp
             untouched.setdefault(id(tensor), []).append(model_name)
     missing = sorted(" = ".join(names) for names in untouched.values())
     # Other EP ranks' experts under the model's names (a name map renames them; tied names are joined).
-    others_here = {d.name for name in others for d in _destinations(name, name_map)} if name_map else others
+    others_here = {d.name for name in others for d in _destinations(name, name_map)} if name_map and missing \
+        else others
     theirs = [entry for entry in missing if any(n in others_here for n in entry.split(" = "))]
     if theirs and strict:
         problems.append(
