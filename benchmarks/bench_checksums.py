@@ -66,6 +66,13 @@ def run_load(folder: str, load_format: str, nproc: int, report: str) -> float:
         return max(r["seconds"] for r in json.load(f)["ranks"])
 
 
+def machine_sentence(info: dict) -> str:
+    """The results' line about the machine and its load while the benchmark ran."""
+    return (f"Machine: {info['cpus']} CPUs (`nproc`), kernel {info['kernel']}, {info['memory_gib']} GiB, "
+            f"torch {info['torch']}; a VM shared with other engineers' jobs (load average "
+            f"{info['load_average_at_start']} at the start, {info['load_average_at_end']} at the end).")
+
+
 def evict(folder: str) -> None:
     """Drop the folder's files from the page cache (no root needed)."""
     for name in os.listdir(folder):
@@ -136,9 +143,7 @@ def write_in_process(args, info: dict, nbytes: int, rows: list[dict]) -> None:
         json.dump(result, f, indent=1)
     lines = [f"# CRC-32C check on load, in one process: warm `auto` load, checked vs unchecked ({nbytes / GIB:.2f} GiB)",
              "",
-             f"Machine: {info['cpus']} CPUs (`nproc`), kernel {info['kernel']}, {info['memory_gib']} GiB, "
-             f"torch {info['torch']}; a VM shared with other engineers' jobs (load average "
-             f"{info['load_average_at_start']} at the start, {info['load_average_at_end']} at the end). "
+             machine_sentence(info) + " "
              f"`distload.load(folder, \"auto\")` in one process, {args.repeats} repetitions, the four cases "
              f"interleaved (order reversed every other repetition); CPU seconds are the process's user + system.",
              "",
@@ -222,9 +227,7 @@ def main() -> int:
         json.dump(result, f, indent=1)
     lines = [f"# CRC-32C check on load: {args.cache} load, checked vs unchecked ({nbytes / GIB:.2f} GiB, {args.ranks} rank(s))",
              "",
-             f"Machine: {info['cpus']} CPUs (`nproc`), kernel {info['kernel']}, {info['memory_gib']} GiB, "
-             f"torch {info['torch']}; a VM shared with other engineers' jobs (load average "
-             f"{info['load_average_at_start']} at the start, {info['load_average_at_end']} at the end). "
+             machine_sentence(info) + " "
              f"`torchrun -m distload load`, slowest rank's seconds, cases interleaved (order alternating), "
              f"medians of {args.repeats}.",
              "",
